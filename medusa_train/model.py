@@ -1,0 +1,159 @@
+"""The Medusa model: a Hugging Face causal LM plus Medusa heads, sharing one backbone pass.
+
+The base model is used through transformers' public surface only: ``base.base_model`` (the backbone, whose
+``last_hidden_state`` is taken after the final norm), ``get_output_embeddings()`` (the lm_head) and the usual
+``attention_mask`` / ``position_ids`` / ``past_key_values`` arguments, so every architecture whose logits are
+``lm_head(last_hidden_state)`` works without a patched modeling file (Llama, Mistral, Qwen2, Gemma, GPT-2, GPT-NeoX).
+Architectures that post-process logits (e.g. Gemma-2's final soft-capping) are refused by :func:`check_supported`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from medusa_train.heads import HeadsSpec, MedusaHeads
+
+# config attributes that change logits after the lm_head; we compute logits as lm_head(hidden) and must refuse these.
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+
+
+def check_supported(base: PreTrainedModel) -> None:
+    """Raise ``ValueError`` if ``base`` computes logits other than ``lm_head(last_hidden_state)``."""
+    cfg = base.config
+    for attr in _LOGIT_POSTPROCESSING:
+        value = getattr(cfg, attr, None)
+        if value not in (None, 1.0, 1):
+            raise ValueError(
+                f"{type(base).__name__} post-processes logits ({attr}={value}); Medusa heads need logits equal to "
+                "lm_head(last_hidden_state). This architecture is not supported yet."
+            )
+    if base.get_output_embeddings() is None:
+        raise ValueError(f"{type(base).__name__} has no lm_head (get_output_embeddings() is None); use a *ForCausalLM")
+
+
+@dataclass
+class MedusaOutput:
+    """Outputs of one :meth:`MedusaModel.forward`.
+
+    Attributes:
+        logits: ``[B, T, V]`` base-model logits.
+        head_logits: ``[K, B, T, V']`` Medusa-head logits (None when not asked for).
+        hidden_states: ``[B, T, H]`` last hidden states after the final norm.
+        past_key_values: the updated cache, when one was passed or ``use_cache``.
+    """
+
+    logits: torch.Tensor
+    head_logits: torch.Tensor | None
+    hidden_states: torch.Tensor
+    past_key_values: Any = None
+
+
+class MedusaModel(nn.Module):
+    """Base causal LM + :class:`MedusaHeads`.
+
+    Args:
+        base: any supported ``*ForCausalLM``.
+        heads: heads whose hidden and vocabulary sizes match ``base`` (checked).
+
+    Raises:
+        ValueError: hidden size or vocabulary mismatch, or an unsupported architecture.
+    """
+
+    def __init__(self, base: PreTrainedModel, heads: MedusaHeads) -> None:
+        super().__init__()
+        check_supported(base)
+        check_heads_match_base(heads.spec, base)
+        self.base = base
+        self.heads = heads
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.base.get_output_embeddings()
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.base.base_model
+
+    def hidden(self, input_ids: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        """Backbone pass: ``input_ids [B, T]`` -> (last hidden states ``[B, T, H]``, past_key_values).
+
+        ``kwargs`` go to the backbone (``attention_mask`` 2-D or a custom 4-D mask, ``position_ids``,
+        ``past_key_values``, ``use_cache``).
+        """
+        out = self.backbone(input_ids=input_ids, return_dict=True, **kwargs)
+        return out.last_hidden_state, getattr(out, "past_key_values", None)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` -> ``[K, ..., V']`` logits of all heads (one batched product per layer, see heads.py)."""
+        weight = self.lm_head.weight if self.heads.spec.share_lm_head else None
+        return self.heads(hidden, weight)
+
+    def forward(
+        self, input_ids: torch.Tensor, with_heads: bool = True, **kwargs: Any
+    ) -> MedusaOutput:
+        """One backbone pass; base logits and (optionally) head logits from the same hidden states.
+
+        Args:
+            input_ids: ``[B, T]`` long.
+            with_heads: compute head logits ``[K, B, T, V']``.
+            **kwargs: passed to the backbone (see :meth:`hidden`).
+        """
+        hidden, cache = self.hidden(input_ids, **kwargs)
+        logits = self.lm_head(hidden)
+        heads = self.head_logits(hidden) if with_heads else None
+        return MedusaOutput(logits=logits, head_logits=heads, hidden_states=hidden, past_key_values=cache)
+
+
+def base_sizes(base: PreTrainedModel) -> tuple[int, int]:
+    """(H, V) of a base model, read from its lm_head weight ``[V, H]`` (config names differ between families)."""
+    weight = base.get_output_embeddings().weight
+    return int(weight.shape[1]), int(weight.shape[0])
+
+
+def check_heads_match_base(spec: HeadsSpec, base: PreTrainedModel) -> None:
+    """Raise ``ValueError`` naming the field when heads were built for another base model."""
+    hidden_size, vocab_size = base_sizes(base)
+    name = getattr(base.config, "_name_or_path", "") or type(base).__name__
+    if spec.hidden_size != hidden_size:
+        raise ValueError(
+            f"Medusa heads have hidden_size={spec.hidden_size} but the base model {name!r} has {hidden_size}: "
+            "these heads were trained for another base model (check base_model_name_or_path in the export's config.json)"
+        )
+    if spec.vocab_size != vocab_size:
+        raise ValueError(
+            f"Medusa heads have vocab_size={spec.vocab_size} but the base model {name!r} has {vocab_size}: "
+            "these heads were trained for another base model (check base_model_name_or_path in the export's config.json)"
+        )
+
+
+def new_heads_for(
+    base: PreTrainedModel,
+    num_heads: int,
+    num_layers: int = 1,
+    share_lm_head: bool = False,
+    token_map: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> MedusaHeads:
+    """Fresh heads for ``base``: zero blocks (identity), projections copied from the base lm_head.
+
+    Raises:
+        ValueError: ``num_heads < 1`` or ``num_layers < 1`` (field named ``medusa_num_heads``/``medusa_num_layers``).
+    """
+    hidden_size, vocab_size = base_sizes(base)
+    spec = HeadsSpec(
+        num_heads=num_heads,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        share_lm_head=share_lm_head,
+        head_vocab_size=None if token_map is None else int(token_map.numel()),
+    )
+    heads = MedusaHeads(spec, token_map=token_map)
+    heads.init_from_lm_head(base.get_output_embeddings().weight.detach().float())
+    device = base.get_output_embeddings().weight.device
+    return heads.to(device=device, dtype=dtype or torch.float32)

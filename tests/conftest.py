@@ -1,0 +1,78 @@
+"""Shared test fixtures: tiny random causal LMs of each supported family, built from a config (no downloads)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+VOCAB = 97
+HIDDEN = 32
+
+# family -> (config class, kwargs): two layers, small hidden size, an odd vocabulary so shape bugs show.
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2)),
+    "mistral": (transformers.MistralConfig, dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+    "qwen2": (transformers.Qwen2Config, dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2)),
+    "gemma": (transformers.GemmaConfig, dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=8)),
+    "gpt2": (transformers.GPT2Config, dict(n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=256)),
+    "gpt_neox": (transformers.GPTNeoXConfig, dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=4, max_position_embeddings=256)),
+}
+
+
+def make_tiny_model(family: str = "llama", seed: int = 0, vocab_size: int = VOCAB, **overrides) -> torch.nn.Module:
+    """A tiny random ``*ForCausalLM`` of ``family`` in fp32 eval mode, deterministic for a seed."""
+    config_cls, kwargs = FAMILIES[family]
+    config = config_cls(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        **{**kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny_llama() -> torch.nn.Module:
+    return make_tiny_model("llama")
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_tokenizer(vocab_size: int = VOCAB) -> transformers.PreTrainedTokenizerFast:
+    """A character-level tokenizer with ``vocab_size`` ids and a ChatML chat template, built offline.
+
+    Ids 0-4 are <pad>, <s>, <|im_end|>, <|im_start|>, <unk>; the rest are printable characters.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    specials = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>", "<unk>"]
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]  # the last few printable characters fall off at V=97
+    vocab = {tok: i for i, tok in enumerate((specials + chars)[:vocab_size])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>", unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHATML
+    return fast

