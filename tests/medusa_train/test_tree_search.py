@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from medusa_train.tuning.search import (
+    best_tree_for_latency,
+    check_accuracy_table,
+    expected_accept_length,
+    greedy_tree,
+    interpolate,
+)
+
+
+def all_prefix_closed_trees(num_heads, ranks, size):
+    """Every prefix-closed set of ``size`` paths over ``num_heads`` heads and ``ranks`` ranks (brute force)."""
+    paths = [p for d in range(1, num_heads + 1) for p in itertools.product(range(ranks), repeat=d)]
+    for subset in itertools.combinations(paths, size):
+        chosen = set(subset)
+        if all(p[:-1] in chosen or len(p) == 1 for p in chosen):
+            yield [list(p) for p in subset]
+
+
+def brute_force_expectation(acc, tree):
+    """E[accepted tokens] by enumerating every outcome: head k's correct rank (or none) independently per head."""
+    total = 0.0
+    outcomes = [list(range(len(row))) + [None] for row in acc]
+    for outcome in itertools.product(*outcomes):
+        prob = 1.0
+        for k, r in enumerate(outcome):
+            prob *= acc[k][r] if r is not None else 1.0 - sum(acc[k])
+        # accepted length = longest tree path all of whose ranks match the outcome
+        best = 0
+        for path in tree:
+            if all(outcome[j] == path[j] for j in range(len(path))):
+                best = max(best, len(path))
+        total += prob * (1 + best)
+    return total
+
+
+TABLE = [[0.5, 0.2, 0.1], [0.3, 0.15, 0.05]]
+
+
+def test_greedy_on_hand_made_table_returns_known_best_tree():
+    # node values: (0)=.5 (1)=.2 (0,0)=.15 (2)=.1 (0,1)=.075 (1,0)=.06 ...
+    assert greedy_tree(TABLE, 4) == [[0], [1], [0, 0], [2]]
+    assert expected_accept_length(TABLE, [[0], [1], [0, 0], [2]]) == pytest.approx(1.95)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+def test_expected_length_formula_matches_brute_force_and_greedy_is_optimal(size):
+    trees = list(all_prefix_closed_trees(2, 3, size))
+    best = max(brute_force_expectation(TABLE, t) for t in trees)
+    for t in trees[:50]:
+        assert expected_accept_length(TABLE, t) == pytest.approx(brute_force_expectation(TABLE, t))
+    assert expected_accept_length(TABLE, greedy_tree(TABLE, size)) == pytest.approx(best)
+
+
+def test_greedy_tree_is_prefix_closed_and_parents_first():
+    table = [[0.6, 0.2, 0.1, 0.05], [0.4, 0.2, 0.1, 0.05], [0.3, 0.1, 0.05, 0.01]]
+    tree = greedy_tree(table, 30)
+    seen = set()
+    for path in tree:
+        assert len(path) == 1 or tuple(path[:-1]) in seen
+        seen.add(tuple(path))
+    assert len(seen) == 30
+
+
+def test_latency_aware_size_stops_where_rate_peaks():
+    table = [[0.6, 0.2], [0.4, 0.1]]
+    # flat latency up to 4 tokens then steep: the best size is where expected/latency peaks
+    latency = {1: 10.0, 4: 10.0, 8: 40.0}
+    tree, rates = best_tree_for_latency(table, latency)
+    assert len(tree) == 3  # 4 tokens incl. root: every larger tree costs far more than it brings
+    assert rates[4]["tokens_per_s"] == max(r["tokens_per_s"] for r in rates.values())
+    assert interpolate({"1": 1.0, "3": 3.0}, 2) == 2.0
+
+
+@pytest.mark.parametrize("table,match", [
+    ([], "empty"),
+    ([[0.5, 1.2]], "not a probability"),
+    ([[0.5, 0.1], [0.2]], "row 1"),
+])
+def test_bad_tables(table, match):
+    with pytest.raises(ValueError, match=match):
+        check_accuracy_table(table)
+
+
+def test_table_for_other_heads_and_bad_budget():
+    with pytest.raises(ValueError, match="medusa_num_heads=3"):
+        check_accuracy_table(TABLE, num_heads=3)
+    with pytest.raises(ValueError, match="budget"):
+        greedy_tree(TABLE, 0)
+
+
+def test_rank_hits_counts_by_hand():
+    import torch
+
+    from medusa_train.tuning.accuracy import rank_hits
+
+    # K=2 heads, B=1, T=5, V=4. tokens: 0 1 2 3 0
+    tokens = torch.tensor([[0, 1, 2, 3, 0]])
+    logits = torch.zeros(2, 1, 5, 4)
+    # head 0 at t predicts t+2: targets 2,3,0 at t=0,1,2. rank-0 right at t=0, rank-1 right at t=1, wrong at t=2
+    logits[0, 0, 0, 2] = 5
+    logits[0, 0, 1, 0] = 5
+    logits[0, 0, 1, 3] = 4
+    logits[0, 0, 2, 1] = 5
+    logits[0, 0, 2, 2] = 4
+    # head 1 at t predicts t+3: targets 3, 0 at t=0,1; rank 0 right at t=1 only
+    logits[1, 0, 1, 0] = 5
+    logits[1, 0, 1, 1] = 4
+    logits[1, 0, 0] = torch.tensor([3.0, 2.0, 1.0, 0.0])  # target 3 is last: no hit
+    logits[0, 0, 0, 1] = 4  # distinct rank 1 everywhere, no ties
+    valid = torch.ones(1, 5, dtype=torch.bool)
+    hits, totals = rank_hits(logits, tokens, valid, topk=2)
+    assert totals.tolist() == [3, 2]
+    assert hits.tolist() == [[1, 1], [1, 0]]
+    valid[0, 0] = False  # t=0 no longer counts
+    hits, totals = rank_hits(logits, tokens, valid, topk=2)
+    assert totals.tolist() == [2, 1] and hits.tolist() == [[0, 1], [1, 0]]
