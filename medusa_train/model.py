@@ -82,11 +82,12 @@ class MedusaModel(nn.Module):
     def hidden(self, input_ids: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         """Backbone pass: ``input_ids [B, T]`` -> (last hidden states ``[B, T, H]``, past_key_values).
 
-        ``kwargs`` go to the backbone (``attention_mask`` 2-D or a custom 4-D mask, ``position_ids``,
-        ``past_key_values``, ``use_cache``).
+        ``kwargs`` go to the backbone (``attention_mask`` 2-D or a custom 4-D mask, ``position_ids``, ``cache`` (a
+        transformers ``Cache``; transformers 5.24 renamed ``past_key_values`` to ``cache``), ``use_cache``).
         """
         out = self.backbone(input_ids=input_ids, return_dict=True, **kwargs)
-        return out.last_hidden_state, getattr(out, "past_key_values", None)
+        cache = out.get("cache", None)
+        return out.last_hidden_state, cache if cache is not None else out.get("past_key_values", None)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> ``[K, ..., V']`` logits of all heads (one batched product per layer, see heads.py)."""

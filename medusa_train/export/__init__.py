@@ -1,0 +1,13 @@
+"""Export Medusa heads in the layouts engines read (FasterDecoding / TGI, vLLM) and load them back.
+
+- :func:`save_export`: heads -> export folder (``writer.py`` documents the layout and atomicity).
+- :func:`load_heads`: our export, a FasterDecoding folder or a vLLM Medusa folder -> heads (``reader.py``).
+- :func:`read_export_config`: an export's ``config.json``.
+"""
+
+from __future__ import annotations
+
+from medusa_train.export.reader import load_heads, read_export_config
+from medusa_train.export.writer import save_export
+
+__all__ = ["load_heads", "read_export_config", "save_export"]

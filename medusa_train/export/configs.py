@@ -1,0 +1,202 @@
+"""The two config.json files of an export: ours (FasterDecoding's fields plus sizes) and vLLM's ``MedusaConfig``.
+
+Ours keeps FasterDecoding's ``MedusaConfig`` names (``medusa_num_heads``, ``medusa_num_layers``,
+``base_model_name_or_path``) so FasterDecoding and Text Generation Inference read the folder as one of theirs; TGI
+takes a config with ``medusa_num_heads`` as a Medusa speculator, and one with ``architectures`` as something else,
+so that key is never written there.
+
+vLLM's (``vllm/transformers_utils/configs/medusa.py`` at 0531c22): ``model_type "medusa"``, ``architectures
+["MedusaModel"]``, ``hidden_size``, ``vocab_size``, ``num_heads``, ``num_hidden_layers``, ``max_paths``, ``topk``,
+``truncated_vocab_size`` (V' < V with a ``token_map``), plus attributes its model reads: ``original_lm_head`` (one
+lm_head for every head) and ``medusa_fc_bias`` (biases in the residual blocks; False when absent).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from medusa_train import __version__
+from medusa_train.export.layouts import FASTERDECODING
+from medusa_train.heads import HeadsSpec
+
+EXPORT_VERSION = 1  # bump when the export layout changes incompatibly; readers refuse newer versions
+
+# Keys save_export writes itself; extra_config may not override them.
+_OWN_KEYS = ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size", "base_model_name_or_path",
+             "share_lm_head", "version", "head_vocab_size", "torch_dtype", "medusa_train_version",
+             "base_model_class", "base_model_type")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def export_config(
+    spec: HeadsSpec,
+    base_model_name_or_path: str,
+    dtype: torch.dtype,
+    base_model_class: str | None = None,
+    base_model_type: str | None = None,
+    extra_config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Our ``config.json``.
+
+    Raises:
+        ValueError: ``extra_config`` sets a key written from the heads, or ``architectures`` (TGI would then not
+            take the folder for a Medusa speculator).
+    """
+    config: dict[str, Any] = {
+        "medusa_num_heads": spec.num_heads,
+        "medusa_num_layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "vocab_size": spec.vocab_size,
+        "base_model_name_or_path": base_model_name_or_path,
+        "share_lm_head": spec.share_lm_head,
+        "version": EXPORT_VERSION,
+    }
+    if spec.head_vocab_size is not None:
+        config["head_vocab_size"] = spec.head_vocab_size
+    config["torch_dtype"] = dtype_name(dtype)
+    config["medusa_train_version"] = __version__
+    if base_model_class is not None:
+        config["base_model_class"] = base_model_class
+    if base_model_type is not None:
+        config["base_model_type"] = base_model_type
+    extra = dict(extra_config or {})
+    clashes = sorted(set(extra) & set(_OWN_KEYS))
+    if clashes:
+        raise ValueError(f"extra_config may not set {clashes}: they are written from the heads themselves")
+    if "architectures" in extra:
+        raise ValueError("extra_config may not set 'architectures': Text Generation Inference would then not read "
+                         "the export as Medusa heads")
+    config.update(extra)
+    return config
+
+
+def vllm_config(spec: HeadsSpec, dtype: torch.dtype) -> dict[str, Any]:
+    """``vllm/config.json`` for vLLM's ``MedusaConfig``.
+
+    vLLM renames every key holding ``num`` and ``heads`` to ``num_heads`` (``layers``: ``num_hidden_layers``) in
+    ``MedusaConfig.from_pretrained``, so no other such key may appear here.
+    """
+    return {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": spec.hidden_size,
+        "vocab_size": spec.vocab_size,
+        "num_heads": spec.num_heads,
+        "num_hidden_layers": spec.num_layers,
+        "max_paths": 64,
+        "topk": 10,
+        "truncated_vocab_size": spec.out_size,
+        "original_lm_head": spec.share_lm_head,
+        "medusa_fc_bias": True,
+        "torch_dtype": dtype_name(dtype),
+    }
+
+
+def check_version(config: dict[str, Any], source: str) -> None:
+    """Raise ``ValueError`` for an export written by a newer, incompatible medusa-train."""
+    version = config.get("version")
+    if isinstance(version, int) and version > EXPORT_VERSION:
+        raise ValueError(f"{source}: export format version {version} is newer than this medusa-train reads "
+                         f"({EXPORT_VERSION}); upgrade medusa-train")
+
+
+def spec_from_medusa_config(
+    config: dict[str, Any], shapes: dict[str, tuple[int, ...]], base_hv: tuple[int, int] | None, source: str
+) -> HeadsSpec:
+    """:class:`HeadsSpec` from our config or FasterDecoding's, filling what FasterDecoding's lacks.
+
+    FasterDecoding's ``config.json`` may lack ``medusa_num_layers`` (inferred from the ``{h}.{l}.linear.weight``
+    keys), ``hidden_size`` (from those weights) and ``vocab_size`` (from the projection, else the base model).
+
+    Args:
+        config: the parsed ``config.json``.
+        shapes: key -> shape of the weights file (FasterDecoding names).
+        base_hv: (H, V) of the base model when one was given.
+        source: the folder, for messages.
+
+    Raises:
+        ValueError: a required field is missing or of the wrong type and cannot be inferred.
+    """
+    if "medusa_num_heads" not in config:
+        raise ValueError(f"{source}/config.json has no medusa_num_heads: is this a Medusa heads folder?")
+    share = config.get("share_lm_head", False)
+    if not isinstance(share, bool):
+        raise ValueError(f"{source}/config.json: share_lm_head must be true or false, got {share!r}")
+    layer_keys = [m for k in shapes if (m := re.fullmatch(r"0\.(\d+)\.linear\.weight", k))]
+    num_layers = config.get("medusa_num_layers")
+    if num_layers is None:
+        if not layer_keys:
+            raise ValueError(f"{source}: config.json has no medusa_num_layers and the weights have no "
+                             "'0.{l}.linear.weight' keys to infer it from")
+        num_layers = 1 + max(int(m.group(1)) for m in layer_keys)
+    hidden_size = config.get("hidden_size")
+    if hidden_size is None:
+        if layer_keys:
+            hidden_size = shapes[layer_keys[0].group(0)][-1]
+        elif base_hv is not None:
+            hidden_size = base_hv[0]
+        else:
+            raise ValueError(f"{source}: config.json has no hidden_size and no weight to infer it from")
+    vocab_size = config.get("vocab_size")
+    head_vocab_size = config.get("head_vocab_size")
+    if head_vocab_size is not None and not isinstance(head_vocab_size, int):
+        raise ValueError(f"{source}/config.json: head_vocab_size must be an integer, got {head_vocab_size!r}")
+    if vocab_size is None:
+        projection = FASTERDECODING.projection.format(h=0, L=num_layers)
+        if head_vocab_size is None and not share and projection in shapes:
+            vocab_size = shapes[projection][0]
+        elif base_hv is not None:
+            vocab_size = base_hv[1]
+        else:
+            raise ValueError(f"{source}: config.json has no vocab_size; add it or pass the base model")
+    return HeadsSpec(
+        num_heads=config["medusa_num_heads"],
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        share_lm_head=share,
+        head_vocab_size=head_vocab_size,
+    )
+
+
+def read_vllm_config(raw: dict[str, Any], source: str) -> tuple[HeadsSpec, bool]:
+    """(:class:`HeadsSpec`, ``medusa_fc_bias``) from a vLLM Medusa ``config.json``, read by vLLM's rules.
+
+    Applies ``MedusaConfig.from_pretrained``'s renaming (keys with ``num`` + ``heads`` -> ``num_heads``, ``num`` +
+    ``layers`` -> ``num_hidden_layers``) and its defaults for ``num_hidden_layers`` (1) and ``truncated_vocab_size``
+    (``vocab_size``); ``original_lm_head`` maps to ``share_lm_head``. ``hidden_size``, ``vocab_size`` and
+    ``num_heads`` are required here (vLLM would silently use Vicuna-7B's sizes).
+
+    Raises:
+        ValueError: ``model_type`` is not ``medusa`` or a required field is missing.
+    """
+    config = dict(raw)
+    for key in list(config):
+        if "num" in key and "heads" in key:
+            config["num_heads"] = config.pop(key)
+        elif "num" in key and "layers" in key:
+            config["num_hidden_layers"] = config.pop(key)
+    if config.get("model_type") != "medusa":
+        raise ValueError(f"{source}/config.json: model_type must be 'medusa' for vLLM, "
+                         f"got {config.get('model_type')!r}")
+    missing = [k for k in ("hidden_size", "vocab_size", "num_heads") if k not in config]
+    if missing:
+        raise ValueError(f"{source}/config.json is missing {missing}")
+    vocab_size = config["vocab_size"]
+    truncated = config.get("truncated_vocab_size")
+    truncated = vocab_size if truncated is None else truncated
+    spec = HeadsSpec(
+        num_heads=config["num_heads"],
+        num_layers=config.get("num_hidden_layers", 1),
+        hidden_size=config["hidden_size"],
+        vocab_size=vocab_size,
+        share_lm_head=bool(config.get("original_lm_head", False)),
+        head_vocab_size=truncated if truncated != vocab_size else None,
+    )
+    return spec, bool(config.get("medusa_fc_bias", False))

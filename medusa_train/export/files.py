@@ -1,0 +1,77 @@
+"""File helpers for exports: atomic per-file writes and tensor/JSON reads whose errors name the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+# Errors a damaged file raises in safetensors / torch.load; re-raised as ValueError naming the file.
+_CORRUPT = (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError, UnicodeDecodeError)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write ``path`` through a temporary sibling and ``os.replace``: readers see the old file or the new, never half.
+
+    Other files in the folder are left alone, so re-exporting keeps what other tools wrote beside the weights.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    atomic_write(path, lambda p: p.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    # metadata format=pt: what transformers and vLLM expect of a PyTorch safetensors file.
+    atomic_write(path, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Parse a JSON object.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: not valid JSON or not an object (chained to the parser's error).
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a ``.safetensors`` file, or of a ``.pt`` state dict loaded with ``weights_only=True``, on CPU.
+
+    Raises:
+        ValueError: the file is damaged or a ``.pt`` file holds something other than a name -> tensor dict.
+    """
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path), device="cpu")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except _CORRUPT as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                               for k, v in state.items()):
+        raise ValueError(f"{path} must hold a state dict (str -> tensor), got {type(state).__name__}")
+    return state

@@ -1,0 +1,198 @@
+"""Load Medusa heads from our export folder, a FasterDecoding folder, or a vLLM Medusa folder, strictly.
+
+Every key is accounted for (missing and unexpected keys are listed in one error) and every shape is checked against
+the config before anything is copied into :class:`~medusa_train.heads.MedusaHeads`; with a base model, the heads'
+hidden size and vocabulary are checked against it first.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from medusa_train.export.configs import check_version, read_vllm_config, spec_from_medusa_config
+from medusa_train.export.files import read_json, read_tensors
+from medusa_train.export.layouts import FASTERDECODING, VLLM, check_keys_and_shapes, expected_shapes, stack_heads
+from medusa_train.export.writer import CONFIG_FILE, LEGACY_WEIGHTS_FILE, TOKEN_MAP_FILE, WEIGHTS_FILE
+from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.model import base_sizes, check_heads_match_base
+
+
+def read_export_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The parsed ``config.json`` of an export (or FasterDecoding / vLLM) folder, as written.
+
+    Raises:
+        FileNotFoundError: the folder or its config.json does not exist.
+        ValueError: config.json is not a JSON object (chained to the parser's error).
+    """
+    folder = _folder(path)
+    return read_json(folder / CONFIG_FILE)
+
+
+def load_heads(
+    path: str | os.PathLike[str],
+    base_model: PreTrainedModel | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[MedusaHeads, dict[str, Any]]:
+    """Load heads from a folder written by :func:`save_export`, by FasterDecoding, or the ``vllm/`` folder.
+
+    Formats, by the files present:
+
+    - ``medusa_lm_head.safetensors`` or ``medusa_lm_head.pt`` (``torch.load(weights_only=True)``) + ``config.json``
+      (``medusa_num_heads``; ``medusa_num_layers``, ``hidden_size`` and ``vocab_size`` inferred when absent), plus
+      ``token_map.safetensors`` when config.json has ``head_vocab_size``. Without ``{h}.{L}.weight`` projections
+      config.json must say ``share_lm_head: true``.
+    - a vLLM Medusa folder: ``config.json`` with ``model_type: "medusa"`` and ``*.safetensors`` read by vLLM's
+      rules (``medusa_heads.`` prefix dropped, biases only with ``medusa_fc_bias``, ``token_map`` with
+      ``truncated_vocab_size < vocab_size``, projections of V rows cut to the token map). ``original_lm_head``
+      loads as ``share_lm_head=True``; its stored lm_head is checked against ``base_model``'s when one is given.
+
+    Args:
+        path: the folder.
+        base_model: the base ``*ForCausalLM``; when given, its sizes are checked against the heads' before loading.
+        dtype: dtype of the returned heads; default: that of the stored residual-block weights.
+        device: device of the returned heads; default CPU.
+
+    Returns:
+        ``(heads, config)``: heads with ``block_weight [K, L, H, H]``, ``block_bias [K, L, H]``, ``lm_head_weight
+        [K, V', H]`` (absent when shared), ``token_map [V']`` long (reduced vocabulary only); config is the folder's
+        config.json with the normalised fields ``medusa_num_heads``, ``medusa_num_layers``, ``hidden_size``,
+        ``vocab_size``, ``share_lm_head``, ``head_vocab_size`` (None for the full vocabulary), and ``source_format``
+        (``medusa-train``, ``fasterdecoding`` or ``vllm``).
+
+    Raises:
+        FileNotFoundError: the folder, its weights, config.json or token_map.safetensors is missing (named).
+        ValueError: damaged file (path named, chained), missing/unexpected keys (listed), wrong shapes, bad token map,
+            or heads for another base model (``hidden_size`` / ``vocab_size`` named).
+    """
+    folder = _folder(path)
+    base_hv = None if base_model is None else base_sizes(base_model)
+    config_path = folder / CONFIG_FILE
+    # Our safetensors file wins over a .pt beside it (FasterDecoding's loader would read the .pt).
+    weights = next((folder / n for n in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE) if (folder / n).is_file()), None)
+    if weights is not None:
+        raw = read_json(config_path)
+        check_version(raw, str(folder))
+        spec, stacked, token_map, fmt = _read_medusa(folder, weights, raw, base_model, base_hv)
+    else:
+        raw = read_json(config_path) if config_path.is_file() else {}
+        if raw.get("model_type") != "medusa":
+            raise FileNotFoundError(
+                f"no {WEIGHTS_FILE} or {LEGACY_WEIGHTS_FILE} in {folder}: is this an export folder?")
+        spec, stacked, token_map = _read_vllm(folder, raw, base_model)
+        fmt = "vllm"
+
+    with torch.device("meta"):
+        heads = MedusaHeads(spec, token_map=None if token_map is None else torch.empty_like(token_map, device="meta"))
+    if token_map is not None:
+        stacked["token_map"] = token_map
+    heads.load_state_dict(stacked, strict=True, assign=True)
+    heads = heads.to(device=device or "cpu", dtype=dtype or stacked["block_weight"].dtype)
+    config = {
+        **raw,
+        "medusa_num_heads": spec.num_heads,
+        "medusa_num_layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "vocab_size": spec.vocab_size,
+        "share_lm_head": spec.share_lm_head,
+        "head_vocab_size": spec.head_vocab_size,
+        "source_format": fmt,
+    }
+    return heads, config
+
+
+def _folder(path: str | os.PathLike[str]) -> Path:
+    folder = Path(path)
+    if not folder.exists():
+        raise FileNotFoundError(f"export folder {folder} does not exist")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is a file; pass the export folder that holds it")
+    return folder
+
+
+def _read_medusa(
+    folder: Path, weights: Path, raw: dict[str, Any], base_model: PreTrainedModel | None,
+    base_hv: tuple[int, int] | None,
+) -> tuple[HeadsSpec, dict[str, torch.Tensor], torch.Tensor | None, str]:
+    """Our export or a FasterDecoding folder -> (spec, stacked state, token map, format name)."""
+    state = read_tensors(weights)
+    spec = spec_from_medusa_config(raw, {k: tuple(v.shape) for k, v in state.items()}, base_hv, str(folder))
+    if base_model is not None:
+        check_heads_match_base(spec, base_model)
+    token_map = None
+    if spec.head_vocab_size is not None:
+        tm_path = folder / TOKEN_MAP_FILE
+        if not tm_path.is_file():
+            raise FileNotFoundError(f"{tm_path} not found: config.json has head_vocab_size={spec.head_vocab_size}, "
+                                    "which needs the token map")
+        tm_state = read_tensors(tm_path)
+        if set(tm_state) != {"token_map"}:
+            raise ValueError(f"{tm_path} must hold exactly one tensor 'token_map', got keys {sorted(tm_state)}")
+        token_map = _checked_token_map(tm_state["token_map"], spec, str(tm_path))
+    expected = expected_shapes(FASTERDECODING, spec, projections=0 if spec.share_lm_head else spec.num_heads)
+    hint = ("if these heads project with the base model's lm_head, set share_lm_head: true in config.json"
+            if not spec.share_lm_head else "")
+    check_keys_and_shapes(state, expected, str(weights), hint)
+    fmt = "medusa-train" if "medusa_train_version" in raw else "fasterdecoding"
+    return spec, stack_heads(state, FASTERDECODING, spec), token_map, fmt
+
+
+def _read_vllm(
+    folder: Path, raw: dict[str, Any], base_model: PreTrainedModel | None
+) -> tuple[HeadsSpec, dict[str, torch.Tensor], torch.Tensor | None]:
+    """A vLLM Medusa folder -> (spec, stacked state, token map), following ``Medusa.load_weights`` in vLLM."""
+    spec, fc_bias = read_vllm_config(raw, str(folder))
+    if base_model is not None:
+        check_heads_match_base(spec, base_model)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder} (vLLM Medusa folder: config.json says "
+                                "model_type 'medusa')")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in read_tensors(file).items():
+            name = name.replace("medusa_heads.", "")  # vLLM drops this prefix
+            if name in state:
+                raise ValueError(f"{folder}: key {name!r} appears in more than one weights file")
+            state[name] = tensor
+    source = f"{folder} ({', '.join(f.name for f in files)})"
+    token_map = None
+    if spec.head_vocab_size is not None:
+        if "token_map" not in state:
+            raise ValueError(f"{source}: truncated_vocab_size={spec.head_vocab_size} < vocab_size="
+                             f"{spec.vocab_size} needs a 'token_map' tensor, which is missing")
+        token_map = _checked_token_map(state.pop("token_map"), spec, source)
+    if spec.share_lm_head and "lm_head.weight" in state and "lm_heads.0.weight" not in state:
+        state["lm_heads.0.weight"] = state.pop("lm_head.weight")  # vLLM's own parameter name, also accepted
+    projections = 1 if spec.share_lm_head else spec.num_heads
+    for h in range(projections):
+        name = VLLM.projection.format(h=h)
+        if token_map is not None and name in state and state[name].shape[0] == spec.vocab_size:
+            state[name] = state[name][token_map]  # vLLM cuts full-vocabulary projections to the token map
+    check_keys_and_shapes(state, expected_shapes(VLLM, spec, projections, with_bias=fc_bias), source)
+    if spec.share_lm_head and base_model is not None:
+        stored = state["lm_heads.0.weight"].float()
+        base = base_model.get_output_embeddings().weight.detach().float().cpu()
+        base = base if token_map is None else base[token_map]
+        if not torch.allclose(stored, base, rtol=1e-2, atol=1e-3):
+            raise ValueError(f"{source}: original_lm_head=true but lm_heads.0.weight differs from the base model's "
+                             "lm_head; these heads were exported for another base model")
+    return spec, stack_heads(state, VLLM, spec, with_bias=fc_bias), token_map
+
+
+def _checked_token_map(token_map: torch.Tensor, spec: HeadsSpec, source: str) -> torch.Tensor:
+    """``[V']`` int64 of distinct base token ids in ``[0, V)``, or ``ValueError`` naming ``source``."""
+    if token_map.shape != (spec.head_vocab_size,) or token_map.is_floating_point() or token_map.is_complex():
+        raise ValueError(f"{source}: token_map must be an integer tensor of shape [{spec.head_vocab_size}], "
+                         f"got {token_map.dtype} {tuple(token_map.shape)}")
+    token_map = token_map.to(torch.long)
+    if token_map.numel() and (int(token_map.min()) < 0 or int(token_map.max()) >= spec.vocab_size):
+        raise ValueError(f"{source}: token_map ids must lie in [0, vocab_size={spec.vocab_size})")
+    if torch.unique(token_map).numel() != token_map.numel():
+        raise ValueError(f"{source}: token_map holds repeated token ids")
+    return token_map

@@ -1,0 +1,143 @@
+"""Write trained heads as an export folder that FasterDecoding, Text Generation Inference and vLLM read.
+
+Layout (DESIGN.md, "Export folder"):
+
+```
+export/
+  config.json                  medusa_num_heads, medusa_num_layers, hidden_size, vocab_size,
+                               base_model_name_or_path, share_lm_head, version (+ head_vocab_size, torch_dtype, ...)
+  medusa_lm_head.safetensors   "{h}.{l}.linear.weight|bias", "{h}.{L}.weight" (no projection with share_lm_head)
+  token_map.safetensors        "token_map" [V'] int64, only with a reduced head vocabulary
+  vllm/config.json             vLLM MedusaConfig (model_type "medusa", medusa_fc_bias true)
+  vllm/model.safetensors       "blocks.{h}.layers.{l}.weight|bias", "lm_heads.{h}.weight" (+ "token_map")
+```
+
+With ``share_lm_head`` the FasterDecoding file holds the residual blocks only: FasterDecoding's own loader then
+needs the base lm_head copied into each head (TGI does that itself for one-layer heads; :func:`load_heads` handles
+any). vLLM's Medusa cannot reach the target model's lm_head, so ``vllm/`` stores the base lm_head once as
+``lm_heads.0.weight`` with ``original_lm_head: true``, which is why that case needs ``base_model``.
+
+Files are replaced one by one (temporary sibling + ``os.replace``) rather than the folder as a whole, because
+other tools write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json`` and ``README.md`` into
+the same folder and a re-export must keep them. ``config.json`` is written last. Files of ours that the new export
+does not have (a stale ``token_map.safetensors``, ``vllm/`` when ``vllm=False``) are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from medusa_train.export.configs import export_config, vllm_config
+from medusa_train.export.files import write_json, write_safetensors
+from medusa_train.export.layouts import FASTERDECODING, VLLM, split_heads
+from medusa_train.heads import MedusaHeads
+from medusa_train.model import check_heads_match_base
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "medusa_lm_head.safetensors"
+LEGACY_WEIGHTS_FILE = "medusa_lm_head.pt"
+TOKEN_MAP_FILE = "token_map.safetensors"
+VLLM_DIR = "vllm"
+VLLM_WEIGHTS_FILE = "model.safetensors"
+
+
+def save_export(
+    heads: MedusaHeads,
+    out_dir: str | os.PathLike[str],
+    base_model_name_or_path: str,
+    extra_config: dict[str, Any] | None = None,
+    vllm: bool = True,
+    *,
+    base_model: PreTrainedModel | None = None,
+) -> Path:
+    """Export ``heads`` into ``out_dir`` (created if needed), keeping unrelated files already there.
+
+    Weights are written in the heads' own dtype (``torch_dtype`` in config.json), as one contiguous CPU tensor per
+    head and layer.
+
+    Args:
+        heads: the trained heads (``block_weight [K, L, H, H]``, ``block_bias [K, L, H]``, ``lm_head_weight
+            [K, V', H]`` or none with ``share_lm_head``, ``token_map [V']`` with a reduced vocabulary).
+        out_dir: the export folder.
+        base_model_name_or_path: Hub id or path of the base model, recorded for loaders (FasterDecoding, TGI).
+        extra_config: more JSON-serialisable fields for config.json (never one of the fields written here).
+        vllm: also write ``vllm/``.
+        base_model: the base ``*ForCausalLM``; checked against the heads and its class recorded. Required with
+            ``share_lm_head`` and ``vllm=True`` (its lm_head goes into ``vllm/model.safetensors``).
+
+    Returns:
+        ``out_dir`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: ``extra_config`` clashes with a written field or is not JSON-serialisable; ``share_lm_head`` and
+            ``vllm`` without ``base_model``; ``base_model`` does not match the heads (field named).
+    """
+    spec = heads.spec
+    out = Path(out_dir)
+    if spec.share_lm_head and vllm and base_model is None:
+        raise ValueError("share_lm_head=True: vLLM's Medusa cannot use the target model's lm_head, so vllm/ must "
+                         "hold a copy; pass base_model=... to save_export, or vllm=False to skip vllm/")
+    if base_model is not None:
+        check_heads_match_base(spec, base_model)
+    dtype = heads.block_weight.dtype
+    config = export_config(
+        spec, base_model_name_or_path, dtype,
+        base_model_class=None if base_model is None else type(base_model).__name__,
+        base_model_type=None if base_model is None else getattr(base_model.config, "model_type", None),
+        extra_config=extra_config,
+    )
+    try:
+        json.dumps(config)
+    except TypeError as e:
+        raise ValueError(f"extra_config must be JSON-serialisable: {e}") from e
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export folder {out} exists and is not a folder")
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out / WEIGHTS_FILE, split_heads(heads, FASTERDECODING))
+    token_map = None if heads.token_map is None else heads.token_map.detach().to("cpu", copy=True).contiguous()
+    if token_map is not None:
+        write_safetensors(out / TOKEN_MAP_FILE, {"token_map": token_map})
+    else:
+        (out / TOKEN_MAP_FILE).unlink(missing_ok=True)
+    if vllm:
+        base_lm_head = None if base_model is None else base_model.get_output_embeddings().weight
+        _write_vllm(heads, out / VLLM_DIR, token_map, base_lm_head if spec.share_lm_head else None)
+    else:
+        _remove_vllm(out / VLLM_DIR)
+    write_json(out / CONFIG_FILE, config)
+    return out
+
+
+def _write_vllm(
+    heads: MedusaHeads, folder: Path, token_map: torch.Tensor | None, base_lm_head: torch.Tensor | None
+) -> None:
+    """``vllm/``; ``base_lm_head [V, H]`` (given exactly when ``share_lm_head``) becomes ``lm_heads.0.weight``."""
+    projections = None
+    if base_lm_head is not None:
+        weight = base_lm_head.detach()  # [V, H]
+        if heads.token_map is not None:
+            weight = weight[heads.token_map.to(weight.device)]  # [V', H]
+        projections = weight.to(heads.block_weight.dtype).unsqueeze(0)  # [1, V', H] -> lm_heads.0.weight
+    tensors = split_heads(heads, VLLM, projections)
+    if token_map is not None:
+        tensors["token_map"] = token_map.clone()
+    folder.mkdir(exist_ok=True)
+    write_safetensors(folder / VLLM_WEIGHTS_FILE, tensors)
+    write_json(folder / CONFIG_FILE, vllm_config(heads.spec, heads.block_weight.dtype))
+
+
+def _remove_vllm(folder: Path) -> None:
+    """Remove a previous export's ``vllm/`` files (stale beside new heads), and the folder if nothing else is in it."""
+    if not folder.is_dir():
+        return
+    for name in (VLLM_WEIGHTS_FILE, CONFIG_FILE):
+        (folder / name).unlink(missing_ok=True)
+    if not any(folder.iterdir()):
+        folder.rmdir()

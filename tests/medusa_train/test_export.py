@@ -1,0 +1,448 @@
+"""Export and load of Medusa heads: FasterDecoding and vLLM layouts, exact round trips, strict loading errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from medusa_train.export import load_heads, read_export_config, save_export
+from medusa_train.heads import HeadsSpec, MedusaHeads
+from tests.conftest import HIDDEN, VOCAB, make_tiny_model
+
+TOKEN_MAP = torch.tensor([0, 2, 5, 11, 17, 40, 41, 96])  # V' = 8 of V = 97
+
+
+@pytest.fixture(scope="module")
+def base() -> nn.Module:
+    return make_tiny_model("llama")
+
+
+def random_heads(num_heads: int = 2, num_layers: int = 1, share: bool = False, token_map: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32, seed: int = 0) -> MedusaHeads:
+    spec = HeadsSpec(num_heads, num_layers, HIDDEN, VOCAB, share_lm_head=share,
+                     head_vocab_size=None if token_map is None else token_map.numel())
+    heads = MedusaHeads(spec, token_map=token_map)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return heads.to(dtype)
+
+
+def hidden_states(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+def rewrite(path: Path, edit) -> None:
+    state = load_file(path)
+    edit(state)
+    save_file(state, path)
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("token_map", [None, TOKEN_MAP], ids=["full_vocab", "token_map"])
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("share", [False, True])
+def test_round_trip_gives_identical_logits(tmp_path, base, share, num_layers, token_map, dtype):
+    heads = random_heads(3, num_layers, share, token_map, dtype)
+    save_export(heads, tmp_path / "export", "tiny-llama", base_model=base)
+    lm_head = base.lm_head.weight
+    expected = heads(hidden_states(dtype), lm_head)
+    assert expected.shape == (3, 2, 5, VOCAB if token_map is None else 8)
+    for folder, fmt in ((tmp_path / "export", "medusa-train"), (tmp_path / "export" / "vllm", "vllm")):
+        loaded, config = load_heads(folder, base_model=base)
+        assert loaded.spec == heads.spec
+        assert config["source_format"] == fmt
+        assert loaded.block_weight.dtype == dtype
+        assert torch.equal(loaded(hidden_states(dtype), lm_head), expected)
+        if token_map is None:
+            assert loaded.token_map is None
+        else:
+            assert torch.equal(loaded.token_map, token_map) and loaded.token_map.dtype == torch.long
+
+
+def test_load_casts_to_requested_dtype(tmp_path):
+    heads = random_heads(2, 1)
+    save_export(heads, tmp_path, "tiny-llama")
+    loaded, _ = load_heads(tmp_path, dtype=torch.bfloat16)
+    assert loaded.block_weight.dtype == loaded.lm_head_weight.dtype == torch.bfloat16
+    assert torch.equal(loaded.lm_head_weight, heads.lm_head_weight.to(torch.bfloat16))
+    assert loaded.block_weight.requires_grad  # loaded heads can be trained further
+
+
+# ---------------------------------------------------------------- the files themselves
+
+
+def test_fasterdecoding_keys_vllm_keys_and_configs(tmp_path, base):
+    heads = random_heads(2, 1, token_map=TOKEN_MAP)
+    save_export(heads, tmp_path, "HuggingFaceTB/SmolLM2-135M-Instruct", extra_config={"dataset": "sharegpt"},
+                base_model=base)
+
+    fd = load_file(tmp_path / "medusa_lm_head.safetensors")
+    assert sorted(fd) == ["0.0.linear.bias", "0.0.linear.weight", "0.1.weight",
+                          "1.0.linear.bias", "1.0.linear.weight", "1.1.weight"]
+    assert fd["1.0.linear.weight"].shape == (HIDDEN, HIDDEN) and torch.equal(fd["1.0.linear.weight"],
+                                                                             heads.block_weight[1, 0])
+    assert torch.equal(fd["0.0.linear.bias"], heads.block_bias[0, 0])
+    assert fd["1.1.weight"].shape == (8, HIDDEN) and torch.equal(fd["1.1.weight"], heads.lm_head_weight[1])
+    token_map = load_file(tmp_path / "token_map.safetensors")
+    assert list(token_map) == ["token_map"] and token_map["token_map"].dtype == torch.int64
+    assert token_map["token_map"].tolist() == TOKEN_MAP.tolist()
+
+    vllm = load_file(tmp_path / "vllm" / "model.safetensors")
+    assert sorted(vllm) == ["blocks.0.layers.0.bias", "blocks.0.layers.0.weight", "blocks.1.layers.0.bias",
+                            "blocks.1.layers.0.weight", "lm_heads.0.weight", "lm_heads.1.weight", "token_map"]
+    assert torch.equal(vllm["blocks.1.layers.0.weight"], heads.block_weight[1, 0])
+
+    assert read_export_config(tmp_path) == {
+        "medusa_num_heads": 2, "medusa_num_layers": 1, "hidden_size": HIDDEN, "vocab_size": VOCAB,
+        "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "share_lm_head": False, "version": 1,
+        "head_vocab_size": 8, "torch_dtype": "float32", "medusa_train_version": "0.1.0",
+        "base_model_class": "LlamaForCausalLM", "base_model_type": "llama", "dataset": "sharegpt",
+    }
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text()) == {
+        "model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": HIDDEN, "vocab_size": VOCAB,
+        "num_heads": 2, "num_hidden_layers": 1, "max_paths": 64, "topk": 10, "truncated_vocab_size": 8,
+        "original_lm_head": False, "medusa_fc_bias": True, "torch_dtype": "float32",
+    }
+
+
+def test_shared_lm_head_writes_blocks_only_and_one_vllm_lm_head(tmp_path, base):
+    heads = random_heads(2, 1, share=True)
+    save_export(heads, tmp_path, "tiny-llama", base_model=base)
+    assert sorted(load_file(tmp_path / "medusa_lm_head.safetensors")) == [
+        "0.0.linear.bias", "0.0.linear.weight", "1.0.linear.bias", "1.0.linear.weight"]
+    vllm = load_file(tmp_path / "vllm" / "model.safetensors")
+    assert sorted(vllm) == ["blocks.0.layers.0.bias", "blocks.0.layers.0.weight", "blocks.1.layers.0.bias",
+                            "blocks.1.layers.0.weight", "lm_heads.0.weight"]
+    assert torch.equal(vllm["lm_heads.0.weight"], base.lm_head.weight)
+    assert read_export_config(tmp_path)["share_lm_head"] is True
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["original_lm_head"] is True
+
+
+def test_reexport_keeps_other_files_and_drops_stale_ones(tmp_path):
+    save_export(random_heads(2, 1, token_map=TOKEN_MAP, seed=0), tmp_path, "tiny-llama")
+    choices = '[[0], [0, 0], [1]]\n'
+    (tmp_path / "medusa_choices.json").write_text(choices)
+    assert (tmp_path / "token_map.safetensors").exists() and (tmp_path / "vllm").is_dir()
+
+    new = random_heads(3, 2, seed=5)
+    save_export(new, tmp_path, "tiny-llama", vllm=False)
+    assert (tmp_path / "medusa_choices.json").read_text() == choices
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "medusa_choices.json",
+                                                          "medusa_lm_head.safetensors"]
+    loaded, config = load_heads(tmp_path)
+    assert config["medusa_num_heads"] == 3 and config["head_vocab_size"] is None
+    assert torch.equal(loaded(hidden_states()), new(hidden_states()))
+
+
+# ---------------------------------------------------------------- FasterDecoding's own module
+
+
+class ResBlock(nn.Module):
+    """FasterDecoding's ResBlock (medusa/model/medusa_model.py): ``x + SiLU(Linear(x))``."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+def fasterdecoding_heads(num_heads: int, num_layers: int, hidden: int, vocab: int,
+                         shared_blocks: bool = True) -> nn.ModuleList:
+    """FasterDecoding's ``medusa_head``; it builds the blocks by list multiplication (``shared_blocks``), so with
+    num_layers > 1 one block is reused; ``shared_blocks=False`` gives each layer its own."""
+    def blocks() -> list[nn.Module]:
+        return [ResBlock(hidden)] * num_layers if shared_blocks else [ResBlock(hidden) for _ in range(num_layers)]
+    return nn.ModuleList([nn.Sequential(*blocks(), nn.Linear(hidden, vocab, bias=False)) for _ in range(num_heads)])
+
+
+@pytest.mark.parametrize("num_layers,config_has_layers,shared_blocks", [(1, True, True), (2, False, True),
+                                                                         (2, True, False)])
+def test_loads_fasterdecoding_pt_checkpoint(tmp_path, base, num_layers, config_has_layers, shared_blocks):
+    torch.manual_seed(3)
+    fd = fasterdecoding_heads(3, num_layers, HIDDEN, VOCAB, shared_blocks)
+    with torch.no_grad():
+        for p in fd.parameters():
+            p.normal_(0, 0.3)
+    torch.save(fd.state_dict(), tmp_path / "medusa_lm_head.pt")
+    config = {"medusa_num_heads": 3, "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"}
+    if config_has_layers:
+        config["medusa_num_layers"] = num_layers
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    heads, cfg = load_heads(tmp_path, base_model=base)
+    assert heads.spec == HeadsSpec(3, num_layers, HIDDEN, VOCAB)
+    assert cfg["source_format"] == "fasterdecoding" and cfg["base_model_name_or_path"] == "lmsys/vicuna-7b-v1.3"
+    x = hidden_states()
+    with torch.no_grad():
+        expected = torch.stack([head(x) for head in fd])
+    torch.testing.assert_close(heads(x), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(heads.lm_head_weight[2], fd[2][num_layers].weight)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_fasterdecoding_module_loads_our_export(tmp_path, num_layers):
+    heads = random_heads(3, num_layers)
+    save_export(heads, tmp_path, "tiny-llama", vllm=False)
+    fd = fasterdecoding_heads(3, num_layers, HIDDEN, VOCAB, shared_blocks=False)
+    fd.load_state_dict(load_file(tmp_path / "medusa_lm_head.safetensors"), strict=True)
+    x = hidden_states()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.stack([head(x) for head in fd]), heads(x), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- vLLM's loading rules, re-implemented
+
+VLLM_VOCAB_PADDING = 64  # DEFAULT_VOCAB_PADDING_SIZE in vllm/model_executor/layers/vocab_parallel_embedding.py
+
+
+def vllm_medusa_config(folder: Path) -> SimpleNamespace:
+    """vLLM's ``MedusaConfig.from_pretrained`` (vllm/transformers_utils/configs/medusa.py at 0531c22)."""
+    d = json.loads((folder / "config.json").read_text())
+    for k in list(d):
+        if "num" in k:
+            if "heads" in k:
+                d["num_heads"] = d.pop(k)
+            elif "layers" in k:
+                d["num_hidden_layers"] = d.pop(k)
+    cfg = {"hidden_size": 4096, "vocab_size": 32001, "num_heads": 5, "num_hidden_layers": 1, "max_paths": 64,
+           "topk": 10, "truncated_vocab_size": None, "architectures": ["MedusaModel"], **d}
+    if cfg["truncated_vocab_size"] is None:
+        cfg["truncated_vocab_size"] = cfg["vocab_size"]
+    return SimpleNamespace(**cfg)
+
+
+class VllmMedusaReference:
+    """vLLM's ``Medusa`` (vllm/model_executor/models/medusa.py at 09cddad) on one device, without tensor parallelism.
+
+    Parameters as vLLM registers them (``blocks.{h}.layers.{l}.weight|bias``; ``lm_heads.{h}.weight``, or one
+    ``lm_head.weight`` with ``original_lm_head``), rows of a projection padded to a multiple of 64.
+    """
+
+    def __init__(self, config: SimpleNamespace) -> None:
+        # vLLM picks MedusaConfig by model_type and the Medusa class by architecture.
+        assert config.model_type == "medusa" and "MedusaModel" in config.architectures
+        self.config = config
+        dtype = getattr(torch, getattr(config, "torch_dtype", "float32"))
+        H, K, L = config.hidden_size, config.num_heads, config.num_hidden_layers
+        self.orig_vocab_size = config.vocab_size
+        self.truncated_vocab_size = config.truncated_vocab_size
+        padded = -(-self.truncated_vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+        self.params: dict[str, torch.Tensor] = {}
+        for h in range(K):
+            for l in range(L):
+                self.params[f"blocks.{h}.layers.{l}.weight"] = torch.empty(H, H, dtype=dtype)
+                if getattr(config, "medusa_fc_bias", False):
+                    self.params[f"blocks.{h}.layers.{l}.bias"] = torch.empty(H, dtype=dtype)
+        if getattr(config, "original_lm_head", False):
+            self.params["lm_head.weight"] = torch.empty(padded, H, dtype=dtype)
+            self.lm_heads = ["lm_head.weight"] * K
+        else:
+            self.lm_heads = [f"lm_heads.{h}.weight" for h in range(K)]
+            for name in self.lm_heads:
+                self.params[name] = torch.empty(padded, H, dtype=dtype)
+        self.token_map: torch.Tensor | None = None
+
+    def load_weights(self, weights) -> tuple[set[str], list[str]]:
+        """``Medusa.load_weights``; returns (loaded parameter names, checkpoint names vLLM silently ignores)."""
+        loaded, ignored, weights_map = set(), [], {}
+        for name, tensor in weights:
+            name = name.replace("medusa_heads.", "")
+            if name == "token_map":
+                if self.truncated_vocab_size < self.orig_vocab_size:
+                    self.token_map = tensor
+                else:
+                    ignored.append(name)
+            elif name in self.params:
+                weights_map[name] = tensor
+            elif getattr(self.config, "original_lm_head", False) and name == "lm_heads.0.weight":
+                weights_map["lm_head.weight"] = tensor
+            else:
+                ignored.append(name)
+        for name, tensor in weights_map.items():
+            if "lm_head" in name and self.token_map is not None and tensor.shape[0] > self.token_map.shape[0]:
+                tensor = tensor[self.token_map]
+            param = self.params[name]
+            if "lm_head" in name:  # VocabParallelEmbedding.weight_loader
+                assert tensor.shape[0] == self.truncated_vocab_size
+                param[: tensor.shape[0]].copy_(tensor)
+                param[tensor.shape[0]:].fill_(0)
+            else:  # default_weight_loader
+                assert param.size() == tensor.size()
+                param.copy_(tensor)
+            loaded.add(name)
+        assert self.truncated_vocab_size == self.orig_vocab_size or self.token_map is not None
+        return loaded, ignored
+
+    def compute_logits(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """``forward`` + ``compute_logits``: per head ``[..., V]`` logits, ``-inf`` off the token map."""
+        out = []
+        for h, lm_head in enumerate(self.lm_heads):
+            x = hidden
+            for l in range(self.config.num_hidden_layers):
+                x = x + F.silu(F.linear(x, self.params[f"blocks.{h}.layers.{l}.weight"],
+                                        self.params.get(f"blocks.{h}.layers.{l}.bias")))
+            logits = F.linear(x, self.params[lm_head])[..., : self.truncated_vocab_size]  # LogitsProcessor
+            if self.token_map is not None:
+                full = torch.full((*logits.shape[:-1], self.orig_vocab_size), -torch.inf, dtype=logits.dtype)
+                full[..., self.token_map] = logits
+                logits = full
+            out.append(logits)
+        return out
+
+
+def vllm_load(folder: Path) -> tuple[VllmMedusaReference, list[str]]:
+    """DefaultModelLoader: every ``*.safetensors`` file, then the strict "not initialized" check."""
+    model = VllmMedusaReference(vllm_medusa_config(folder))
+    weights = [(k, v) for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()]
+    loaded, ignored = model.load_weights(weights)
+    not_loaded = set(model.params) - loaded
+    if not_loaded:
+        raise ValueError(f"Following weights were not initialized from checkpoint: {not_loaded}")
+    return model, ignored
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("token_map", [None, TOKEN_MAP], ids=["full_vocab", "token_map"])
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("share", [False, True])
+def test_vllm_export_loads_under_vllm_rules(tmp_path, base, share, num_layers, token_map, dtype):
+    heads = random_heads(3, num_layers, share, token_map, dtype)
+    save_export(heads, tmp_path, "tiny-llama", base_model=base)
+    model, ignored = vllm_load(tmp_path / "vllm")
+    assert ignored == []
+    x = hidden_states(dtype)
+    ours = heads(x, base.lm_head.weight.to(dtype))  # vLLM runs the whole draft model in one dtype
+    theirs = model.compute_logits(x)
+    assert len(theirs) == 3
+    for k in range(3):
+        assert theirs[k].shape == (2, 5, VOCAB)
+        if token_map is None:
+            torch.testing.assert_close(theirs[k], ours[k])
+        else:
+            torch.testing.assert_close(theirs[k][..., token_map], ours[k])
+            off = torch.ones(VOCAB, dtype=torch.bool)
+            off[token_map] = False
+            assert torch.isneginf(theirs[k][..., off]).all()
+
+
+def test_vllm_reference_enforces_vllm_rules(tmp_path):
+    save_export(random_heads(2, 1, token_map=TOKEN_MAP), tmp_path, "tiny-llama")
+    folder = tmp_path / "vllm"
+    config = json.loads((folder / "config.json").read_text())
+
+    # Without medusa_fc_bias vLLM builds bias-free blocks and silently drops the biases: why we write it true.
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "medusa_fc_bias"}))
+    _, ignored = vllm_load(folder)
+    assert sorted(ignored) == ["blocks.0.layers.0.bias", "blocks.1.layers.0.bias"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+    rewrite(folder / "model.safetensors", lambda s: s.pop("lm_heads.1.weight"))
+    with pytest.raises(ValueError, match="not initialized from checkpoint: {'lm_heads.1.weight'}"):
+        vllm_load(folder)
+    rewrite(folder / "model.safetensors", lambda s: s.update({"lm_heads.1.weight": torch.zeros(8, HIDDEN)}))
+    rewrite(folder / "model.safetensors", lambda s: s.pop("token_map"))
+    with pytest.raises(AssertionError):  # truncated_vocab_size < vocab_size needs the token map
+        vllm_load(folder)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_missing_folder_and_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_heads(tmp_path / "nowhere")
+    no_weights = r"no medusa_lm_head.safetensors or medusa_lm_head.pt in .*: is this an export folder\?"
+    with pytest.raises(FileNotFoundError, match=no_weights):
+        load_heads(tmp_path)
+    save_export(random_heads(token_map=TOKEN_MAP), tmp_path / "a", "tiny-llama", vllm=False)
+    (tmp_path / "a" / "token_map.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="token_map.safetensors not found"):
+        load_heads(tmp_path / "a")
+    (tmp_path / "a" / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        load_heads(tmp_path / "a")
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda s: s.pop("1.0.linear.bias"), r"missing keys \['1.0.linear.bias'\], unexpected keys \[\]"),
+    (lambda s: s.update({"2.0.linear.weight": torch.zeros(HIDDEN, HIDDEN)}),
+     r"missing keys \[\], unexpected keys \['2.0.linear.weight'\]"),
+    (lambda s: [s.pop("0.1.weight"), s.pop("1.1.weight")], r"missing keys \['0.1.weight', '1.1.weight'\].*"
+     "set share_lm_head: true"),
+    (lambda s: s.update({"0.0.linear.weight": torch.zeros(HIDDEN, HIDDEN + 1)}),
+     r"0.0.linear.weight: file \(32, 33\), expected \(32, 32\)"),
+])
+def test_strict_keys_and_shapes(tmp_path, edit, message):
+    save_export(random_heads(2, 1), tmp_path, "tiny-llama", vllm=False)
+    rewrite(tmp_path / "medusa_lm_head.safetensors", edit)
+    with pytest.raises(ValueError, match=message):
+        load_heads(tmp_path)
+
+
+def test_vllm_folder_is_read_strictly(tmp_path):
+    save_export(random_heads(2, 1), tmp_path, "tiny-llama")
+    rewrite(tmp_path / "vllm" / "model.safetensors", lambda s: s.pop("blocks.1.layers.0.weight"))
+    with pytest.raises(ValueError, match=r"missing keys \['blocks.1.layers.0.weight'\]"):
+        load_heads(tmp_path / "vllm")
+
+
+@pytest.mark.parametrize("field,overrides", [("hidden_size", {"hidden_size": 48}), ("vocab_size", {"vocab_size": 101})])
+def test_heads_for_another_base_model(tmp_path, field, overrides):
+    other = make_tiny_model("llama", **overrides)
+    save_export(random_heads(2, 1), tmp_path, "tiny-llama")
+    for folder in (tmp_path, tmp_path / "vllm"):
+        with pytest.raises(ValueError, match=f"Medusa heads have {field}=.* but the base model"):
+            load_heads(folder, base_model=other)
+    with pytest.raises(ValueError, match=f"Medusa heads have {field}="):
+        save_export(random_heads(2, 1), tmp_path, "tiny-llama", base_model=other)
+
+
+@pytest.mark.parametrize("name", ["medusa_lm_head.safetensors", "token_map.safetensors", "config.json"])
+def test_corrupt_file_names_the_file(tmp_path, name):
+    save_export(random_heads(token_map=TOKEN_MAP), tmp_path, "tiny-llama")
+    (tmp_path / name).write_bytes(b"\x00\x01 not what it should be")
+    with pytest.raises(ValueError, match=name) as info:
+        load_heads(tmp_path)
+    assert info.value.__cause__ is not None
+
+
+def test_corrupt_pt_file(tmp_path):
+    save_export(random_heads(), tmp_path, "tiny-llama", vllm=False)
+    (tmp_path / "medusa_lm_head.safetensors").unlink()
+    (tmp_path / "medusa_lm_head.pt").write_bytes(b"PK\x03\x04 truncated zip")
+    with pytest.raises(ValueError, match="medusa_lm_head.pt") as info:
+        load_heads(tmp_path)
+    assert info.value.__cause__ is not None
+
+
+def test_export_refuses_bad_requests(tmp_path, base):
+    with pytest.raises(ValueError, match="pass base_model="):
+        save_export(random_heads(share=True), tmp_path, "tiny-llama")
+    with pytest.raises(ValueError, match=r"extra_config may not set \['medusa_num_heads'\]"):
+        save_export(random_heads(), tmp_path, "tiny-llama", extra_config={"medusa_num_heads": 9})
+    with pytest.raises(ValueError, match="JSON-serialisable"):
+        save_export(random_heads(), tmp_path, "tiny-llama", extra_config={"when": object()})
+    assert list(tmp_path.iterdir()) == []  # refused before writing anything
+
+
+def test_refuses_newer_export_version(tmp_path):
+    save_export(random_heads(), tmp_path, "tiny-llama")
+    config = read_export_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "version": 2}))
+    with pytest.raises(ValueError, match="format version 2 is newer"):
+        load_heads(tmp_path)
