@@ -32,7 +32,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: Any) -> None:
     atomic_write(path, lambda p: p.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
 
 

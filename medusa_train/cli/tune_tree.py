@@ -1,0 +1,45 @@
+"""``medusa-tune-tree export_dir=DIR``: choose ``medusa_choices`` for these heads on this hardware."""
+
+from __future__ import annotations
+
+import json
+
+import hydra
+from omegaconf import DictConfig
+
+import medusa_train  # noqa: F401  (registers config schemas and resolvers)
+import medusa_train.tuning.config  # noqa: F401  (registers tune_tree_schema)
+from medusa_train.config import as_dataclass
+from medusa_train.paths import CONF_DIR
+
+
+def run(cfg: DictConfig) -> dict:
+    from medusa_train.loading.medusa import load_medusa
+    from medusa_train.prompts import load_prompts
+    from medusa_train.tuning.config import TuneTreeConfig
+    from medusa_train.tuning.tune import tune_tree
+
+    tc: TuneTreeConfig = as_dataclass(TuneTreeConfig, cfg)
+    model, tokenizer, _ = load_medusa(tc.export_dir, model=tc.model, dtype=tc.dtype, device=tc.device)
+    if tc.topk > model.heads.spec.out_size:
+        raise ValueError(f"topk={tc.topk} exceeds the heads' vocabulary of {model.heads.spec.out_size}")
+    prompts = load_prompts(tc.prompts.source, tc.prompts.path, tc.prompts.offset, tc.prompts.num_prompts)
+    result = tune_tree(model, tokenizer, prompts, tc)
+    acc = result["head_accuracy"]["acc"]
+    print("head  " + "  ".join(f"top{i + 1:<3d}" for i in range(min(5, len(acc[0])))))
+    for k, row in enumerate(acc):
+        cumulative = [sum(row[: i + 1]) for i in range(min(5, len(row)))]
+        print(f"{k:>4d}  " + "  ".join(f"{c:6.3f}" for c in cumulative))
+    print(f"tree: {len(result['medusa_choices'])} nodes, expected mean accepted tokens "
+          f"{result['expected_accept_length']:.3f}; written to {tc.export_dir}")
+    print(json.dumps(result["medusa_choices"]))
+    return result
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="tune_tree", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

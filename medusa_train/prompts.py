@@ -1,0 +1,119 @@
+"""Prompt sets for tuning and evaluation: held-out ShareGPT first turns, MT-Bench, or any JSONL of MT-Bench's shape.
+
+A prompt is a list of chat messages ending with a user turn; :func:`encode_prompt` renders it with the base
+tokenizer's chat template and the assistant header (``add_generation_prompt``), the exact text the model answers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from medusa_train.data import load_conversations, resolve_chat_template
+from medusa_train.data.tokenize import encode, prompt_messages, render
+from medusa_train.paths import assets_dir
+
+PROMPT_SOURCES = ("sharegpt", "mt_bench", "jsonl")
+# Training reads ShareGPT from the start of the file; prompts from this conversation on are held out by default.
+SHAREGPT_HELDOUT_OFFSET = 16000
+
+
+@dataclass
+class Prompt:
+    """One prompt: ``turns`` are the user turns (MT-Bench has two), ``system`` an optional system message."""
+
+    id: str
+    category: str
+    turns: list[str]
+    system: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def first_turn_messages(self) -> list[dict[str, str]]:
+        sys = [{"role": "system", "content": self.system}] if self.system else []
+        return sys + [{"role": "user", "content": self.turns[0]}]
+
+
+def read_question_jsonl(path: str | Path) -> list[Prompt]:
+    """MT-Bench's ``question.jsonl`` shape: one object a line with ``question_id``, ``category``, ``turns``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a malformed line (its 1-based line number and the problem in the message), or an empty file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} not found")
+    prompts: list[Prompt] = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+        turns = obj.get("turns") if isinstance(obj, dict) else None
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise ValueError(f"{path}:{lineno}: 'turns' must be a non-empty list of non-empty strings")
+        prompts.append(Prompt(id=str(obj.get("question_id", lineno)), category=str(obj.get("category", "all")),
+                              turns=list(turns)))
+    if not prompts:
+        raise ValueError(f"prompt file {path} holds no prompts")
+    return prompts
+
+
+def sharegpt_prompts(offset: int, num_prompts: int) -> list[Prompt]:
+    """First user turns of ShareGPT conversations ``offset .. offset + num_prompts - 1``.
+
+    Training reads the first conversations of the file; an ``offset`` past them keeps these prompts held out.
+    """
+    conversations, _ = load_conversations("sharegpt", max_conversations=offset + num_prompts)
+    prompts = []
+    for i, conv in enumerate(conversations[offset:], start=offset):
+        messages = prompt_messages(conv)
+        if not messages:
+            continue
+        system = messages[0]["content"] if messages[0]["role"] == "system" else None
+        user = next(m["content"] for m in messages if m["role"] == "user")
+        prompts.append(Prompt(id=f"sharegpt-{i}", category="sharegpt", turns=[user], system=system))
+    if not prompts:
+        raise ValueError(f"no ShareGPT prompts at offset {offset}: the file holds fewer conversations")
+    return prompts
+
+
+def load_prompts(
+    source: str, path: str | None = None, offset: int | None = None, num_prompts: int | None = None
+) -> list[Prompt]:
+    """A prompt set by name: ``sharegpt`` (held out by ``offset``, default :data:`SHAREGPT_HELDOUT_OFFSET`), ``mt_bench`` (the assets' 80 questions) or
+    ``jsonl`` (``path`` in MT-Bench's shape). ``num_prompts`` keeps the first ones.
+
+    Raises:
+        ValueError: unknown source (valid ones listed), ``jsonl`` without a path, ``num_prompts < 1``.
+    """
+    if source not in PROMPT_SOURCES:
+        raise ValueError(f"unknown prompt source {source!r}; valid: {', '.join(PROMPT_SOURCES)}")
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    if source == "sharegpt":
+        return sharegpt_prompts(SHAREGPT_HELDOUT_OFFSET if offset is None else offset, num_prompts or 20)
+    offset = offset or 0
+    if source == "mt_bench":
+        prompts = read_question_jsonl(path or assets_dir() / "mt_bench" / "question.jsonl")
+    else:
+        if not path:
+            raise ValueError("prompts.source=jsonl needs prompts.path (a file of MT-Bench's question.jsonl shape)")
+        prompts = read_question_jsonl(path)
+    return prompts[offset:][:num_prompts] if num_prompts else prompts[offset:]
+
+
+def encode_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template and the assistant header.
+
+    Raises:
+        ValueError: the rendered prompt is empty.
+    """
+    ids = encode(tokenizer, render(tokenizer, messages, resolve_chat_template(tokenizer), generation_prompt=True))
+    if not ids:
+        raise ValueError("the prompt is empty after applying the chat template")
+    return ids

@@ -1,0 +1,64 @@
+"""Config schema of ``medusa-tune-tree`` (``conf/tune_tree.yaml``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from medusa_train.tuning.latency import DEFAULT_SIZES
+
+
+@dataclass
+class PromptSetConfig:
+    """A prompt set (see :func:`medusa_train.prompts.load_prompts`)."""
+
+    source: str = "sharegpt"
+    path: Optional[str] = None
+    offset: Optional[int] = None  # None: 0, or for ShareGPT the held-out offset (medusa_train.prompts)
+    num_prompts: int = 16
+
+
+@dataclass
+class TuneTreeConfig:
+    """``medusa-tune-tree export_dir=DIR``: measure head accuracy and latency, search the tree, write it into DIR.
+
+    Attributes:
+        export_dir: the export folder; the results are written into it.
+        model: optional ``model/`` config overriding the base recorded in the export.
+        dtype, device: decode-time dtype and device (default: the model config's); latency is measured there.
+        prompts: held-out prompts for the accuracy table.
+        max_new_tokens: greedy continuation length per prompt.
+        topk: ranks measured per head (>= the widest rank a tree may use).
+        max_nodes: largest tree considered (nodes, root excluded).
+        latency_sizes: tree sizes (tokens incl. root) whose verification latency is measured.
+        context_length: KV-cache length during the latency measurement.
+        repeats: timed repeats per size (median reported).
+    """
+
+    export_dir: str = MISSING
+    model: Optional[Any] = None
+    dtype: Optional[str] = None
+    device: Optional[str] = None
+    prompts: PromptSetConfig = field(default_factory=PromptSetConfig)
+    max_new_tokens: int = 96
+    topk: int = 10
+    max_nodes: int = 63
+    latency_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES[:9]))
+    context_length: int = 256
+    repeats: int = 5
+
+    def validate(self) -> None:
+        if self.max_nodes < 1:
+            raise ValueError(f"max_nodes (the tree node budget) must be >= 1, got {self.max_nodes}")
+        if self.topk < 1:
+            raise ValueError(f"topk must be >= 1, got {self.topk}")
+        if self.max_new_tokens < 4:
+            raise ValueError(f"max_new_tokens must be >= 4 to measure the heads, got {self.max_new_tokens}")
+        if not self.latency_sizes or min(self.latency_sizes) < 1 or len(self.latency_sizes) < 2:
+            raise ValueError(f"latency_sizes must hold at least two sizes >= 1, got {self.latency_sizes}")
+
+
+ConfigStore.instance().store(name="tune_tree_schema", node=TuneTreeConfig)

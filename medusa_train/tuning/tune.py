@@ -1,0 +1,62 @@
+"""Tune the tree for an export: head accuracy on held-out prompts, latency on this device, search, write files."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from medusa_train.export.files import write_json
+from medusa_train.model import MedusaModel
+from medusa_train.prompts import Prompt, encode_prompt
+from medusa_train.tuning.accuracy import measure_head_accuracy
+from medusa_train.tuning.config import TuneTreeConfig
+from medusa_train.tuning.latency import measure_verification_latency
+from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length
+
+log = logging.getLogger(__name__)
+
+CHOICES_FILE = "medusa_choices.json"
+ACCURACY_FILE = "head_accuracy.json"
+LATENCY_FILE = "latency_profile.json"
+
+
+def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: TuneTreeConfig) -> dict[str, Any]:
+    """Measure, search, and write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json``.
+
+    Returns:
+        ``{"medusa_choices", "expected_accept_length", "head_accuracy", "latency_profile", "rates"}``.
+    """
+    cfg.validate()
+    token_prompts = [encode_prompt(tokenizer, p.first_turn_messages()) for p in prompts]
+    accuracy = measure_head_accuracy(model, token_prompts, max_new_tokens=cfg.max_new_tokens, topk=cfg.topk,
+                                     eos_token_id=tokenizer.eos_token_id)
+    check_accuracy_table(accuracy["acc"], num_heads=model.heads.spec.num_heads)
+    latency = measure_verification_latency(model.base, sizes=cfg.latency_sizes, context_length=cfg.context_length,
+                                           repeats=cfg.repeats)
+    choices, rates = best_tree_for_latency(accuracy["acc"], latency["latency_ms"], max_nodes=cfg.max_nodes)
+    expected = expected_accept_length(accuracy["acc"], choices)
+    out = Path(cfg.export_dir)
+    accuracy["prompt_source"] = cfg.prompts.source
+    write_json(out / ACCURACY_FILE, accuracy)
+    write_json(out / LATENCY_FILE, {**latency, "latency_ms": {str(k): v for k, v in latency["latency_ms"].items()},
+                                           "predicted": {str(k): v for k, v in rates.items()}})
+    write_json(out / CHOICES_FILE, choices)
+    log.info("tree of %d nodes, expected accepted tokens %.3f", len(choices), expected)
+    return {"medusa_choices": choices, "expected_accept_length": expected, "head_accuracy": accuracy,
+            "latency_profile": latency, "rates": rates}
+
+
+def read_tree_files(export_dir: str | Path) -> dict[str, Any]:
+    """The tuned files of an export that exist: ``{"medusa_choices": ..., "head_accuracy": ..., ...}``."""
+    out: dict[str, Any] = {}
+    for key, name in (("medusa_choices", CHOICES_FILE), ("head_accuracy", ACCURACY_FILE),
+                      ("latency_profile", LATENCY_FILE)):
+        path = Path(export_dir) / name
+        if path.is_file():
+            try:
+                out[key] = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from e
+    return out

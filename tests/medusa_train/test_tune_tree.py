@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from medusa_train.config import ModelConfig
+from medusa_train.export import save_export
+from medusa_train.loading.medusa import export_extra_config
+from medusa_train.model import new_heads_for
+from medusa_train.paths import CONF_DIR
+from tests.conftest import make_tiny_model, make_tiny_tokenizer
+
+
+@pytest.fixture
+def tiny_export(tmp_path):
+    base = make_tiny_model("llama")
+    base.save_pretrained(tmp_path / "base")
+    make_tiny_tokenizer().save_pretrained(tmp_path / "base")
+    heads = new_heads_for(base, num_heads=3)
+    model_cfg = ModelConfig(name_or_path=str(tmp_path / "base"))
+    save_export(heads, tmp_path / "export", str(tmp_path / "base"), extra_config=export_extra_config(model_cfg))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [t]})
+                                 for i, t in enumerate(["hello there", "tell me a story", "abc"])) + "\n")
+    return tmp_path / "export", prompts
+
+
+def test_tune_tree_writes_a_valid_tree_for_the_export(tiny_export):
+    from medusa_train.cli.tune_tree import run
+    from medusa_train.tuning.search import expected_accept_length, greedy_tree
+
+    export, prompts = tiny_export
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("tune_tree", overrides=[f"export_dir={export}", "prompts.source=jsonl",
+                                              f"prompts.path={prompts}", "max_new_tokens=12", "topk=4",
+                                              "latency_sizes=[1,4,8]", "context_length=16", "repeats=1",
+                                              "max_nodes=7"])
+    result = run(cfg)
+    choices = json.loads((export / "medusa_choices.json").read_text())
+    acc = json.loads((export / "head_accuracy.json").read_text())
+    latency = json.loads((export / "latency_profile.json").read_text())
+    assert choices == result["medusa_choices"] and 1 <= len(choices) <= 7
+    assert len(acc["acc"]) == 3 and len(acc["acc"][0]) == 4
+    # every prompt was continued and scored
+    assert acc["prompts"] == 3 and sum(acc["positions"]) > 0
+    assert set(latency["latency_ms"]) == {"1", "4", "8"}
+    # the chosen tree is a prefix of the greedy order, so it is the best tree of its size for the measured table
+    assert choices == greedy_tree(acc["acc"], len(choices))
+    assert result["expected_accept_length"] == pytest.approx(expected_accept_length(acc["acc"], choices))
+
+
+def test_tune_tree_rejects_bad_budget_before_loading(tiny_export):
+    from medusa_train.cli.tune_tree import run
+
+    export, prompts = tiny_export
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("tune_tree", overrides=[f"export_dir={export}", "max_nodes=0"])
+    with pytest.raises(ValueError, match="node budget"):
+        run(cfg)
