@@ -1,0 +1,54 @@
+"""Training data for Medusa heads: load conversations, tokenize with assistant-only labels, split, collate,
+and regenerate replies with the base model (self-distillation). Sources and licenses: ``data/README.md``."""
+
+from __future__ import annotations
+
+from medusa_train.data.collate import Collator, pad_token_id_of
+from medusa_train.data.conversations import (
+    ROLE_MAP,
+    SOURCES,
+    Conversation,
+    LoadStats,
+    Message,
+    load_conversations,
+    normalize_role,
+)
+from medusa_train.data.dataset import BuildStats, build_dataset
+from medusa_train.data.json_stream import JsonRecordStream
+from medusa_train.data.self_distill import SelfDistillStats, self_distill, shard_path
+from medusa_train.data.split import split_indices
+from medusa_train.data.tokenize import (
+    IGNORE_INDEX,
+    PLAIN_CHAT_TEMPLATE,
+    ConversationSkipped,
+    TemplateNotPrefixStableError,
+    end_of_turn_ids,
+    resolve_chat_template,
+    tokenize_conversation,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "PLAIN_CHAT_TEMPLATE",
+    "ROLE_MAP",
+    "SOURCES",
+    "BuildStats",
+    "Collator",
+    "Conversation",
+    "ConversationSkipped",
+    "JsonRecordStream",
+    "LoadStats",
+    "Message",
+    "SelfDistillStats",
+    "TemplateNotPrefixStableError",
+    "build_dataset",
+    "end_of_turn_ids",
+    "load_conversations",
+    "normalize_role",
+    "pad_token_id_of",
+    "resolve_chat_template",
+    "self_distill",
+    "shard_path",
+    "split_indices",
+    "tokenize_conversation",
+]

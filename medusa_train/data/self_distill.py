@@ -1,0 +1,246 @@
+"""Self-distillation: regenerate each conversation's reply with the base model itself.
+
+Medusa (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads",
+arXiv:2401.10774, Section 2.3.2 "Self-Distillation") trains heads on the base model's own outputs when the
+original training data is unavailable or differs from the model's distribution: heads then learn what the model
+actually says. For each conversation the first user turn (with the system turn, if any) is answered greedily by
+the model; the records written are ShareGPT-like and :func:`load_conversations` ("json") reads them back.
+
+Batches are left-padded with prompts sorted by length (about twice the throughput of unsorted batches on CPU,
+see NOTES.md); work is sharded across ranks and resumable (finished records are appended and flushed per batch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from medusa_train.data.collate import pad_token_id_of
+from medusa_train.data.conversations import Conversation
+from medusa_train.data.tokenize import encode, end_of_turn_ids, render, resolve_chat_template
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SelfDistillStats:
+    """What one :func:`self_distill` call did on its rank.
+
+    Attributes:
+        path: this rank's shard file.
+        assigned: conversations assigned to this rank (index i with i % world_size == rank).
+        already_done: assigned conversations whose record the shard file already held.
+        no_prompt: assigned conversations without a user turn (nothing to answer).
+        generated: records written by this call.
+        unfinished: written records whose reply hit max_new_tokens before an end-of-turn token.
+    """
+
+    path: Path
+    assigned: int = 0
+    already_done: int = 0
+    no_prompt: int = 0
+    generated: int = 0
+    unfinished: int = 0
+
+
+def shard_path(output_path: str | Path, rank: int, world_size: int) -> Path:
+    """The file rank ``rank`` writes: ``output_path`` itself for one rank, else ``{stem}.rank{r}-of-{w}{suffix}``."""
+    path = Path(output_path)
+    if world_size == 1:
+        return path
+    return path.with_name(f"{path.stem}.rank{rank}-of-{world_size}{path.suffix}")
+
+
+def distill_prompt(messages: Conversation) -> Conversation:
+    """The prompt to answer: the leading system turn (if any) and the first user turn; empty without a user turn."""
+    user = next((m for m in messages if m["role"] == "user"), None)
+    if user is None:
+        return []
+    system = [messages[0]] if messages and messages[0]["role"] == "system" else []
+    return system + [user]
+
+
+def record_id(index: int, prompt: Conversation) -> str:
+    """``"{index}-{hash}"``: the position in the input list and a hash of the prompt, so a changed list is noticed."""
+    digest = hashlib.sha1(json.dumps(prompt, sort_keys=True).encode("utf-8")).hexdigest()[:10]
+    return f"{index}-{digest}"
+
+
+def _done_ids(path: Path) -> set[str]:
+    """Ids of the records already in ``path``; a last line cut by a crash is removed from the file."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        logger.warning("%s: dropping a cut last line (%d bytes) left by an interrupted run", path, len(data) - keep)
+        with path.open("r+b") as f:
+            f.truncate(keep)
+        data = data[:keep]
+    ids = set()
+    for n, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            ids.add(json.loads(line)["id"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n} is not a self-distillation record ({e}); move the file away") from e
+    return ids
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask``, both [B, T] int64, each prompt right-aligned."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attention_mask[i, width - len(p) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def _reply_tokens(new_tokens: list[int], stop_ids: set[int]) -> tuple[list[int], bool]:
+    """The reply up to (excluding) the first stop id, and whether a stop id ended it."""
+    for j, token in enumerate(new_tokens):
+        if token in stop_ids:
+            return new_tokens[:j], True
+    return new_tokens, False
+
+
+def _stop_ids(model: Any, tokenizer: Any, template: str) -> set[int]:
+    ids = end_of_turn_ids(tokenizer, template)
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if config_eos is not None:
+        ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
+    return ids
+
+
+def self_distill(
+    model: Any,
+    tokenizer: Any,
+    conversations: list[Conversation],
+    max_new_tokens: int,
+    batch_size: int,
+    output_path: str | Path,
+    rank: int = 0,
+    world_size: int = 1,
+    *,
+    chat_template: str | None = None,
+    show_progress: bool = True,
+) -> SelfDistillStats:
+    """Answer each conversation's first user turn with ``model`` (greedy) and append the records to a JSONL file.
+
+    Conversation ``i`` goes to rank ``i % world_size``; rank ``r`` writes ``shard_path(output_path, r,
+    world_size)``. Each line is ``{"id", "source_index", "conversations": [{"from": "system"|"human"|"gpt",
+    "value"}], "new_tokens", "finished"}``. Records whose id is already in the file are skipped, so a restarted
+    call only generates the missing ones; the file is flushed after every batch.
+
+    Args:
+        model: a Hugging Face causal LM (``generate``); put it on its device and in its dtype beforehand.
+        tokenizer: its tokenizer; the prompt is its chat template with the generation prompt.
+        conversations: from :func:`load_conversations` (use ``require_assistant=False`` for prompt-only files).
+        max_new_tokens: longest reply, in tokens.
+        batch_size: prompts per ``generate`` call (B).
+        output_path: the JSONL file (the base name of the shards when ``world_size > 1``).
+        rank, world_size: this process's shard.
+        chat_template: overrides the tokenizer's chat template.
+        show_progress: a tqdm bar, on rank 0 only.
+
+    Returns:
+        :class:`SelfDistillStats` for this rank.
+
+    Raises:
+        ValueError: ``max_new_tokens``/``batch_size`` not positive, ``rank`` not in [0, world_size), or the
+            shard file holds lines that are not records.
+    """
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if world_size <= 0 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size), got rank={rank} world_size={world_size}")
+    template = resolve_chat_template(tokenizer, chat_template)
+    pad_id = pad_token_id_of(tokenizer)
+    stop_ids = _stop_ids(model, tokenizer, template)
+    path = shard_path(output_path, rank, world_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = _done_ids(path)
+
+    stats = SelfDistillStats(path=path)
+    pending: list[tuple[int, str, Conversation, list[int]]] = []
+    for i in range(rank, len(conversations), world_size):
+        stats.assigned += 1
+        prompt = distill_prompt(conversations[i])
+        if not prompt:
+            stats.no_prompt += 1
+            continue
+        rid = record_id(i, prompt)
+        if rid in done:
+            stats.already_done += 1
+            continue
+        pending.append((i, rid, prompt, encode(tokenizer, render(tokenizer, prompt, template, True))))
+    pending.sort(key=lambda item: len(item[3]), reverse=True)  # similar lengths share a batch; longest first
+
+    device = getattr(model, "device", None) or next(model.parameters()).device
+    bar = tqdm(total=len(pending), desc="self-distill", disable=rank != 0 or not show_progress)
+    was_training = model.training
+    model.eval()
+    try:
+        with path.open("a", encoding="utf-8") as out:
+            for start in range(0, len(pending), batch_size):
+                batch = pending[start : start + batch_size]
+                replies = _generate_batch(model, [item[3] for item in batch], max_new_tokens, pad_id, stop_ids, device)
+                for (index, rid, prompt, _), (reply, finished) in zip(batch, replies):
+                    text = tokenizer.decode(reply, skip_special_tokens=True).strip()
+                    out.write(json.dumps(_record(index, rid, prompt, text, len(reply), finished), ensure_ascii=False))
+                    out.write("\n")
+                    stats.generated += 1
+                    stats.unfinished += not finished
+                out.flush()
+                os.fsync(out.fileno())
+                bar.update(len(batch))
+    finally:
+        model.train(was_training)
+        bar.close()
+    if stats.unfinished:
+        logger.warning("%s: %d replies hit max_new_tokens=%d", path, stats.unfinished, max_new_tokens)
+    return stats
+
+
+@torch.inference_mode()
+def _generate_batch(
+    model: Any, prompts: list[list[int]], max_new_tokens: int, pad_id: int, stop_ids: set[int], device: torch.device
+) -> list[tuple[list[int], bool]]:
+    """Greedy replies (token ids, without the stop token) to B prompts, and whether each stopped on its own."""
+    input_ids, attention_mask = _left_pad(prompts, pad_id, device)
+    generated = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+        eos_token_id=sorted(stop_ids) or None,
+    )
+    new_tokens = generated[:, input_ids.shape[1] :].tolist()  # [B, <= max_new_tokens]
+    return [_reply_tokens(tokens, stop_ids) for tokens in new_tokens]
+
+
+def _record(index: int, rid: str, prompt: Conversation, reply: str, new_tokens: int, finished: bool) -> dict:
+    """A ShareGPT-style record that ``load_conversations("json", ...)`` reads back."""
+    speaker = {"user": "human", "system": "system"}
+    turns = [{"from": speaker[m["role"]], "value": m["content"]} for m in prompt]
+    return {
+        "id": rid,
+        "source_index": index,
+        "conversations": [*turns, {"from": "gpt", "value": reply}],
+        "new_tokens": new_tokens,
+        "finished": finished,
+    }
