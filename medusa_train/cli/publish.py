@@ -1,0 +1,41 @@
+"""``medusa-publish export_dir=DIR repo_id=NAME``: publish an export to the Hub (``dry_run=true output_dir=OUT``:
+write the repository folder only). Settings: :class:`medusa_train.publish.config.PublishConfig`."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+import medusa_train  # noqa: F401  (registers config schemas and resolvers)
+from medusa_train.config import as_dataclass
+from medusa_train.paths import CONF_DIR
+from medusa_train.publish.config import PublishConfig
+
+
+def run(cfg: DictConfig) -> object:
+    """Validate the config, then publish or write the folder; prints where the result went."""
+    from medusa_train.publish import prepare_repo_folder, publish_export
+
+    pc: PublishConfig = as_dataclass(PublishConfig, cfg)
+    common = dict(eval_dir=pc.eval_dir, license=pc.license, base_model=pc.base_model)
+    if pc.dry_run:
+        result = prepare_repo_folder(pc.export_dir, pc.output_dir, pc.repo_id, **common)
+        print(f"wrote {len(result.files)} files to {result.folder} (dry run: nothing uploaded)")
+    else:
+        result = publish_export(pc.export_dir, pc.repo_id, private=pc.private, revision=pc.revision,
+                                commit_message=pc.commit_message, **common)
+        print(f"published {len(result.files)} files to {result.url}")
+    for path in result.files:
+        print(f"  {path}")
+    for note in result.missing:
+        print(f"missing: {note}")
+    return result
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="publish", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

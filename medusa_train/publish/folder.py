@@ -1,0 +1,221 @@
+"""Assemble the Hub repository folder of an export: the files engines load, the tree, the evaluation, the card.
+
+Repository layout (the export layout of ``DESIGN.md`` plus the evaluation):
+
+```
+config.json                  FasterDecoding / TGI config (base_model_name_or_path may be replaced, see below)
+medusa_lm_head.safetensors   the heads (or medusa_lm_head.pt from a FasterDecoding folder)
+token_map.safetensors        only with a reduced head vocabulary
+vllm/config.json, vllm/model.safetensors
+medusa_choices.json, head_accuracy.json, latency_profile.json      when tuned
+eval/summary.json, eval/summary.md, eval/*.png                     when evaluated
+README.md                    the model card
+```
+
+Only these files are published: other things in the export folder (Hydra run folders, checkpoints, notes) stay
+local. The export itself is never modified.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from medusa_train.export import load_heads, read_export_config
+from medusa_train.export.writer import (
+    CONFIG_FILE,
+    LEGACY_WEIGHTS_FILE,
+    TOKEN_MAP_FILE,
+    VLLM_DIR,
+    VLLM_WEIGHTS_FILE,
+    WEIGHTS_FILE,
+)
+from medusa_train.loading.medusa import EXPORT_MODEL_KEY
+from medusa_train.tuning.tune import ACCURACY_FILE, CHOICES_FILE, LATENCY_FILE, read_tree_files
+
+log = logging.getLogger(__name__)
+
+README_FILE = "README.md"
+EVAL_DIR = "eval"
+EVAL_SUMMARY = "summary.json"
+EVAL_MARKDOWN = "summary.md"
+
+
+@dataclass
+class ExportContents:
+    """What an export holds, read and checked, ready for the card and the folder.
+
+    Attributes:
+        export_dir: the export folder.
+        config: its ``config.json`` as published (``base_model_name_or_path`` replaced when a base was given).
+        config_changed: whether ``config`` differs from the file (then it is written, not copied).
+        original_base: ``base_model_name_or_path`` as the export recorded it.
+        files: repository path -> local file, README excluded.
+        tree: :func:`~medusa_train.tuning.tune.read_tree_files` of the export.
+        eval_summary: ``summary.json`` of the evaluation, or None.
+        eval_markdown: ``summary.md`` of the evaluation, or None.
+        eval_plots: repository paths of the evaluation's PNG plots.
+        missing: one sentence per missing part (tree, accuracy table, evaluation, vLLM folder), for the card.
+    """
+
+    export_dir: Path
+    config: dict[str, Any]
+    config_changed: bool
+    original_base: str
+    files: dict[str, Path]
+    tree: dict[str, Any]
+    eval_summary: dict[str, Any] | None = None
+    eval_markdown: str | None = None
+    eval_plots: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def has_vllm(self) -> bool:
+        return f"{VLLM_DIR}/{CONFIG_FILE}" in self.files
+
+
+def collect_export(
+    export_dir: str | os.PathLike[str], eval_dir: str | os.PathLike[str] | None = None, base_model: str | None = None
+) -> ExportContents:
+    """Read and check an export before anything is written or uploaded.
+
+    The heads are loaded strictly (every key and shape, :func:`~medusa_train.export.load_heads`), and so is
+    ``vllm/`` when present, so a damaged export fails here rather than on the Hub.
+
+    Args:
+        export_dir: the export folder.
+        eval_dir: a ``medusa-eval`` output folder; default ``export_dir/eval`` when it exists (a warning otherwise).
+        base_model: Hub id to publish as ``base_model_name_or_path`` (for exports trained on a local copy); a
+            recorded ``medusa_train_model`` naming another path (how the local copy was loaded) is then dropped
+            from the published config, so loaders use the Hub id.
+
+    Raises:
+        FileNotFoundError: no export there, or ``eval_dir`` given without a ``summary.json``.
+        ValueError: damaged weights or JSON files (the file named), or an invalid ``medusa_choices.json``.
+    """
+    folder = Path(export_dir)
+    config = read_export_config(folder)  # FileNotFoundError / ValueError naming the folder
+    load_heads(folder)  # strict: missing keys, shapes, damaged files
+    files: dict[str, Path] = {CONFIG_FILE: folder / CONFIG_FILE}
+    weights = next(n for n in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE) if (folder / n).is_file())
+    files[weights] = folder / weights
+    if config.get("head_vocab_size") is not None:
+        files[TOKEN_MAP_FILE] = folder / TOKEN_MAP_FILE
+    missing: list[str] = []
+    vllm = folder / VLLM_DIR
+    if (vllm / CONFIG_FILE).is_file():
+        load_heads(vllm)
+        for name in (CONFIG_FILE, VLLM_WEIGHTS_FILE):
+            files[f"{VLLM_DIR}/{name}"] = vllm / name
+    else:
+        missing.append(f"No `{VLLM_DIR}/` folder: these heads cannot be served with vLLM as published; re-export "
+                       "with `export_vllm=true` and publish again.")
+
+    tree = read_tree_files(folder)
+    _check_choices(tree.get("medusa_choices"), folder / CHOICES_FILE)
+    for name in (CHOICES_FILE, ACCURACY_FILE, LATENCY_FILE):
+        if (folder / name).is_file():
+            files[name] = folder / name
+    if "medusa_choices" not in tree:
+        missing.append(f"No tuned tree (`{CHOICES_FILE}`): `MedusaDecoder` falls back to Medusa's default "
+                       "`mc_sim_7b_63` tree cut to these heads. Run `medusa-tune-tree export_dir=EXPORT_DIR` and "
+                       "publish again.")
+    if "head_accuracy" not in tree:
+        missing.append(f"No head accuracy table (`{ACCURACY_FILE}`): it is written by training (with a held-out "
+                       "split) and by `medusa-tune-tree`.")
+
+    contents = ExportContents(folder, config, False, str(config.get("base_model_name_or_path", "")), files, tree,
+                              missing=missing)
+    _collect_eval(contents, eval_dir)
+    if base_model:
+        published = dict(config, base_model_name_or_path=base_model)
+        recorded = config.get(EXPORT_MODEL_KEY)
+        if isinstance(recorded, dict) and recorded.get("name_or_path") != base_model:
+            del published[EXPORT_MODEL_KEY]  # how a local copy was loaded: meaningless elsewhere
+        contents.config, contents.config_changed = published, published != config
+    for note in contents.missing:
+        log.warning("publishing %s: %s", folder, note)
+    return contents
+
+
+def _check_choices(choices: Any, path: Path) -> None:
+    if choices is None:
+        return
+    if not isinstance(choices, list) or not all(
+        isinstance(p, list) and p and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in p)
+        for p in choices
+    ):
+        raise ValueError(f"{path} must hold a list of rank paths such as [[0], [0, 0], [1]], got {choices!r:.200}")
+
+
+def _collect_eval(contents: ExportContents, eval_dir: str | os.PathLike[str] | None) -> None:
+    default = contents.export_dir / EVAL_DIR
+    folder = Path(eval_dir) if eval_dir is not None else default
+    summary = folder / EVAL_SUMMARY
+    if not summary.is_file():
+        if eval_dir is not None:
+            raise FileNotFoundError(f"eval_dir={folder} has no {EVAL_SUMMARY}: pass the output_dir of a medusa-eval "
+                                    "run, or leave eval_dir unset")
+        contents.missing.append(f"No evaluation (`{EVAL_DIR}/{EVAL_SUMMARY}`): no measured speedup is published. "
+                                "Run `medusa-eval export_dir=EXPORT_DIR prompts=FILE output_dir=EXPORT_DIR/eval` "
+                                "(or publish with `eval_dir=`) and publish again.")
+        return
+    try:
+        data = json.loads(summary.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{summary} is not valid JSON: {e}") from e
+    if not isinstance(data, dict) or not isinstance(data.get("decoders"), dict):
+        raise ValueError(f"{summary} must be a medusa-eval summary with a 'decoders' mapping")
+    contents.eval_summary = data
+    contents.files[f"{EVAL_DIR}/{EVAL_SUMMARY}"] = summary
+    if (folder / EVAL_MARKDOWN).is_file():
+        contents.eval_markdown = (folder / EVAL_MARKDOWN).read_text(encoding="utf-8")
+        contents.files[f"{EVAL_DIR}/{EVAL_MARKDOWN}"] = folder / EVAL_MARKDOWN
+    for plot in sorted(folder.glob("*.png")):
+        contents.files[f"{EVAL_DIR}/{plot.name}"] = plot
+        contents.eval_plots.append(f"{EVAL_DIR}/{plot.name}")
+
+
+def write_repo_folder(
+    contents: ExportContents, card: str, out_dir: str | os.PathLike[str], link: bool = False
+) -> list[str]:
+    """Write the repository folder: every file of ``contents`` plus ``README.md`` = ``card``.
+
+    Args:
+        contents: from :func:`collect_export`.
+        card: the model card text.
+        out_dir: created if absent; must be empty.
+        link: hard-link the files instead of copying them (a private staging folder for the upload: no copy of
+            large weights); falls back to copying across file systems.
+
+    Returns:
+        The repository paths written, sorted.
+
+    Raises:
+        ValueError: ``out_dir`` is not empty, or lies inside the export folder.
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output_dir {out} is not an empty folder: choose a new one or empty it")
+    if out.resolve().is_relative_to(contents.export_dir.resolve()):
+        raise ValueError(f"output_dir {out} is inside the export folder {contents.export_dir}: choose another place")
+    out.mkdir(parents=True, exist_ok=True)
+    for repo_path, source in contents.files.items():
+        target = out / repo_path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if repo_path == CONFIG_FILE and contents.config_changed:
+            target.write_text(json.dumps(contents.config, indent=2) + "\n", encoding="utf-8")
+        elif link:
+            try:
+                os.link(source, target)
+            except OSError:
+                shutil.copyfile(source, target)
+        else:
+            shutil.copyfile(source, target)
+    (out / README_FILE).write_text(card, encoding="utf-8")
+    return sorted([*contents.files, README_FILE])
