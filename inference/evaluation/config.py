@@ -1,0 +1,139 @@
+"""Config schema of ``medusa-eval`` (``conf/evaluate.yaml``, with one ``conf/decoder/<name>.yaml`` per decoder)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from inference.decoders.base import DecodeConfig
+from inference.registry import REGISTRY, check_decoder_names, check_request, decoder_names, decoder_settings
+from medusa_train.config import torch_dtype
+from medusa_train.prompts import PROMPT_SOURCES
+
+BASELINE = "vanilla"
+# Keys that leave every measured row valid: a rerun in the same folder with other values here resumes the results
+# (e.g. more prompts or turns extend a run; each new prompt turn is still measured interleaved). Any other change
+# (decoders, their settings, max_new_tokens, dtype, threads, ...) would mix rows of different settings or sessions.
+RESUMABLE_KEYS = ("output_dir", "overwrite", "progress", "plots", "warmup", "warmup_max_new_tokens", "num_prompts",
+                  "per_category", "prompt_offset", "max_turns")
+
+
+@dataclass
+class EvaluateConfig:
+    """``medusa-eval export_dir=DIR prompts=FILE output_dir=OUT decoders=[vanilla,medusa] dtype=... max_new_tokens=N``.
+
+    Attributes:
+        export_dir: the export folder (heads, config.json; ``medusa_choices.json`` and ``head_accuracy.json`` when
+            tuned). Its recorded base model is the target every decoder runs.
+        prompts: ``mt_bench`` (the assets' 80 questions), ``sharegpt`` (held-out first turns), or a JSONL file of
+            MT-Bench's shape (``question_id``, ``category``, ``turns``).
+        num_prompts: keep the first N prompts (after ``prompt_offset`` and ``per_category``); None: all.
+        per_category: keep the first N prompts of each category (MT-Bench lists its 8 categories one after the
+            other: ``per_category=1`` is a subset spanning all of them); None: all.
+        prompt_offset: skip this many prompts first (None: 0; ShareGPT: its held-out offset).
+        max_turns: user turns answered per prompt (MT-Bench has 2); None: all. A later turn follows the baseline's
+            own answer to the earlier one, so every decoder sees the same conversation.
+        output_dir: results.jsonl, summary.json, summary.md, plots (in a multirun: one numbered subfolder per run).
+        decoders: decoder names, run in turn on every prompt (all registered ones by default). ``vanilla`` is the
+            baseline of speedup and exact match and writes the answers later turns follow: it always runs, first,
+            and is added when missing.
+        decoder: settings per decoder name (``conf/decoder/<name>.yaml``).
+        model: optional ``model/`` config overriding the base model recorded in the export.
+        dtype, device: overrides of the model config's dtype and device, for every decoder (None: the model config's).
+        max_new_tokens: longest reply per turn.
+        temperature, top_p, top_k: 0 for greedy; exact match against vanilla is reported only when greedy.
+        seed: sampling seed, the same for every decoder.
+        warmup: untimed generations per decoder before the first timed one.
+        warmup_max_new_tokens: length of each warm-up generation.
+        threads: ``torch.set_num_threads``; None keeps torch's default.
+        plots: write the PNG plots.
+        progress: show a progress bar.
+        overwrite: discard results already in ``output_dir`` (by default a run resumes them when its settings match).
+    """
+
+    export_dir: str = MISSING
+    prompts: str = "mt_bench"
+    num_prompts: Optional[int] = None
+    per_category: Optional[int] = None
+    prompt_offset: Optional[int] = None
+    max_turns: Optional[int] = None
+    output_dir: str = MISSING
+    decoders: list[str] = field(default_factory=lambda: list(decoder_names()))
+    decoder: dict[str, Any] = field(default_factory=dict)
+    model: Optional[Any] = None
+    dtype: Optional[str] = None
+    device: Optional[str] = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    warmup: int = 1
+    warmup_max_new_tokens: int = 16
+    threads: Optional[int] = None
+    plots: bool = True
+    progress: bool = True
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        """Check every setting, the chosen decoders' included, before any model is loaded.
+
+        Raises:
+            ValueError: a bad value (the key named), an unknown decoder (valid names listed), or a decoder whose
+                settings are invalid or incomplete (``decoder.<name>`` named).
+        """
+        check_decoder_names(self.decoders)
+        request = self.request()  # range checks of max_new_tokens / temperature / top_p / top_k
+        for name in self.run_order():
+            check_request(name, self.settings_for(name), request)
+        unknown = sorted(set(self.decoder) - set(REGISTRY))
+        if unknown:
+            raise ValueError(f"decoder has settings for unknown decoder(s) {unknown}; valid: {', '.join(REGISTRY)}")
+        if self.dtype is not None:
+            torch_dtype(self.dtype)
+        for key in ("num_prompts", "per_category", "max_turns", "threads"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"{key} must be >= 1 or null, got {value}")
+        if self.prompt_offset is not None and self.prompt_offset < 0:
+            raise ValueError(f"prompt_offset must be >= 0 or null, got {self.prompt_offset}")
+        if self.warmup < 0 or self.warmup_max_new_tokens < 1:
+            raise ValueError(f"warmup must be >= 0 and warmup_max_new_tokens >= 1, got {self.warmup} and "
+                             f"{self.warmup_max_new_tokens}")
+        if self.prompts not in PROMPT_SOURCES and not Path(self.prompts).is_file():
+            raise FileNotFoundError(f"prompts={self.prompts!r} is neither a prompt set ({', '.join(PROMPT_SOURCES)}) "
+                                    "nor an existing JSONL file of MT-Bench's shape")
+
+    def run_order(self) -> list[str]:
+        """The decoders in the order they take turns on each prompt: the baseline first, then as listed."""
+        return [BASELINE] + [n for n in self.decoders if n != BASELINE]
+
+    def settings_for(self, name: str) -> Any:
+        """Validated settings of decoder ``name`` (``decoder.<name>``; the schema's defaults when absent)."""
+        return decoder_settings(name, self.decoder.get(name))
+
+    def request(self, eos_token_ids: tuple[int, ...] = ()) -> DecodeConfig:
+        """The generation request every decoder gets."""
+        return DecodeConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                            top_k=self.top_k, eos_token_ids=eos_token_ids, seed=self.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def register_schemas() -> None:
+    """``evaluate_schema`` and ``schema/decoder/<name>`` for every registered decoder (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="evaluate_schema", node=EvaluateConfig)
+    for name, entry in REGISTRY.items():
+        cs.store(group="schema/decoder", name=name, node=entry.settings)
+
+
+register_schemas()
+
+__all__ = ["BASELINE", "EvaluateConfig", "RESUMABLE_KEYS", "register_schemas"]

@@ -1,0 +1,178 @@
+"""Numbers from ``results.jsonl`` rows: ``summary.json`` (DESIGN.md's fields) and ``summary.md`` (a table per category
+and overall).
+
+Definitions (DESIGN.md "Terms"), over the (prompt, turn) pairs every decoder of the run answered:
+
+- tokens_per_second: all new tokens / all wall time (prefill included) of the decoder.
+- speedup: its tokens_per_second / the baseline's (``vanilla``) over the same pairs, same run.
+- mean_accepted_tokens (τ): decoding-pass tokens / decoding passes summed over the rows
+  (:func:`inference.decoders.base.aggregate_mean_accepted_tokens`; the prefill's token and pass are apart), so plain
+  decoding scores exactly 1.0.
+- exact_match_vs_greedy: share of pairs whose tokens equal the baseline's exactly; only meaningful when the baseline
+  is greedy (``temperature == 0``), None otherwise.
+
+Values that cannot be computed (no decoding pass, no wall time) are None in JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from inference.decoders.base import aggregate_mean_accepted_tokens
+from inference.evaluation.results import row_result
+
+OVERALL = "overall"
+METRICS = ("tokens_per_second", "speedup", "mean_accepted_tokens", "exact_match_vs_greedy", "new_tokens",
+           "wall_time_s")
+
+
+def decoder_order(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Decoder names in order of first appearance."""
+    return list(dict.fromkeys(r["decoder"] for r in rows))
+
+
+def complete_units(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
+    """(prompt_id, turn) -> {decoder: row}, for the pairs every decoder of ``rows`` answered (run order kept)."""
+    names = decoder_order(rows)
+    units: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        units.setdefault((str(r["prompt_id"]), int(r["turn"])), {})[r["decoder"]] = r
+    return {k: v for k, v in units.items() if len(v) == len(names)}
+
+
+def _none_if_nan(x: float) -> float | None:
+    return None if x is None or math.isnan(x) else x
+
+
+def decoder_metrics(
+    units: Sequence[dict[str, dict[str, Any]]], greedy: bool, baseline: str = "vanilla"
+) -> dict[str, dict[str, Any]]:
+    """DESIGN.md's per-decoder fields over ``units`` (each {decoder: row} for one prompt turn).
+
+    Args:
+        units: complete pairs (every decoder present).
+        greedy: the baseline decoded greedily (exact match is None otherwise).
+        baseline: the decoder speedup and exact match compare against.
+
+    Returns:
+        ``{decoder: {"tokens_per_second", "speedup", "mean_accepted_tokens", "exact_match_vs_greedy",
+        "new_tokens", "wall_time_s"}}``; speedup None without the baseline or when its speed is 0.
+    """
+    if not units:
+        return {}
+    names = list(units[0])
+    table: dict[str, dict[str, Any]] = {}
+    for name in names:
+        rows = [u[name] for u in units]
+        new_tokens = sum(int(r["new_tokens"]) for r in rows)
+        wall = sum(float(r["wall_time_s"]) for r in rows)
+        exact = None
+        if greedy and baseline in names:
+            exact = sum(u[name]["tokens"] == u[baseline]["tokens"] for u in units) / len(units)
+        table[name] = {
+            "tokens_per_second": new_tokens / wall if wall > 0 else None,
+            "speedup": None,
+            "mean_accepted_tokens": _none_if_nan(aggregate_mean_accepted_tokens([row_result(r) for r in rows])),
+            "exact_match_vs_greedy": exact,
+            "new_tokens": new_tokens,
+            "wall_time_s": wall,
+        }
+    base_tps = table.get(baseline, {}).get("tokens_per_second")
+    for metrics in table.values():
+        if base_tps and metrics["tokens_per_second"] is not None:
+            metrics["speedup"] = metrics["tokens_per_second"] / base_tps
+    return table
+
+
+def tables_by_category(
+    rows: Sequence[dict[str, Any]], greedy: bool, baseline: str = "vanilla"
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{"overall": metrics, <category>: metrics, ...}`` (categories sorted) over the complete pairs of ``rows``."""
+    units = complete_units(rows)
+    by_category: dict[str, list[dict[str, dict[str, Any]]]] = {}
+    for unit in units.values():
+        by_category.setdefault(str(next(iter(unit.values()))["category"]), []).append(unit)
+    out = {OVERALL: decoder_metrics(list(units.values()), greedy, baseline)}
+    for category in sorted(by_category):
+        out[category] = decoder_metrics(by_category[category], greedy, baseline)
+    return out
+
+
+def accepted_length_histogram(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, int]]:
+    """{decoder: {tokens kept by one decoding pass: number of passes}} over the complete pairs."""
+    hist: dict[str, Counter] = {}
+    for unit in complete_units(rows).values():
+        for name, r in unit.items():
+            hist.setdefault(name, Counter()).update(int(a) for a in r["accepted_lengths"])
+    return {name: dict(sorted(c.items())) for name, c in hist.items()}
+
+
+def summarize(
+    rows: Sequence[dict[str, Any]], greedy: bool, model: str, device: str, dtype: str, max_new_tokens: int,
+    baseline: str = "vanilla",
+) -> dict[str, Any]:
+    """``summary.json`` exactly as DESIGN.md specifies::
+
+        {"model", "device", "dtype", "prompts", "max_new_tokens",
+         "decoders": {name: {"tokens_per_second", "speedup", "mean_accepted_tokens", "exact_match_vs_greedy",
+                             "new_tokens", "wall_time_s"}}}
+
+    ``prompts`` counts the distinct prompts with at least one complete turn.
+    """
+    units = complete_units(rows)
+    return {
+        "model": model,
+        "device": device,
+        "dtype": dtype,
+        "prompts": len({pid for pid, _ in units}),
+        "max_new_tokens": max_new_tokens,
+        "decoders": decoder_metrics(list(units.values()), greedy, baseline),
+    }
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def markdown_table(metrics: dict[str, dict[str, Any]]) -> str:
+    """One Markdown table: a row per decoder."""
+    lines = ["| decoder | tokens/s | speedup | mean accepted tokens | exact match | new tokens | wall time (s) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, m in metrics.items():
+        lines.append(f"| {name} | {_fmt(m['tokens_per_second'], '.2f')} | {_fmt(m['speedup'], '.2f')}x | "
+                     f"{_fmt(m['mean_accepted_tokens'], '.2f')} | {_fmt(m['exact_match_vs_greedy'], '.2f')} | "
+                     f"{m['new_tokens']} | {m['wall_time_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def summary_markdown(summary: dict[str, Any], by_category: dict[str, dict[str, dict[str, Any]]],
+                     command: str | None = None, commit: str | None = None) -> str:
+    """``summary.md``: the run's header, the overall table, then one table per category."""
+    head = [f"# medusa-eval: {summary['model']}", "",
+            f"{summary['prompts']} prompts, max_new_tokens {summary['max_new_tokens']}, {summary['dtype']} on "
+            f"{summary['device']}" + (f", commit {commit}" if commit else "") + ".",
+            "Speedup: tokens/s over vanilla's on the same prompts in the same run; mean accepted tokens: new tokens "
+            "per target forward pass after the prefill; exact match: share of replies identical to vanilla's "
+            "(greedy runs only)."]
+    if command:
+        head += ["", f"Command: `{command}`"]
+    parts = ["\n".join(head), f"## {OVERALL}\n\n{markdown_table(by_category.get(OVERALL, {}))}"]
+    parts += [f"## {cat}\n\n{markdown_table(m)}" for cat, m in by_category.items() if cat != OVERALL]
+    return "\n\n".join(parts) + "\n"
+
+
+__all__ = [
+    "METRICS",
+    "OVERALL",
+    "accepted_length_histogram",
+    "complete_units",
+    "decoder_metrics",
+    "decoder_order",
+    "markdown_table",
+    "summarize",
+    "summary_markdown",
+    "tables_by_category",
+]

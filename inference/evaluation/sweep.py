@@ -1,0 +1,151 @@
+"""One table from many evaluation runs (a Hydra multirun, or any run folders).
+
+Each run folder holds ``summary.json`` and ``run.json`` (its overrides). The table has one row per run and decoder
+other than the baseline (one row per run when a single decoder is swept), with a column per override that varies
+between the runs; overrides shared by every run are listed above it. ``medusa-eval -m ...`` writes
+``sweep.md`` and ``sweep.jsonl`` into the sweep folder when the multirun ends (:class:`SweepTableCallback`);
+``python -m inference.evaluation.sweep RUN_OR_SWEEP_DIR...`` combines any folders by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+SUMMARY_FILE = "summary.json"
+RUN_FILE = "run.json"
+SWEEP_MD = "sweep.md"
+SWEEP_JSONL = "sweep.jsonl"
+
+
+def _natural(path: Path) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
+
+
+def find_runs(folders: Sequence[str | Path]) -> list[Path]:
+    """Run folders (those holding summary.json): each folder itself, or its subfolders when it is a sweep folder.
+
+    Raises:
+        FileNotFoundError: a folder does not exist or holds no run.
+    """
+    runs: list[Path] = []
+    for folder in map(Path, folders):
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} is not a folder")
+        if (folder / SUMMARY_FILE).is_file():
+            runs.append(folder)
+            continue
+        found = sorted((p.parent for p in folder.glob(f"*/{SUMMARY_FILE}")), key=_natural)
+        if not found:
+            raise FileNotFoundError(f"{folder} holds no {SUMMARY_FILE} (is it a medusa-eval run or sweep folder?)")
+        runs += found
+    return runs
+
+
+def run_overrides(run_dir: Path) -> list[str]:
+    """The command-line overrides of a run (``run.json``'s ``overrides``, else Hydra's ``.hydra/overrides.yaml``)."""
+    info = run_dir / RUN_FILE
+    if info.is_file():
+        overrides = json.loads(info.read_text()).get("overrides")
+        if overrides is not None:
+            return list(overrides)
+    hydra_file = run_dir / ".hydra" / "overrides.yaml"
+    if hydra_file.is_file():
+        from omegaconf import OmegaConf
+
+        return [str(o) for o in OmegaConf.load(hydra_file)]
+    return []
+
+
+def _split(override: str) -> tuple[str, str]:
+    key, _, value = override.partition("=")
+    return key, value
+
+
+def sweep_rows(run_dirs: Sequence[str | Path], baseline: str = "vanilla") -> list[dict[str, Any]]:
+    """Rows of the combined table: ``{"run", "overrides": {key: value}, "decoder", <summary metrics>,
+    "baseline_tokens_per_second"}``; the baseline itself only for a run in which it is the only decoder."""
+    rows = []
+    for run_dir in map(Path, run_dirs):
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        decoders: dict[str, dict[str, Any]] = summary["decoders"]
+        base_tps = decoders.get(baseline, {}).get("tokens_per_second")
+        overrides = dict(_split(o) for o in run_overrides(run_dir))
+        names = [n for n in decoders if n != baseline] or list(decoders)
+        for name in names:
+            rows.append({"run": str(run_dir), "overrides": overrides, "decoder": name, **decoders[name],
+                         "baseline_tokens_per_second": base_tps, "prompts": summary.get("prompts")})
+    return rows
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def sweep_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The combined table in Markdown, overrides that vary as columns and the shared ones above."""
+    keys = list(dict.fromkeys(k for r in rows for k in r["overrides"]))
+    varying = [k for k in keys if len({r["overrides"].get(k) for r in rows}) > 1]
+    shared = [f"{k}={rows[0]['overrides'][k]}" for k in keys if k not in varying]
+    lines = [f"Shared overrides: `{' '.join(shared)}`", ""] if shared else []
+    lines += ["| run | " + " | ".join(varying + ["decoder", "speedup", "mean accepted tokens", "exact match",
+                                                 "tokens/s", "vanilla tokens/s", "new tokens"]) + " |",
+              "| --- | " + " | ".join(["---"] * (len(varying) + 1) + ["---:"] * 6) + " |"]
+    for r in rows:
+        cells = [Path(r["run"]).name or r["run"]] + [r["overrides"].get(k, "") for k in varying] + [
+            r["decoder"], _fmt(r["speedup"], ".2f") + "x", _fmt(r["mean_accepted_tokens"], ".2f"),
+            _fmt(r["exact_match_vs_greedy"], ".2f"), _fmt(r["tokens_per_second"], ".2f"),
+            _fmt(r["baseline_tokens_per_second"], ".2f"), str(r["new_tokens"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_sweep(out_dir: str | Path, run_dirs: Sequence[str | Path]) -> tuple[Path, list[dict[str, Any]]]:
+    """Write ``sweep.md`` and ``sweep.jsonl`` (one JSON row per table row) into ``out_dir``.
+
+    Returns:
+        ``(path of sweep.md, rows)``.
+    """
+    out = Path(out_dir)
+    rows = sweep_rows(run_dirs)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SWEEP_JSONL).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / SWEEP_MD).write_text(sweep_markdown(rows))
+    return out / SWEEP_MD, rows
+
+
+class SweepTableCallback(Callback):
+    """Hydra callback: when a multirun ends, combine its runs into ``sweep.md`` / ``sweep.jsonl`` and print it."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        runs = [p.parent for p in sorted(sweep_dir.glob(f"*/{SUMMARY_FILE}"), key=_natural)]
+        if not runs:
+            return
+        path, _ = write_sweep(sweep_dir, runs)
+        print(f"\nsweep of {len(runs)} runs -> {path}\n\n{path.read_text()}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m inference.evaluation.sweep DIR... [--out DIR]``: combine run or sweep folders into one table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="+", help="run folders, or sweep folders holding numbered runs")
+    parser.add_argument("--out", default=None, help="where sweep.md/sweep.jsonl go (default: the first folder)")
+    args = parser.parse_args(argv)
+    runs = find_runs(args.folders)
+    path, _ = write_sweep(args.out or args.folders[0], runs)
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["SweepTableCallback", "find_runs", "run_overrides", "sweep_markdown", "sweep_rows", "write_sweep"]

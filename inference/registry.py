@@ -1,0 +1,392 @@
+"""Decoders by name: each entry pairs a settings dataclass (the ``decoder/<name>.yaml`` schema) with a builder.
+
+Adding a decoder is one :class:`DecoderEntry` in :data:`REGISTRY`: its settings are checked (unknown keys, bad values,
+missing required settings) by :func:`decoder_settings` before any model is loaded, and :func:`build_decoder` turns
+them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model.
+
+Names: ``vanilla``, ``medusa``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup`` (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from inference.decoders.base import DecodeConfig, Decoder
+from inference.decoders.medusa import ACCEPTANCE_RULES, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
+from inference.draft_model import DraftConfig
+from inference.proposers.lookahead import check_lookahead_settings
+
+
+@dataclass
+class BuildContext:
+    """What builders get besides their settings: the loaded target model and where it came from.
+
+    Attributes:
+        model: the :class:`~medusa_train.model.MedusaModel` (``.base`` is the target ``*ForCausalLM``).
+        tokenizer: the target's tokenizer.
+        export_dir: the export folder (tuned tree files live there).
+        dtype, device: the run's dtype and device overrides (None: the model config's); a second model (a draft)
+            is loaded with them too.
+        drafts: drafts built so far, by settings, so that decoders sharing a draft load it once.
+    """
+
+    model: Any
+    tokenizer: Any
+    export_dir: str
+    dtype: Optional[str] = None
+    device: Optional[str] = None
+    drafts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BuiltDecoder:
+    """A decoder and what was resolved while building it (e.g. the tree used and where it came from), for the run
+    record."""
+
+    decoder: Decoder
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+# --- settings -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VanillaSettings:
+    """Plain decoding has no settings."""
+
+    def validate(self) -> None:
+        return None
+
+
+@dataclass
+class MedusaSettings:
+    """Medusa tree decoding (:class:`~inference.decoders.medusa.MedusaDecoder`).
+
+    Attributes:
+        acceptance: ``greedy``, ``typical`` or ``speculative`` (typical and speculative are greedy at temperature 0).
+        posterior_threshold, posterior_alpha: typical acceptance's epsilon and delta (Medusa paper, Sec. 3.3.1).
+        topk: candidates taken from each head.
+        medusa_choices: the tree (a list of paths, or a JSON file holding one); None: the export's
+            ``medusa_choices.json`` when present, else Medusa's default tree cut to the heads and ``topk``.
+    """
+
+    acceptance: str = "typical"
+    posterior_threshold: float = POSTERIOR_THRESHOLD
+    posterior_alpha: float = POSTERIOR_ALPHA
+    topk: int = 10
+    medusa_choices: Optional[Any] = None
+
+    def validate(self) -> None:
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
+        if self.topk < 1:
+            raise ValueError(f"topk must be >= 1, got {self.topk}")
+        if not 0.0 <= self.posterior_threshold <= 1.0 or not 0.0 <= self.posterior_alpha <= 1.0:
+            raise ValueError("posterior_threshold and posterior_alpha must be in [0, 1], got "
+                             f"{self.posterior_threshold} and {self.posterior_alpha}")
+
+
+@dataclass
+class DraftSettings(DraftConfig):
+    """Speculative decoding with a draft model (:class:`~inference.decoders.draft.DraftDecoder`); the fields of
+    :class:`inference.draft_model.DraftConfig`: ``kind`` (``self_layers``: the target's first ``num_layers``
+    layers; ``model``: a separate ``model/`` config under ``model``, loaded in the run's dtype and device),
+    ``num_draft_tokens`` (K) and ``schedule``."""
+
+
+@dataclass
+class HfAssistedSettings(DraftConfig):
+    """``generate(assistant_model=...)`` (:class:`~inference.decoders.hf_peers.HfAssistedDecoder`): the draft as in
+    :class:`DraftSettings`, and ``confidence_threshold``, transformers' ``assistant_confidence_threshold`` (None: the
+    draft's generation config value; 0: always draft K tokens, as the draft decoder does)."""
+
+    confidence_threshold: Optional[float] = None
+
+    def validate(self) -> None:
+        super().validate()
+        if self.confidence_threshold is not None and not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must be in [0, 1] or null, got {self.confidence_threshold}")
+
+
+@dataclass
+class LookaheadSettings:
+    """Lookahead decoding (:class:`~inference.decoders.lookahead.LookaheadDecoder`), greedy only.
+
+    Attributes:
+        window: W, positions ahead per Jacobi iteration.
+        ngram: N, the n-gram size.
+        guesses: G, candidate n-grams verified per step.
+        prompt_ngrams: also pool the prompt's own n-grams.
+    """
+
+    window: int = 5
+    ngram: int = 4
+    guesses: int = 5
+    prompt_ngrams: bool = True
+
+    def validate(self) -> None:
+        check_lookahead_settings(self.window, self.ngram, self.guesses)
+
+
+@dataclass
+class HfPromptLookupSettings:
+    """``generate(prompt_lookup_num_tokens=...)`` (:class:`~inference.decoders.hf_peers.HfPromptLookupDecoder`),
+    greedy only.
+
+    Attributes:
+        num_draft_tokens: K, tokens copied from the prompt per match (``prompt_lookup_num_tokens``).
+        max_matching_ngram_size: longest n-gram matched against the prompt.
+    """
+
+    num_draft_tokens: int = 10
+    max_matching_ngram_size: int = 2
+
+    def validate(self) -> None:
+        if self.num_draft_tokens < 1 or self.max_matching_ngram_size < 1:
+            raise ValueError(f"num_draft_tokens and max_matching_ngram_size must be >= 1, got "
+                             f"{self.num_draft_tokens} and {self.max_matching_ngram_size}")
+
+
+# --- request checks (run before any model loads) ---------------------------------------------------------------
+
+
+def _greedy_only(name: str) -> Callable[[Any, DecodeConfig], None]:
+    def check(settings: Any, request: DecodeConfig) -> None:
+        if not request.greedy:
+            raise ValueError(f"decoder {name!r} decodes greedily only: set temperature=0 or leave {name} out of "
+                             "decoders")
+    return check
+
+
+def _check_medusa_request(settings: MedusaSettings, request: DecodeConfig) -> None:
+    if settings.acceptance == "greedy" and not request.greedy:
+        raise ValueError(f"decoder.medusa.acceptance=greedy needs temperature=0 (got {request.temperature}); set "
+                         "decoder.medusa.acceptance=speculative (lossless) or typical to sample")
+
+
+# --- builders -------------------------------------------------------------------------------------------------
+
+
+def _build_vanilla(settings: VanillaSettings, ctx: BuildContext) -> BuiltDecoder:
+    from inference.decoders.vanilla import VanillaDecoder
+
+    return BuiltDecoder(VanillaDecoder(ctx.model.base, tokenizer=ctx.tokenizer))
+
+
+def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
+    from inference.decoders.choices import resolve_medusa_choices
+    from inference.decoders.medusa import MedusaDecoder
+    from medusa_train.tuning.tune import read_tree_files
+
+    spec = ctx.model.heads.spec
+    choices = resolve_medusa_choices(settings.medusa_choices, ctx.export_dir, spec.num_heads, settings.topk)
+    if settings.medusa_choices is not None:
+        source = "decoder.medusa.medusa_choices"
+    elif "medusa_choices" in read_tree_files(ctx.export_dir):
+        source = "export medusa_choices.json"
+    else:
+        source = "default tree (mc_sim_7b_63 cut to the heads and topk)"
+    decoder = MedusaDecoder(ctx.model, choices, topk=settings.topk, acceptance=settings.acceptance,
+                            posterior_threshold=settings.posterior_threshold,
+                            posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer)
+    return BuiltDecoder(decoder, {"medusa_choices": [list(p) for p in choices], "tree_source": source,
+                                  "tree_nodes": len(choices) + 1})
+
+
+def _draft(settings: DraftConfig, ctx: BuildContext) -> tuple[Any, Any, dict[str, Any]]:
+    """(draft model, its tokenizer or None, info) for ``settings``; a separate model takes the run's dtype/device
+    overrides and is loaded once per run however many decoders use it."""
+    from medusa_train.config import ModelConfig, as_dataclass
+    from inference.draft_model import load_draft
+
+    if settings.kind == "model":
+        model_cfg = as_dataclass(ModelConfig, settings.model)
+        overrides = {k: v for k, v in (("dtype", ctx.dtype), ("device", ctx.device)) if v is not None}
+        settings = dataclasses.replace(settings, model=dataclasses.replace(model_cfg, **overrides))
+        key = repr(settings.model)
+        info = {"draft": "model", "draft_model": settings.model.name_or_path}
+    else:
+        key = f"self_layers:{settings.num_layers}"
+        info = {"draft": "self_layers", "draft_layers": settings.num_layers}
+    if key not in ctx.drafts:
+        ctx.drafts[key] = load_draft(settings, ctx.model.base, ctx.tokenizer)
+    draft, draft_tokenizer = ctx.drafts[key]
+    return draft, draft_tokenizer, info
+
+
+def _build_draft(settings: DraftSettings, ctx: BuildContext) -> BuiltDecoder:
+    from inference.decoders.draft import DraftDecoder
+
+    draft, draft_tokenizer, info = _draft(settings, ctx)
+    decoder = DraftDecoder(ctx.model.base, draft, num_draft_tokens=settings.num_draft_tokens,
+                           schedule=settings.schedule, tokenizer=ctx.tokenizer, draft_tokenizer=draft_tokenizer)
+    return BuiltDecoder(decoder, info)
+
+
+def _build_hf_assisted(settings: HfAssistedSettings, ctx: BuildContext) -> BuiltDecoder:
+    from inference.decoders.hf_peers import HfAssistedDecoder
+
+    draft, draft_tokenizer, info = _draft(settings, ctx)
+    decoder = HfAssistedDecoder(ctx.model.base, draft, num_draft_tokens=settings.num_draft_tokens,
+                                schedule=settings.schedule, confidence_threshold=settings.confidence_threshold,
+                                tokenizer=ctx.tokenizer, draft_tokenizer=draft_tokenizer)
+    return BuiltDecoder(decoder, info)
+
+
+def _build_lookahead(settings: LookaheadSettings, ctx: BuildContext) -> BuiltDecoder:
+    from inference.decoders.lookahead import LookaheadDecoder
+
+    decoder = LookaheadDecoder(ctx.model.base, window=settings.window, ngram=settings.ngram,
+                               guesses=settings.guesses, prompt_ngrams=settings.prompt_ngrams,
+                               tokenizer=ctx.tokenizer)
+    return BuiltDecoder(decoder)
+
+
+def _build_hf_prompt_lookup(settings: HfPromptLookupSettings, ctx: BuildContext) -> BuiltDecoder:
+    from inference.decoders.hf_peers import HfPromptLookupDecoder
+
+    decoder = HfPromptLookupDecoder(ctx.model.base, num_draft_tokens=settings.num_draft_tokens,
+                                    max_matching_ngram_size=settings.max_matching_ngram_size,
+                                    tokenizer=ctx.tokenizer)
+    return BuiltDecoder(decoder)
+
+
+# --- the registry ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecoderEntry:
+    """One decoder: its settings schema and how to build it.
+
+    Attributes:
+        name: the decoder's name in configs, results and summaries.
+        settings: a dataclass with defaults and a ``validate()`` that raises ``ValueError`` naming the field.
+        build: ``(settings, BuildContext) -> BuiltDecoder``; called once the target model is loaded.
+        summary: one line for listings.
+        check_request: ``(settings, request) -> None``, raising ``ValueError`` when the decoder cannot serve the
+            request (e.g. greedy-only decoders at temperature > 0); run before any model loads.
+    """
+
+    name: str
+    settings: type
+    build: Callable[[Any, BuildContext], BuiltDecoder]
+    summary: str
+    check_request: Optional[Callable[[Any, DecodeConfig], None]] = None
+
+
+REGISTRY: dict[str, DecoderEntry] = {}
+
+
+def register_decoder(entry: DecoderEntry) -> None:
+    """Add (or replace) a decoder entry."""
+    REGISTRY[entry.name] = entry
+
+
+for _entry in (
+    DecoderEntry("vanilla", VanillaSettings, _build_vanilla, "plain decoding, one target pass per token"),
+    DecoderEntry("medusa", MedusaSettings, _build_medusa, "Medusa heads draft a tree, one target pass verifies it",
+                 _check_medusa_request),
+    DecoderEntry("draft", DraftSettings, _build_draft, "a draft model proposes K tokens, one target pass verifies"),
+    DecoderEntry("lookahead", LookaheadSettings, _build_lookahead, "Jacobi n-gram pool, no draft model (greedy)",
+                 _greedy_only("lookahead")),
+    DecoderEntry("hf_assisted", HfAssistedSettings, _build_hf_assisted,
+                 "transformers generate(assistant_model=draft) (greedy)", _greedy_only("hf_assisted")),
+    DecoderEntry("hf_prompt_lookup", HfPromptLookupSettings, _build_hf_prompt_lookup,
+                 "transformers generate(prompt_lookup_num_tokens=K) (greedy)", _greedy_only("hf_prompt_lookup")),
+):
+    register_decoder(_entry)
+
+
+def decoder_names() -> tuple[str, ...]:
+    """The registered decoder names, in registration order."""
+    return tuple(REGISTRY)
+
+
+def check_decoder_names(names: Sequence[str]) -> list[str]:
+    """``names`` as a list, checked.
+
+    Raises:
+        ValueError: an empty list, an unknown name (the valid ones listed) or a name given twice.
+    """
+    names = list(names)
+    if not names:
+        raise ValueError(f"decoders is empty: pick some of {', '.join(REGISTRY)}")
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown decoder name(s) {unknown}; valid: {', '.join(REGISTRY)}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"decoders lists {repeated} more than once")
+    return names
+
+
+def decoder_settings(name: str, raw: Any = None) -> Any:
+    """The validated settings dataclass of decoder ``name`` from ``raw`` (a mapping, an OmegaConf node, an instance,
+    or None for the defaults).
+
+    Raises:
+        ValueError: unknown decoder, unknown key, wrong type or bad value; the message starts with ``decoder.<name>``.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    check_decoder_names([name])
+    cls = REGISTRY[name].settings
+    try:
+        if isinstance(raw, cls):
+            settings = raw
+        else:
+            node = OmegaConf.structured(cls)
+            if dataclasses.is_dataclass(raw):
+                raw = dataclasses.asdict(raw)
+            if raw is not None and not (OmegaConf.is_dict(raw) or isinstance(raw, Mapping)):
+                raise TypeError(f"settings must be a mapping of key: value, got {type(raw).__name__}")
+            if raw is not None:
+                node = OmegaConf.merge(node, raw)
+            settings = OmegaConf.to_object(node)
+        settings.validate()
+    except (ValueError, TypeError, OmegaConfBaseException) as e:
+        raise ValueError(f"decoder.{name}: {e}") from e
+    return settings
+
+
+def check_request(name: str, settings: Any, request: DecodeConfig) -> None:
+    """Raise ``ValueError`` when decoder ``name`` with ``settings`` cannot serve ``request`` (e.g. temperature > 0
+    for a greedy-only decoder)."""
+    check_decoder_names([name])
+    entry = REGISTRY[name]
+    if entry.check_request is not None:
+        entry.check_request(settings, request)
+
+
+def build_decoder(name: str, settings: Any, ctx: BuildContext) -> BuiltDecoder:
+    """Build decoder ``name`` from its validated settings (see :func:`decoder_settings`) over ``ctx.model``.
+
+    Raises:
+        ValueError: unknown name (valid ones listed); errors of the decoder's constructor.
+    """
+    check_decoder_names([name])
+    return REGISTRY[name].build(settings, ctx)
+
+
+__all__ = [
+    "BuildContext",
+    "BuiltDecoder",
+    "DecoderEntry",
+    "DraftSettings",
+    "HfAssistedSettings",
+    "HfPromptLookupSettings",
+    "LookaheadSettings",
+    "MedusaSettings",
+    "REGISTRY",
+    "VanillaSettings",
+    "build_decoder",
+    "check_decoder_names",
+    "check_request",
+    "decoder_names",
+    "decoder_settings",
+    "register_decoder",
+]

@@ -1,0 +1,389 @@
+"""medusa-eval on a tiny export: summary numbers recomputed from results.jsonl, resuming, bad input, sweeps."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import medusa_train  # noqa: F401  (schemas and resolvers)
+import inference.evaluation.config  # noqa: F401  (evaluate_schema, schema/decoder/*)
+from inference.decoders.medusa import MedusaDecoder
+from inference.decoders.vanilla import VanillaDecoder
+from inference.evaluation.evaluate import evaluate
+from inference.evaluation.results import read_rows
+from inference.evaluation.sweep import find_runs, sweep_markdown, write_sweep
+from inference.registry import REGISTRY, decoder_settings
+from medusa_train.config import ModelConfig
+from medusa_train.export import save_export
+from medusa_train.loading.medusa import export_extra_config
+from medusa_train.model import new_heads_for
+from medusa_train.paths import CONF_DIR
+from medusa_train.prompts import encode_prompt
+from tests.conftest import make_tiny_model, make_tiny_tokenizer
+
+TREE = [[0], [0, 0], [1], [0, 1]]
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["write a poem", "now make it rhyme"]},
+    {"question_id": 82, "category": "writing", "turns": ["tell me a story", "shorter please"]},
+    {"question_id": 101, "category": "math", "turns": ["what is 2+2?", "and 3+3?"]},
+]
+DESIGN_FIELDS = {"tokens_per_second", "speedup", "mean_accepted_tokens", "exact_match_vs_greedy", "new_tokens",
+                 "wall_time_s"}
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> Path:
+    """A tiny Llama with 2 heads whose residual blocks are random (so drafts are sometimes rejected), a tuned tree
+    and a head-accuracy table."""
+    root = tmp_path_factory.mktemp("eval")
+    base = make_tiny_model("llama")
+    base.save_pretrained(root / "base")
+    make_tiny_tokenizer().save_pretrained(root / "base")
+    heads = new_heads_for(base, num_heads=2)
+    with torch.no_grad():
+        heads.block_weight.copy_(torch.randn(heads.block_weight.shape, generator=torch.Generator().manual_seed(0)))
+    save_export(heads, root / "export", str(root / "base"), vllm=False,
+                extra_config=export_extra_config(ModelConfig(name_or_path=str(root / "base"))))
+    (root / "export" / "medusa_choices.json").write_text(json.dumps(TREE))
+    (root / "export" / "head_accuracy.json").write_text(json.dumps({"acc": [[0.5, 0.2], [0.3, 0.1]], "topk": 2}))
+    return root / "export"
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """Runs here use threads=1 (tiny models are fastest on one thread); restore the session's setting after."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def prompts(tmp_path) -> Path:
+    path = tmp_path / "questions.jsonl"
+    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return path
+
+
+def config(export: Path, prompts: Path, out: Path, *extra: str):
+    overrides = [f"export_dir={export}", f"prompts={prompts}", f"output_dir={out}", "decoders=[vanilla,medusa]",
+                 "max_new_tokens=10", "progress=false", "warmup=0", "plots=false", "threads=1", *extra]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("evaluate", overrides=overrides)
+
+
+class CallCounter:
+    """Counts ``generate`` calls per decoder class, optionally raising on the n-th call of one (a killed run)."""
+
+    def __init__(self, monkeypatch, fail_class=None, fail_on: int = 0) -> None:
+        self.calls = {"vanilla": 0, "medusa": 0}
+        for cls in (VanillaDecoder, MedusaDecoder):
+            original = cls.generate
+
+            def counted(decoder, *args, _original=original, _cls=cls, **kwargs):
+                self.calls[decoder.name] += 1
+                if _cls is fail_class and self.calls[decoder.name] == fail_on:
+                    raise KeyboardInterrupt("killed")
+                return _original(decoder, *args, **kwargs)
+
+            monkeypatch.setattr(cls, "generate", counted)
+
+
+def test_summary_matches_results_rows(export, prompts, tmp_path):
+    out = tmp_path / "run"
+    summary = evaluate(config(export, prompts, out, "warmup=1", "plots=true"))
+    rows = read_rows(out / "results.jsonl")
+    # 3 prompts x 2 turns x 2 decoders, interleaved: each prompt turn runs vanilla then medusa
+    assert [(r["prompt_id"], r["turn"], r["decoder"]) for r in rows] == [
+        (str(q["question_id"]), t, d) for q in QUESTIONS for t in (1, 2) for d in ("vanilla", "medusa")]
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert set(summary) == {"model", "device", "dtype", "prompts", "max_new_tokens", "decoders"}
+    assert summary["prompts"] == 3 and summary["max_new_tokens"] == 10 and summary["dtype"] == "float32"
+    assert list(summary["decoders"]) == ["vanilla", "medusa"]
+    tps = {}
+    for name, metrics in summary["decoders"].items():
+        mine = [r for r in rows if r["decoder"] == name]
+        assert set(metrics) == DESIGN_FIELDS
+        assert metrics["new_tokens"] == sum(r["new_tokens"] for r in mine)
+        assert metrics["wall_time_s"] == pytest.approx(sum(r["wall_time_s"] for r in mine))
+        tps[name] = sum(r["new_tokens"] for r in mine) / sum(r["wall_time_s"] for r in mine)
+        assert metrics["tokens_per_second"] == pytest.approx(tps[name])
+        # tau: tokens of the decoding passes (all but the prefill's) / decoding passes (base.py's convention)
+        assert all(r["new_tokens"] == 1 + sum(r["accepted_lengths"]) for r in mine)
+        tau = sum(r["new_tokens"] - 1 for r in mine) / sum(r["forward_passes"] for r in mine)
+        assert metrics["mean_accepted_tokens"] == pytest.approx(tau)
+        assert metrics["speedup"] == pytest.approx(tps[name] / tps["vanilla"])
+    vanilla, medusa = summary["decoders"]["vanilla"], summary["decoders"]["medusa"]
+    assert vanilla["mean_accepted_tokens"] == 1.0 and vanilla["speedup"] == 1.0
+    # greedy Medusa is lossless: the same tokens as vanilla on every prompt turn
+    assert vanilla["exact_match_vs_greedy"] == 1.0 and medusa["exact_match_vs_greedy"] == 1.0
+    assert medusa["new_tokens"] == vanilla["new_tokens"]
+    assert medusa["mean_accepted_tokens"] > 1.0  # some drafts accepted: fewer passes than tokens
+
+    # turn 2 follows vanilla's own first answer, the same prompt for both decoders
+    tokenizer = make_tiny_tokenizer()
+    for q in QUESTIONS:
+        first = next(r for r in rows if r["prompt_id"] == str(q["question_id"]) and r["turn"] == 1
+                     and r["decoder"] == "vanilla")
+        messages = [{"role": "user", "content": q["turns"][0]}, {"role": "assistant", "content": first["text"]},
+                    {"role": "user", "content": q["turns"][1]}]
+        second = [r for r in rows if r["prompt_id"] == str(q["question_id"]) and r["turn"] == 2]
+        assert [r["prompt_tokens"] for r in second] == [len(encode_prompt(tokenizer, messages))] * 2
+
+    md = (out / "summary.md").read_text()
+    assert "## overall" in md and "## math" in md and "## writing" in md and "| medusa |" in md
+    details = json.loads((out / "summary_details.json").read_text())
+    assert details["by_category"]["overall"] == summary["decoders"]
+    math_rows = [r for r in rows if r["category"] == "math" and r["decoder"] == "medusa"]
+    assert details["by_category"]["math"]["medusa"]["new_tokens"] == sum(r["new_tokens"] for r in math_rows)
+    histogram = details["accepted_length_histogram"]
+    assert histogram["vanilla"] == {"1": sum(r["forward_passes"] for r in rows if r["decoder"] == "vanilla")}
+    assert sum(int(k) * v for k, v in histogram["medusa"].items()) == medusa["new_tokens"] - 6
+    for png in ("speedup_by_category.png", "accepted_lengths.png", "head_accuracy.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    run = json.loads((out / "run.json").read_text())
+    env = run["environment"]
+    assert env["dtype"] == "float32" and env["device"].startswith("cpu") and env["torch_threads"] == 1
+    assert env["versions"]["torch"] == torch.__version__ and env["versions"]["transformers"]
+    assert run["config"]["max_new_tokens"] == 10 and run["config"]["decoder"]["medusa"]["topk"] == 10
+    assert run["decoders"]["medusa"]["medusa_choices"] == TREE
+    assert run["decoders"]["medusa"]["tree_source"] == "export medusa_choices.json"
+
+
+def test_every_decoder_runs_and_the_lossless_ones_match_vanilla(export, prompts, tmp_path):
+    out = tmp_path / "all"
+    cfg = config(export, prompts, out, "decoders=[medusa,draft,lookahead,hf_assisted,hf_prompt_lookup]",
+                 "num_prompts=2", "decoder.draft.num_layers=1", "decoder.hf_assisted.num_layers=1")
+    summary = evaluate(cfg)
+    assert list(summary["decoders"]) == list(REGISTRY)  # vanilla added first, then the order asked for
+    rows = read_rows(out / "results.jsonl")
+    assert len(rows) == 2 * 2 * len(REGISTRY)
+    for name, metrics in summary["decoders"].items():
+        mine = [r for r in rows if r["decoder"] == name]
+        # every decoder here is lossless at temperature 0: token for token vanilla's replies
+        assert metrics["exact_match_vs_greedy"] == 1.0, name
+        assert metrics["new_tokens"] == summary["decoders"]["vanilla"]["new_tokens"], name
+        assert metrics["mean_accepted_tokens"] == pytest.approx(
+            sum(sum(r["accepted_lengths"]) for r in mine) / sum(r["forward_passes"] for r in mine)), name
+        if not name.startswith("hf_"):  # HF may verify drafts inside its prefill call: those tokens count for no pass
+            assert all(r["new_tokens"] == 1 + sum(r["accepted_lengths"]) for r in mine), name
+    run = json.loads((out / "run.json").read_text())
+    assert run["decoders"]["draft"] == {"draft": "self_layers", "draft_layers": 1}
+    assert run["decoders"]["hf_assisted"] == run["decoders"]["draft"]
+
+
+def test_a_separate_draft_model_is_loaded_once_and_equal_to_the_target_accepts_every_draft(
+        export, prompts, tmp_path, monkeypatch):
+    import medusa_train.loading.base as loading
+
+    loads = []
+    original = loading.load_base_model
+    monkeypatch.setattr(loading, "load_base_model", lambda cfg: loads.append(cfg) or original(cfg))
+    target = json.loads((export / "config.json").read_text())["base_model_name_or_path"]
+    draft = [f"decoder.{name}.{setting}" for name in ("draft", "hf_assisted") for setting in (
+        "kind=model", f"model={{name_or_path:'{target}',dtype:float16}}", "num_draft_tokens=3")]
+    out = tmp_path / "draft"
+    summary = evaluate(config(export, prompts, out, "decoders=[draft,hf_assisted]", "num_prompts=1", "max_turns=1",
+                              "dtype=float32", "decoder.hf_assisted.confidence_threshold=0", *draft))
+    # one draft for both decoders, in the run's dtype (float32 overrides the draft's float16)
+    assert [(c.name_or_path, c.dtype) for c in loads] == [(target, "float32")]
+    rows = {r["decoder"]: r for r in read_rows(out / "results.jsonl")}
+    assert rows["vanilla"]["stop_reason"] == "max_new_tokens" and rows["vanilla"]["new_tokens"] == 10
+    # the draft is the target itself: every step accepts all K = 3 drafts plus the bonus token (9 = 4 + 4 + 1)
+    assert rows["draft"]["accepted_lengths"] == [4, 4, 1] and rows["draft"]["tokens"] == rows["vanilla"]["tokens"]
+    assert summary["decoders"]["draft"]["mean_accepted_tokens"] == 3.0
+    assert rows["hf_assisted"]["tokens"] == rows["vanilla"]["tokens"]
+
+
+def test_interrupted_run_resumes_without_redoing_rows(export, prompts, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    cfg = config(export, prompts, out)
+    killed = CallCounter(monkeypatch, fail_class=MedusaDecoder, fail_on=3)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(cfg)
+    assert killed.calls == {"vanilla": 3, "medusa": 3}
+    before = read_rows(out / "results.jsonl")
+    assert [(r["prompt_id"], r["turn"], r["decoder"]) for r in before] == [
+        ("81", 1, "vanilla"), ("81", 1, "medusa"), ("81", 2, "vanilla"), ("81", 2, "medusa"), ("82", 1, "vanilla")]
+    # the process died while writing the next row: a cut last line is dropped and that row measured again
+    with open(out / "results.jsonl", "a") as f:
+        f.write('{"prompt_id": "82", "turn": 1, "decoder": "med')
+
+    monkeypatch.undo()
+    resumed = CallCounter(monkeypatch)
+    evaluate(config(export, prompts, out, "warmup=1"))  # warm-up is not a result setting
+    # 12 rows in all, 5 kept: vanilla 6 - 3 + 1 warm-up, medusa 6 - 2 + 1 warm-up
+    assert resumed.calls == {"vanilla": 4, "medusa": 5}
+    after = read_rows(out / "results.jsonl")
+    assert len(after) == 12 and after[:5] == before
+    assert len({(r["prompt_id"], r["turn"], r["decoder"]) for r in after}) == 12
+    assert json.loads((out / "summary.json").read_text())["decoders"]["medusa"]["exact_match_vs_greedy"] == 1.0
+
+    monkeypatch.undo()
+    finished = CallCounter(monkeypatch)
+    evaluate(cfg)
+    assert finished.calls == {"vanilla": 0, "medusa": 0}  # nothing left to do, no warm-up either
+    assert read_rows(out / "results.jsonl") == after
+
+
+def test_more_prompts_extend_a_run_other_settings_are_refused(export, prompts, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    evaluate(config(export, prompts, out, "num_prompts=1", "max_turns=1"))
+    first = read_rows(out / "results.jsonl")
+    assert len(first) == 2
+    counter = CallCounter(monkeypatch)
+    summary = evaluate(config(export, prompts, out, "num_prompts=2"))
+    # kept: prompt 81 turn 1; measured: 81 turn 2, 82 turns 1 and 2, by both decoders
+    assert counter.calls == {"vanilla": 3, "medusa": 3}
+    rows = read_rows(out / "results.jsonl")
+    assert rows[:2] == first and len(rows) == 8 and summary["prompts"] == 2
+    vanilla_rows = [r for r in rows if r["decoder"] == "vanilla"]
+    assert summary["decoders"]["vanilla"]["new_tokens"] == sum(r["new_tokens"] for r in vanilla_rows)
+
+    with pytest.raises(ValueError, match=r"max_new_tokens: 10 -> 8.*overwrite=true"):
+        evaluate(config(tmp_path / "nowhere", prompts, out, "max_new_tokens=8"))
+    with pytest.raises(ValueError, match=r"decoders: \['vanilla', 'medusa'\] -> \['vanilla', 'lookahead'\]"):
+        evaluate(config(tmp_path / "nowhere", prompts, out, "decoders=[vanilla,lookahead]"))
+    monkeypatch.undo()
+    counter = CallCounter(monkeypatch)
+    evaluate(config(export, prompts, out, "num_prompts=1", "max_turns=1", "max_new_tokens=8", "overwrite=true"))
+    assert counter.calls == {"vanilla": 1, "medusa": 1}
+    rows = read_rows(out / "results.jsonl")
+    assert len(rows) == 2 and all(r["new_tokens"] == 8 for r in rows)
+
+
+@pytest.mark.parametrize("extra, ids", [
+    ([], ["81", "82", "101"]),
+    (["per_category=1"], ["81", "101"]),
+    (["prompt_offset=1", "per_category=1"], ["82", "101"]),
+    (["per_category=2", "num_prompts=2"], ["81", "82"]),
+])
+def test_prompt_subsets(prompts, tmp_path, extra, ids):
+    from inference.evaluation.config import EvaluateConfig
+    from inference.evaluation.evaluate import load_eval_prompts
+    from medusa_train.config import as_dataclass
+
+    ec = as_dataclass(EvaluateConfig, config(tmp_path, prompts, tmp_path, *extra))
+    assert [p.id for p in load_eval_prompts(ec)] == ids
+
+
+def test_malformed_prompt_file_names_its_line_before_loading(prompts, tmp_path):
+    lines = prompts.read_text().splitlines()
+    lines[1] = '{"question_id": 82, "turns": ["unterminated'
+    prompts.write_text("\n".join(lines) + "\n")
+    # the export does not exist: the prompt file is read before any model is loaded
+    with pytest.raises(ValueError, match=r"questions\.jsonl:2: not valid JSON"):
+        evaluate(config(tmp_path / "no_export", prompts, tmp_path / "out"))
+
+
+@pytest.mark.parametrize("decoders, match", [
+    ("[vanilla,bogus]", r"unknown decoder name\(s\) \['bogus'\]; valid: vanilla, medusa"),
+    ("[medusa,medusa]", r"lists \['medusa'\] more than once"),
+])
+def test_bad_decoder_names_are_refused_before_loading(prompts, tmp_path, decoders, match):
+    with pytest.raises(ValueError, match=match):
+        evaluate(config(tmp_path / "no_export", prompts, tmp_path / "out", f"decoders={decoders}"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_decoder_setting_names_the_decoder(prompts, tmp_path):
+    with pytest.raises(ValueError, match=r"decoder\.medusa: acceptance must be one of"):
+        evaluate(config(tmp_path / "no_export", prompts, tmp_path / "out", "decoder.medusa.acceptance=best"))
+    with pytest.raises(ValueError, match=r"decoder\.medusa: .*bogus"):
+        decoder_settings("medusa", {"bogus": 1})
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["decoder.draft.kind=model"], r"decoder\.draft: .*needs draft\.model"),
+    (["temperature=0.7"], r"decoder 'lookahead' decodes greedily only"),
+    (["temperature=0.7", "decoders=[medusa]", "decoder.medusa.acceptance=greedy"],
+     r"decoder\.medusa\.acceptance=greedy needs temperature=0"),
+])
+def test_decoders_that_cannot_run_are_named_before_loading(prompts, tmp_path, extra, match):
+    with pytest.raises(ValueError, match=match):
+        evaluate(config(tmp_path / "no_export", prompts, tmp_path / "out", "decoders=[draft,lookahead]", *extra))
+
+
+def test_export_without_heads_is_refused(export, prompts, tmp_path):
+    headless = tmp_path / "headless"
+    headless.mkdir()
+    (headless / "config.json").write_text((export / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match=r"no medusa_lm_head\.safetensors"):
+        evaluate(config(headless, prompts, tmp_path / "out"))
+
+
+def test_decoder_yaml_files_hold_the_schema_defaults(tmp_path):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("evaluate", overrides=["export_dir=x", f"output_dir={tmp_path}"])
+    assert sorted(cfg.decoder) == sorted(REGISTRY) and list(cfg.decoders) == list(REGISTRY)
+    for name, entry in REGISTRY.items():
+        assert OmegaConf.to_object(cfg.decoder[name]) == entry.settings(), name
+    from inference.evaluation.config import EvaluateConfig
+
+    composed = OmegaConf.to_object(cfg)
+    composed.decoder = {}
+    assert composed == EvaluateConfig(export_dir="x", output_dir=str(tmp_path))
+
+
+def test_sweep_combines_runs_into_one_table(export, prompts, tmp_path):
+    summaries = {}
+    for topk in (2, 4):
+        out = tmp_path / "sweep" / str(topk // 2 - 1)
+        summaries[topk] = evaluate(config(export, prompts, out, "num_prompts=1", "max_turns=1",
+                                          f"decoder.medusa.topk={topk}"),
+                                   overrides=["max_turns=1", f"decoder.medusa.topk={topk}"])
+    runs = find_runs([tmp_path / "sweep"])
+    assert [r.name for r in runs] == ["0", "1"]
+    path, rows = write_sweep(tmp_path / "sweep", runs)
+    assert [(r["decoder"], r["overrides"]["decoder.medusa.topk"]) for r in rows] == [("medusa", "2"), ("medusa", "4")]
+    for row, topk in zip(rows, (2, 4)):
+        medusa = summaries[topk]["decoders"]["medusa"]
+        assert row["speedup"] == medusa["speedup"] and row["mean_accepted_tokens"] == medusa["mean_accepted_tokens"]
+        assert row["baseline_tokens_per_second"] == summaries[topk]["decoders"]["vanilla"]["tokens_per_second"]
+    table = path.read_text()
+    assert table == sweep_markdown(rows)
+    assert "Shared overrides: `max_turns=1`" in table
+    assert "| run | decoder.medusa.topk | decoder |" in table
+    assert len([line for line in table.splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]) == 2
+    assert len((tmp_path / "sweep" / "sweep.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.slow
+def test_hydra_multirun_writes_one_table(export, prompts, tmp_path, monkeypatch):
+    from inference.cli.evaluate import main
+
+    out = tmp_path / "multirun"
+    monkeypatch.setattr(sys, "argv", [
+        "medusa-eval", "-m", f"export_dir={export}", f"prompts={prompts}", f"output_dir={out}", "decoders=[medusa]",
+        "max_new_tokens=6", "num_prompts=1", "max_turns=1", "progress=false", "warmup=0", "plots=false", "threads=1",
+        "decoder.medusa.topk=2,3", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"])
+    main()
+    rows = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+    assert [(r["decoder"], r["overrides"]["decoder.medusa.topk"]) for r in rows] == [("medusa", "2"), ("medusa", "3")]
+    for job in ("0", "1"):
+        summary = json.loads((out / job / "summary.json").read_text())
+        assert list(summary["decoders"]) == ["vanilla", "medusa"]  # the baseline joins a sweep of one decoder
+        assert json.loads((out / job / "run.json").read_text())["command"].startswith("medusa-eval ")
+
+
+def test_a_damaged_results_line_is_named(tmp_path):
+    from inference.evaluation.results import ResultsLog
+
+    path = tmp_path / "results.jsonl"
+    row = {"prompt_id": "1", "turn": 1, "decoder": "vanilla"}
+    path.write_text(json.dumps(row) + "\n{oops\n" + json.dumps({**row, "turn": 2}) + "\n")
+    with pytest.raises(ValueError, match=r"results\.jsonl:2: not a results row.*overwrite=true"):
+        ResultsLog(path)
+    path.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match="two rows for prompt 1 turn 1 decoder vanilla"):
+        ResultsLog(path)
+    path.write_text(json.dumps(row))  # a complete last row without its newline: kept, and the file repaired
+    log = ResultsLog(path)
+    log.append({**row, "turn": 2})
+    assert [json.loads(line)["turn"] for line in path.read_text().splitlines()] == [1, 2]
