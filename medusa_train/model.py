@@ -2,7 +2,7 @@
 
 The base model is used through transformers' public surface only: ``base.base_model`` (the backbone, whose
 ``last_hidden_state`` is taken after the final norm), ``get_output_embeddings()`` (the lm_head) and the usual
-``attention_mask`` / ``position_ids`` / ``past_key_values`` arguments, so every architecture whose logits are
+``attention_mask`` / ``position_ids`` / ``cache`` arguments, so every architecture whose logits are
 ``lm_head(last_hidden_state)`` works without a patched modeling file (Llama, Mistral, Qwen2, Gemma, GPT-2, GPT-NeoX).
 Architectures that post-process logits (e.g. Gemma-2's final soft-capping) are refused by :func:`check_supported`.
 """

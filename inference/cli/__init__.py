@@ -1,0 +1,1 @@
+"""Entry points of the inference package (Hydra apps): ``medusa-generate`` and ``medusa-eval``."""

@@ -1,0 +1,156 @@
+"""``medusa-generate export_dir=DIR prompt=TEXT``: one chat reply from an export, streamed, with its stats.
+
+The reply is streamed to stdout as it is decided; then one line gives the new tokens, the wall time, tokens per
+second, the mean accepted tokens (τ, see :mod:`inference.decoders.base`) and the stop reason. Settings:
+:class:`GenerateConfig` (``conf/generate.yaml``) and, per decoder, ``conf/decoder/<name>.yaml`` (the same files
+``medusa-eval`` reads), e.g. ``decoder.medusa.acceptance=speculative``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, TextIO
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+from transformers import TextStreamer
+
+import inference.evaluation.config  # noqa: F401  (registers schema/decoder/<name>)
+import medusa_train  # noqa: F401  (registers config schemas and resolvers)
+from inference.decoders import DecodeConfig, DecodeResult
+from inference.decoders import generate as chat_generate
+from inference.decoders.choices import resolve_medusa_choices
+from inference.registry import BuildContext, build_decoder, check_decoder_names, decoder_settings
+from medusa_train.config import as_dataclass, torch_dtype
+from medusa_train.loading.medusa import load_medusa
+from medusa_train.paths import CONF_DIR
+
+
+@dataclass
+class GenerateConfig:
+    """Settings of ``medusa-generate``.
+
+    Attributes:
+        export_dir: the export folder (heads, ``config.json``, optionally ``medusa_choices.json``).
+        prompt: the user message (the tokenizer's chat template is applied when it has one).
+        system: an optional system message.
+        decoder_name: the decoder to run (``medusa``, or ``vanilla`` for the plain-decoding baseline).
+        decoder: settings per decoder name (``conf/decoder/<name>.yaml``).
+        max_new_tokens: most tokens in the reply.
+        temperature: 0 for greedy; > 0 samples (Medusa: with ``decoder.medusa.acceptance`` speculative or typical).
+        top_p, top_k: sampling filters (1.0 / 0: off).
+        seed: sampling seed (None: random).
+        stop_strings: the reply ends at the first of these.
+        model: a ``model/`` config overriding the base model recorded in the export (e.g. ``model=smollm2_135m``).
+        dtype, device: overrides of the model config's dtype and device.
+    """
+
+    export_dir: str = MISSING
+    prompt: str = MISSING
+    system: Optional[str] = None
+    decoder_name: str = "medusa"
+    decoder: dict[str, Any] = field(default_factory=dict)
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop_strings: list[str] = field(default_factory=list)
+    model: Optional[Any] = None
+    dtype: Optional[str] = None
+    device: Optional[str] = None
+
+    def validate(self) -> None:
+        """Check every setting before any model is loaded.
+
+        Raises:
+            ValueError: a bad value (the key named), an unknown decoder, or settings that do not fit together.
+            FileNotFoundError: ``export_dir`` is not a folder.
+        """
+        check_decoder_names([self.decoder_name])
+        settings = self.settings()
+        if getattr(settings, "acceptance", None) == "greedy" and self.temperature != 0:
+            raise ValueError(
+                f"temperature={self.temperature} with decoder.{self.decoder_name}.acceptance=greedy: set it to "
+                "speculative (lossless) or typical to sample, or use temperature=0"
+            )
+        if not self.prompt:
+            raise ValueError("prompt is empty: pass prompt=TEXT")
+        if self.dtype is not None:
+            torch_dtype(self.dtype)
+        if not Path(self.export_dir).is_dir():
+            raise FileNotFoundError(
+                f"export_dir={self.export_dir!r} is not a folder (an export written by medusa-train)")
+        self.request()  # range checks of max_new_tokens / temperature / top_p / top_k / stop_strings
+
+    def settings(self) -> Any:
+        """The validated settings of the chosen decoder."""
+        return decoder_settings(self.decoder_name, self.decoder.get(self.decoder_name))
+
+    def request(self, eos_token_ids: tuple[int, ...] = ()) -> DecodeConfig:
+        """The generation request (EOS ids are filled from the tokenizer by the chat helper when empty)."""
+        return DecodeConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                            top_k=self.top_k, eos_token_ids=eos_token_ids, stop_strings=tuple(self.stop_strings),
+                            seed=self.seed)
+
+
+ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
+
+
+class TextOut(TextStreamer):
+    """Hugging Face ``TextStreamer`` (word-buffered decoding) writing the reply to a text stream, prompt skipped."""
+
+    def __init__(self, tokenizer: Any, out: TextIO) -> None:
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.out = out
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        self.out.write(text + ("\n" if stream_end else ""))
+        self.out.flush()
+
+
+def stats_line(name: str, result: DecodeResult) -> str:
+    """One line of speed and acceptance numbers for a :class:`~inference.decoders.DecodeResult`."""
+    tau = result.mean_accepted_tokens
+    tau_text = "n/a (no decoding pass)" if math.isnan(tau) else f"{tau:.2f}"
+    return (f"[{name}] {len(result.tokens)} tokens in {result.wall_time_s:.2f} s "
+            f"({result.tokens_per_second:.1f} tokens/s), mean accepted tokens {tau_text}, "
+            f"{result.forward_passes} decoding passes + prefill, stop: {result.stop_reason}")
+
+
+def run(cfg: DictConfig | GenerateConfig, out: TextIO | None = None) -> DecodeResult:
+    """Load the export and its base model, stream one reply to ``out`` (stdout), print its stats line.
+
+    Returns:
+        The :class:`~inference.decoders.DecodeResult`.
+
+    Raises:
+        ValueError / FileNotFoundError: bad settings, found before the model loads.
+    """
+    gc: GenerateConfig = as_dataclass(GenerateConfig, cfg)
+    out = out or sys.stdout
+    model, tokenizer, _ = load_medusa(gc.export_dir, model=gc.model, dtype=gc.dtype, device=gc.device)
+    context = BuildContext(model=model, tokenizer=tokenizer, export_dir=gc.export_dir, dtype=gc.dtype,
+                          device=gc.device)
+    decoder = build_decoder(gc.decoder_name, gc.settings(), context).decoder
+    result = chat_generate(decoder, tokenizer, gc.prompt, gc.request(), streamer=TextOut(tokenizer, out),
+                           system=gc.system)
+    print(stats_line(decoder.name, result), file=out)
+    return result
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="generate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
+
+
+# ``resolve_medusa_choices`` is re-exported for callers that import it from here (inference.registry).
+__all__ = ["GenerateConfig", "TextOut", "main", "resolve_medusa_choices", "run", "stats_line"]

@@ -1,0 +1,261 @@
+"""What every decoder shares: the request (:class:`DecodeConfig`), the record (:class:`DecodeResult`), the
+:class:`Decoder` protocol, and the checks and token choice each decoder runs before and during decoding.
+
+Counting convention (mean accepted tokens τ as Spec-Bench reports it, Xia et al. 2024, "Unlocking Efficiency in
+Large Language Model Inference: A Comprehensive Survey of Speculative Decoding"; DESIGN.md "Terms"):
+
+- The **prefill** pass reads the prompt and produces the first new token. It is counted apart
+  (``prefill_passes``, always 1) and its token is not part of ``accepted_lengths``.
+- Every later target-model forward pass is a **decoding pass** (``forward_passes``). It emits at least one token:
+  the drafted tokens it accepted plus the recovered or bonus token. ``accepted_lengths[i]`` is the number of tokens
+  decoding pass ``i`` emitted and that were kept (the last pass can be cut by EOS, a stop string or
+  ``max_new_tokens``).
+- Hence ``len(tokens) == 1 + sum(accepted_lengths)`` and ``len(accepted_lengths) == forward_passes``, and
+  ``mean_accepted_tokens = (len(tokens) - 1) / forward_passes``: exactly 1.0 for plain decoding and exactly
+  ``D + 1`` for a tree of depth D whose every path is accepted.
+
+Shapes: B batch, T sequence, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from inference.sampling import is_greedy, logits_to_probs
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One generation request.
+
+    Attributes:
+        max_new_tokens: most new tokens to return (>= 1); the output is cut to exactly this many at most.
+        temperature: 0 for greedy decoding, > 0 to sample.
+        top_p: nucleus mass in (0, 1]; 1.0 turns it off (sampling only).
+        top_k: keep the k most likely tokens; 0 turns it off (sampling only).
+        eos_token_ids: generation stops after the first of these (the EOS token is kept in the output).
+        stop_strings: generation stops at the first token whose text completes one of these (the decoder needs a
+            tokenizer); the token is kept.
+        seed: seed of the sampling generator; None draws a fresh one.
+
+    Raises:
+        ValueError: a field out of range (the message names it).
+    """
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        is_greedy(self.temperature)  # raises on a negative / NaN / infinite temperature
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1.0 = off), got {self.top_p!r}")
+        eos = (self.eos_token_ids,) if isinstance(self.eos_token_ids, int) else tuple(self.eos_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in eos):
+            raise ValueError(f"eos_token_ids must be non-negative ints, got {self.eos_token_ids!r}")
+        stops = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        object.__setattr__(self, "eos_token_ids", eos)
+        object.__setattr__(self, "stop_strings", stops)
+
+    @property
+    def greedy(self) -> bool:
+        """True when ``temperature == 0``."""
+        return is_greedy(self.temperature)
+
+
+@dataclass
+class DecodeResult:
+    """What one :meth:`Decoder.generate` call produced, with the counts speed comparisons need.
+
+    Attributes:
+        tokens: the new token ids (prompt excluded), EOS included when it ended the reply.
+        accepted_lengths: tokens kept from each decoding pass (prefill excluded; see the module docstring).
+        forward_passes: target-model forward passes after the prefill (= ``len(accepted_lengths)``).
+        prefill_passes: target-model passes over the prompt (1).
+        wall_time_s: seconds for the whole call, prefill included.
+        prefill_time_s: seconds of the prefill (prompt pass and first token).
+        stop_reason: ``"eos"``, ``"stop_string"`` or ``"max_new_tokens"``.
+        prompt_tokens: T, the prompt length.
+        text: the decoded reply when the decoder has a tokenizer, else None.
+    """
+
+    tokens: list[int]
+    accepted_lengths: list[int]
+    forward_passes: int
+    wall_time_s: float
+    prefill_time_s: float
+    stop_reason: str
+    prompt_tokens: int
+    prefill_passes: int = 1
+    text: str | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """τ = tokens emitted by decoding passes / decoding passes = ``(len(tokens) - 1) / forward_passes``.
+
+        Plain decoding scores exactly 1.0. NaN when there was no decoding pass (the prefill's token ended the
+        reply); to aggregate over prompts, divide the sums instead (:func:`aggregate_mean_accepted_tokens`).
+        """
+        if self.forward_passes == 0:
+            return math.nan
+        return sum(self.accepted_lengths) / self.forward_passes
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens / wall time (prefill included), 0.0 for a zero-length timing."""
+        return len(self.tokens) / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+
+def aggregate_mean_accepted_tokens(results: Sequence[DecodeResult]) -> float:
+    """τ over several replies: all decoding-pass tokens / all decoding passes (NaN when there were none)."""
+    passes = sum(r.forward_passes for r in results)
+    return sum(sum(r.accepted_lengths) for r in results) / passes if passes else math.nan
+
+
+@runtime_checkable
+class TokenStreamer(Protocol):
+    """Receives the reply as it is decided: ``put`` with each step's kept new token ids, then ``end`` once.
+
+    Decoders also accept a Hugging Face ``BaseStreamer`` (e.g. ``TextStreamer``); it is driven exactly as
+    ``model.generate`` drives it (see :mod:`inference.decoders.streaming`).
+    """
+
+    def put(self, token_ids: list[int]) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class Decoder(Protocol):
+    """A text generator with one interface for every method (plain, Medusa, draft model, lookahead, ...).
+
+    Decoders that can decode several prompts at once also offer
+    ``generate_batch(prompts: Sequence[Tensor | Sequence[int]], config) -> list[DecodeResult]`` (not part of the
+    protocol).
+
+    Attributes:
+        name: the decoder's name in results and summaries (``vanilla``, ``medusa``, ...).
+    """
+
+    name: str
+
+    def generate(
+        self, input_ids: Tensor | Sequence[int], config: DecodeConfig, streamer: Any = None
+    ) -> DecodeResult:
+        """Decode a reply to one prompt.
+
+        Args:
+            input_ids: long ``[1, T]`` or ``[T]`` tensor, or a list of T ints; T >= 1.
+            config: the request.
+            streamer: a :class:`TokenStreamer`, a Hugging Face ``BaseStreamer``, or None.
+
+        Raises:
+            ValueError: empty prompt, batch > 1, or ``T + max_new_tokens`` beyond the model's context.
+        """
+        ...
+
+
+def prompt_tensor(input_ids: Tensor | Sequence[int], device: torch.device) -> Tensor:
+    """Check a single prompt and return it as long ``[1, T]`` on ``device``.
+
+    Raises:
+        ValueError: the prompt is empty, has a batch of more than one row, or is not integer ids.
+    """
+    ids = input_ids if isinstance(input_ids, Tensor) else torch.tensor(list(input_ids), dtype=torch.long)
+    if ids.ndim == 1:
+        ids = ids.unsqueeze(0)
+    if ids.ndim != 2 or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(f"input_ids must be integer ids [1, T] or [T], got {ids.dtype} {tuple(ids.shape)}")
+    if ids.shape[0] != 1:
+        raise ValueError(f"input_ids has batch {ids.shape[0]}; decoders take one prompt at a time ([1, T])")
+    if ids.shape[1] == 0:
+        raise ValueError("input_ids is empty: the prompt needs at least one token (e.g. BOS)")
+    return ids.to(device=device, dtype=torch.long)
+
+
+def max_positions(config: Any) -> int | None:
+    """The model's context length (``max_position_embeddings``; GPT-2's ``n_positions`` maps to it), or None."""
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def check_context(
+    prompt_len: int, max_new_tokens: int, limit: int | None, what: str = "the model's context", reserve: int = 0
+) -> None:
+    """Raise ``ValueError`` naming ``max_new_tokens`` when ``prompt_len + max_new_tokens + reserve > limit``.
+
+    ``reserve``: positions a decoder needs beyond the reply (e.g. a draft tree's depth); ``limit`` None: no check.
+    """
+    if limit is None or prompt_len + max_new_tokens + reserve <= limit:
+        return
+    extra = f" + {reserve} reserved" if reserve else ""
+    raise ValueError(
+        f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}){extra} = "
+        f"{prompt_len + max_new_tokens + reserve} exceeds {what} ({limit} positions); lower max_new_tokens to at "
+        f"most {max(limit - prompt_len - reserve, 0)} or shorten the prompt"
+    )
+
+
+def make_generator(config: DecodeConfig, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded with ``config.seed`` (a fresh random seed when None)."""
+    generator = torch.Generator(device=device)
+    if config.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(config.seed)
+    return generator
+
+
+def choose_token(logits: Tensor, config: DecodeConfig, generator: torch.Generator | None) -> Tensor:
+    """The next token from logits: argmax when greedy, else a draw from the warped distribution.
+
+    Args:
+        logits: float ``[B, V]``.
+        config: temperature, top-k, top-p (see :func:`inference.sampling.logits_to_probs`).
+        generator: the sampling generator (unused when greedy).
+
+    Returns:
+        long ``[B]``.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
+    if config.greedy:
+        return logits.argmax(dim=-1)
+    probs = logits_to_probs(logits, config.temperature, config.top_k, config.top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+__all__ = [
+    "DecodeConfig",
+    "DecodeResult",
+    "Decoder",
+    "TokenStreamer",
+    "aggregate_mean_accepted_tokens",
+    "check_context",
+    "choose_token",
+    "make_generator",
+    "max_positions",
+    "prompt_tensor",
+]

@@ -1,0 +1,365 @@
+"""Medusa decoding: draft a tree of continuations with the heads, verify it in one target pass, keep the longest
+accepted path (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads",
+Sec. 2.1.2, tree attention).
+
+One step (:func:`medusa_step`), following the split of FasterDecoding/Medusa ``medusa/model/utils.py`` at 10a2697
+(generate candidates -> tree decoding -> evaluate posterior -> update inputs) with all state passed in and out:
+
+a. **candidates**: the top-k of each head's logits at the last committed position, mapped to base-vocabulary ids,
+   laid out as ``cat([root], head0_topk, head1_topk, ...)`` and picked per tree node with ``tree_indices``;
+b. **tree pass**: ONE backbone pass over the N node tokens on top of the KV cache, with a 4-D additive mask
+   ``[B, 1, N, L + N]`` (0 where a node may attend: every committed cache slot and its tree ancestors-or-self; the
+   dtype's minimum elsewhere) and ``position_ids = committed length + depth``. transformers 5 passes a prepared 4-D mask through
+   unchanged (``masking_utils._preprocess_mask_arguments``), so no modeling code is patched;
+c. **verification**: base logits of every node (lm_head over the N hidden states), laid out along the root-to-leaf
+   paths and handed to the acceptance rule (:mod:`inference.acceptance`);
+d. **cache compaction**: the cache keeps the past and the accepted nodes only (:mod:`inference.kv_cache`);
+e. **next heads**: the heads read the hidden state of the last accepted node (one position, no second pass); the
+   recovered or bonus token becomes the next step's root. Its KV entry is written by the next tree pass.
+
+Several prompts decode as one batch (:meth:`MedusaDecoder.generate_batch`): each row verifies its own tree in the
+shared pass and keeps its own path; rows that accept fewer tokens leave masked slots in the cache
+(:mod:`inference.decoders.batching`), and finished rows leave the batch.
+
+Acceptance rules (``acceptance``):
+
+- ``greedy`` (temperature 0 only): output identical to plain greedy decoding.
+- ``typical``: Medusa's typical acceptance (Sec. 2.3.1); lossy at temperature > 0, greedy at temperature 0.
+- ``speculative``: tree speculative sampling, lossless at any temperature. The candidates are the heads' top-k,
+  a deterministic function of the heads' logits, so each drafted token is treated as a point mass
+  (``draft_probs=None`` in :func:`inference.acceptance.tree_speculative_sample_batch`): child x is accepted with
+  probability p(x), and on rejection p(x) is zeroed and p renormalised before the next sibling. This is exact for
+  any deterministic candidate set; using the heads' softmax as q would not be, since the candidates were not drawn
+  from it. At temperature 0 it is greedy acceptance.
+
+Shapes: B batch, T sequence, K heads, N tree nodes, P paths, D tree depth, V vocabulary (V' the heads'), H hidden.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from inference.acceptance import greedy_accept, tree_speculative_sample_batch, typical_accept
+from inference.decoders.base import (
+    DecodeConfig,
+    DecodeResult,
+    check_context,
+    choose_token,
+    make_generator,
+    max_positions,
+)
+from inference.decoders.batching import Replies, additive_mask, left_pad, positions, prefill_mask, sliding_window
+from inference.kv_cache import keep_tree_nodes, select_rows
+from inference.sampling import logits_to_probs
+from inference.tree import MC_SIM_7B_63, TreeBuffers, build_tree_buffers, gather_node_tokens, gather_paths
+
+ACCEPTANCE_RULES = ("greedy", "typical", "speculative")
+# Medusa's typical-acceptance defaults (epsilon = 0.09, delta = sqrt(epsilon) = 0.3; FasterDecoding/Medusa
+# medusa/model/medusa_model.py at 10a2697, MedusaModel.medusa_generate). Defined here only.
+POSTERIOR_THRESHOLD = 0.09
+POSTERIOR_ALPHA = 0.3
+_FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
+
+# (node tokens long [B, N], node logits float [B, N, V]) ->
+#   (accepted nodes below the root long [B, D], -1 after each row's accept length; accept lengths long [B];
+#    next tokens long [B])
+Verifier = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+
+
+def default_medusa_choices(num_heads: int, topk: int) -> list[list[int]]:
+    """Medusa's ``mc_sim_7b_63`` tree cut to ``num_heads`` levels and ranks below ``topk`` (still prefix-closed)."""
+    return [list(p) for p in MC_SIM_7B_63 if len(p) <= num_heads and max(p) < topk]
+
+
+def tree_attention_mask(tree_mask: Tensor, past: int | Tensor, dtype: torch.dtype) -> Tensor:
+    """The additive 4-D mask of a tree pass.
+
+    Args:
+        tree_mask: bool ``[N, N]``, True where node i may see node j (ancestor-or-self).
+        past: the cache's slots: an int L (one row, every slot visible) or bool ``[B, L]``, the slots each row
+            may attend (False at padding and at slots left empty by other rows' longer accepts).
+        dtype: the attention dtype (the model's).
+
+    Returns:
+        ``[B, 1, N, L + N]`` (B = 1 for an int ``past``) of ``dtype``: 0 where attention is allowed,
+        ``finfo(dtype).min`` elsewhere.
+    """
+    if isinstance(past, int):
+        past = torch.ones(1, past, dtype=torch.bool, device=tree_mask.device)
+    return additive_mask(past, tree_mask, dtype)
+
+
+def _path_nodes(tree: TreeBuffers, best_path: Tensor, accept_length: Tensor) -> Tensor:
+    """Accepted nodes below the root, long ``[B, D]``: row b's path ``best_path[b]``, -1 after ``accept_length[b]``."""
+    nodes = tree.retrieve_indices[best_path, 1:]  # [B, D]
+    depth = torch.arange(nodes.shape[1], device=nodes.device)
+    return torch.where(depth < accept_length[:, None], nodes, -1)
+
+
+def make_verifier(
+    acceptance: str,
+    tree: TreeBuffers,
+    config: DecodeConfig,
+    generator: torch.Generator | None,
+    posterior_threshold: float = POSTERIOR_THRESHOLD,
+    posterior_alpha: float = POSTERIOR_ALPHA,
+) -> Verifier:
+    """The acceptance rule as a :data:`Verifier` for one request (greedy whenever ``config.temperature == 0``).
+
+    Raises:
+        ValueError: an unknown rule, ``greedy`` with temperature > 0, or ``typical`` with top-k/top-p.
+    """
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+    if acceptance == "greedy" and not config.greedy:
+        raise ValueError(
+            f"acceptance='greedy' needs temperature=0 (got {config.temperature}); use acceptance='speculative' "
+            "(lossless) or 'typical' to sample"
+        )
+    if acceptance == "typical" and not config.greedy and (config.top_k or config.top_p < 1):
+        raise ValueError("acceptance='typical' applies temperature only; set top_k=0 and top_p=1.0, or use "
+                         "acceptance='speculative'")
+
+    def greedy(node_tokens: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # [B, N] -> [B, P, D+1] tokens and [B, N, V] -> [B, P, D+1, V] logits along the root-to-leaf paths.
+        best, length, next_token = greedy_accept(gather_paths(node_tokens, tree), gather_paths(logits, tree),
+                                                 tree.retrieve_valid)
+        return _path_nodes(tree, best, length), length, next_token
+
+    def typical(node_tokens: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        best, length, next_token = typical_accept(
+            gather_paths(node_tokens, tree), gather_paths(logits, tree), tree.retrieve_valid, config.temperature,
+            posterior_threshold, posterior_alpha, generator,
+        )
+        return _path_nodes(tree, best, length), length, next_token
+
+    def speculative(node_tokens: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        target = logits_to_probs(logits, config.temperature, config.top_k, config.top_p)  # [B, N, V]
+        return tree_speculative_sample_batch(tree, node_tokens, target, None, generator)
+
+    if config.greedy:
+        return greedy
+    return typical if acceptance == "typical" else speculative
+
+
+@dataclass(frozen=True)
+class MedusaStep:
+    """What one :func:`medusa_step` returns (B rows).
+
+    Attributes:
+        tokens: per row, the accepted drafted tokens then the recovered or bonus token (A_b + 1 tokens).
+        root: long ``[B]``, each row's last token: the next step's root (not yet in the cache).
+        head_logits: ``[K, B, V']``, the heads at each row's last accepted node, for the next step's candidates.
+        past_valid: bool ``[B, L']``, the cache slots that hold each row's sequence after compaction
+            (``L' = L + max_b(A_b + 1)``; a row that accepted fewer leaves masked slots).
+        next_position: long ``[B]``, the position of each row's new root.
+    """
+
+    tokens: list[list[int]]
+    root: Tensor
+    head_logits: Tensor
+    past_valid: Tensor
+    next_position: Tensor
+
+
+def medusa_step(
+    model: Any,
+    cache: DynamicCache,
+    tree: TreeBuffers,
+    root: Tensor,
+    head_logits: Tensor,
+    past_valid: Tensor,
+    next_position: Tensor,
+    verify: Verifier,
+    position_limit: int | None = None,
+) -> MedusaStep:
+    """One Medusa decoding step: candidates, one tree pass, verification, cache compaction, next heads.
+
+    Args:
+        model: a :class:`~medusa_train.model.MedusaModel` (``hidden``, ``lm_head``, ``head_logits``, ``heads``).
+        cache: KV cache of L slots (``L = past_valid.shape[1]``); updated in place.
+        tree: buffers on the model's device, built for ``K = model.heads.spec.num_heads``.
+        root: long ``[B]``, each row's token after its committed sequence (already emitted, not yet in the cache).
+        head_logits: ``[K, B, V']``, the heads' logits at each row's last committed position.
+        past_valid: bool ``[B, L]``, the cache slots of each row's sequence (all True for one prompt).
+        next_position: long ``[B]``, the position of each root (its row's committed length).
+        verify: the acceptance rule (:func:`make_verifier`).
+        position_limit: the model's number of positions; node positions beyond it are clamped. Such nodes lie
+            past ``max_new_tokens`` (checked by the caller), so neither they nor their descendants are kept.
+
+    Returns:
+        :class:`MedusaStep`.
+    """
+    batch, past_length = past_valid.shape
+    rows = torch.arange(batch, device=root.device)
+    # (a) candidates: [K, B, topk] head-vocabulary indices -> base ids -> flat [B, 1 + K * topk] -> nodes [B, N].
+    drafts = model.heads.to_base_tokens(head_logits.topk(tree.topk, dim=-1).indices)
+    flat = torch.cat([root[:, None], drafts.permute(1, 0, 2).reshape(batch, -1)], dim=1)
+    node_tokens = gather_node_tokens(flat, tree)
+
+    # (b) one tree pass over the N nodes on top of the cache.
+    mask = tree_attention_mask(tree.attn_mask, past_valid, model.base.dtype)  # [B, 1, N, L + N]
+    node_positions = next_position[:, None] + tree.position_ids[None, :]  # [B, N]
+    if position_limit is not None:
+        node_positions = node_positions.clamp(max=position_limit - 1)
+    hidden, _ = model.hidden(node_tokens, attention_mask=mask, position_ids=node_positions, cache=cache,
+                             use_cache=True)  # [B, N, H]
+
+    # (c) base logits of every node [B, N, V] -> acceptance.
+    accepted, length, next_token = verify(node_tokens, model.lm_head(hidden))
+
+    # (d) keep the past and each row's accepted path (root first), padded to the longest with masked repeats.
+    width = int(length.max()) + 1
+    path = torch.cat([accepted.new_zeros(batch, 1), accepted[:, : width - 1]], dim=1)  # [B, width], -1 padded
+    kept = path >= 0
+    last = path[rows, length]  # [B], each row's last accepted node
+    path = torch.where(kept, path, last[:, None])
+    keep_tree_nodes(cache, past_length, path)
+
+    # (e) heads at each row's last accepted node: [B, H] -> [K, B, V'].
+    next_heads = model.head_logits(hidden[rows, last])
+    tokens = [node_tokens[b, path[b, 1 : n + 1]].tolist() + [t]
+              for b, (n, t) in enumerate(zip(length.tolist(), next_token.tolist()))]
+    return MedusaStep(tokens=tokens, root=next_token, head_logits=next_heads,
+                      past_valid=torch.cat([past_valid, kept], dim=1), next_position=next_position + length + 1)
+
+
+class MedusaDecoder:
+    """Medusa tree decoding (see the module docstring).
+
+    Args:
+        model: a :class:`~medusa_train.model.MedusaModel`.
+        medusa_choices: the tree, a prefix-closed list of rank paths (e.g. ``[[0], [0, 0], [1]]``).
+        topk: candidates taken from each head (every rank in ``medusa_choices`` must be below it).
+        acceptance: ``greedy``, ``typical`` or ``speculative``.
+        posterior_threshold: typical acceptance's epsilon.
+        posterior_alpha: typical acceptance's delta.
+        tokenizer: optional; needed for ``stop_strings`` and to fill :attr:`DecodeResult.text`.
+
+    Raises:
+        ValueError: an invalid tree (the message names the path), ``topk`` above the heads' vocabulary, or an
+            unknown acceptance rule.
+        NotImplementedError: an attention backend or layer layout that cannot take a custom 4-D mask.
+    """
+
+    name = "medusa"
+
+    def __init__(
+        self,
+        model: Any,
+        medusa_choices: Sequence[Sequence[int]],
+        topk: int = 10,
+        acceptance: str = "greedy",
+        posterior_threshold: float = POSTERIOR_THRESHOLD,
+        posterior_alpha: float = POSTERIOR_ALPHA,
+        tokenizer: Any = None,
+    ) -> None:
+        for attr in ("hidden", "head_logits", "heads", "base"):
+            if not hasattr(model, attr):
+                raise TypeError(f"MedusaDecoder needs a MedusaModel (missing .{attr}), got {type(model).__name__}")
+        if acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+        spec = model.heads.spec
+        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= spec.out_size:
+            raise ValueError(f"topk must be an int in [1, {spec.out_size}] (the heads' vocabulary), got {topk!r}")
+        attn = getattr(model.base.config, "_attn_implementation", None)
+        if attn in _FLASH_ATTENTION:
+            raise NotImplementedError(
+                f"attn_implementation={attn!r} cannot take a custom 4-D tree mask; load the base model with "
+                "attn_implementation='sdpa' or 'eager'"
+            )
+        self.window = sliding_window(model.base.config)
+        self.model = model
+        self.device = model.lm_head.weight.device
+        self.tree = build_tree_buffers(medusa_choices, spec.num_heads, topk, device=self.device)
+        self.acceptance = acceptance
+        self.posterior_threshold = posterior_threshold
+        self.posterior_alpha = posterior_alpha
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_pretrained(cls, repo_or_dir: str, revision: str | None = None, **kwargs: Any) -> MedusaDecoder:
+        """Heads and tree from a Hub repository or an export folder, the base model from its
+        ``base_model_name_or_path`` (downloaded when the machine reaches the Hub).
+
+        ``kwargs``: ``model`` (a ``model/`` config overriding the recorded base), ``dtype``, ``device``, and any
+        decoder argument (``topk``, ``acceptance``, ...). See :func:`medusa_train.publish.hub.pretrained_decoder_kwargs`.
+        """
+        from medusa_train.publish.hub import pretrained_decoder_kwargs
+
+        return cls(**pretrained_decoder_kwargs(repo_or_dir, revision, **kwargs))
+
+    def generate(
+        self, input_ids: Tensor | Sequence[int], config: DecodeConfig, streamer: Any = None
+    ) -> DecodeResult:
+        """Decode one reply (see :class:`~inference.decoders.base.Decoder`).
+
+        Raises:
+            ValueError: empty prompt, batch > 1, prompt + ``max_new_tokens`` beyond ``max_position_embeddings``
+                (or the sliding window), ``stop_strings`` without a tokenizer, or an acceptance rule that does not
+                fit the temperature (see :func:`make_verifier`).
+        """
+        if isinstance(input_ids, Tensor) and input_ids.ndim == 2 and input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids has batch {input_ids.shape[0]}; generate takes one prompt ([1, T]), "
+                             "generate_batch several")
+        return self._decode([input_ids], config, streamer)[0]
+
+    def generate_batch(self, prompts: Sequence[Tensor | Sequence[int]], config: DecodeConfig) -> list[DecodeResult]:
+        """Decode one reply per prompt in one batch (left-padded; finished rows leave the batch).
+
+        Every row verifies its own tree in the shared pass and keeps its own accepted path; a row that accepts
+        fewer tokens than the longest leaves masked slots in the cache. With greedy acceptance each row's tokens are
+        those of plain greedy decoding of its prompt (up to floating-point rounding of batched kernels).
+        ``wall_time_s`` and ``prefill_time_s`` of every result are the whole batch's.
+
+        Raises:
+            ValueError: as :meth:`generate`, for any prompt (its index named).
+        """
+        return self._decode(list(prompts), config, None)
+
+    @torch.no_grad()
+    def _decode(self, prompts: list, config: DecodeConfig, streamer: Any) -> list[DecodeResult]:
+        model, tree = self.model, self.tree
+        ids, valid = left_pad(prompts, self.device)
+        lengths = valid.sum(dim=1)
+        limit = max_positions(model.base.config)
+        for length in lengths.tolist():
+            check_context(length, config.max_new_tokens, limit)
+            check_context(length, config.max_new_tokens, self.window,
+                          "the sliding window (the tree's depth is reserved)", reserve=tree.max_depth)
+        replies = Replies(len(prompts), config, self.tokenizer, streamer)
+        generator = None if config.greedy else make_generator(config, self.device)
+        verify = make_verifier(self.acceptance, tree, config, generator, self.posterior_threshold,
+                               self.posterior_alpha)
+
+        start = time.perf_counter()
+        replies.feed.start(ids)
+        cache = DynamicCache()  # full-attention layers only: the tree mask replaces the model's own masks
+        hidden, _ = model.hidden(ids, attention_mask=prefill_mask(valid, model.base.dtype),
+                                 position_ids=positions(valid), cache=cache, use_cache=True)  # [B, T, H]
+        root = choose_token(model.lm_head(hidden[:, -1]), config, generator)  # [B]
+        head_logits = model.head_logits(hidden[:, -1])  # [K, B, V']
+        replies.first(root.tolist())
+        prefill_time = time.perf_counter() - start
+        past_valid, next_position = valid, lengths
+        while True:
+            keep = replies.prune()
+            if not replies.active:
+                break
+            if keep is not None:
+                keep = keep.to(self.device)
+                select_rows(cache, keep)
+                root, head_logits = root[keep], head_logits[:, keep]
+                past_valid, next_position = past_valid[keep], next_position[keep]
+            step = medusa_step(model, cache, tree, root, head_logits, past_valid, next_position, verify, limit)
+            replies.step(step.tokens)
+            root, head_logits = step.root, step.head_logits
+            past_valid, next_position = step.past_valid, step.next_position
+        return replies.results(lengths.tolist(), time.perf_counter() - start, prefill_time)
