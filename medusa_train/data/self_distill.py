@@ -39,6 +39,7 @@ class SelfDistillStats:
         assigned: conversations assigned to this rank (index i with i % world_size == rank).
         already_done: assigned conversations whose record the shard file already held.
         no_prompt: assigned conversations without a user turn (nothing to answer).
+        too_long: assigned conversations whose prompt exceeds ``max_prompt_tokens`` (skipped).
         generated: records written by this call.
         unfinished: written records whose reply hit max_new_tokens before an end-of-turn token.
     """
@@ -47,6 +48,7 @@ class SelfDistillStats:
     assigned: int = 0
     already_done: int = 0
     no_prompt: int = 0
+    too_long: int = 0
     generated: int = 0
     unfinished: int = 0
 
@@ -135,6 +137,7 @@ def self_distill(
     *,
     chat_template: str | None = None,
     show_progress: bool = True,
+    max_prompt_tokens: int | None = None,
 ) -> SelfDistillStats:
     """Answer each conversation's first user turn with ``model`` (greedy) and append the records to a JSONL file.
 
@@ -153,6 +156,8 @@ def self_distill(
         rank, world_size: this process's shard.
         chat_template: overrides the tokenizer's chat template.
         show_progress: a tqdm bar, on rank 0 only.
+        max_prompt_tokens: skip (and count) prompts longer than this: ShareGPT's first turns reach thousands of
+            tokens, and one such prompt makes its whole left-padded batch that long. None keeps every prompt.
 
     Returns:
         :class:`SelfDistillStats` for this rank.
@@ -186,7 +191,11 @@ def self_distill(
         if rid in done:
             stats.already_done += 1
             continue
-        pending.append((i, rid, prompt, encode(tokenizer, render(tokenizer, prompt, template, True))))
+        ids = encode(tokenizer, render(tokenizer, prompt, template, True))
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            stats.too_long += 1
+            continue
+        pending.append((i, rid, prompt, ids))
     pending.sort(key=lambda item: len(item[3]), reverse=True)  # similar lengths share a batch; longest first
 
     device = getattr(model, "device", None) or next(model.parameters()).device
@@ -210,6 +219,9 @@ def self_distill(
     finally:
         model.train(was_training)
         bar.close()
+    if stats.too_long:
+        logger.warning("%s: skipped %d prompts longer than max_prompt_tokens=%d", path, stats.too_long,
+                       max_prompt_tokens)
     if stats.unfinished:
         logger.warning("%s: %d replies hit max_new_tokens=%d", path, stats.unfinished, max_new_tokens)
     return stats

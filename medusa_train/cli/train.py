@@ -1,0 +1,58 @@
+"""``medusa-train``: train Medusa heads (Hydra app over ``conf/train.yaml``).
+
+Examples::
+
+    medusa-train model=stories260k output_dir=runs/stories            # offline, CPU, a few minutes
+    medusa-train model=smollm2_135m data=sharegpt data.max_conversations=2000 output_dir=runs/smol
+    torchrun --nproc_per_node=8 -m medusa_train.cli.train trainer=ddp model=vicuna_7b data=sharegpt output_dir=...
+    medusa-train ... resume=true                                       # continue from the latest complete checkpoint
+
+Under the deepspeed launcher the ``--local_rank=N`` argument it appends is moved into ``LOCAL_RANK`` before Hydra
+parses the command line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+import medusa_train  # noqa: F401  (registers the config schemas and resolvers)
+
+
+def strip_local_rank(argv: list[str]) -> list[str]:
+    """Remove ``--local_rank=N`` / ``--local_rank N`` (deepspeed launcher) from ``argv``, setting ``LOCAL_RANK``."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith(("--local_rank=", "--local-rank=")):
+            os.environ["LOCAL_RANK"] = arg.split("=", 1)[1]
+        elif arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+            os.environ["LOCAL_RANK"] = argv[i + 1]
+            i += 1
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    from medusa_train.training.recipe import TrainRecipe
+
+    if int(os.environ.get("RANK", "0")) > 0:  # one voice in the console: other ranks log warnings only
+        logging.getLogger().setLevel(logging.WARNING)
+    TrainRecipe(cfg).run()
+
+
+def main() -> None:
+    sys.argv = strip_local_rank(sys.argv)
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Atomic checkpoints on top of the HF Trainer's ``checkpoint-N`` folders.
+
+The Trainer writes a checkpoint as many files (weights, optimizer and scheduler states, RNG states, DeepSpeed shards
+from every rank, ``trainer_state.json``); a run killed in the middle leaves a folder that looks like a checkpoint but
+is not one. Here a checkpoint counts only once it holds :data:`COMPLETE_MARKER`, written by the main process after
+every rank finished saving (a barrier), atomically (temporary file + ``os.replace``), listing each file with its size.
+On resume, :func:`latest_complete` picks the newest folder whose marker is present and whose files still have the
+recorded sizes; others are reported and removed by :func:`remove_incomplete`. Rotation (``save_total_limit``) is
+done here too, after marking, so an old complete checkpoint is never deleted before the new one is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+COMPLETE_MARKER = "medusa_checkpoint_complete.json"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _files_with_sizes(folder: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != COMPLETE_MARKER
+    }
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # some file systems do not open folders; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def mark_complete(folder: str | os.PathLike[str], step: int) -> Path:
+    """Write the completeness marker into a fully saved checkpoint folder (main process, after a barrier).
+
+    Raises:
+        FileNotFoundError: ``folder`` does not exist.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {folder} not found")
+    payload = {"global_step": int(step), "files": _files_with_sizes(folder)}
+    tmp = folder / f".{COMPLETE_MARKER}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / COMPLETE_MARKER)
+    _fsync_dir(folder)
+    return folder / COMPLETE_MARKER
+
+
+def incomplete_reason(folder: str | os.PathLike[str]) -> str | None:
+    """None for a complete checkpoint, else why it is not (marker missing or unreadable, file missing or resized)."""
+    folder = Path(folder)
+    marker = folder / COMPLETE_MARKER
+    if not marker.is_file():
+        return f"no {COMPLETE_MARKER} (the save was interrupted)"
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        return f"unreadable {COMPLETE_MARKER}: {e}"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} when saved"
+    return None
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``checkpoint-N`` folder under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _CHECKPOINT_RE.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_complete(root: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None; newer incomplete ones are logged and skipped."""
+    for step, folder in reversed(list_checkpoints(root)):
+        reason = incomplete_reason(folder)
+        if reason is None:
+            return folder
+        log.warning("skipping incomplete checkpoint %s: %s", folder, reason)
+    return None
+
+
+def remove_incomplete(root: str | os.PathLike[str]) -> list[Path]:
+    """Delete the incomplete ``checkpoint-N`` folders under ``root`` (main process only); returns them."""
+    removed = []
+    for _, folder in list_checkpoints(root):
+        reason = incomplete_reason(folder)
+        if reason is not None:
+            log.warning("removing incomplete checkpoint %s: %s", folder, reason)
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def rotate(root: str | os.PathLike[str], keep: int | None) -> list[Path]:
+    """Keep the ``keep`` newest complete checkpoints under ``root`` and delete older ones; None keeps all.
+
+    Incomplete folders are left alone here (a save may be in progress); :func:`remove_incomplete` handles them.
+    """
+    if keep is None or keep <= 0:
+        return []
+    complete = [folder for _, folder in list_checkpoints(root) if incomplete_reason(folder) is None]
+    doomed = complete[:-keep]
+    for folder in doomed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return doomed

@@ -1,0 +1,130 @@
+"""The ``data/`` config -> tokenized train and eval datasets, through :mod:`medusa_train.data`.
+
+Steps, each failing before training with a message that names the setting to change:
+
+1. conversations from the source (``sharegpt``, ``json``, ``hf_disk``) or from ``prompts`` (one user turn each);
+2. with ``self_distill``: the base model answers each first user turn (greedy); rank r answers conversations
+   ``r, r + world_size, ...`` into its own JSONL shard under ``self_distill_dir``, reused and completed on resume;
+   after a barrier every rank reads all shards back in the original order;
+3. tokenization with assistant-only labels, truncation at ``max_length`` (counted and reported), held-out split.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from medusa_train.config import DataConfig
+from medusa_train.data import BuildStats, Conversation, LoadStats, build_dataset, load_conversations, self_distill
+from medusa_train.data.conversations import normalize_record
+from medusa_train.data.self_distill import distill_prompt, record_id, shard_path
+
+log = logging.getLogger(__name__)
+
+DISTILLED_FILE = "conversations.jsonl"
+
+
+@dataclass
+class PreparedData:
+    """Tokenized datasets (``input_ids``, ``labels`` columns) and what preparing them counted."""
+
+    train: Any
+    eval: Any
+    stats: BuildStats
+    conversations: int
+
+
+def source_conversations(data: DataConfig, seed: int) -> list[Conversation]:
+    """Conversations from the configured source (prompts become single user turns).
+
+    Raises:
+        ValueError, FileNotFoundError: from :func:`load_conversations` (empty file, no assistant turn, missing path).
+    """
+    if data.source == "prompts":
+        return [[{"role": "user", "content": p}] for p in data.prompts]
+    conversations, stats = load_conversations(
+        data.source, data.path, data.max_conversations, seed, require_assistant=not data.self_distill
+    )
+    log.info("data: %s", stats.summary())
+    return conversations
+
+
+def read_distilled(conversations: list[Conversation], output_path: Path, world_size: int) -> list[Conversation]:
+    """The regenerated conversations of every rank's shard, in the order of ``conversations``.
+
+    Call it after every rank's :func:`self_distill` returned (a barrier): prompts without a record then are the ones
+    self-distillation skipped (longer than ``max_length``), counted in a warning. Only records whose id matches a
+    current prompt are used (a shard may hold records of an earlier prompt list).
+
+    Raises:
+        ValueError: no prompt has a reply.
+    """
+    wanted = {}
+    for i, c in enumerate(conversations):
+        prompt = distill_prompt(c)
+        if prompt:
+            wanted[record_id(i, prompt)] = i
+    if not wanted:
+        raise ValueError("no conversation has a user turn to answer: self-distillation needs user prompts")
+    records: dict[int, dict[str, Any]] = {}
+    for rank in range(world_size):
+        path = shard_path(output_path, rank, world_size)
+        if not path.is_file():
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                record = json.loads(line)
+                if record.get("id") in wanted:
+                    records[wanted[record["id"]]] = record
+    if not records:
+        raise ValueError(f"self-distillation answered none of the {len(wanted)} prompts (all longer than max_length?);"
+                         " raise max_length or use shorter prompts")
+    if len(records) != len(wanted):
+        log.warning("self-distillation: %d of %d prompts have no reply (longer than max_length) and are left out",
+                    len(wanted) - len(records), len(wanted))
+    stats = LoadStats(source="self_distill", path=str(output_path))
+    distilled = [normalize_record(records[i], stats, require_assistant=True) for i in sorted(records)]
+    return [c for c in distilled if c is not None]
+
+
+def prepare_data(
+    data: DataConfig,
+    *,
+    tokenizer: Any,
+    model: Any,
+    max_length: int,
+    seed: int,
+    self_distill_dir: Path,
+    rank: int,
+    world_size: int,
+    barrier: Callable[[], None],
+) -> PreparedData:
+    """Run steps 1-3 of the module docstring on every rank (collective: ``barrier`` is called by all).
+
+    Raises:
+        ValueError: no usable conversation, a file without records, every conversation skipped by tokenization.
+        FileNotFoundError: a missing data file or package.
+    """
+    conversations = source_conversations(data, seed)
+    if data.self_distill:
+        output_path = self_distill_dir / DISTILLED_FILE
+        # a prompt of max_length tokens or more leaves no room for a labelled reply: do not generate one
+        stats = self_distill(model, tokenizer, conversations, data.max_new_tokens, data.generation_batch_size,
+                             output_path, rank, world_size, max_prompt_tokens=max_length - 1)
+        log.info("self-distillation (rank %d): %s", rank, stats)
+        barrier()
+        conversations = read_distilled(conversations, output_path, world_size)
+    train, held_out, build = build_dataset(tokenizer, conversations, max_length, data.eval_fraction, seed,
+                                           num_proc=data.num_proc)
+    if build.at_max_length:
+        log.warning(
+            "%d of %d conversations are longer than max_length=%d tokens and were truncated to it "
+            "(raise max_length to keep them whole)", build.at_max_length, build.kept, max_length,
+        )
+    log.info("data: %d train and %d eval conversations, %d tokens, %d labelled", len(train), len(held_out),
+             build.tokens, build.label_tokens)
+    return PreparedData(train=train, eval=held_out, stats=build, conversations=len(conversations))

@@ -1,0 +1,224 @@
+"""Hidden-state cache: run the frozen base once per sequence, then train the heads from disk for many epochs.
+
+With the base frozen (Medusa-1), its last hidden states and greedy tokens never change, so they can be computed once.
+:func:`build_hidden_cache` splits a tokenized dataset over ranks (row i goes to rank ``i % world_size``); each rank
+writes one safetensors shard holding its rows' hidden states ``[N_tokens, H]`` (base dtype), base argmax tokens
+``[N_tokens]`` and row offsets, through a temporary file renamed into place, next to a JSON description with a
+fingerprint of the data and the base model. A shard whose description matches is reused (a resumed run skips the
+base entirely). :class:`CachedHiddenDataset` reads rows back lazily (memory-mapped) from all shards, so the
+Trainer's sampler sees the same rows in the same order as without the cache, and :class:`HiddenCollator` pads them.
+
+Every rank reads every shard: ``output_dir`` (or ``hidden_cache_dir``) must be on a file system all ranks share.
+Disk use is ``tokens * H * bytes(dtype)``: 1,000 conversations of 512 tokens with SmolLM2 (H=576, bf16) take
+0.6 GB; a 7B model (H=4096) on all of ShareGPT would take terabytes, so the cache suits small data or many epochs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from medusa_train.data.collate import Collator
+from medusa_train.training.step import FrozenBase
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+
+
+def dataset_fingerprint(dataset: Any, base_name: str, dtype: torch.dtype) -> str:
+    """sha256 of every row's ``input_ids`` plus the base model's name and dtype (16 hex digits)."""
+    digest = hashlib.sha256(f"v{CACHE_VERSION}|{base_name}|{dtype}|{len(dataset)}".encode())
+    for row in dataset["input_ids"]:
+        digest.update(np.asarray(row, dtype=np.int64).tobytes())
+        digest.update(b"|")
+    return digest.hexdigest()[:16]
+
+
+def shard_name(split: str, rank: int, world_size: int) -> str:
+    return f"{split}-shard-{rank:05d}-of-{world_size:05d}"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Description written next to a shard (``<shard>.json``)."""
+
+    fingerprint: str
+    rows: list[int]
+    hidden_size: int
+    dtype: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": CACHE_VERSION, "fingerprint": self.fingerprint, "rows": self.rows,
+                "hidden_size": self.hidden_size, "dtype": self.dtype}
+
+
+def _shard_is_current(folder: Path, name: str, fingerprint: str, rows: list[int]) -> bool:
+    meta_path, data_path = folder / f"{name}.json", folder / f"{name}.safetensors"
+    if not (meta_path.is_file() and data_path.is_file()):
+        return False
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError:
+        return False
+    return meta.get("version") == CACHE_VERSION and meta.get("fingerprint") == fingerprint and meta.get("rows") == rows
+
+
+@torch.no_grad()
+def build_hidden_cache(
+    base: FrozenBase,
+    dataset: Any,
+    folder: str | os.PathLike[str],
+    *,
+    split: str,
+    fingerprint: str,
+    collator: Collator,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    device: torch.device | str = "cpu",
+) -> Path:
+    """Write this rank's shard of the cache for ``dataset`` (rows ``rank, rank + world_size, ...``).
+
+    Args:
+        base: the frozen base with its backbone.
+        dataset: rows with ``input_ids`` (and ``labels``), e.g. from ``build_dataset``.
+        folder: the cache folder (created).
+        split: ``train`` or ``eval``; part of the shard's file name.
+        fingerprint: :func:`dataset_fingerprint` of ``dataset``; a shard with the same fingerprint is reused.
+        collator: pads token batches (right padding, ``attention_mask``).
+        batch_size: rows per base forward pass.
+        rank, world_size: this process's share.
+        device: where the base runs.
+
+    Returns:
+        The shard's safetensors path.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    name = shard_name(split, rank, world_size)
+    rows = list(range(rank, len(dataset), world_size))
+    target = folder / f"{name}.safetensors"
+    if _shard_is_current(folder, name, fingerprint, rows):
+        log.info("hidden cache: reusing %s (%d rows)", target, len(rows))
+        return target
+    hidden_parts: list[torch.Tensor] = []
+    argmax_parts: list[torch.Tensor] = []
+    lengths: list[int] = []
+    for start in range(0, len(rows), batch_size):
+        chunk = [dataset[i] for i in rows[start : start + batch_size]]
+        batch = collator(chunk)
+        hidden = base.hidden(batch["input_ids"].to(device), batch["attention_mask"].to(device))  # [B, T, H]
+        argmax = base.logits(hidden).argmax(-1)  # [B, T]
+        for b, row in enumerate(chunk):
+            n = len(row["input_ids"])
+            hidden_parts.append(hidden[b, :n].to("cpu"))
+            argmax_parts.append(argmax[b, :n].to("cpu", torch.int64))
+            lengths.append(n)
+    H = int(base.lm_head.weight.shape[1])
+    dtype = base.lm_head.weight.dtype
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    tensors = {
+        "hidden": torch.cat(hidden_parts).contiguous() if hidden_parts else torch.zeros(0, H, dtype=dtype),
+        "base_argmax": torch.cat(argmax_parts) if argmax_parts else torch.zeros(0, dtype=torch.int64),
+        "offsets": offsets,
+    }
+    tmp = folder / f".{name}.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    os.replace(tmp, target)
+    info = ShardInfo(fingerprint=fingerprint, rows=rows, hidden_size=H, dtype=str(tensors["hidden"].dtype))
+    meta_tmp = folder / f".{name}.json.tmp"
+    meta_tmp.write_text(json.dumps(info.to_json()))
+    os.replace(meta_tmp, folder / f"{name}.json")  # written last: a shard without its description is rebuilt
+    log.info("hidden cache: wrote %s (%d rows, %d tokens)", target, len(rows), int(offsets[-1]))
+    return target
+
+
+class CachedHiddenDataset(torch.utils.data.Dataset):
+    """Rows of a tokenized dataset with their cached hidden states, in the dataset's order.
+
+    Item i: ``{"hidden": [T_i, H], "base_argmax": [T_i] long, "labels": [T_i] long}``.
+
+    Raises:
+        FileNotFoundError: a shard of ``world_size`` is missing or was built for other data (fingerprint).
+    """
+
+    def __init__(
+        self, dataset: Any, folder: str | os.PathLike[str], *, split: str, fingerprint: str, world_size: int
+    ) -> None:
+        self.dataset = dataset
+        self.folder = Path(folder)
+        self.names = [shard_name(split, r, world_size) for r in range(world_size)]
+        self.where: dict[int, tuple[int, int]] = {}  # row -> (shard, position in shard)
+        for s, name in enumerate(self.names):
+            rows = list(range(s, len(dataset), world_size))
+            if not _shard_is_current(self.folder, name, fingerprint, rows):
+                raise FileNotFoundError(
+                    f"hidden cache shard {self.folder / name}.safetensors is missing or belongs to other data; "
+                    "it is rebuilt at the start of training (delete the folder to force it)"
+                )
+            for j, row in enumerate(rows):
+                self.where[row] = (s, j)
+        self._handles: dict[int, Any] = {}
+        self._offsets: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _open(self, s: int) -> Any:
+        if s not in self._handles:  # opened lazily, so each DataLoader worker gets its own handle
+            handle = safe_open(str(self.folder / f"{self.names[s]}.safetensors"), framework="pt")
+            self._handles[s] = handle
+            self._offsets[s] = handle.get_tensor("offsets")
+        return self._handles[s]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        s, j = self.where[int(i)]
+        handle = self._open(s)
+        start, stop = int(self._offsets[s][j]), int(self._offsets[s][j + 1])
+        return {
+            "hidden": handle.get_slice("hidden")[start:stop],
+            "base_argmax": handle.get_slice("base_argmax")[start:stop],
+            "labels": torch.as_tensor(self.dataset[int(i)]["labels"], dtype=torch.long),
+        }
+
+    def __getstate__(self) -> dict[str, Any]:  # file handles do not pickle (DataLoader workers)
+        state = dict(self.__dict__)
+        state["_handles"], state["_offsets"] = {}, {}
+        return state
+
+
+@dataclass
+class HiddenCollator:
+    """Right-pad cached rows into ``hidden [B, T, H]``, ``base_argmax [B, T]``, ``labels [B, T]`` (-100 padding) and
+    ``attention_mask [B, T]``."""
+
+    def __call__(self, features: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        if not features:
+            raise ValueError("cannot collate an empty batch")
+        width = max(int(f["hidden"].shape[0]) for f in features)
+        H = int(features[0]["hidden"].shape[1])
+        B = len(features)
+        hidden = torch.zeros(B, width, H, dtype=features[0]["hidden"].dtype)
+        argmax = torch.zeros(B, width, dtype=torch.long)
+        labels = torch.full((B, width), -100, dtype=torch.long)
+        mask = torch.zeros(B, width, dtype=torch.long)
+        for b, f in enumerate(features):
+            n = int(f["hidden"].shape[0])
+            hidden[b, :n] = f["hidden"]
+            argmax[b, :n] = f["base_argmax"]
+            labels[b, :n] = f["labels"]
+            mask[b, :n] = 1
+        return {"hidden": hidden, "base_argmax": argmax, "labels": labels, "attention_mask": mask}

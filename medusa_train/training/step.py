@@ -1,0 +1,121 @@
+"""One batch through the frozen base and the heads: the single code path shared by training and evaluation.
+
+A batch either holds token ids (``input_ids``, ``attention_mask``, ``labels``: the base model runs here, under
+``no_grad``) or cached base outputs (``hidden``, ``base_argmax``, ``labels`` from :mod:`hidden_cache`: the base never
+runs). Either way the heads see the same last hidden states, and the targets come from the same frozen lm_head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from medusa_train.training.losses import HeadLossOutput, medusa_head_loss
+
+
+@dataclass(frozen=True)
+class FrozenBase:
+    """The parts of the frozen base model that Medusa-1 training uses.
+
+    Attributes:
+        backbone: ``base.base_model`` (its ``last_hidden_state`` is after the final norm), or None when training from
+            the hidden-state cache.
+        lm_head: ``base.get_output_embeddings()``, weight ``[V, H]``; base logits are ``lm_head(hidden)`` (the model
+            wrapper refuses architectures where they are not, see ``medusa_train.model.check_supported``).
+    """
+
+    backbone: nn.Module | None
+    lm_head: nn.Module
+
+    @classmethod
+    def of(cls, base: PreTrainedModel, keep_backbone: bool = True) -> FrozenBase:
+        return cls(backbone=base.base_model if keep_backbone else None, lm_head=base.get_output_embeddings())
+
+    @torch.no_grad()
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids [B, T]`` long -> last hidden states ``[B, T, H]`` in the base dtype.
+
+        Raises:
+            RuntimeError: built without a backbone (hidden-state cache mode) and asked for hidden states.
+        """
+        if self.backbone is None:
+            raise RuntimeError("this FrozenBase has no backbone (hidden-state cache mode): batches must hold 'hidden'")
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
+        return out.last_hidden_state
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, T, H]`` -> base logits ``[B, T, V]`` (the lm_head's dtype)."""
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What the loss needs to know about the heads and the training target.
+
+    Attributes:
+        target: ``labels``, ``base_argmax`` or ``soft`` (see :mod:`medusa_train.training.losses`).
+        decay: head k's weight is ``decay ** k``.
+        share_lm_head: the heads project with the base lm_head (passed to the heads' forward).
+        vocab_size: V of the base model.
+        token_map: ``[V']`` long reduced head vocabulary, or None.
+    """
+
+    target: str
+    decay: float
+    share_lm_head: bool
+    vocab_size: int
+    token_map: torch.Tensor | None = None
+
+
+def heads_on_batch(
+    heads: nn.Module,
+    base: FrozenBase,
+    batch: dict[str, Any],
+    spec: LossSpec,
+    normalizer: torch.Tensor | float | None = None,
+) -> tuple[HeadLossOutput, torch.Tensor]:
+    """Run the heads on one batch and compute the loss.
+
+    Args:
+        heads: ``MedusaHeads`` or its DDP/DeepSpeed wrapper; called as ``heads(hidden, base_lm_head_weight)``.
+        base: the frozen base.
+        batch: ``labels [B, T]`` and either ``input_ids [B, T]`` (+ ``attention_mask``) or ``hidden [B, T, H]``
+            (+ ``base_argmax [B, T]``).
+        spec: loss settings.
+        normalizer: see :func:`medusa_head_loss`.
+
+    Returns:
+        ``(loss output, head logits [K, B, T, V'])``.
+    """
+    labels = batch["labels"]
+    hidden = batch.get("hidden")
+    base_argmax = batch.get("base_argmax")
+    base_logits = None
+    with torch.no_grad():
+        if hidden is None:
+            hidden = base.hidden(batch["input_ids"], batch.get("attention_mask"))
+        if spec.target == "soft" or (spec.target == "base_argmax" and base_argmax is None):
+            base_logits = base.logits(hidden)
+            if base_argmax is None:
+                base_argmax = base_logits.argmax(-1)
+    lm_weight = base.lm_head.weight if spec.share_lm_head else None
+    head_logits = heads(hidden, lm_weight)  # [K, B, T, V']
+    out = medusa_head_loss(
+        head_logits, labels, target=spec.target, decay=spec.decay, base_argmax=base_argmax,
+        base_logits=base_logits if spec.target == "soft" else None, token_map=spec.token_map,
+        vocab_size=spec.vocab_size, normalizer=normalizer,
+    )
+    return out, head_logits
+
+
+def real_tokens(batch: dict[str, Any]) -> torch.Tensor | int:
+    """Non-padding tokens in a batch: the ``attention_mask`` sum (a tensor, not synchronised), else all positions."""
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return mask.sum()
+    return int(batch["labels"].numel())

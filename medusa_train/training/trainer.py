@@ -1,0 +1,110 @@
+"""The HF Trainer, taught to train Medusa heads on a frozen base model.
+
+The Trainer's model is the heads alone (:class:`~medusa_train.heads.MedusaHeads`): the optimizer, DDP, DeepSpeed
+ZeRO sharding and checkpoints only ever see head parameters, and the frozen base (kept beside the Trainer, in
+:class:`~medusa_train.training.step.FrozenBase`) runs under ``no_grad`` in :meth:`MedusaTrainer.compute_loss`, or
+not at all when batches come from the hidden-state cache. What changes from the stock Trainer:
+
+- ``compute_loss``: the Medusa loss (:mod:`medusa_train.training.losses`), normalised by the labelled tokens of the
+  whole optimizer step across ranks and accumulation steps (the Trainer's ``num_items_in_batch``), so any split of
+  one global batch over ranks and accumulation steps gives the same gradient.
+- ``log``: per-head loss, top-1 and top-5 accuracy and tokens per second, summed over ranks.
+- ``evaluation_loop``: the same per-head metrics for evaluations run during training.
+- ``_save_checkpoint``: marks each checkpoint complete after every rank saved, and rotates old ones afterwards
+  (:mod:`medusa_train.training.checkpoints`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from medusa_train.training import checkpoints
+from medusa_train.training.metrics import HeadMetrics
+from medusa_train.training.step import FrozenBase, LossSpec, heads_on_batch, real_tokens
+
+
+class MedusaTrainer(Trainer):
+    """``Trainer`` whose ``model`` is the heads; the frozen base and the loss settings are given beside it.
+
+    Args:
+        frozen_base: the base model's backbone and lm_head, on ``args.device``.
+        loss_spec: target, decay and head-vocabulary settings.
+        keep_checkpoints: how many complete checkpoints to keep (the Trainer's own ``save_total_limit`` must be None,
+            rotation happens after marking).
+        **kwargs: ``Trainer`` arguments (``model`` = the heads, ``args``, datasets, ``data_collator``, callbacks).
+    """
+
+    # compute_loss divides by the step's labelled-token count itself (see the module docstring).
+    loss_is_scaled_for_ga = True
+
+    def __init__(
+        self, *, frozen_base: FrozenBase, loss_spec: LossSpec, keep_checkpoints: int | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        if self.args.save_total_limit is not None:
+            raise ValueError("pass keep_checkpoints instead of TrainingArguments.save_total_limit (rotation must "
+                             "wait until a checkpoint is complete)")
+        self.frozen_base = frozen_base
+        self.loss_spec = loss_spec
+        self.keep_checkpoints = keep_checkpoints
+        num_heads = self.model.spec.num_heads
+        self.head_metrics = {"train": HeadMetrics(num_heads), "eval": HeadMetrics(num_heads)}
+        # Ask the Trainer to count the labelled tokens of each optimizer step over all its micro-batches and ranks
+        # (num_items_in_batch); it does so for models whose forward takes loss keyword arguments.
+        self.model_accepts_loss_kwargs = True
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Medusa loss of the heads on one micro-batch (see the module docstring for the normalisation)."""
+        out, head_logits = heads_on_batch(model, self.frozen_base, inputs, self.loss_spec,
+                                          normalizer=num_items_in_batch)
+        loss = out.loss
+        if num_items_in_batch is not None and self.args.average_tokens_across_devices:
+            # DDP and DeepSpeed average gradients over ranks; the loss is already divided by the global count.
+            loss = loss * self.accelerator.num_processes
+        phase = "train" if model.training else "eval"
+        self.head_metrics[phase].add(out, tokens=real_tokens(inputs))
+        return (loss, {"head_logits": head_logits}) if return_outputs else loss
+
+    def _reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.accelerator.num_processes == 1:
+            return x
+        return self.accelerator.reduce(x.to(self.args.device), reduction="sum")
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add per-head metrics and tokens/s (all ranks) to each training log; every rank calls this."""
+        if "loss" in logs:
+            train = self.head_metrics["train"]
+            logs = {**logs, **train.summary(self._reduce_sum)}
+            train.reset()
+        super().log(logs, start_time)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The stock loop, plus per-head ``eval_head{k}/top1`` etc. summed over ranks."""
+        metrics = self.head_metrics["eval"]
+        metrics.reset()
+        output = super().evaluation_loop(*args, **kwargs)
+        prefix = kwargs.get("metric_key_prefix", "eval")
+        output.metrics.update(
+            {k: v for k, v in metrics.summary(self._reduce_sum, prefix=f"{prefix}_").items() if "tokens_per" not in k}
+        )
+        return output
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+        self.accelerator.wait_for_everyone()  # every rank's files (DeepSpeed shards, RNG states) are written
+        if self.args.should_save:
+            checkpoints.mark_complete(folder, self.state.global_step)
+            checkpoints.rotate(self.args.output_dir, self.keep_checkpoints)
+        self.accelerator.wait_for_everyone()

@@ -1,0 +1,124 @@
+"""Every YAML under conf/ composes (subfolders included), the training configs validate against TrainConfig, and a
+misspelt key fails at composition with Hydra's message."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import tomllib
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationResolutionError
+
+import medusa_train  # noqa: F401  (registers schemas and resolvers)
+from medusa_train.config import TrainConfig, as_dataclass
+from medusa_train.paths import CONF_DIR, REPO_ROOT
+from medusa_train.training.arguments import load_deepspeed_config
+
+PRIMARY = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+GROUP_FILES = sorted(str(p.relative_to(CONF_DIR).with_suffix("")) for p in CONF_DIR.glob("*/**/*.yaml"))
+TRAIN_GROUPS = ("model", "heads", "data", "trainer", "logger")
+TRAIN_OPTIONS = [(g, p.stem) for g in TRAIN_GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def entry_points_registered():
+    """Import every console script's module: each registers the schemas its primary config extends."""
+    scripts = tomllib.loads((Path(REPO_ROOT) / "pyproject.toml").read_text())["project"]["scripts"]
+    for target in scripts.values():
+        module = target.split(":")[0]
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:  # the script's own module may not be written yet; anything else is a real error
+                raise
+
+
+def compose_in(conf_dir: Path, name: str, overrides: list[str] | None = None):
+    with initialize_config_dir(str(conf_dir), version_base="1.3"):
+        return compose(name, overrides=overrides or [])
+
+
+def resolved_or_skip(cfg) -> dict:
+    """The config with interpolations resolved; skip when it points at a package that is not installed here."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as e:
+        if isinstance(e.__cause__, FileNotFoundError):
+            pytest.skip(f"needs a file or package not present here: {e.__cause__}")
+        raise
+
+
+def test_the_conf_folder_holds_the_training_groups():
+    assert "train" in PRIMARY
+    for group in TRAIN_GROUPS:
+        assert list((CONF_DIR / group).glob("*.yaml")), group
+    assert {"cpu", "ddp", "deepspeed_zero2", "deepspeed_zero3"} <= {p.stem for p in (CONF_DIR / "trainer").glob("*")}
+    assert {"wandb", "none"} <= {p.stem for p in (CONF_DIR / "logger").glob("*")}
+
+
+@pytest.mark.parametrize("name", PRIMARY)
+def test_every_primary_config_composes(name):
+    cfg = compose_in(CONF_DIR, name)
+    assert len(cfg) > 0
+
+
+@pytest.mark.parametrize("path", GROUP_FILES)
+def test_every_group_file_composes_on_its_own(path):
+    cfg = compose_in(CONF_DIR, path)
+    assert OmegaConf.is_config(cfg)
+
+
+@pytest.mark.parametrize(("group", "option"), TRAIN_OPTIONS, ids=[f"{g}={o}" for g, o in TRAIN_OPTIONS])
+def test_every_training_option_validates_as_a_train_config(group, option, tmp_path):
+    overrides = [f"{group}={option}", f"output_dir={tmp_path}"]
+    if group == "data" and option == "json":
+        overrides.append("data.path=conversations.jsonl")  # the one required value (???)
+    cfg = compose_in(CONF_DIR, "train", overrides)
+    resolved = resolved_or_skip(cfg)
+    train = as_dataclass(TrainConfig, resolved)
+    assert getattr(train, group) is not None
+    if group == "trainer" and train.trainer.deepspeed:
+        stage = load_deepspeed_config(train.trainer.deepspeed)["zero_optimization"]["stage"]
+        assert stage == int(option[-1])
+
+
+def test_the_documented_command_line_composes():
+    cfg = compose_in(CONF_DIR, "train", ["model=smollm2_135m", "data=sharegpt", "trainer=ddp"])
+    train = as_dataclass(TrainConfig, resolved_or_skip(cfg))
+    assert (train.model.format, train.data.source, train.trainer.strategy) == ("gguf", "sharegpt", "ddp")
+    assert train.heads.mode == "medusa1" and train.logger.report_to == []
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        hydra_cfg = compose("train", overrides=["output_dir=/runs/x"], return_hydra_config=True).hydra
+    assert hydra_cfg.run.dir == "/runs/x/hydra"  # every rank under torchrun writes into one folder
+
+
+@pytest.mark.parametrize("override", ["trainer.learnin_rate=0.1", "bogus=1", "heads.medusa_num_head=3"])
+def test_a_misspelt_override_fails_at_composition(override):
+    with pytest.raises(ConfigCompositionException, match="Could not override"):
+        compose_in(CONF_DIR, "train", [override])
+
+
+def test_a_misspelt_key_in_a_yaml_file_fails_at_composition(tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "data" / "typo.yaml").write_text(
+        "defaults:\n  - /schema/data/base@_here_\n  - _self_\nsoruce: json\npath: x.jsonl\n"
+    )
+    with pytest.raises(ConfigCompositionException, match="ConfigKeyError.*\n.*Key 'soruce' not in 'DataConfig'"):
+        compose_in(conf, "train", ["data=typo"])
+
+
+def test_wrong_types_and_bad_values_fail_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigCompositionException, match="trainer.max_steps"):
+        compose_in(CONF_DIR, "train", ["trainer.max_steps=many"])
+    cfg = compose_in(CONF_DIR, "train", ["trainer.precision=fp8", f"output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="trainer.precision must be one of"):
+        as_dataclass(TrainConfig, OmegaConf.to_container(cfg, resolve=True))
+    cfg = compose_in(CONF_DIR, "train", ["trainer=deepspeed_zero2", "trainer.strategy=ddp", f"output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="use strategy=deepspeed"):
+        as_dataclass(TrainConfig, OmegaConf.to_container(cfg, resolve=True))
