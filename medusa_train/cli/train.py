@@ -21,6 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 import medusa_train  # noqa: F401  (registers the config schemas and resolvers)
+from medusa_train.paths import CONF_DIR
 
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -40,7 +41,7 @@ def strip_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
     from medusa_train.training.recipe import TrainRecipe
 
