@@ -5,7 +5,7 @@
 #   3. medusa-tune-tree: head accuracy on held-out ShareGPT prompts + this CPU's verification latency -> the tree;
 #   4. medusa-eval: every decoder on MT-Bench first turns (one per category), the summary table printed at the end.
 # Every step resumes: re-running after a kill continues where it stopped. Knobs (environment variables):
-#   QUICKSTART_OUT (runs/quickstart), QUICKSTART_CONVERSATIONS (ShareGPT prompts to self-distill, 384),
+#   QUICKSTART_OUT (runs/quickstart), QUICKSTART_CONVERSATIONS (ShareGPT prompts to self-distill, 192),
 #   QUICKSTART_EPOCHS (3), QUICKSTART_DTYPE (float32: this CPU has no bf16 matrix units), QUICKSTART_EVAL_TOKENS (96).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,7 +14,7 @@ bash launch/install.sh
 venv="${MEDUSA_VENV:-$root/.venv}"
 export PATH="$venv/bin:$PATH" WANDB_MODE="${WANDB_MODE:-offline}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 out="${QUICKSTART_OUT:-runs/quickstart}"
-conversations="${QUICKSTART_CONVERSATIONS:-384}"
+conversations="${QUICKSTART_CONVERSATIONS:-192}"
 epochs="${QUICKSTART_EPOCHS:-3}"
 dtype="${QUICKSTART_DTYPE:-float32}"
 eval_tokens="${QUICKSTART_EVAL_TOKENS:-96}"
@@ -23,8 +23,8 @@ resume=false
 
 echo "== 1/3 medusa-train: SmolLM2-135M-Instruct, $conversations self-distilled ShareGPT replies -> $out/export"
 medusa-train model=smollm2_135m model.dtype="$dtype" data=sharegpt data.self_distill=true \
-  data.max_conversations="$conversations" data.max_new_tokens=128 data.generation_batch_size=16 data.eval_fraction=0.05 \
-  max_length=384 hidden_cache=true trainer=cpu trainer.precision=fp32 trainer.learning_rate=1e-3 \
+  data.max_conversations="$conversations" data.max_new_tokens=96 data.generation_batch_size=16 data.eval_fraction=0.05 \
+  max_length=256 hidden_cache=true trainer=cpu trainer.precision=fp32 trainer.learning_rate=1e-3 \
   trainer.num_train_epochs="$epochs" trainer.per_device_train_batch_size=8 trainer.save_steps=100 \
   output_dir="$out" resume="$resume"
 

@@ -264,6 +264,8 @@ class TrainConfig:
         hidden_cache_dir: where the cache goes; None: ``${output_dir}/hidden_cache``.
         export: write ``${output_dir}/export`` at the end.
         export_vllm: also write the vLLM layout under ``export/vllm``.
+        push_to_hub: publish the export at the end of training (rank 0), see ``medusa-publish``.
+        hub_repo_id, hub_private, hub_revision: the Hub repository (``namespace/name``), visibility and branch.
     """
 
     model: ModelConfig = MISSING
@@ -280,8 +282,16 @@ class TrainConfig:
     hidden_cache_dir: Optional[str] = None
     export: bool = True
     export_vllm: bool = True
+    push_to_hub: bool = False
+    hub_repo_id: Optional[str] = None
+    hub_private: bool = False
+    hub_revision: Optional[str] = None
 
     def validate(self) -> None:
+        if self.push_to_hub and not self.hub_repo_id:
+            raise ValueError("push_to_hub=true needs hub_repo_id=namespace/name")
+        if self.push_to_hub and not self.export:
+            raise ValueError("push_to_hub=true needs export=true (the export is what is published)")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         if self.resume and self.overwrite:

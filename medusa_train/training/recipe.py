@@ -28,6 +28,7 @@ from medusa_train.data import Collator
 from medusa_train.export import save_export
 from medusa_train.heads import MedusaHeads, build_token_map
 from medusa_train.loading.base import load_base_model
+from medusa_train.loading.medusa import export_extra_config
 from medusa_train.model import check_supported, new_heads_for
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import (
@@ -122,6 +123,10 @@ class TrainRecipe:
             ds_config = load_deepspeed_config(cfg.trainer.deepspeed)
             check_deepspeed_batch(ds_config, cfg.trainer, self.env.world_size)
         check_output_dir(self.paths, self.resolved, cfg.resume, cfg.overwrite)
+        if cfg.push_to_hub:
+            from medusa_train.publish import check_publish_ready
+
+            check_publish_ready(cfg.hub_repo_id)  # repo name, offline mode and token, before any model loads
         return ds_config
 
     def setup(self) -> None:
@@ -246,6 +251,8 @@ class TrainRecipe:
             if self.cfg.export:
                 export_dir = self._export(heads.cpu(), table)
                 self.summary["export_dir"] = str(export_dir)
+                if self.cfg.push_to_hub:
+                    self._publish(export_dir)
         self.barrier()
         return export_dir
 
@@ -254,7 +261,9 @@ class TrainRecipe:
         training = {"target": cfg.heads.target, "loss_decay": cfg.heads.loss_decay, "data_source": cfg.data.source,
                     "self_distill": cfg.data.self_distill, "max_length": cfg.max_length,
                     "global_step": self.summary.get("global_step"), "seed": cfg.seed}
-        out = save_export(heads, self.paths.export, cfg.model.name_or_path, extra_config={"training": training},
+        # The model/ config is recorded so tune-tree, eval and generate rebuild a GGUF or llama2.c base exactly.
+        extra = {"training": training, **export_extra_config(cfg.model)}
+        out = save_export(heads, self.paths.export, cfg.model.name_or_path, extra_config=extra,
                           vllm=cfg.export_vllm, base_model=self.base)
         if table is not None:
             record = {"split": "eval", "conversations": len(self.eval_set), "target": cfg.heads.target, **table}
@@ -263,6 +272,18 @@ class TrainRecipe:
             os.replace(tmp, out / ACCURACY_FILE)
         log.info("exported heads to %s", out)
         return out
+
+    def _publish(self, export_dir: Path) -> None:
+        """Upload the export (main process only); a failure keeps the export and says how to retry."""
+        from medusa_train.publish import PublishError, publish_export
+
+        cfg = self.cfg
+        try:
+            result = publish_export(export_dir, cfg.hub_repo_id, private=cfg.hub_private, revision=cfg.hub_revision)
+        except PublishError as e:
+            raise PublishError(f"{e}\nThe export is saved in {export_dir}; retry with "
+                               f"`medusa-publish export_dir={export_dir} repo_id={cfg.hub_repo_id}`") from None
+        self.summary["hub_url"] = result.url
 
     # ---- cleanup -------------------------------------------------------------------------------------------------
 

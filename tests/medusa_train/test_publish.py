@@ -425,3 +425,34 @@ def test_vllm_script_exits_clearly_without_vllm_and_builds_the_speculative_confi
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(SystemExit, match="vLLM is not installed.*pip install vllm"):
             script.main(["--export", str(export)])
+
+
+# ---------------------------------------------------------------- medusa-train push_to_hub=true
+
+
+def test_training_with_push_to_hub_publishes_the_export(hub, tmp_path):
+    from medusa_train.training.recipe import TrainRecipe
+    from tests.medusa_train.test_training import compose_train, tiny_overrides, write_tiny_inputs
+
+    model_dir, data = write_tiny_inputs(tmp_path / "inputs", conversations=10)
+    overrides = tiny_overrides(model_dir, data, tmp_path / "run", **{"trainer.max_steps": 2})
+    summary = TrainRecipe(compose_train(overrides + ["push_to_hub=true", f"hub_repo_id={REPO}"])).run()
+    export = Path(summary["export_dir"])
+    stored = hub.files(REPO)
+    assert summary["hub_url"] == f"{hub.url}/{REPO}"
+    for name in ("config.json", "medusa_lm_head.safetensors"):
+        assert stored.get(name) == (export / name).read_bytes(), name
+
+
+def test_push_to_hub_without_repo_or_token_fails_before_training(hub, tmp_path, monkeypatch):
+    from medusa_train.training.recipe import TrainRecipe
+    from tests.medusa_train.test_training import compose_train, tiny_overrides, write_tiny_inputs
+
+    model_dir, data = write_tiny_inputs(tmp_path / "inputs", conversations=10)
+    overrides = tiny_overrides(model_dir, data, tmp_path / "run")
+    with pytest.raises(ValueError, match="hub_repo_id"):
+        TrainRecipe(compose_train(overrides + ["push_to_hub=true"]))
+    monkeypatch.delenv("HF_TOKEN")
+    recipe = TrainRecipe(compose_train(overrides + ["push_to_hub=true", f"hub_repo_id={REPO}"]))
+    with pytest.raises(PublishError, match="hf auth login"):
+        recipe.check()
