@@ -1,0 +1,106 @@
+"""Medusa decoding against Hugging Face ``generate`` (greedy), same prompts, same run, interleaved.
+
+For each MT-Bench first turn: HF ``model.generate(do_sample=False)``, then the Medusa decoder with each tree asked
+for (the export's tuned ``medusa_choices.json``, Medusa's ``mc_sim_7b_63`` cut to the heads, a chain of the same
+depth as the tuned tree), in turn, so the machine's drift hits all alike; one untimed warm-up first. Prints and
+writes tokens/s, the ratio to HF generate, mean accepted tokens (τ) and exact match against HF's tokens, and the
+predicted τ of the tuned tree from ``head_accuracy.json`` beside the measured one.
+
+    python benchmarks/medusa_speed.py --export runs/quickstart/export --dtype float32 --prompts 8 --max-new-tokens 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from inference.decoders import DecodeConfig, MedusaDecoder
+from inference.decoders.choices import resolve_medusa_choices
+from inference.decoders.medusa import default_medusa_choices
+from inference.tree import chain_choices
+from medusa_train.loading.medusa import load_medusa
+from medusa_train.prompts import encode_prompt, load_prompts
+from medusa_train.tuning.search import expected_accept_length
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--export", required=True)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompts", type=int, default=8, help="MT-Bench first turns, one per category first")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--topk", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    parser.add_argument("--output", default=None, help="JSON file for the figures (default EXPORT/medusa_speed.json)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model, tokenizer, _ = load_medusa(args.export, dtype=args.dtype)
+    heads = model.heads.spec.num_heads
+    tuned = resolve_medusa_choices(None, args.export, heads, args.topk)
+    trees = {"tuned": tuned, "mc_sim_7b_63": default_medusa_choices(heads, args.topk),
+             "chain": chain_choices(max(len(p) for p in tuned))}
+    decoders = {name: MedusaDecoder(model, tree, topk=args.topk, acceptance="greedy") for name, tree in trees.items()}
+    prompts = load_prompts("mt_bench")
+    by_category: dict[str, list] = {}
+    for p in prompts:
+        by_category.setdefault(p.category, []).append(p)
+    ordered = [p for group in zip(*by_category.values()) for p in group][: args.prompts]
+    eos = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
+    config = DecodeConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
+
+    def hf_generate(ids: list[int]) -> tuple[list[int], float]:
+        x = torch.tensor([ids], device=model.lm_head.weight.device)
+        start = time.perf_counter()
+        out = model.base.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_new_tokens,
+                                  do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0] if eos else 0)
+        return out[0, x.shape[1]:].tolist(), time.perf_counter() - start
+
+    warm = encode_prompt(tokenizer, [{"role": "user", "content": "Hello"}])
+    hf_generate(warm)
+    for d in decoders.values():
+        d.generate(warm, DecodeConfig(max_new_tokens=8))
+    totals = {name: {"tokens": 0, "time": 0.0, "passes": 0, "decoded": 0, "match": 0} for name in ["hf", *decoders]}
+    for prompt in ordered:
+        ids = encode_prompt(tokenizer, prompt.first_turn_messages())
+        ref, dt = hf_generate(ids)
+        totals["hf"]["tokens"] += len(ref)
+        totals["hf"]["time"] += dt
+        for name, decoder in decoders.items():
+            result = decoder.generate(ids, config)
+            t = totals[name]
+            t["tokens"] += len(result.tokens)
+            t["time"] += result.wall_time_s
+            t["passes"] += result.forward_passes
+            t["decoded"] += sum(result.accepted_lengths)
+            t["match"] += int(result.tokens == ref)
+    hf_rate = totals["hf"]["tokens"] / totals["hf"]["time"]
+    acc_path = Path(args.export) / "head_accuracy.json"
+    predicted = expected_accept_length(json.loads(acc_path.read_text())["acc"], tuned) if acc_path.is_file() else None
+    rows = {"hf_generate": {"tokens_per_second": hf_rate, "speedup": 1.0, "mean_accepted_tokens": 1.0,
+                            "exact_match": 1.0, "nodes": 1}}
+    for name, tree in trees.items():
+        t = totals[name]
+        rows[f"medusa[{name}]"] = {"tokens_per_second": t["tokens"] / t["time"],
+                                   "speedup": t["tokens"] / t["time"] / hf_rate,
+                                   "mean_accepted_tokens": t["decoded"] / max(t["passes"], 1),
+                                   "exact_match": t["match"] / len(ordered), "nodes": len(tree) + 1}
+    print(f"{len(ordered)} MT-Bench prompts x {args.max_new_tokens} tokens, {args.dtype}, "
+          f"{torch.get_num_threads()} threads; predicted tau of the tuned tree: {predicted}")
+    print("| decoder | tree tokens | tokens/s | speedup vs HF generate | mean accepted tokens | exact match |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in rows.items():
+        print(f"| {name} | {r['nodes']} | {r['tokens_per_second']:.2f} | {r['speedup']:.2f} | "
+              f"{r['mean_accepted_tokens']:.2f} | {r['exact_match']:.2f} |")
+    out = Path(args.output or Path(args.export) / "medusa_speed.json")
+    out.write_text(json.dumps({"dtype": args.dtype, "prompts": len(ordered), "max_new_tokens": args.max_new_tokens,
+                               "predicted_tau_tuned": predicted, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
