@@ -21,6 +21,7 @@ in fp32; bf16 may differ where two logits tie within rounding).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import replace
@@ -31,13 +32,14 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import medusa_train  # noqa: F401  (registers schemas and resolvers)
-from inference.decoders.base import DecodeConfig, DecodeResult, Decoder, aggregate_mean_accepted_tokens
+from inference.decoders.base import DecodeConfig, DecodeResult, Decoder
 from inference.decoders.chat import eos_ids
 from inference.decoders.draft import DraftDecoder
 from inference.decoders.hf_peers import HfAssistedDecoder, HfPromptLookupDecoder
 from inference.decoders.lookahead import LookaheadDecoder
 from inference.decoders.vanilla import VanillaDecoder
 from inference.draft_model import self_layer_draft
+from inference.evaluation.summary import decoder_metrics, markdown_table
 from medusa_train.config import ModelConfig, as_dataclass
 from medusa_train.loading.base import load_base_model
 from medusa_train.paths import CONF_DIR
@@ -70,33 +72,13 @@ def build_decoders(names: list[str], model: Any, tokenizer: Any, args: argparse.
     return {name: makers[name]() for name in names}
 
 
-def summarize(results: dict[str, list[DecodeResult]], baseline: list[list[int]]) -> dict[str, dict[str, float]]:
-    """Per decoder: tokens/s, speedup over vanilla, τ, exact match with vanilla, new tokens, wall time."""
-    rows: dict[str, dict[str, float]] = {}
-    for name, runs in results.items():
-        tokens = sum(r.new_tokens for r in runs)
-        wall = sum(r.wall_time_s for r in runs)
-        rows[name] = {
-            "tokens_per_second": tokens / wall if wall else 0.0,
-            "mean_accepted_tokens": aggregate_mean_accepted_tokens(runs),
-            "exact_match_vs_greedy": sum(r.tokens == b for r, b in zip(runs, baseline)) / len(runs),
-            "new_tokens": tokens,
-            "wall_time_s": wall,
-        }
-    base = rows.get("vanilla", {}).get("tokens_per_second", 0.0)
-    for row in rows.values():
-        row["speedup"] = row["tokens_per_second"] / base if base else float("nan")
-    return rows
-
-
-def table(rows: dict[str, dict[str, float]]) -> str:
-    lines = ["| decoder | tokens/s | speedup | mean accepted tokens | exact match | new tokens | wall s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, r in rows.items():
-        lines.append(f"| {name} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f} | "
-                     f"{r['mean_accepted_tokens']:.2f} | {r['exact_match_vs_greedy']:.2f} | {r['new_tokens']} | "
-                     f"{r['wall_time_s']:.1f} |")
-    return "\n".join(lines)
+def summarize(results: dict[str, list[DecodeResult]]) -> dict[str, dict[str, Any]]:
+    """Per decoder: tokens/s, speedup over vanilla, τ, exact match with vanilla, new tokens, wall time (the same
+    aggregation ``medusa-eval`` uses, :func:`inference.evaluation.summary.decoder_metrics`)."""
+    names = list(results)
+    units = [{name: {**dataclasses.asdict(results[name][i]), "new_tokens": results[name][i].new_tokens}
+              for name in names} for i in range(len(results[names[0]]))]
+    return decoder_metrics(units, greedy=True)
 
 
 def main() -> None:
@@ -154,15 +136,15 @@ def main() -> None:
         print(f"[{prompt.id} {prompt.category}, {len(ids)} prompt tokens] {line}", flush=True)
     total = time.perf_counter() - start
 
-    rows = summarize(results, [r.tokens for r in results["vanilla"]])
+    rows = summarize(results)
     header = (f"{args.model} ({model_cfg.dtype}, {model.device}, {torch.get_num_threads()} threads), "
               f"{len(prompts)} MT-Bench first turns{' (' + args.category + ')' if args.category else ''}, "
               f"max_new_tokens={args.max_new_tokens}, greedy; draft: first {args.draft_layers} layers, "
               f"K={args.num_draft_tokens} ({args.schedule}, confidence >= {args.confidence_threshold}); lookahead W={args.window} N={args.ngram} "
               f"G={args.guesses}; {total:.0f} s")
-    print(f"\n{header}\n\n{table(rows)}")
+    print(f"\n{header}\n\n{markdown_table(rows)}")
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "baselines.md").write_text(f"{header}\n\n{table(rows)}\n")
+    (args.output_dir / "baselines.md").write_text(f"{header}\n\n{markdown_table(rows)}\n")
     summary = {"model": args.model, "device": str(model.device), "dtype": model_cfg.dtype,
                "threads": torch.get_num_threads(), "prompts": len(prompts), "category": args.category,
                "max_new_tokens": args.max_new_tokens, "settings": {k: v for k, v in vars(args).items()
