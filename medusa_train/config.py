@@ -64,6 +64,38 @@ class ModelConfig:
             raise ValueError(f"model.device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
 
 
+LOSS_RAMPS = ("constant", "linear", "sine")
+FINETUNE_MODES = ("lora", "full", "frozen")
+BASE_LOSSES = ("lm", "kl")
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapters for Medusa-2 (``heads.lora``; peft's ``LoraConfig``).
+
+    Attributes:
+        r: rank; alpha: scaling numerator (the update is ``alpha / r * B A``); dropout: on the adapter input.
+        target_modules: leaf module names to adapt; None: the model family's default
+            (``medusa_train.training.joint.DEFAULT_LORA_TARGETS``: attention projections, e.g. ``q_proj, k_proj,
+            v_proj, o_proj`` for Llama/Mistral/Qwen2, ``c_attn, c_proj`` for GPT-2).
+    """
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    target_modules: Optional[list[str]] = None
+
+    def validate(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"heads.lora.r must be >= 1, got {self.r}")
+        if self.alpha <= 0:
+            raise ValueError(f"heads.lora.alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"heads.lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.target_modules is not None and not self.target_modules:
+            raise ValueError("heads.lora.target_modules is empty: list module names or use null for the default")
+
+
 @dataclass
 class HeadsConfig:
     """Medusa heads and the way they are trained (config group ``heads/``).
@@ -78,6 +110,28 @@ class HeadsConfig:
         loss_decay: weight of head k's loss is ``loss_decay ** k`` (Medusa uses 0.8).
         target: ``labels`` (the data's next tokens), ``base_argmax`` (the base model's own greedy token at each
             position: what greedy verification checks) or ``soft`` (KL to the base distribution).
+
+    Medusa-2 only (``mode=medusa2``, joint training of base and heads; Medusa paper, arXiv:2401.10774, Sec. 2.2.2
+    and 2.3.2; see :mod:`medusa_train.training.joint`):
+
+        medusa_loss_weight: lambda_0, the heads' weight against the base loss (``L_base + lambda_0 * s(t) *
+            sum_k decay^k L_k``).
+        loss_ramp: s(t): ``constant`` (1), ``linear`` (t / R) or ``sine`` (sin(pi/2 * t / R)), capped at 1 after R
+            optimizer steps.
+        ramp_steps: R; None: ``ramp_ratio`` of all optimizer steps.
+        ramp_ratio: R as a share of all steps of the joint stage, when ``ramp_steps`` is None.
+        heads_lr_multiplier: the heads' learning rate is ``trainer.learning_rate`` times this (the base's is
+            ``trainer.learning_rate``); also the heads' rate in stage 1.
+        base_loss: ``lm`` (cross entropy on the data's assistant tokens), ``kl`` (KL(p_original || p_current) on the
+            assistant positions: self-distillation, Sec. 2.3.2) or None: ``kl`` when ``data.self_distill`` is true,
+            else ``lm``.
+        finetune: ``lora`` (peft adapters, merged at export), ``full`` (every base weight) or ``frozen`` (the base
+            unchanged: heads only, through the joint code path).
+        lora: LoRA settings (:class:`LoraSettings`).
+        stage1_epochs: > 0: first train the heads alone (Medusa-1) for this many epochs into
+            ``${output_dir}/stage1``, then train jointly from those heads; 0: no first stage.
+        stage1_hidden_cache: stage 1 trains from the hidden-state cache.
+        init_from: start the joint stage from the heads of this export folder (made for the same base model).
     """
 
     medusa_num_heads: int = 4
@@ -87,6 +141,17 @@ class HeadsConfig:
     mode: str = "medusa1"
     loss_decay: float = 0.8
     target: str = "base_argmax"
+    medusa_loss_weight: float = 0.2
+    loss_ramp: str = "sine"
+    ramp_steps: Optional[int] = None
+    ramp_ratio: float = 0.1
+    heads_lr_multiplier: float = 4.0
+    base_loss: Optional[str] = None
+    finetune: str = "lora"
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    stage1_epochs: float = 0.0
+    stage1_hidden_cache: bool = False
+    init_from: Optional[str] = None
 
     def validate(self) -> None:
         if self.medusa_num_heads < 1:
@@ -99,6 +164,35 @@ class HeadsConfig:
             raise ValueError(f"heads.loss_decay must be in (0, 1], got {self.loss_decay}")
         if self.target not in ("labels", "base_argmax", "soft"):
             raise ValueError(f"heads.target must be labels, base_argmax or soft, got {self.target!r}")
+        if self.mode == "medusa1":
+            for name, unset in (("stage1_epochs", 0.0), ("init_from", None)):
+                if getattr(self, name) != unset:
+                    raise ValueError(f"heads.{name} is for joint training: set heads.mode=medusa2 (or heads=medusa2)")
+            return
+        if self.loss_ramp not in LOSS_RAMPS:
+            raise ValueError(f"heads.loss_ramp must be one of {LOSS_RAMPS}, got {self.loss_ramp!r}")
+        if self.finetune not in FINETUNE_MODES:
+            raise ValueError(f"heads.finetune must be one of {FINETUNE_MODES}, got {self.finetune!r}")
+        if self.base_loss not in (None, *BASE_LOSSES):
+            raise ValueError(f"heads.base_loss must be one of {BASE_LOSSES} or null, got {self.base_loss!r}")
+        if self.medusa_loss_weight < 0:
+            raise ValueError(f"heads.medusa_loss_weight (lambda_0) must be >= 0, got {self.medusa_loss_weight}")
+        if self.ramp_steps is not None and self.ramp_steps < 0:
+            raise ValueError(f"heads.ramp_steps must be >= 0 or null, got {self.ramp_steps}")
+        if not 0.0 <= self.ramp_ratio <= 1.0:
+            raise ValueError(f"heads.ramp_ratio must be in [0, 1], got {self.ramp_ratio}")
+        if self.heads_lr_multiplier <= 0:
+            raise ValueError(f"heads.heads_lr_multiplier must be > 0, got {self.heads_lr_multiplier}")
+        if self.stage1_epochs < 0:
+            raise ValueError(f"heads.stage1_epochs must be >= 0, got {self.stage1_epochs}")
+        if self.stage1_epochs > 0 and self.init_from:
+            raise ValueError("heads.stage1_epochs > 0 trains the first-stage heads, heads.init_from loads them: "
+                             "set one of the two")
+        if self.base_loss == "kl" and self.finetune == "full":
+            raise ValueError("heads.base_loss=kl with heads.finetune=full would need a second, frozen copy of the "
+                             "base model for p_original; use heads.finetune=lora (the original is the model with its "
+                             "adapters disabled) or heads.base_loss=lm")
+        self.lora.validate()
 
 
 DATA_SOURCES = ("sharegpt", "json", "hf_disk", "prompts")
@@ -123,7 +217,11 @@ class DataConfig:
             Sec. 2.3.2); cached as JSONL in ``self_distill_dir`` and resumed from there.
         self_distill_dir: where the regenerated conversations go; None: ``${output_dir}/self_distill``.
         max_new_tokens: longest regenerated reply.
-        generation_batch_size: conversations generated at once per rank.
+        generation_batch_size: conversations generated at once per rank. On a CPU larger batches pay: SmolLM2-135M
+            greedy decoding made 52 tokens/s at 16 rows and 170-230 at 64-128 rows on the 2-core test machine.
+        max_prompt_tokens: self-distillation skips (and counts) prompts longer than this; None: ``max_length - 1``.
+            ShareGPT's first turns run to thousands of tokens and a left-padded batch is as long as its longest
+            prompt, so a cap well below ``max_length`` buys more replies for the same time.
         num_proc: tokenize with this many processes (``datasets.map``); None tokenizes in the main process.
     """
 
@@ -136,6 +234,7 @@ class DataConfig:
     self_distill_dir: Optional[str] = None
     max_new_tokens: int = 256
     generation_batch_size: int = 16
+    max_prompt_tokens: Optional[int] = None
     num_proc: Optional[int] = None
 
     def validate(self) -> None:
@@ -154,6 +253,8 @@ class DataConfig:
             raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.max_new_tokens < 1 or self.generation_batch_size < 1:
             raise ValueError("data.max_new_tokens and data.generation_batch_size must be >= 1")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"data.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
 
 
 @dataclass
@@ -287,6 +388,13 @@ class TrainConfig:
     hub_private: bool = False
     hub_revision: Optional[str] = None
 
+    @property
+    def base_loss(self) -> str:
+        """Medusa-2's base loss: ``heads.base_loss``, or ``kl`` with self-distilled data and ``lm`` without."""
+        if self.heads.base_loss is not None:
+            return self.heads.base_loss
+        return "kl" if self.data.self_distill else "lm"
+
     def validate(self) -> None:
         if self.push_to_hub and not self.hub_repo_id:
             raise ValueError("push_to_hub=true needs hub_repo_id=namespace/name")
@@ -297,9 +405,14 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ValueError("resume=true and overwrite=true contradict each other; choose one")
         if self.hidden_cache and self.heads.mode != "medusa1":
-            raise ValueError("hidden_cache=true needs a frozen base (heads.mode=medusa1)")
+            raise ValueError("hidden_cache=true needs a frozen base (heads.mode=medusa1); with heads.mode=medusa2 "
+                             "use heads.stage1_hidden_cache=true for the heads-only first stage")
         for part in (self.model, self.heads, self.data, self.trainer, self.logger):
             part.validate()
+        if self.heads.mode == "medusa2" and self.heads.finetune == "full" and self.base_loss == "kl":
+            raise ValueError("data.self_distill=true makes heads.base_loss default to kl, which with "
+                             "heads.finetune=full would need a second, frozen copy of the base model; set "
+                             "heads.base_loss=lm or heads.finetune=lora")
 
 
 def register_configs() -> None:
@@ -327,6 +440,6 @@ def as_dataclass(cls: type, cfg: Any) -> Any:
 
 
 __all__ = [
-    "ModelConfig", "HeadsConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "TrainConfig",
+    "ModelConfig", "HeadsConfig", "LoraSettings", "DataConfig", "TrainerConfig", "LoggerConfig", "TrainConfig",
     "register_configs", "torch_dtype", "as_dataclass", "DTYPES", "field",
 ]

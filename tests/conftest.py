@@ -41,6 +41,16 @@ def make_tiny_model(family: str = "llama", seed: int = 0, vocab_size: int = VOCA
     return model.eval()
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: tiny models run faster on one, and much faster when other processes share the
+    CPU (OpenMP threads oversubscribe it). Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request) -> str:
     return request.param

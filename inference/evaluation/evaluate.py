@@ -34,7 +34,7 @@ from inference.evaluation.sweep import RUN_FILE, SUMMARY_FILE
 from inference.registry import BuildContext, build_decoder
 from medusa_train.config import as_dataclass
 from medusa_train.export.files import write_json
-from medusa_train.loading.medusa import load_medusa, model_config_for_export
+from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, load_medusa, model_config_for_export
 from medusa_train.prompts import PROMPT_SOURCES, Prompt, load_prompts
 from medusa_train.tuning.tune import read_tree_files
 
@@ -159,8 +159,9 @@ def evaluate(cfg: DictConfig | EvaluateConfig, output_dir: str | Path | None = N
     ctx = BuildContext(model=model, tokenizer=tokenizer, export_dir=ec.export_dir, dtype=ec.dtype, device=ec.device)
     built = {name: build_decoder(name, settings[name], ctx) for name in order}
     environment = describe_environment(model)
-    model_name = export_config.get("base_model_name_or_path") if ec.model is None else \
-        model_config_for_export(export_config, ec.model).name_or_path
+    # A Medusa-2 export records its fine-tuned base as "base" (inside it): name the model it was made from.
+    model_name = export_config.get(ORIGINAL_BASE_KEY, export_config.get("base_model_name_or_path")) \
+        if ec.model is None else model_config_for_export(export_config, ec.model).name_or_path
     command = " ".join(["medusa-eval", *overrides]) if overrides else None
     write_json(out / RUN_FILE, {"config": config, "overrides": overrides, "command": command,
                                 "environment": environment, "model": model_name,

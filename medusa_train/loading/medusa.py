@@ -2,12 +2,16 @@
 
 An export's ``config.json`` holds ``base_model_name_or_path`` (for FasterDecoding, TGI and vLLM) and, when written
 by ``medusa-train``, the full ``model/`` config under :data:`EXPORT_MODEL_KEY`, so a GGUF or llama2.c base is
-rebuilt exactly as it was trained on.
+rebuilt exactly as it was trained on. A Medusa-2 export carries its fine-tuned base inside (``export/base``) and
+records it by a path relative to the export folder, so the folder can be moved or copied whole:
+:func:`resolve_export_base` turns such a path into the folder's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -36,13 +40,66 @@ def model_config_for_export(export_config: dict[str, Any], override: Any = None)
     return as_dataclass(ModelConfig, {"name_or_path": export_config["base_model_name_or_path"]})
 
 
+ORIGINAL_BASE_KEY = "original_base_model_name_or_path"
+
+
+def resolve_export_base(export_dir: str | os.PathLike[str], cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with a relative ``name_or_path`` that names a model folder inside ``export_dir`` made absolute.
+
+    Other names (Hub ids, absolute paths, paths relative to the working folder) are returned unchanged.
+    """
+    path = Path(cfg.name_or_path)
+    inside = Path(export_dir) / path
+    if not path.is_absolute() and (inside / "config.json").is_file():
+        return dataclasses.replace(cfg, name_or_path=str(inside.resolve()))
+    return cfg
+
+
+def _same_model(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    pa, pb = Path(a), Path(b)
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+def check_export_base(export_dir: str | os.PathLike[str], model_cfg: ModelConfig, field: str) -> dict[str, Any]:
+    """Check, from its config.json alone, that the heads in ``export_dir`` were trained for ``model_cfg``'s base.
+
+    The export's base is its recorded ``model/`` config (or ``base_model_name_or_path``), resolved against the
+    export folder; a Medusa-2 export also matches the original base it was fine-tuned from.
+
+    Returns:
+        The export's config.json.
+
+    Raises:
+        FileNotFoundError: no export there (``field`` named).
+        ValueError: the export was made for another base model (both names and ``field`` given).
+    """
+    from medusa_train.export import read_export_config
+
+    try:
+        config = read_export_config(export_dir)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{field}={export_dir}: {e}") from e
+    recorded = resolve_export_base(export_dir, model_config_for_export(config)).name_or_path
+    names = [recorded, str(config.get(ORIGINAL_BASE_KEY) or "")]
+    if not any(name and _same_model(name, model_cfg.name_or_path) for name in names):
+        raise ValueError(
+            f"{field}={export_dir} holds heads trained for base model {recorded!r}, but model.name_or_path is "
+            f"{model_cfg.name_or_path!r}: heads only fit the base they were trained on; use an export of this base "
+            f"or set model.name_or_path={recorded}"
+        )
+    return config
+
+
 def load_medusa(
     export_dir: str, model: Any = None, dtype: str | None = None, device: str | None = None
 ) -> tuple[MedusaModel, PreTrainedTokenizerBase, dict[str, Any]]:
     """Base model + heads from an export folder.
 
     Args:
-        export_dir: the export folder (``config.json`` + ``medusa_lm_head.safetensors``).
+        export_dir: the export folder (``config.json`` + ``medusa_lm_head.safetensors``); a recorded base path
+            relative to it (Medusa-2's ``base``) is found inside it.
         model: optional ``model/`` config overriding the base recorded in the export.
         dtype, device: optional overrides of the model config's ``dtype`` / ``device``; the heads follow.
 
@@ -56,6 +113,8 @@ def load_medusa(
     # Heads first: a folder without heads or with a broken file fails in a second, before the base model loads.
     heads, export_config = load_heads(export_dir)
     cfg = model_config_for_export(export_config, model)
+    if model is None:
+        cfg = resolve_export_base(export_dir, cfg)  # a Medusa-2 export's fine-tuned base, inside the folder
     if dtype is not None:
         cfg = dataclasses.replace(cfg, dtype=dtype)
     if device is not None:

@@ -7,6 +7,7 @@ config.json                  FasterDecoding / TGI config (base_model_name_or_pat
 medusa_lm_head.safetensors   the heads (or medusa_lm_head.pt from a FasterDecoding folder)
 token_map.safetensors        only with a reduced head vocabulary
 vllm/config.json, vllm/model.safetensors
+base/...                     Medusa-2 only: the fine-tuned base (LoRA merged) the heads were trained with
 medusa_choices.json, head_accuracy.json, latency_profile.json      when tuned
 eval/summary.json, eval/summary.md, eval/*.png                     when evaluated
 README.md                    the model card
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medusa_train.export import load_heads, read_export_config
+from medusa_train.export import BASE_DIR, load_heads, read_export_config
 from medusa_train.export.writer import (
     CONFIG_FILE,
     LEGACY_WEIGHTS_FILE,
@@ -115,6 +116,11 @@ def collect_export(
     else:
         missing.append(f"No `{VLLM_DIR}/` folder: these heads cannot be served with vLLM as published; re-export "
                        "with `export_vllm=true` and publish again.")
+
+    base_dir = folder / BASE_DIR
+    if base_dir.is_dir():  # Medusa-2: the heads fit this fine-tuned base only, so it travels with them
+        for path in sorted(p for p in base_dir.rglob("*") if p.is_file()):
+            files[path.relative_to(folder).as_posix()] = path
 
     tree = read_tree_files(folder)
     _check_choices(tree.get("medusa_choices"), folder / CHOICES_FILE)

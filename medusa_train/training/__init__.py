@@ -1,4 +1,5 @@
-"""Medusa-1 training on the HF Trainer: losses, the Trainer subclass, hidden-state cache, checkpoints, the recipe.
+"""Medusa training on the HF Trainer: losses, the Trainer subclasses (Medusa-1 heads on a frozen base; Medusa-2 joint
+training, :mod:`~medusa_train.training.joint`), hidden-state cache, checkpoints, the recipe.
 
 Entry point: :class:`~medusa_train.training.recipe.TrainRecipe` (``setup`` -> ``train`` -> ``save`` -> ``cleanup``),
 wired to the command line by ``medusa_train.cli.train`` (``medusa-train``). ``TrainRecipe`` and ``MedusaTrainer`` are
@@ -11,7 +12,8 @@ from typing import Any
 
 from medusa_train.training.losses import HeadLossOutput, decay_weights, medusa_head_loss, valid_mask
 
-_LAZY = {"TrainRecipe": "recipe", "resolve_config": "recipe", "MedusaTrainer": "trainer"}
+_LAZY = {"TrainRecipe": "recipe", "resolve_config": "recipe", "MedusaTrainer": "trainer",
+         "JointTrainer": "joint_trainer", "JointMedusaModel": "joint"}
 
 
 def __getattr__(name: str) -> Any:
@@ -22,5 +24,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'medusa_train.training' has no attribute {name!r}")
 
 
-__all__ = ["HeadLossOutput", "MedusaTrainer", "TrainRecipe", "decay_weights", "medusa_head_loss", "resolve_config",
-           "valid_mask"]
+__all__ = ["HeadLossOutput", "JointMedusaModel", "JointTrainer", "MedusaTrainer", "TrainRecipe", "decay_weights",
+           "medusa_head_loss", "resolve_config", "valid_mask"]

@@ -113,8 +113,9 @@ def prepare_data(
     if data.self_distill:
         output_path = self_distill_dir / DISTILLED_FILE
         # a prompt of max_length tokens or more leaves no room for a labelled reply: do not generate one
+        max_prompt = min(max_length - 1, data.max_prompt_tokens or max_length)
         stats = self_distill(model, tokenizer, conversations, data.max_new_tokens, data.generation_batch_size,
-                             output_path, rank, world_size, max_prompt_tokens=max_length - 1)
+                             output_path, rank, world_size, max_prompt_tokens=max_prompt)
         log.info("self-distillation (rank %d): %s", rank, stats)
         barrier()
         conversations = read_distilled(conversations, output_path, world_size)

@@ -1,4 +1,9 @@
-"""The Medusa-1 training recipe: ``setup`` -> ``train`` -> ``save`` -> ``cleanup`` (torchtune's recipe interface).
+"""The training recipe: ``setup`` -> ``train`` -> ``save`` -> ``cleanup`` (torchtune's recipe interface).
+
+``heads.mode=medusa1`` trains heads on a frozen base (below). ``heads.mode=medusa2`` first runs a Medusa-1 stage 1
+when ``heads.stage1_epochs > 0`` (:mod:`medusa_train.training.stages`), then trains the base (LoRA, full or frozen,
+:mod:`medusa_train.training.joint`) together with the heads (:class:`~medusa_train.training.joint_trainer.JointTrainer`)
+and exports the heads with the fine-tuned base merged into ``export/base``.
 
 Everything that can be checked without a model is checked first, on every rank: config values, the launcher's world
 size against the trainer strategy, DeepSpeed batch sizes, and whether ``output_dir`` holds another run. Then the
@@ -25,11 +30,11 @@ from transformers import TrainerCallback, set_seed
 
 from medusa_train.config import TrainConfig, as_dataclass
 from medusa_train.data import Collator
-from medusa_train.export import save_export
+from medusa_train.export import BASE_DIR, load_heads, save_base_model, save_export
 from medusa_train.heads import MedusaHeads, build_token_map
 from medusa_train.loading.base import load_base_model
-from medusa_train.loading.medusa import export_extra_config
-from medusa_train.model import check_supported, new_heads_for
+from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, check_export_base, export_extra_config
+from medusa_train.model import check_heads_match_base, check_supported, new_heads_for
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import (
     DistEnv,
@@ -50,6 +55,9 @@ from medusa_train.training.hidden_cache import (
 )
 from medusa_train.training.metrics import format_table
 from medusa_train.training.run_dir import RunPaths, check_output_dir, prepare_output_dir
+from medusa_train.training.joint import JointMedusaModel, causal_lm, lora_target_modules, prepare_base
+from medusa_train.training.joint_trainer import JointSpec, JointTrainer, load_trainable_state
+from medusa_train.training.stages import STAGE1_DIR, stage1_config, stage1_done
 from medusa_train.training.step import FrozenBase, LossSpec
 from medusa_train.training.trainer import MedusaTrainer
 
@@ -74,23 +82,32 @@ def resolve_config(cfg: TrainConfig | DictConfig | dict[str, Any]) -> tuple[Trai
     return as_dataclass(TrainConfig, resolved), resolved
 
 
-def gather_heads_state(trainer: MedusaTrainer) -> dict[str, torch.Tensor]:
-    """Full fp32 weights and buffers of the trained heads, on the CPU, on every rank (collective under DeepSpeed).
+def gather_trainable_state(trainer: MedusaTrainer) -> dict[str, torch.Tensor]:
+    """Full fp32 trained weights (parameters that require grad: the heads, and Medusa-2's adapters or base) and the
+    heads' buffers, on the CPU, on every rank (collective under DeepSpeed); names as in ``trainer.model``.
 
     Under ZeRO-3 the parameters are sharded and under ZeRO-1/2 with bf16/fp16 the module holds low-precision copies;
-    ``safe_get_full_fp32_param`` assembles the optimizer's fp32 master weights in both cases.
+    ``safe_get_full_fp32_param`` assembles the optimizer's fp32 master weights in both cases. Frozen base weights are
+    not gathered: they are the base model's, reloaded from its files where needed.
     """
-    heads = trainer.model
+    model = trainer.model
+    buffers = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, MedusaHeads):
+            for name, buf in module.named_buffers():
+                buffers[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu().clone()
     if trainer.is_deepspeed_enabled:
         from deepspeed.utils import safe_get_full_fp32_param
 
         state = {}
-        for name, param in heads.named_parameters():
-            full = safe_get_full_fp32_param(param)
-            state[name] = (full if full is not None else param.data).detach().float().cpu().clone()
-        state.update({name: buf.detach().cpu().clone() for name, buf in heads.named_buffers()})
-        return state
-    return {k: v.detach().cpu().clone() for k, v in heads.state_dict().items()}
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                full = safe_get_full_fp32_param(param)
+                state[name] = (full if full is not None else param.data).detach().float().cpu().clone()
+        return {**state, **buffers}
+    state = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {**state, **buffers}
+
 
 
 class TrainRecipe:
@@ -111,6 +128,8 @@ class TrainRecipe:
         self.paths = RunPaths(Path(self.cfg.output_dir).resolve())
         self.trainer: MedusaTrainer | None = None
         self.summary: dict[str, Any] = {}
+        self.joint = self.cfg.heads.mode == "medusa2"
+        self.init_heads_from: Path | None = Path(self.cfg.heads.init_from) if self.cfg.heads.init_from else None
 
     # ---- setup ---------------------------------------------------------------------------------------------------
 
@@ -123,11 +142,23 @@ class TrainRecipe:
             ds_config = load_deepspeed_config(cfg.trainer.deepspeed)
             check_deepspeed_batch(ds_config, cfg.trainer, self.env.world_size)
         check_output_dir(self.paths, self.resolved, cfg.resume, cfg.overwrite)
+        if self.joint:
+            self._check_joint(ds_config)
         if cfg.push_to_hub:
             from medusa_train.publish import check_publish_ready
 
             check_publish_ready(cfg.hub_repo_id)  # repo name, offline mode and token, before any model loads
         return ds_config
+
+    def _check_joint(self, ds_config: dict[str, Any] | None) -> None:
+        """Medusa-2 checks that need no model: heads to start from (``heads.init_from``) made for this base."""
+        hc = self.cfg.heads
+        if hc.init_from:
+            check_export_base(hc.init_from, self.cfg.model, "heads.init_from")
+        zero3 = ds_config is not None and ds_config["zero_optimization"]["stage"] == 3
+        if zero3 and hc.share_lm_head:
+            raise ValueError("heads.share_lm_head=true with heads.mode=medusa2 under ZeRO-3: the heads would read the "
+                             "sharded lm_head weight outside its module; use heads.share_lm_head=false or ZeRO-2")
 
     def setup(self) -> None:
         """Checks, process group, base model, data, heads, optional hidden cache, Trainer."""
@@ -149,18 +180,21 @@ class TrainRecipe:
                 model_device = "cpu" if device.type == "cpu" else str(device)  # the trainer's (cuda:LOCAL_RANK)
                 base, tokenizer = load_base_model(dataclasses.replace(cfg.model, device=model_device))
             check_supported(base)
+            if self.joint and cfg.heads.finetune == "lora":
+                lora_target_modules(base, cfg.heads.lora.target_modules)  # fail before the data is prepared
             self.base = base
+            self.tokenizer = tokenizer
             data = prepare_data(
                 cfg.data, tokenizer=tokenizer, model=base, max_length=cfg.max_length, seed=cfg.seed,
                 self_distill_dir=Path(cfg.data.self_distill_dir or self.paths.self_distill),
                 rank=self.env.rank, world_size=self.env.world_size, barrier=self.barrier,
             )
-        heads = self._new_heads(base, data)
+        heads = self._initial_heads(base) if self.init_heads_from else self._new_heads(base, data)
         vocab_size = int(base.get_output_embeddings().weight.shape[0])
         self.loss_spec = LossSpec(target=cfg.heads.target, decay=cfg.heads.loss_decay,
                                   share_lm_head=cfg.heads.share_lm_head, vocab_size=vocab_size,
                                   token_map=None if heads.token_map is None else heads.token_map.to(device))
-        self.frozen_base = FrozenBase.of(base)
+        self.frozen_base = None if self.joint else FrozenBase.of(base)
         self.collator: Any = Collator.from_tokenizer(tokenizer)
         train_set, eval_set = data.train, data.eval
         if cfg.hidden_cache:
@@ -172,11 +206,40 @@ class TrainRecipe:
         exit_cb = exit_callback_from_env()
         if exit_cb is not None:
             callbacks.append(exit_cb)
-        self.trainer = MedusaTrainer(
-            model=heads, args=args, train_dataset=train_set, eval_dataset=eval_set if len(eval_set) else None,
-            data_collator=self.collator, callbacks=callbacks, frozen_base=self.frozen_base,
-            loss_spec=self.loss_spec, keep_checkpoints=cfg.trainer.save_total_limit,
-        )
+        common = dict(args=args, train_dataset=train_set, eval_dataset=eval_set if len(eval_set) else None,
+                      data_collator=self.collator, callbacks=callbacks, loss_spec=self.loss_spec,
+                      keep_checkpoints=cfg.trainer.save_total_limit)
+        if self.joint:
+            hc = cfg.heads
+            joint_spec = JointSpec(base_loss=cfg.base_loss, medusa_loss_weight=hc.medusa_loss_weight,
+                                   loss_ramp=hc.loss_ramp, ramp_steps=hc.ramp_steps, ramp_ratio=hc.ramp_ratio,
+                                   heads_lr_multiplier=hc.heads_lr_multiplier)
+            model = JointMedusaModel(prepare_base(base, hc), heads)
+            self.trainer = JointTrainer(model=model, joint_spec=joint_spec, **common)
+        else:
+            self.trainer = MedusaTrainer(model=heads, frozen_base=self.frozen_base, **common)
+
+    def _initial_heads(self, base: Any) -> MedusaHeads:
+        """Heads to start the joint stage from (``heads.init_from`` or stage 1's export), checked against the base
+        and ``heads/``.
+
+        Raises:
+            ValueError: made for another base (hidden size, vocabulary), or a shape other than ``heads/`` asks for.
+        """
+        hc = self.cfg.heads
+        source = self.init_heads_from
+        heads, _ = load_heads(source, base_model=base)
+        check_heads_match_base(heads.spec, base)
+        asked = {"medusa_num_heads": hc.medusa_num_heads, "medusa_num_layers": hc.medusa_num_layers,
+                 "share_lm_head": hc.share_lm_head, "head_vocab_size": hc.head_vocab_size}
+        found = {"medusa_num_heads": heads.spec.num_heads, "medusa_num_layers": heads.spec.num_layers,
+                 "share_lm_head": heads.spec.share_lm_head, "head_vocab_size": heads.spec.head_vocab_size}
+        differ = [f"heads.{k}={asked[k]} (the export has {found[k]})" for k in asked if asked[k] != found[k]]
+        if differ:
+            raise ValueError(f"heads in {source} do not have the shape heads/ asks for: {', '.join(differ)}; "
+                             "set these to the export's values")
+        log.info("joint stage starts from the heads in %s", source)
+        return heads.to(device=base.get_output_embeddings().weight.device, dtype=torch.float32)
 
     def _new_heads(self, base: Any, data: PreparedData) -> MedusaHeads:
         hc = self.cfg.heads
@@ -229,19 +292,27 @@ class TrainRecipe:
     # ---- save ----------------------------------------------------------------------------------------------------
 
     def save(self) -> Path | None:
-        """Gather the heads (every rank), then on the main process: accuracy table, export. Returns ``export/``."""
-        state = gather_heads_state(self.trainer)
+        """Gather the trained weights (every rank), then on the main process: (Medusa-2: the fine-tuned base,
+        merged), accuracy table, export. Returns ``export/``."""
+        state = gather_trainable_state(self.trainer)
         export_dir = None
         if self.env.is_main:
             spec = self.trainer.model.spec
-            token_map = state.get("token_map")
+            heads_state = state
+            frozen_base = self.frozen_base
+            if self.joint:
+                heads_state = {k.removeprefix("heads."): v for k, v in state.items() if k.startswith("heads.")}
+                self.trained_base = self._trained_base(
+                    {k.removeprefix("base."): v for k, v in state.items() if k.startswith("base.")})
+                frozen_base = FrozenBase.of(self.trained_base)
+            token_map = heads_state.get("token_map")
             heads = MedusaHeads(spec, token_map=token_map)
-            heads.load_state_dict(state, strict=True)
+            heads.load_state_dict(heads_state, strict=True)
             device = self.trainer.args.device
             heads.to(device)
             table = None
             if len(self.eval_set):
-                table = head_accuracy(heads, self.frozen_base, self.eval_set, self.collator, self.loss_spec,
+                table = head_accuracy(heads, frozen_base, self.eval_set, self.collator, self.loss_spec,
                                       self.trainer.args.per_device_eval_batch_size, device)
                 print(f"per-head accuracy on the eval split ({len(self.eval_set)} conversations, "
                       f"target {self.cfg.heads.target}):\n{format_table(table)}", flush=True)
@@ -256,15 +327,48 @@ class TrainRecipe:
         self.barrier()
         return export_dir
 
+    def _trained_base(self, base_state: dict[str, torch.Tensor]) -> Any:
+        """Main process: the base model as trained, as a plain ``*ForCausalLM`` (LoRA merged), on the training device.
+
+        Built from a fresh load of ``model/`` (outside any ZeRO-3 partitioning) with the gathered trained weights
+        copied in, so one path serves every strategy; this holds a second copy of the base in memory for a moment.
+        """
+        cfg = self.cfg
+        device = self.trainer.args.device
+        model_device = "cpu" if device.type == "cpu" else str(device)
+        with zero3_hidden_from_transformers(self.trainer.args):
+            fresh, _ = load_base_model(dataclasses.replace(cfg.model, device=model_device))
+        if cfg.heads.finetune == "frozen":
+            return fresh
+        trainable = prepare_base(fresh, cfg.heads)
+        load_trainable_state(trainable, base_state, "the trained base weights")
+        merged = trainable.merge_and_unload() if trainable is not causal_lm(trainable) else trainable
+        return merged.eval().requires_grad_(False)
+
     def _export(self, heads: MedusaHeads, table: dict[str, Any] | None) -> Path:
         cfg = self.cfg
         training = {"target": cfg.heads.target, "loss_decay": cfg.heads.loss_decay, "data_source": cfg.data.source,
                     "self_distill": cfg.data.self_distill, "max_length": cfg.max_length,
-                    "global_step": self.summary.get("global_step"), "seed": cfg.seed}
+                    "global_step": self.summary.get("global_step"), "seed": cfg.seed, "mode": cfg.heads.mode}
+        base_name, model_cfg, base_model = cfg.model.name_or_path, cfg.model, self.base
+        extra_base: dict[str, Any] = {}
+        if self.joint:
+            hc = cfg.heads
+            training.update(finetune=hc.finetune, base_loss=cfg.base_loss, medusa_loss_weight=hc.medusa_loss_weight,
+                            loss_ramp=hc.loss_ramp, heads_lr_multiplier=hc.heads_lr_multiplier,
+                            init_from=str(self.init_heads_from) if self.init_heads_from else None)
+            base_model = self.trained_base
+            if hc.finetune != "frozen":
+                # The heads fit the fine-tuned base only: it goes inside the export, recorded relative to it.
+                save_base_model(self.trained_base.to("cpu"), self.tokenizer, self.paths.export)
+                base_name = BASE_DIR
+                model_cfg = dataclasses.replace(cfg.model, name_or_path=BASE_DIR, format="hf", gguf_file=None,
+                                                tokenizer_path=None, revision=None)
+                extra_base = {ORIGINAL_BASE_KEY: cfg.model.name_or_path}
         # The model/ config is recorded so tune-tree, eval and generate rebuild a GGUF or llama2.c base exactly.
-        extra = {"training": training, **export_extra_config(cfg.model)}
-        out = save_export(heads, self.paths.export, cfg.model.name_or_path, extra_config=extra,
-                          vllm=cfg.export_vllm, base_model=self.base)
+        extra = {"training": training, **export_extra_config(model_cfg), **extra_base}
+        out = save_export(heads, self.paths.export, base_name, extra_config=extra,
+                          vllm=cfg.export_vllm, base_model=base_model)
         if table is not None:
             record = {"split": "eval", "conversations": len(self.eval_set), "target": cfg.heads.target, **table}
             tmp = out / f".{ACCURACY_FILE}.tmp"
@@ -285,23 +389,49 @@ class TrainRecipe:
                                f"`medusa-publish export_dir={export_dir} repo_id={cfg.hub_repo_id}`") from None
         self.summary["hub_url"] = result.url
 
+    # ---- Medusa-2 stage 1 ------------------------------------------------------------------------------------------
+
+    def run_stage1(self) -> None:
+        """Train the heads alone into ``${output_dir}/stage1`` (reused when ``resume=true`` finds its export), and
+        start the joint stage from its export. The process group stays up for the joint stage."""
+        self.check()  # this run's own checks first: a bad joint config fails before stage 1 trains
+        folder = self.paths.root / STAGE1_DIR
+        if self.cfg.resume and stage1_done(folder):
+            log.info("stage 1: reusing the heads in %s", folder / "export")
+        else:
+            stage1 = TrainRecipe(stage1_config(self.resolved, folder, self.paths.self_distill))
+            stage1.setup()
+            stage1.train()
+            stage1.save()
+            stage1.finish_tracker()
+            self.summary["stage1"] = stage1.summary
+            del stage1
+        self.init_heads_from = folder / "export"
+
     # ---- cleanup -------------------------------------------------------------------------------------------------
 
-    def cleanup(self, failed: bool = False) -> None:
-        """Close the tracker run and the process group (without waiting for other ranks when this one ``failed``)."""
+    def finish_tracker(self, failed: bool = False) -> None:
+        """Close the tracker run (wandb), if any."""
         if "wandb" in self.cfg.logger.report_to:
             import wandb
 
             if wandb.run is not None:
                 wandb.finish(exit_code=1 if failed else 0)
+
+    def cleanup(self, failed: bool = False) -> None:
+        """Close the tracker run and the process group (without waiting for other ranks when this one ``failed``)."""
+        self.finish_tracker(failed)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             if not failed:
                 torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
     def run(self) -> dict[str, Any]:
-        """setup, train, save, cleanup; returns a summary (global_step, train_loss, accuracy, export_dir)."""
+        """(Medusa-2 stage 1,) setup, train, save, cleanup; returns a summary (global_step, train_loss, accuracy,
+        export_dir; ``stage1``: stage 1's summary)."""
         try:
+            if self.joint and self.cfg.heads.stage1_epochs > 0:
+                self.run_stage1()
             self.setup()
             self.train()
             self.save()

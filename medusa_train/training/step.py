@@ -105,12 +105,41 @@ def heads_on_batch(
                 base_argmax = base_logits.argmax(-1)
     lm_weight = base.lm_head.weight if spec.share_lm_head else None
     head_logits = heads(hidden, lm_weight)  # [K, B, T, V']
-    out = medusa_head_loss(
+    out = head_loss(head_logits, labels, spec, base_logits=base_logits, base_argmax=base_argmax,
+                    normalizer=normalizer)
+    return out, head_logits
+
+
+def head_loss(
+    head_logits: torch.Tensor,
+    labels: torch.Tensor,
+    spec: LossSpec,
+    *,
+    base_logits: torch.Tensor | None = None,
+    base_argmax: torch.Tensor | None = None,
+    normalizer: torch.Tensor | float | None = None,
+) -> HeadLossOutput:
+    """:func:`medusa_head_loss` with the targets of ``spec.target`` taken from the base outputs given.
+
+    Args:
+        head_logits: ``[K, B, T, V']``; labels: ``[B, T]`` long.
+        base_logits: ``[B, T, V]`` base logits, treated as constants (needed for ``soft``; ``base_argmax`` is taken
+            from them when not given).
+        base_argmax: ``[B, T]`` long, when already known (hidden-state cache).
+        normalizer: see :func:`medusa_head_loss`.
+
+    Raises:
+        ValueError: as :func:`medusa_head_loss`.
+    """
+    if base_logits is not None:
+        base_logits = base_logits.detach()
+        if base_argmax is None and spec.target != "labels":
+            base_argmax = base_logits.argmax(-1)
+    return medusa_head_loss(
         head_logits, labels, target=spec.target, decay=spec.decay, base_argmax=base_argmax,
         base_logits=base_logits if spec.target == "soft" else None, token_map=spec.token_map,
         vocab_size=spec.vocab_size, normalizer=normalizer,
     )
-    return out, head_logits
 
 
 def real_tokens(batch: dict[str, Any]) -> torch.Tensor | int:

@@ -32,7 +32,8 @@ class MedusaTrainer(Trainer):
     """``Trainer`` whose ``model`` is the heads; the frozen base and the loss settings are given beside it.
 
     Args:
-        frozen_base: the base model's backbone and lm_head, on ``args.device``.
+        frozen_base: the base model's backbone and lm_head, on ``args.device`` (None for a model that runs the base
+            itself, see :class:`~medusa_train.training.joint_trainer.JointTrainer`).
         loss_spec: target, decay and head-vocabulary settings.
         keep_checkpoints: how many complete checkpoints to keep (the Trainer's own ``save_total_limit`` must be None,
             rotation happens after marking).
@@ -43,7 +44,8 @@ class MedusaTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     def __init__(
-        self, *, frozen_base: FrozenBase, loss_spec: LossSpec, keep_checkpoints: int | None = None, **kwargs: Any
+        self, *, frozen_base: FrozenBase | None, loss_spec: LossSpec, keep_checkpoints: int | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         if self.args.save_total_limit is not None:

@@ -29,13 +29,7 @@ PROMPTS = ([1, 5, 9, 33, 20], [1, 70], [1, 44, 12, 90, 3, 3, 61, 8, 17])
 SMALL_TREE = [list(p) for p in SMALL_TREE_15]  # depth 3, 16 nodes, ranks < 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, and much faster when other processes share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_medusa(base: torch.nn.Module, num_heads: int = 3, seed: int = 0) -> MedusaModel:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from medusa_train.export import load_heads, save_export
+from medusa_train.export import load_heads, save_base_model, save_export
 from medusa_train.heads import HeadsSpec, MedusaHeads
 from medusa_train.paths import CONF_DIR
 from medusa_train.publish import (
@@ -323,6 +323,17 @@ def test_base_model_override_and_unknown_license(hub, heads, base, tmp_path):
     meta = readme_metadata((tmp_path / "hub-base" / "README.md").read_text())
     assert meta["base_model"] == BASE and meta["license"] == "apache-2.0"
     assert json.loads((export / "config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "local-base")
+
+
+def test_medusa2_export_publishes_its_fine_tuned_base(heads, base, tmp_path):
+    export = write_export(tmp_path / "export", heads, base, evaluated=False)
+    save_base_model(base, make_tiny_tokenizer(), export)
+    local = prepare_repo_folder(export, tmp_path / "repo", REPO)
+    written = sorted(p.relative_to(export).as_posix() for p in (export / "base").rglob("*") if p.is_file())
+    assert "base/config.json" in written and "base/model.safetensors" in written
+    published = tree_of(local.folder)
+    for path in written:
+        assert published[path] == (export / path).read_bytes(), path
 
 
 def test_bad_export_and_output_folders(hub, export, tmp_path):

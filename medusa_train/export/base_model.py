@@ -1,0 +1,61 @@
+"""The fine-tuned base model of a Medusa-2 export, saved beside the heads as an ordinary HF model folder.
+
+Medusa-2 changes the base model (LoRA adapters merged into its weights, or all of them trained), and the heads only
+fit that base. The export therefore holds it:
+
+```
+export/
+  config.json          base_model_name_or_path: "base" (relative to the export folder), plus the heads' fields
+  medusa_lm_head.safetensors, vllm/, ...
+  base/                config.json, model.safetensors, generation_config.json, tokenizer files
+```
+
+``base/`` is what engines load as the target model (vLLM ``--model export/base --speculative-model export/vllm``,
+TGI, transformers' ``from_pretrained``); :func:`medusa_train.loading.medusa.load_medusa` finds it through the relative
+path. The folder is written into a temporary sibling and renamed into place, so a killed export leaves the old
+``base/`` or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+BASE_DIR = "base"
+
+
+def save_base_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, export_dir: str | os.PathLike[str],
+    name: str = BASE_DIR,
+) -> Path:
+    """Save ``model`` (a plain ``*ForCausalLM``: adapters already merged) and ``tokenizer`` to ``export_dir/name``.
+
+    Returns:
+        The folder written.
+
+    Raises:
+        ValueError: ``model`` still holds peft adapters (merge them first with ``merge_and_unload()``).
+    """
+    if hasattr(model, "peft_config") or hasattr(model, "disable_adapter"):
+        raise ValueError("save_base_model needs a model without adapters: call merge_and_unload() first")
+    out = Path(export_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / name
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{name}."))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        old = None
+        if target.exists():
+            old = out / f".{name}.old-{os.getpid()}"
+            os.replace(target, old)
+        os.replace(tmp, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

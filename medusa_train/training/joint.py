@@ -1,0 +1,181 @@
+"""Medusa-2: the base model and the heads in one module, trained together (LoRA, full or frozen base).
+
+Source: Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads" (2024,
+arXiv:2401.10774), Sec. 2.2.2 "Medusa-2: Joint Training" (the base keeps its language-model loss while the heads
+train on its hidden states, with a larger learning rate for the heads and a warmed-up head weight) and Sec. 2.3.2
+(self-distillation: on data the model wrote itself the base loss is the KL divergence to the original model).
+
+:func:`prepare_base` turns the loaded base into what the optimizer trains: peft LoRA adapters (``lora``), every
+weight (``full``) or nothing (``frozen``). :class:`JointMedusaModel` runs the backbone once per batch and returns the
+base logits and the head logits of the same hidden states; with ``with_reference`` it also returns the original
+model's logits, computed by the same module with its adapters disabled (``PeftModel.disable_adapter``) under
+``no_grad``: no second copy of the base is held. Full fine-tuning has no such switch, so KL with ``finetune=full`` is
+refused by the config (it would need a frozen copy, doubling the base's memory).
+
+Everything runs inside :meth:`JointMedusaModel.forward`, so DeepSpeed ZeRO-3's parameter-gathering hooks see every
+call (backbone, lm_head, heads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from medusa_train.config import HeadsConfig
+from medusa_train.heads import MedusaHeads
+
+# model_type -> LoRA targets: the attention projections (Hu et al. 2021 adapt W_q, W_v; QLoRA-style recipes all four).
+# Add the MLP (gate_proj, up_proj, down_proj) through heads.lora.target_modules.
+DEFAULT_LORA_TARGETS: dict[str, list[str]] = {
+    **{family: ["q_proj", "k_proj", "v_proj", "o_proj"]
+       for family in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo",
+                      "olmo2", "granite", "smollm3")},
+    "gpt2": ["c_attn", "c_proj"],
+    "gpt_neox": ["query_key_value", "dense"],
+    "phi3": ["qkv_proj", "o_proj"],
+}
+
+
+def _is_linear(module: nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D  # GPT-2's transposed linear layer
+
+    return isinstance(module, (nn.Linear, Conv1D))
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Sorted distinct leaf names (``q_proj``, ``c_attn``...) of the linear layers of ``model`` (lm_head excluded)."""
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if _is_linear(m) and m is not lm_head and name})
+
+
+def lora_target_modules(model: PreTrainedModel, requested: list[str] | None) -> list[str]:
+    """The LoRA targets for ``model``: ``requested``, or its family's default; every one checked to exist.
+
+    Raises:
+        ValueError: no default for ``model.config.model_type`` and none requested, or a requested name that is no
+            linear layer of the model (the missing names and the available linear names are listed; field
+            ``heads.lora.target_modules``).
+    """
+    available = linear_module_names(model)
+    model_type = getattr(model.config, "model_type", None)
+    if requested is None:
+        if model_type not in DEFAULT_LORA_TARGETS:
+            raise ValueError(f"no default LoRA targets for model_type={model_type!r}: set heads.lora.target_modules "
+                             f"to some of its linear layers {available}")
+        requested = DEFAULT_LORA_TARGETS[model_type]
+    missing = [name for name in requested if name not in available]
+    if missing:
+        raise ValueError(f"heads.lora.target_modules: {missing} are not linear layers of this {model_type} model; "
+                         f"its linear layers are {available}")
+    return list(requested)
+
+
+def prepare_base(base: PreTrainedModel, heads_cfg: HeadsConfig) -> nn.Module:
+    """Make ``base`` trainable as ``heads.finetune`` asks, in place; returns the module to train.
+
+    - ``lora``: a peft ``PeftModel`` with adapters on :func:`lora_target_modules` (B = 0 at start, so the model is
+      the original until a step changes it); only the adapters require grad.
+    - ``full``: ``base`` with every parameter requiring grad.
+    - ``frozen``: ``base`` unchanged (no parameter requires grad).
+
+    Raises:
+        ValueError: an unknown ``finetune`` value or bad LoRA targets (see :func:`lora_target_modules`).
+    """
+    if heads_cfg.finetune == "frozen":
+        return base.requires_grad_(False)
+    if heads_cfg.finetune == "full":
+        return base.requires_grad_(True)
+    if heads_cfg.finetune != "lora":
+        raise ValueError(f"heads.finetune must be lora, full or frozen, got {heads_cfg.finetune!r}")
+    from peft import LoraConfig, get_peft_model
+
+    lc = heads_cfg.lora
+    targets = lora_target_modules(base, lc.target_modules)
+    config = LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets, bias="none",
+                        task_type="CAUSAL_LM",
+                        fan_in_fan_out=getattr(base.config, "model_type", None) == "gpt2")  # Conv1D stores W^T
+    return get_peft_model(base, config)
+
+
+def is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is optional for Medusa-1
+        return False
+    return isinstance(model, PeftModel)
+
+
+def causal_lm(model: nn.Module) -> PreTrainedModel:
+    """The ``*ForCausalLM`` inside a ``PeftModel`` (adapters injected in its layers), or ``model`` itself."""
+    return model.get_base_model() if is_peft(model) else model
+
+
+@dataclass
+class JointOutput:
+    """One :meth:`JointMedusaModel.forward`.
+
+    Attributes:
+        logits: ``[B, T, V]`` base logits (with gradient when the base trains), in the lm_head's dtype.
+        head_logits: ``[K, B, T, V']`` head logits of the same hidden states.
+        reference_logits: ``[B, T, V]`` logits of the original model (adapters disabled, no gradient), or None.
+    """
+
+    logits: torch.Tensor
+    head_logits: torch.Tensor
+    reference_logits: torch.Tensor | None = None
+
+
+class JointMedusaModel(nn.Module):
+    """The trainable base (``PeftModel`` or ``*ForCausalLM``) and :class:`MedusaHeads`, as one ``nn.Module``.
+
+    Args:
+        base: the result of :func:`prepare_base`.
+        heads: heads made for this base (hidden size and vocabulary checked by the caller).
+
+    Parameter names start with ``base.`` and ``heads.``; the Trainer's optimizer groups use that split.
+    """
+
+    def __init__(self, base: nn.Module, heads: MedusaHeads) -> None:
+        super().__init__()
+        self.base = base
+        self.heads = heads
+
+    @property
+    def spec(self):  # the heads' HeadsSpec, as on MedusaHeads (MedusaTrainer reads model.spec)
+        return self.heads.spec
+
+    def _logits_and_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        lm = causal_lm(self.base)
+        out = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
+        hidden = out.last_hidden_state  # [B, T, H], after the final norm
+        return lm.get_output_embeddings()(hidden), hidden
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                with_reference: bool = False) -> JointOutput:
+        """One backbone pass: ``input_ids [B, T]`` long (+ ``attention_mask [B, T]``) -> :class:`JointOutput`.
+
+        ``with_reference``: also the original model's logits (a second pass with the adapters disabled, under
+        ``no_grad``); without adapters (``frozen``) these are the logits themselves, detached.
+
+        Raises:
+            ValueError: ``with_reference`` on a fully fine-tuned base (no original to switch back to).
+        """
+        logits, hidden = self._logits_and_hidden(input_ids, attention_mask)
+        lm_weight = causal_lm(self.base).get_output_embeddings().weight if self.heads.spec.share_lm_head else None
+        head_logits = self.heads(hidden, lm_weight)  # [K, B, T, V']
+        reference = None
+        if with_reference:
+            if is_peft(self.base):
+                with torch.no_grad(), self.base.disable_adapter():
+                    reference, _ = self._logits_and_hidden(input_ids, attention_mask)
+            elif not any(p.requires_grad for p in self.base.parameters()):
+                reference = logits.detach()
+            else:
+                raise ValueError("the original model's logits need LoRA adapters to disable (heads.finetune=lora) "
+                                 "or a frozen base; a fully fine-tuned base has no original to compare with")
+        return JointOutput(logits=logits, head_logits=head_logits, reference_logits=reference)

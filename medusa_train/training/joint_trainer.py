@@ -1,0 +1,198 @@
+"""The HF Trainer for Medusa-2: the Trainer's model is :class:`~medusa_train.training.joint.JointMedusaModel`.
+
+What changes from :class:`~medusa_train.training.trainer.MedusaTrainer` (whose metrics, normalisation over ranks and
+accumulation steps, atomic checkpoints and rotation are kept):
+
+- ``compute_loss``: ``L_base / N + lambda_0 * s(t) * sum_k decay^k L_k / N`` (Medusa paper, arXiv:2401.10774,
+  Sec. 2.2.2), with N the optimizer step's labelled tokens, ``L_base`` the LM or KL loss
+  (:mod:`medusa_train.training.joint_loss`) and the heads' targets taken from the *current* base logits (the heads
+  must predict what the fine-tuned base, the one exported, will say).
+- ``create_optimizer``: the stock optimizer (``trainer.optim``) over two learning rates: ``learning_rate`` for the
+  base's trainable weights (LoRA adapters or all), ``learning_rate * heads_lr_multiplier`` for the heads; weight
+  decay as the Trainer decides per parameter. The scheduler scales both groups alike.
+- ``log``: ``base_loss`` (per labelled token, summed over ranks) and ``medusa_weight`` (lambda_0 * s(t)).
+- checkpoints hold the trainable weights only (``trainable.safetensors``: adapters or the full base, and the
+  heads); the frozen weights come back from the base model on resume. Under DeepSpeed the engine's own checkpoint is
+  what resumes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from medusa_train.training.joint_loss import base_loss_sum, ramp
+from medusa_train.training.step import head_loss, real_tokens
+from medusa_train.training.trainer import MedusaTrainer
+
+TRAINABLE_FILE = "trainable.safetensors"
+
+
+@dataclass(frozen=True)
+class JointSpec:
+    """Medusa-2 loss and optimizer settings (from ``heads/``).
+
+    Attributes:
+        base_loss: ``lm`` or ``kl``.
+        medusa_loss_weight: lambda_0.
+        loss_ramp: ``constant``, ``linear`` or ``sine``.
+        ramp_steps: R, or None for ``ramp_ratio`` of the run's optimizer steps.
+        ramp_ratio: R as a share of all steps.
+        heads_lr_multiplier: heads' learning rate / base's.
+    """
+
+    base_loss: str = "lm"
+    medusa_loss_weight: float = 0.2
+    loss_ramp: str = "sine"
+    ramp_steps: int | None = None
+    ramp_ratio: float = 0.1
+    heads_lr_multiplier: float = 4.0
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of the parameters that require grad (tied weights once), by name."""
+    return {name: p.detach().cpu().contiguous().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``state`` into the trainable parameters of ``model``, strictly.
+
+    Raises:
+        ValueError: missing or unexpected names (listed), or a shape that differs.
+    """
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"{source}: trainable weights do not match the model (missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}); was it written with other heads/finetune settings?")
+    with torch.no_grad():
+        for name, p in params.items():
+            if p.shape != state[name].shape:
+                raise ValueError(f"{source}: {name} has shape {tuple(state[name].shape)}, the model {tuple(p.shape)}")
+            p.copy_(state[name])
+
+
+class JointTrainer(MedusaTrainer):
+    """``MedusaTrainer`` for a :class:`~medusa_train.training.joint.JointMedusaModel` (Medusa-2).
+
+    Args:
+        joint_spec: base loss, lambda_0, ramp and learning-rate multiplier.
+        **kwargs: :class:`MedusaTrainer` arguments (``model`` = the joint module, ``loss_spec`` for the heads,
+            ``frozen_base`` is None).
+    """
+
+    def __init__(self, *, joint_spec: JointSpec, **kwargs: Any) -> None:
+        kwargs.setdefault("frozen_base", None)
+        super().__init__(**kwargs)
+        self.joint_spec = joint_spec
+        # rows: base-loss sum, counted positions (this rank, since the last log), per phase
+        self.base_sums = {"train": torch.zeros(2, dtype=torch.float64), "eval": torch.zeros(2, dtype=torch.float64)}
+
+    # ---- loss ----------------------------------------------------------------------------------------------------
+
+    def medusa_weight(self) -> float:
+        """lambda_0 * s(t) at the current optimizer step."""
+        js = self.joint_spec
+        total = max(int(self.state.max_steps or 0), 0)
+        ramp_steps = js.ramp_steps if js.ramp_steps is not None else round(js.ramp_ratio * total)
+        return js.medusa_loss_weight * ramp(js.loss_ramp, int(self.state.global_step), ramp_steps)
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Medusa-2 loss of one micro-batch (see the module docstring)."""
+        labels = inputs["labels"]
+        out = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                    with_reference=self.joint_spec.base_loss == "kl")
+        base_sum, base_count = base_loss_sum(self.joint_spec.base_loss, out.logits, labels, out.reference_logits)
+        normalizer = num_items_in_batch if num_items_in_batch is not None else base_count.clamp_min(1)
+        heads_out = head_loss(out.head_logits, labels, self.loss_spec, base_logits=out.logits,
+                              normalizer=normalizer)
+        loss = base_sum / normalizer + self.medusa_weight() * heads_out.loss
+        if num_items_in_batch is not None and self.args.average_tokens_across_devices:
+            loss = loss * self.accelerator.num_processes  # as MedusaTrainer: gradients are averaged over ranks
+        phase = "train" if model.training else "eval"
+        self.head_metrics[phase].add(heads_out, tokens=real_tokens(inputs))
+        sums = torch.stack([base_sum.detach(), base_count]).to(torch.float64)
+        if self.base_sums[phase].device != sums.device:
+            self.base_sums[phase] = self.base_sums[phase].to(sums.device)
+        self.base_sums[phase] += sums
+        return (loss, {"head_logits": out.head_logits}) if return_outputs else loss
+
+    def _base_summary(self, phase: str, prefix: str = "") -> dict[str, float]:
+        sums = self._reduce_sum(self.base_sums[phase]).cpu()
+        self.base_sums[phase] = torch.zeros_like(self.base_sums[phase])
+        if float(sums[1]) == 0:
+            return {}
+        return {f"{prefix}base_loss": round(float(sums[0] / sums[1]), 6)}
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Per-head metrics (MedusaTrainer), plus ``base_loss`` and ``medusa_weight`` on training logs."""
+        if "loss" in logs:
+            logs = {**logs, **self._base_summary("train"), "medusa_weight": round(self.medusa_weight(), 6)}
+        super().log(logs, start_time)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        self.base_sums["eval"].zero_()
+        output = super().evaluation_loop(*args, **kwargs)
+        output.metrics.update(self._base_summary("eval", prefix=f"{kwargs.get('metric_key_prefix', 'eval')}_"))
+        return output
+
+    # ---- optimizer -----------------------------------------------------------------------------------------------
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer class and settings over four groups: base/heads x decay/no decay; the heads'
+        learning rate is ``learning_rate * heads_lr_multiplier``. Empty groups (a frozen base) are left out."""
+        opt_model = self.model if model is None else model
+        if self.optimizer is not None:
+            return self.optimizer
+        decay = set(self.get_decay_parameter_names(opt_model))
+        lr = self.args.learning_rate
+        groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+        for name, p in opt_model.named_parameters():
+            if p.requires_grad:
+                groups.setdefault((name.startswith("heads."), name in decay), []).append(p)
+        param_groups = [
+            {"params": params, "weight_decay": self.args.weight_decay if is_decay else 0.0,
+             "lr": lr * self.joint_spec.heads_lr_multiplier if is_heads else lr}
+            for (is_heads, is_decay), params in sorted(groups.items())
+        ]
+        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
+        return self.optimizer
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Write the trainable weights (``trainable.safetensors``) on the main process; under DeepSpeed from the
+        gathered ``state_dict`` when the engine gives one (its own checkpoint is what resumes)."""
+        if not self.args.should_save:
+            return
+        output_dir = output_dir or self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        names = [name for name, p in self.model.named_parameters() if p.requires_grad]
+        if state_dict:
+            tensors = {n: state_dict[n].detach().cpu().contiguous().clone() for n in names if n in state_dict}
+        elif self.is_deepspeed_enabled:
+            return  # ZeRO-3 without stage3_gather_16bit_weights_on_model_save: the engine checkpoint holds them
+        else:
+            tensors = trainable_state(self.model)
+        save_file(tensors, os.path.join(output_dir, TRAINABLE_FILE), metadata={"format": "pt"})
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Resume the trainable weights from ``trainable.safetensors`` (DeepSpeed resumes through its engine)."""
+        if self.is_deepspeed_enabled:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = os.path.join(resume_from_checkpoint, TRAINABLE_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} not found: {resume_from_checkpoint} is not a Medusa-2 checkpoint")
+        load_trainable_state(self.model if model is None else model, load_file(path), path)

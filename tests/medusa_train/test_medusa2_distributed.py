@@ -1,0 +1,48 @@
+"""Medusa-2 with LoRA on 2 ranks under DeepSpeed ZeRO-3 (CPU, gloo, torchrun): stage 1 (heads alone) and the joint
+stage run in one launch; base and heads are sharded, the run trains, checkpoints its trainable weights and exports the
+heads with the merged base."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from medusa_train.export import read_export_config
+from medusa_train.training.joint import prepare_base
+from medusa_train.training.joint_trainer import TRAINABLE_FILE, load_trainable_state
+from tests.medusa_train.test_distributed import RANK_BATCH, check_ok, launch
+from tests.medusa_train.test_medusa2 import IDS, joint_overrides, logits_of, lora_heads_config
+from tests.medusa_train.test_training import exported_heads, write_tiny_inputs
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def test_zero3_two_ranks_train_lora_and_export_the_merged_base(tmp_path):
+    model_dir, data = write_tiny_inputs(tmp_path)
+    out = tmp_path / "zero3"
+    result = launch(["trainer=deepspeed_zero3",
+                     *joint_overrides(model_dir, data, out, **RANK_BATCH, **{"heads.stage1_epochs": 1})])
+    check_ok(result)
+    assert result.stdout.count("per-head accuracy on the eval split") == 2  # rank 0 only, once per stage
+    assert (out / "stage1" / "checkpoints" / "checkpoint-4").is_dir()  # 16 rows, 2 ranks x 2 rows: 4 steps
+    assert "joint stage starts from the heads in" in result.stdout + result.stderr
+    export = out / "export"
+    assert read_export_config(export)["base_model_name_or_path"] == "base"
+
+    # the last checkpoint's trainable weights (gathered from the shards) are the adapters and the heads
+    trained = load_file(str(out / "checkpoints" / "checkpoint-8" / TRAINABLE_FILE))
+    assert {k.split(".")[0] for k in trained} == {"base", "heads"}
+    assert all("lora_" in k for k in trained if k.startswith("base."))
+    peft_model = prepare_base(AutoModelForCausalLM.from_pretrained(model_dir).eval(), lora_heads_config())
+    load_trainable_state(peft_model, {k.removeprefix("base."): v for k, v in trained.items()
+                                      if k.startswith("base.")}, "checkpoint-8")
+    original = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert not torch.allclose(logits_of(peft_model, IDS), logits_of(original, IDS), atol=1e-4)  # LoRA trained
+
+    # the exported base is the trained peft model merged, an ordinary HF folder
+    merged = AutoModelForCausalLM.from_pretrained(export / "base").eval()
+    torch.testing.assert_close(logits_of(merged, IDS), logits_of(peft_model, IDS), atol=1e-5, rtol=1e-5)
+    heads = exported_heads(export)
+    torch.testing.assert_close(heads["0.0.linear.weight"], trained["heads.block_weight"][0, 0])
