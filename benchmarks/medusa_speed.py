@@ -4,9 +4,12 @@ For each MT-Bench first turn: HF ``model.generate(do_sample=False)``, then the M
 for (the export's tuned ``medusa_choices.json``, Medusa's ``mc_sim_7b_63`` cut to the heads, a chain of the same
 depth as the tuned tree), in turn, so the machine's drift hits all alike; one untimed warm-up first. Prints and
 writes tokens/s, the ratio to HF generate, mean accepted tokens (τ) and exact match against HF's tokens, and the
-predicted τ of the tuned tree from ``head_accuracy.json`` beside the measured one.
+predicted τ of the tuned tree from ``head_accuracy.json`` beside the measured one. ``--prompt-source sharegpt``
+takes held-out ShareGPT first turns instead, from ``--offset`` on (past the ones ``medusa-tune-tree`` measured the
+accuracy table on): the same distribution as the table, so predicted and measured τ compare like for like.
 
     python benchmarks/medusa_speed.py --export runs/quickstart/export --dtype float32 --prompts 8 --max-new-tokens 96
+    python benchmarks/medusa_speed.py --export runs/quickstart/export --prompt-source sharegpt --prompts 8
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from inference.decoders.choices import resolve_medusa_choices
 from inference.decoders.medusa import default_medusa_choices
 from inference.tree import chain_choices
 from medusa_train.loading.medusa import load_medusa
-from medusa_train.prompts import encode_prompt, load_prompts
+from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, load_prompts, sharegpt_prompts
 from medusa_train.tuning.search import expected_accept_length
 
 
@@ -32,6 +35,9 @@ def main() -> None:
     parser.add_argument("--export", required=True)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompts", type=int, default=8, help="MT-Bench first turns, one per category first")
+    parser.add_argument("--prompt-source", choices=("mt_bench", "sharegpt"), default="mt_bench")
+    parser.add_argument("--offset", type=int, default=SHAREGPT_HELDOUT_OFFSET + 100,
+                        help="first held-out ShareGPT conversation (--prompt-source sharegpt)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--topk", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
@@ -46,11 +52,13 @@ def main() -> None:
     trees = {"tuned": tuned, "mc_sim_7b_63": default_medusa_choices(heads, args.topk),
              "chain": chain_choices(max(len(p) for p in tuned))}
     decoders = {name: MedusaDecoder(model, tree, topk=args.topk, acceptance="greedy") for name, tree in trees.items()}
-    prompts = load_prompts("mt_bench")
-    by_category: dict[str, list] = {}
-    for p in prompts:
-        by_category.setdefault(p.category, []).append(p)
-    ordered = [p for group in zip(*by_category.values()) for p in group][: args.prompts]
+    if args.prompt_source == "sharegpt":
+        ordered = sharegpt_prompts(args.offset, args.prompts)
+    else:
+        by_category: dict[str, list] = {}
+        for p in load_prompts("mt_bench"):
+            by_category.setdefault(p.category, []).append(p)
+        ordered = [p for group in zip(*by_category.values()) for p in group][: args.prompts]
     eos = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
     config = DecodeConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
 
@@ -90,7 +98,8 @@ def main() -> None:
                                    "speedup": t["tokens"] / t["time"] / hf_rate,
                                    "mean_accepted_tokens": t["decoded"] / max(t["passes"], 1),
                                    "exact_match": t["match"] / len(ordered), "nodes": len(tree) + 1}
-    print(f"{len(ordered)} MT-Bench prompts x {args.max_new_tokens} tokens, {args.dtype}, "
+    source = "MT-Bench" if args.prompt_source == "mt_bench" else f"held-out ShareGPT (from {args.offset})"
+    print(f"{len(ordered)} {source} prompts x {args.max_new_tokens} tokens, {args.dtype}, "
           f"{torch.get_num_threads()} threads; predicted tau of the tuned tree: {predicted}")
     print("| decoder | tree tokens | tokens/s | speedup vs HF generate | mean accepted tokens | exact match |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -98,7 +107,7 @@ def main() -> None:
         print(f"| {name} | {r['nodes']} | {r['tokens_per_second']:.2f} | {r['speedup']:.2f} | "
               f"{r['mean_accepted_tokens']:.2f} | {r['exact_match']:.2f} |")
     out = Path(args.output or Path(args.export) / "medusa_speed.json")
-    out.write_text(json.dumps({"dtype": args.dtype, "prompts": len(ordered), "max_new_tokens": args.max_new_tokens,
+    out.write_text(json.dumps({"dtype": args.dtype, "prompt_source": args.prompt_source, "prompts": len(ordered), "max_new_tokens": args.max_new_tokens,
                                "predicted_tau_tuned": predicted, "rows": rows}, indent=1))
 
 

@@ -84,8 +84,8 @@ def read_distilled(conversations: list[Conversation], output_path: Path, world_s
         raise ValueError(f"self-distillation answered none of the {len(wanted)} prompts (all longer than max_length?);"
                          " raise max_length or use shorter prompts")
     if len(records) != len(wanted):
-        log.warning("self-distillation: %d of %d prompts have no reply (longer than max_length) and are left out",
-                    len(wanted) - len(records), len(wanted))
+        log.warning("self-distillation: %d of %d prompts have no reply (longer than data.max_prompt_tokens or "
+                    "max_length) and are left out", len(wanted) - len(records), len(wanted))
     stats = LoadStats(source="self_distill", path=str(output_path))
     distilled = [normalize_record(records[i], stats, require_assistant=True) for i in sorted(records)]
     return [c for c in distilled if c is not None]

@@ -113,19 +113,19 @@ def build_hidden_cache(
     if _shard_is_current(folder, name, fingerprint, rows):
         log.info("hidden cache: reusing %s (%d rows)", target, len(rows))
         return target
-    hidden_parts: list[torch.Tensor] = []
-    argmax_parts: list[torch.Tensor] = []
-    lengths: list[int] = []
-    for start in range(0, len(rows), batch_size):
-        chunk = [dataset[i] for i in rows[start : start + batch_size]]
-        batch = collator(chunk)
+    lengths = [len(dataset[i]["input_ids"]) for i in rows]
+    hidden_parts: list[torch.Tensor | None] = [None] * len(rows)
+    argmax_parts: list[torch.Tensor | None] = [None] * len(rows)
+    # Batches of similar lengths waste less on padding; the shard keeps the rows' own order.
+    by_length = sorted(range(len(rows)), key=lambda j: lengths[j], reverse=True)
+    for start in range(0, len(by_length), batch_size):
+        chunk = by_length[start : start + batch_size]
+        batch = collator([dataset[rows[j]] for j in chunk])
         hidden = base.hidden(batch["input_ids"].to(device), batch["attention_mask"].to(device))  # [B, T, H]
         argmax = base.logits(hidden).argmax(-1)  # [B, T]
-        for b, row in enumerate(chunk):
-            n = len(row["input_ids"])
-            hidden_parts.append(hidden[b, :n].to("cpu"))
-            argmax_parts.append(argmax[b, :n].to("cpu", torch.int64))
-            lengths.append(n)
+        for b, j in enumerate(chunk):
+            hidden_parts[j] = hidden[b, : lengths[j]].to("cpu")
+            argmax_parts[j] = argmax[b, : lengths[j]].to("cpu", torch.int64)
     H = int(base.lm_head.weight.shape[1])
     dtype = base.lm_head.weight.dtype
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from medusa_train.config import DataConfig
 from medusa_train.data import (
     IGNORE_INDEX,
     Collator,
@@ -558,6 +559,16 @@ def test_self_distill_writes_records_and_resumes(tok, tiny_model, tmp_path, monk
         stats = self_distill(tiny_model, tok, conversations, max_new_tokens=4, batch_size=3, output_path=out)
     assert (stats.already_done, stats.generated, calls) == (8, 0, [])
     assert "dropping a cut last line" in caplog.text and len(read_lines(out)) == 8
+
+
+def test_self_distill_skips_prompts_over_max_prompt_tokens(tok, tiny_model, tmp_path, monkeypatch):
+    conversations = distill_conversations()
+    calls = count_generate(tiny_model, monkeypatch)
+    stats = self_distill(tiny_model, tok, conversations, max_new_tokens=4, batch_size=3,
+                         output_path=tmp_path / "sd.jsonl", max_prompt_tokens=1)
+    assert (stats.too_long, stats.generated, calls) == (8, 0, [])
+    with pytest.raises(ValueError, match="data.max_prompt_tokens must be >= 1"):
+        DataConfig(max_prompt_tokens=0).validate()
 
 
 def test_self_distill_batched_left_padding_matches_one_by_one(tok, tiny_model, tmp_path):

@@ -1,0 +1,124 @@
+"""Medusa-2 against Medusa-1 on the same prompts: mean accepted tokens, and how far the fine-tuned base drifted.
+
+Loads two exports: a Medusa-1 export (heads on the original base) and a Medusa-2 export (heads plus the fine-tuned
+base in ``export/base``). On held-out ShareGPT first turns (by default past the prompts ``medusa-tune-tree`` measures
+on) it reports, in one run:
+
+- mean accepted tokens (τ) of greedy Medusa decoding with each export's own tree (Medusa-2's is measured on its own,
+  fine-tuned base, whose greedy output it reproduces exactly);
+- greedy agreement: the share of the original model's greedy tokens that the fine-tuned base also predicts, teacher
+  forced on the original's reply (1.0: the fine-tuned model says what the original says; issue target >= 0.9);
+- the perplexity of each base on held-out ShareGPT assistant turns (the original human-written text), and its change.
+
+    python benchmarks/medusa2_vs_medusa1.py --medusa1 runs/quickstart/export --medusa2 runs/medusa2/export \
+        --prompts 8 --max-new-tokens 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inference.decoders import DecodeConfig, MedusaDecoder
+from inference.decoders.choices import resolve_medusa_choices
+from medusa_train.data import build_dataset, load_conversations
+from medusa_train.loading.medusa import load_medusa
+from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, sharegpt_prompts
+
+
+@torch.inference_mode()
+def agreement(model: Any, prompt: list[int], reply: list[int]) -> tuple[int, int]:
+    """``(matches, positions)``: positions of ``reply`` where ``model``'s argmax, fed ``prompt + reply``, is the reply's
+    token (teacher forcing on the reply)."""
+    if not reply:
+        return 0, 0
+    ids = torch.tensor([prompt + reply], device=model.lm_head.weight.device)
+    logits = model.base(ids).logits[0, len(prompt) - 1 : -1]  # [len(reply), V]: predictions of each reply token
+    return int((logits.argmax(-1).cpu() == torch.tensor(reply)).sum()), len(reply)
+
+
+@torch.inference_mode()
+def assistant_nll(model: Any, rows: Any) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) of the labelled (assistant) tokens of ``rows`` and their count."""
+    total, count = 0.0, 0
+    device = model.lm_head.weight.device
+    for row in rows:
+        ids = torch.tensor([row["input_ids"]], device=device)
+        labels = torch.tensor(row["labels"], device=device)[1:]
+        logp = torch.log_softmax(model.base(ids).logits[0, :-1].float(), dim=-1)
+        keep = labels != -100
+        total += float(-logp[keep].gather(-1, labels[keep, None]).sum())
+        count += int(keep.sum())
+    return total, count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--medusa1", required=True, help="Medusa-1 export (the original base)")
+    parser.add_argument("--medusa2", required=True, help="Medusa-2 export (heads + export/base)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompts", type=int, default=8, help="held-out ShareGPT first turns")
+    parser.add_argument("--offset", type=int, default=SHAREGPT_HELDOUT_OFFSET + 100,
+                        help="first ShareGPT conversation used (tune-tree uses those from 16000)")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--ppl-conversations", type=int, default=16, help="held-out conversations for perplexity")
+    parser.add_argument("--max-length", type=int, default=256, help="tokens per perplexity conversation")
+    parser.add_argument("--topk", type=int, default=10)
+    parser.add_argument("--output", default=None, help="JSON file (default MEDUSA2/medusa2_vs_medusa1.json)")
+    args = parser.parse_args()
+
+    models, decoders = {}, {}
+    tokenizer = None
+    for name, export in (("medusa1", args.medusa1), ("medusa2", args.medusa2)):
+        model, tokenizer, _ = load_medusa(export, dtype=args.dtype)
+        tree = resolve_medusa_choices(None, export, model.heads.spec.num_heads, args.topk)
+        models[name] = model
+        decoders[name] = MedusaDecoder(model, tree, topk=args.topk, acceptance="greedy")
+    eos = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
+    config = DecodeConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
+
+    stats = {name: {"decoded": 0, "passes": 0} for name in decoders}
+    matches = positions = 0
+    for prompt in sharegpt_prompts(args.offset, args.prompts):
+        ids = encode_prompt(tokenizer, prompt.first_turn_messages())
+        replies = {}
+        for name, decoder in decoders.items():
+            result = decoder.generate(ids, config)
+            stats[name]["decoded"] += sum(result.accepted_lengths)
+            stats[name]["passes"] += result.forward_passes
+            replies[name] = result.tokens
+        m, n = agreement(models["medusa2"], ids, replies["medusa1"])  # medusa1's reply = the original's greedy
+        matches, positions = matches + m, positions + n
+
+    start = args.offset + args.prompts  # perplexity text: other held-out conversations
+    conversations, _ = load_conversations("sharegpt", max_conversations=start + args.ppl_conversations)
+    rows, _, _ = build_dataset(tokenizer, conversations[start:], args.max_length, 0.0, seed=0)
+    ppl = {}
+    for name, model in models.items():
+        nll, count = assistant_nll(model, rows)
+        ppl[name] = math.exp(nll / max(count, 1))
+
+    tau = {name: s["decoded"] / max(s["passes"], 1) for name, s in stats.items()}
+    report = {"dtype": args.dtype, "prompts": args.prompts, "offset": args.offset,
+              "max_new_tokens": args.max_new_tokens, "mean_accepted_tokens": tau,
+              "greedy_agreement": matches / max(positions, 1), "agreement_positions": positions,
+              "perplexity": ppl, "perplexity_change": ppl["medusa2"] / ppl["medusa1"] - 1.0,
+              "perplexity_tokens": count}
+    print(f"{args.prompts} held-out ShareGPT prompts x {args.max_new_tokens} tokens, {args.dtype}")
+    print("| export | mean accepted tokens | perplexity (held-out ShareGPT replies) |")
+    print("| --- | ---: | ---: |")
+    for name in models:
+        print(f"| {name} | {tau[name]:.2f} | {ppl[name]:.2f} |")
+    print(f"greedy agreement of the fine-tuned base with the original: {report['greedy_agreement']:.3f} "
+          f"({positions} tokens); perplexity change {100 * report['perplexity_change']:+.1f}%")
+    out = Path(args.output or Path(args.medusa2) / "medusa2_vs_medusa1.json")
+    out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
