@@ -100,6 +100,8 @@ def best_tree_for_latency(
         acc: head accuracy table ``[K][R]``.
         latency_ms: measured verification latency (ms) of one target forward pass over ``n`` tree tokens
             (n = nodes + root), for the sizes that were measured; sizes in between are interpolated linearly.
+            Timing noise only ever adds time, and a pass over more tokens cannot cost less, so the profile is first
+            replaced by its lower monotone envelope (:func:`monotone_envelope`).
         max_nodes: optional cap on nodes (root excluded).
 
     Returns:
@@ -108,7 +110,8 @@ def best_tree_for_latency(
     """
     if not latency_ms:
         raise ValueError("latency profile is empty: measure it with medusa-tune-tree first")
-    sizes = sorted(int(n) for n in latency_ms)
+    latency_ms = monotone_envelope(latency_ms)
+    sizes = sorted(latency_ms)
     largest = sizes[-1] - 1
     if max_nodes is not None:
         largest = min(largest, max_nodes)
@@ -126,6 +129,18 @@ def best_tree_for_latency(
         if rate > best_rate:
             best_n, best_rate = n_nodes, rate
     return full[:best_n], table
+
+
+def monotone_envelope(latency_ms: dict[int, float]) -> dict[int, float]:
+    """``{n: min(latency[m] for measured m >= n)}``: the largest non-decreasing profile below the measurement (a
+    size measured slower than a larger one was slowed by noise). Keys may be strings (JSON); returned as ints."""
+    pts = sorted((int(k), float(v)) for k, v in latency_ms.items())
+    out: dict[int, float] = {}
+    lowest = float("inf")
+    for n, value in reversed(pts):
+        lowest = min(lowest, value)
+        out[n] = lowest
+    return dict(sorted(out.items()))
 
 
 def interpolate(points: dict[int, float], x: int) -> float:

@@ -6,6 +6,7 @@ import pytest
 
 from medusa_train.tuning.search import (
     best_tree_for_latency,
+    monotone_envelope,
     check_accuracy_table,
     expected_accept_length,
     greedy_tree,
@@ -75,6 +76,15 @@ def test_latency_aware_size_stops_where_rate_peaks():
     assert len(tree) == 3  # 4 tokens incl. root: every larger tree costs far more than it brings
     assert rates[4]["tokens_per_s"] == max(r["tokens_per_s"] for r in rates.values())
     assert interpolate({"1": 1.0, "3": 3.0}, 2) == 2.0
+
+
+def test_a_noisy_latency_bump_does_not_pick_a_larger_tree():
+    # Measured: 2 tokens slower than 4 (noise). The envelope caps size 2 at 4's 12 ms, so 2 nodes win on their merit.
+    assert monotone_envelope({"1": 10.0, "2": 15.0, "4": 12.0, "8": 30.0}) == {1: 10.0, 2: 12.0, 4: 12.0, 8: 30.0}
+    table = [[0.6, 0.2], [0.4, 0.1]]
+    noisy, _ = best_tree_for_latency(table, {1: 10.0, 2: 15.0, 4: 12.0, 8: 30.0})
+    clean, _ = best_tree_for_latency(table, {1: 10.0, 2: 12.0, 4: 12.0, 8: 30.0})
+    assert noisy == clean == [[0], [0, 0], [1]]
 
 
 @pytest.mark.parametrize("table,match", [
