@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from medusa_train.training.joint_loss import base_loss_sum, ramp
-from medusa_train.training.step import head_loss, real_tokens
+from medusa_train.training.step import head_loss
 from medusa_train.training.trainer import MedusaTrainer
 
 TRAINABLE_FILE = "trainable.safetensors"
@@ -117,11 +117,9 @@ class JointTrainer(MedusaTrainer):
         normalizer = num_items_in_batch if num_items_in_batch is not None else base_count.clamp_min(1)
         heads_out = head_loss(out.head_logits, labels, self.loss_spec, base_logits=out.logits,
                               normalizer=normalizer)
-        loss = base_sum / normalizer + self.medusa_weight() * heads_out.loss
-        if num_items_in_batch is not None and self.args.average_tokens_across_devices:
-            loss = loss * self.accelerator.num_processes  # as MedusaTrainer: gradients are averaged over ranks
-        phase = "train" if model.training else "eval"
-        self.head_metrics[phase].add(heads_out, tokens=real_tokens(inputs))
+        loss = self._record_and_scale(base_sum / normalizer + self.medusa_weight() * heads_out.loss, heads_out,
+                                      model, inputs, num_items_in_batch)
+        phase = self.phase(model)
         sums = torch.stack([base_sum.detach(), base_count]).to(torch.float64)
         if self.base_sums[phase].device != sums.device:
             self.base_sums[phase] = self.base_sums[phase].to(sums.device)

@@ -70,13 +70,21 @@ class MedusaTrainer(Trainer):
         """Medusa loss of the heads on one micro-batch (see the module docstring for the normalisation)."""
         out, head_logits = heads_on_batch(model, self.frozen_base, inputs, self.loss_spec,
                                           normalizer=num_items_in_batch)
-        loss = out.loss
+        loss = self._record_and_scale(out.loss, out, model, inputs, num_items_in_batch)
+        return (loss, {"head_logits": head_logits}) if return_outputs else loss
+
+    def _record_and_scale(self, loss: torch.Tensor, heads_out: Any, model: nn.Module, inputs: dict[str, Any],
+                          num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
+        """Add the heads' metrics to this phase's sums; return ``loss`` as the backward pass needs it."""
+        self.head_metrics[self.phase(model)].add(heads_out, tokens=real_tokens(inputs))
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             # DDP and DeepSpeed average gradients over ranks; the loss is already divided by the global count.
             loss = loss * self.accelerator.num_processes
-        phase = "train" if model.training else "eval"
-        self.head_metrics[phase].add(out, tokens=real_tokens(inputs))
-        return (loss, {"head_logits": head_logits}) if return_outputs else loss
+        return loss
+
+    @staticmethod
+    def phase(model: nn.Module) -> str:
+        return "train" if model.training else "eval"
 
     def _reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         if self.accelerator.num_processes == 1:
