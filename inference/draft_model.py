@@ -172,14 +172,20 @@ class DraftConfig:
             raise ValueError("draft.kind=model needs draft.model (a model/ config, e.g. draft/model with "
                              "draft.model.name_or_path=...)")
         check_draft_length(self.num_draft_tokens, "draft.num_draft_tokens")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"draft.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        check_schedule(self.schedule, "draft.schedule")
 
 
 def check_draft_length(value: Any, field: str = "num_draft_tokens") -> int:
     """Return ``value`` if it is an int >= 1, else raise ``ValueError`` naming ``field``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{field} (K, tokens drafted per step) must be an int >= 1, got {value!r}")
+    return value
+
+
+def check_schedule(value: Any, field: str = "schedule") -> str:
+    """Return ``value`` if it is one of :data:`SCHEDULES`, else raise ``ValueError`` naming ``field``."""
+    if value not in SCHEDULES:
+        raise ValueError(f"{field} must be one of {SCHEDULES}, got {value!r}")
     return value
 
 

@@ -45,7 +45,7 @@ from inference.decoders.base import (
 from inference.decoders.medusa import tree_attention_mask
 from inference.decoders.stopping import StopCondition
 from inference.decoders.streaming import StreamFeed
-from inference.draft_model import SCHEDULES, check_draft_compatible, check_draft_length
+from inference.draft_model import check_draft_compatible, check_draft_length, check_schedule
 from inference.kv_cache import crop, keep_positions
 from inference.proposers.base import Proposal, Proposer
 from inference.proposers.draft_model import (
@@ -307,8 +307,7 @@ class DraftDecoder:
             if not isinstance(value, PreTrainedModel):
                 raise TypeError(f"DraftDecoder needs a transformers *ForCausalLM as {what}, got {type(value).__name__}")
         self.num_draft_tokens = check_draft_length(num_draft_tokens)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        check_schedule(schedule)
         self.confidence_threshold = check_confidence_threshold(confidence_threshold)
         check_draft_compatible(base, draft, tokenizer, draft_tokenizer)
         devices = (base.get_output_embeddings().weight.device, draft.get_output_embeddings().weight.device)

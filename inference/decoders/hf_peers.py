@@ -44,7 +44,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from inference.decoders.base import DecodeConfig, DecodeResult, check_context, max_positions, prompt_tensor
 from inference.decoders.stopping import MAX_NEW_TOKENS, StopCondition
-from inference.draft_model import SCHEDULES, check_draft_compatible, check_draft_length
+from inference.draft_model import check_draft_compatible, check_draft_length, check_schedule
 
 # our schedule -> transformers' num_assistant_tokens_schedule ("heuristic_transient": reset for every call, as ours)
 _HF_SCHEDULES = {"constant": "constant", "heuristic": "heuristic_transient"}
@@ -248,8 +248,7 @@ class HfAssistedDecoder:
                              "with a hook, which would count the draft's too; pass a separate module (e.g. "
                              "copy.deepcopy(model))")
         self.num_draft_tokens = check_draft_length(num_draft_tokens)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        check_schedule(schedule)
         check_draft_compatible(self.model, self.draft, tokenizer, draft_tokenizer)
         self.schedule = schedule
         self.confidence_threshold = confidence_threshold

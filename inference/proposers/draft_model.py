@@ -31,7 +31,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from inference.decoders.base import DecodeConfig
-from inference.draft_model import SCHEDULES, check_draft_length
+from inference.draft_model import check_draft_length, check_schedule
 from inference.kv_cache import crop
 from inference.proposers.base import Proposal, empty_proposal
 from inference.sampling import logits_to_probs
@@ -94,8 +94,7 @@ class DraftModelProposer:
         confidence_threshold: float = 0.0,
     ) -> None:
         self.k = check_draft_length(num_draft_tokens)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        check_schedule(schedule)
         self.threshold = check_confidence_threshold(confidence_threshold)
         self.draft = draft
         self.config = config
