@@ -2,14 +2,16 @@
 
 For each MT-Bench first turn: HF ``model.generate(do_sample=False)``, then the Medusa decoder with each tree asked
 for (the export's tuned ``medusa_choices.json``, Medusa's ``mc_sim_7b_63`` cut to the heads, a chain of the same
-depth as the tuned tree), in turn, so the machine's drift hits all alike; one untimed warm-up first. Prints and
-writes tokens/s, the ratio to HF generate, mean accepted tokens (τ) and exact match against HF's tokens, and the
-predicted τ of the tuned tree from ``head_accuracy.json`` beside the measured one. ``--prompt-source sharegpt``
-takes held-out ShareGPT first turns instead, from ``--offset`` on (past the ones ``medusa-tune-tree`` measured the
-accuracy table on): the same distribution as the table, so predicted and measured τ compare like for like.
+depth as the tuned tree; ``--trees`` picks the last two), in turn, so the machine's drift hits all alike; one
+untimed warm-up first. Prints and writes tokens/s, the ratio to HF generate, mean accepted tokens (τ) and exact match
+against HF's tokens, and the tuned tree's τ as ``medusa-tune-tree`` predicted it from ``head_accuracy.json`` (by the
+independent-heads formula, and replayed on the tuning prompts' continuations) beside the measured one.
+``--prompt-source sharegpt`` takes held-out ShareGPT first turns instead, from ``--offset`` on (past the ones
+``medusa-tune-tree`` measured the accuracy table on): the same distribution as the table, so predicted and measured
+τ compare like for like.
 
     python benchmarks/medusa_speed.py --export runs/quickstart/export --dtype float32 --prompts 8 --max-new-tokens 96
-    python benchmarks/medusa_speed.py --export runs/quickstart/export --prompt-source sharegpt --prompts 8
+    python benchmarks/medusa_speed.py --export runs/quickstart/export --prompt-source sharegpt --prompts 16 --trees chain
 """
 
 from __future__ import annotations
@@ -27,7 +29,21 @@ from inference.decoders.medusa import default_medusa_choices
 from inference.tree import chain_choices
 from medusa_train.loading.medusa import load_medusa
 from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, load_prompts, sharegpt_prompts
+from medusa_train.tuning.replay import replayed_accept_length
 from medusa_train.tuning.search import expected_accept_length
+
+
+def predicted_tau(export: Path, tree: list[list[int]]) -> dict[str, float]:
+    """The tuned tree's τ predicted from ``head_accuracy.json`` (empty without one): ``formula`` (independent heads)
+    and ``replayed`` (greedy verification replayed on the tuning prompts' continuations, when recorded)."""
+    path = export / "head_accuracy.json"
+    if not path.is_file():
+        return {}
+    table = json.loads(path.read_text())
+    out = {"formula": expected_accept_length(table["acc"], tree)}
+    if table.get("target_ranks"):
+        out["replayed"] = replayed_accept_length(table["target_ranks"], tree)
+    return out
 
 
 def main() -> None:
@@ -40,6 +56,8 @@ def main() -> None:
                         help="first held-out ShareGPT conversation (--prompt-source sharegpt)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--topk", type=int, default=10)
+    parser.add_argument("--trees", nargs="*", choices=("mc_sim_7b_63", "chain"), default=["mc_sim_7b_63", "chain"],
+                        help="trees decoded beside the tuned one")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     parser.add_argument("--output", default=None, help="JSON file for the figures (default EXPORT/medusa_speed.json)")
     args = parser.parse_args()
@@ -51,6 +69,7 @@ def main() -> None:
     tuned = resolve_medusa_choices(None, args.export, heads, args.topk)
     trees = {"tuned": tuned, "mc_sim_7b_63": default_medusa_choices(heads, args.topk),
              "chain": chain_choices(max(len(p) for p in tuned))}
+    trees = {name: trees[name] for name in ["tuned", *[t for t in args.trees if t != "tuned"]]}
     decoders = {name: MedusaDecoder(model, tree, topk=args.topk, acceptance="greedy") for name, tree in trees.items()}
     if args.prompt_source == "sharegpt":
         ordered = sharegpt_prompts(args.offset, args.prompts)
@@ -88,8 +107,7 @@ def main() -> None:
             t["decoded"] += sum(result.accepted_lengths)
             t["match"] += int(result.tokens == ref)
     hf_rate = totals["hf"]["tokens"] / totals["hf"]["time"]
-    acc_path = Path(args.export) / "head_accuracy.json"
-    predicted = expected_accept_length(json.loads(acc_path.read_text())["acc"], tuned) if acc_path.is_file() else None
+    predicted = predicted_tau(Path(args.export), tuned)
     rows = {"hf_generate": {"tokens_per_second": hf_rate, "speedup": 1.0, "mean_accepted_tokens": 1.0,
                             "exact_match": 1.0, "nodes": 1}}
     for name, tree in trees.items():
@@ -100,7 +118,12 @@ def main() -> None:
                                    "exact_match": t["match"] / len(ordered), "nodes": len(tree) + 1}
     source = "MT-Bench" if args.prompt_source == "mt_bench" else f"held-out ShareGPT (from {args.offset})"
     print(f"{len(ordered)} {source} prompts x {args.max_new_tokens} tokens, {args.dtype}, "
-          f"{torch.get_num_threads()} threads; predicted tau of the tuned tree: {predicted}")
+          f"{torch.get_num_threads()} threads")
+    if predicted:
+        measured = rows["medusa[tuned]"]["mean_accepted_tokens"]
+        print("predicted tau of the tuned tree (from the tuning prompts) against the measured "
+              f"{measured:.3f}: " + ", ".join(f"{k} {v:.3f} ({(v - measured) / measured:+.1%})"
+                                              for k, v in predicted.items()))
     print("| decoder | tree tokens | tokens/s | speedup vs HF generate | mean accepted tokens | exact match |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, r in rows.items():
@@ -108,6 +131,7 @@ def main() -> None:
               f"{r['mean_accepted_tokens']:.2f} | {r['exact_match']:.2f} |")
     out = Path(args.output or Path(args.export) / "medusa_speed.json")
     out.write_text(json.dumps({"dtype": args.dtype, "prompt_source": args.prompt_source, "prompts": len(ordered), "max_new_tokens": args.max_new_tokens,
+                               "offset": args.offset if args.prompt_source == "sharegpt" else None,
                                "predicted_tau_tuned": predicted, "rows": rows}, indent=1))
 
 

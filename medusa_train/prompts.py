@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from medusa_train.data import load_conversations, resolve_chat_template
+from medusa_train.data.json_stream import jsonl_lines
 from medusa_train.data.tokenize import encode, prompt_messages, render
 from medusa_train.paths import assets_dir
 
@@ -46,7 +47,7 @@ def read_question_jsonl(path: str | Path) -> list[Prompt]:
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} not found")
     prompts: list[Prompt] = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for lineno, line in enumerate(jsonl_lines(path.read_text(encoding="utf-8")), start=1):
         if not line.strip():
             continue
         try:

@@ -15,6 +15,13 @@ from typing import Any
 _SEPARATORS = " \t\r\n,"
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSON Lines text: split at ``\n`` only. ``str.splitlines`` also splits at U+2028, U+0085 and
+    other separators that ``json.dumps(..., ensure_ascii=False)`` leaves unescaped inside strings (ShareGPT replies
+    hold them), which would cut a record in two."""
+    return text.split("\n")
+
+
 class JsonRecordStream:
     """Iterate over the values of a JSON array file or a JSON Lines file, one at a time.
 

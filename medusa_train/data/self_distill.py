@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from medusa_train.data.collate import pad_token_id_of
 from medusa_train.data.conversations import Conversation
+from medusa_train.data.json_stream import jsonl_lines
 from medusa_train.data.tokenize import encode, end_of_turn_ids, render, resolve_chat_template
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def _done_ids(path: Path) -> set[str]:
             f.truncate(keep)
         data = data[:keep]
     ids = set()
-    for n, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+    for n, line in enumerate(jsonl_lines(data.decode("utf-8")), start=1):
         if not line.strip():
             continue
         try:

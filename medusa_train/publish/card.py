@@ -19,6 +19,8 @@ from typing import Any
 import yaml
 from huggingface_hub import EvalResult, ModelCardData
 
+from medusa_train.export.base_model import BASE_DIR
+from medusa_train.loading.medusa import ORIGINAL_BASE_KEY
 from medusa_train.publish.folder import ExportContents
 from medusa_train.publish.hub import LicenseInfo, is_hub_id
 
@@ -45,7 +47,7 @@ CITATION = """@inproceedings{cai2024medusa,
 
 def card_metadata(contents: ExportContents, repo_id: str | None, license_info: LicenseInfo | None) -> dict[str, Any]:
     """The card's YAML metadata as a mapping (see the module docstring)."""
-    base = str(contents.config.get("base_model_name_or_path", ""))
+    base = hub_base(contents)
     license_info = license_info or LicenseInfo(UNKNOWN_LICENSE)
     tags = TAGS + (["vllm"] if contents.has_vllm else [])
     data = ModelCardData(
@@ -119,22 +121,38 @@ def render_card(contents: ExportContents, repo_id: str | None, license_info: Lic
 # ---------------------------------------------------------------- sections
 
 
+def is_medusa2(contents: ExportContents) -> bool:
+    """Whether the export carries its own fine-tuned base (Medusa-2, ``base/``)."""
+    return f"{BASE_DIR}/config.json" in contents.files
+
+
+def hub_base(contents: ExportContents) -> str:
+    """The base model the card names: the recorded base, or for Medusa-2 the model the fine-tuned ``base/`` started
+    from (``original_base_model_name_or_path``)."""
+    key = ORIGINAL_BASE_KEY if is_medusa2(contents) else "base_model_name_or_path"
+    return str(contents.config.get(key) or "")
+
+
 def _base_link(contents: ExportContents) -> str:
-    base = str(contents.config.get("base_model_name_or_path", "?"))
+    base = hub_base(contents) or "?"
     return f"[`{base}`](https://huggingface.co/{base})" if is_hub_id(base) else f"`{base}` (a local path)"
 
 
 def _intro(contents: ExportContents) -> str:
     c = contents.config
     k, layers = c["medusa_num_heads"], c.get("medusa_num_layers", 1)
-    text = (f"# Medusa heads for {c.get('base_model_name_or_path', 'a causal LM')}\n\n"
+    text = (f"# Medusa heads for {hub_base(contents) or 'a causal LM'}\n\n"
             f"{k} [Medusa]({MEDUSA_PAPER}) heads ({layers} residual block{'s' if layers != 1 else ''} each, "
             f"`{c.get('torch_dtype', '?')}`) for {_base_link(contents)}, trained with `medusa-train`. "
             "Head k reads the base model's last hidden state at position t and predicts the token at t+k+2; when "
             "decoding, a tree of the heads' guesses is verified in one forward pass of the base model, and greedy "
             "verification returns exactly the base model's greedy output in fewer passes (Cai et al., 2024, "
             "Sec. 2).\n")
-    if not is_hub_id(str(c.get("base_model_name_or_path", ""))):
+    if is_medusa2(contents):
+        text += (f"\n> Medusa-2: the heads were trained jointly with a fine-tuned copy of {_base_link(contents)}, "
+                 f"published in `{BASE_DIR}/` (adapters merged). Use that folder as the base model: the heads fit it, "
+                 "not the original.\n")
+    elif not is_hub_id(str(c.get("base_model_name_or_path", ""))):
         text += ("\n> The base model was a local path when these heads were exported, so loaders cannot fetch it: "
                  "pass the base model yourself (`model.name_or_path=...`), or publish again with "
                  "`base_model=<hub id>`.\n")

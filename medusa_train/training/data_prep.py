@@ -21,6 +21,7 @@ from typing import Any
 from medusa_train.config import DataConfig
 from medusa_train.data import BuildStats, Conversation, LoadStats, build_dataset, load_conversations, self_distill
 from medusa_train.data.conversations import normalize_record
+from medusa_train.data.json_stream import jsonl_lines
 from medusa_train.data.self_distill import distill_prompt, record_id, shard_path
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def read_distilled(conversations: list[Conversation], output_path: Path, world_s
         path = shard_path(output_path, rank, world_size)
         if not path.is_file():
             continue
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in jsonl_lines(path.read_text(encoding="utf-8")):
             if line.strip():
                 record = json.loads(line)
                 if record.get("id") in wanted:

@@ -14,33 +14,63 @@ import torch
 from medusa_train.model import MedusaModel
 
 
-def rank_hits(head_logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Count rank hits of every head.
+def target_ranks(head_logits: torch.Tensor, tokens: torch.Tensor, topk: int) -> torch.Tensor:
+    """The rank of each target among each head's top-k candidates.
 
     Args:
         head_logits: ``[K, B, T, V']`` head logits at every position t (head-vocabulary space).
         tokens: ``[B, T]`` long target tokens in head-vocabulary space (-1 where a token is outside a reduced vocab).
-        valid: ``[B, T]`` bool, positions t whose prediction counts (t + k + 2 must also be in range: handled here).
-        topk: ranks to count (clipped to V').
+        topk: ranks to look at (clipped to V').
 
     Returns:
-        ``(hits [K, topk] long, totals [K] long)``: ``hits[k][i]`` counts positions where head k's rank-i token equals
-        ``tokens[:, t + k + 2]``; ``totals[k]`` counts the positions considered for head k.
+        ``[K, B, T]`` long: ``ranks[k, b, t] = i`` when head k's rank-i token at t is ``tokens[b, t + k + 2]``, and -1
+        when it is none of the top k, the target is outside the head vocabulary (a miss for the decoder too), or
+        ``t + k + 2`` is past the end.
     """
     K, B, T, V = head_logits.shape
     topk = min(topk, V)
-    hits = torch.zeros(K, topk, dtype=torch.long)
-    totals = torch.zeros(K, dtype=torch.long)
+    ranks = torch.full((K, B, T), -1, dtype=torch.long)
     for k in range(K):
         shift = k + 2
         if T <= shift:
             continue
         ranked = head_logits[k, :, : T - shift].topk(topk, dim=-1).indices  # [B, T-shift, topk]
         target = tokens[:, shift:]  # [B, T-shift]
-        mask = valid[:, : T - shift] & (target >= 0)
-        match = (ranked == target.unsqueeze(-1)) & mask.unsqueeze(-1)
-        hits[k] += match.sum(dim=(0, 1)).cpu()
-        totals[k] += mask.sum().cpu()
+        match = (ranked == target.unsqueeze(-1)) & (target >= 0).unsqueeze(-1)
+        found = match.any(dim=-1)
+        ranks[k, :, : T - shift] = torch.where(found, match.int().argmax(dim=-1), -1).cpu()
+    return ranks
+
+
+def rank_hits(
+    head_logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Count rank hits of every head: :func:`count_rank_hits` of :func:`target_ranks` (same arguments)."""
+    topk = min(topk, head_logits.shape[-1])
+    return count_rank_hits(target_ranks(head_logits, tokens, topk), valid, topk)
+
+
+def count_rank_hits(ranks: torch.Tensor, valid: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank hits from :func:`target_ranks`.
+
+    Args:
+        ranks: ``[K, B, T]`` long, from :func:`target_ranks`.
+        valid: ``[B, T]`` bool, positions t whose prediction counts (t + k + 2 must also be in range: handled here).
+        topk: width of the table.
+
+    Returns:
+        ``(hits [K, topk] long, totals [K] long)``: ``hits[k][i]`` counts positions where head k's rank-i token equals
+        the token at t + k + 2; ``totals[k]`` counts the positions considered for head k, a target outside a reduced
+        head vocabulary included (it is a miss).
+    """
+    K, _, T = ranks.shape
+    hits = torch.zeros(K, topk, dtype=torch.long)
+    totals = torch.zeros(K, dtype=torch.long)
+    for k in range(K):
+        in_range = valid[:, : max(T - k - 2, 0)].cpu()
+        totals[k] = in_range.sum()
+        kept = ranks[k, :, : in_range.shape[1]][in_range]
+        hits[k] = torch.bincount(kept[kept >= 0], minlength=topk)[:topk]
     return hits, totals
 
 
@@ -68,7 +98,11 @@ def measure_head_accuracy(
     continuation gives every head's logits at every continuation position t (from the last prompt token on).
 
     Returns:
-        ``{"acc": [[float]*topk]*K, "positions": [int]*K, "prompts": int, "new_tokens": int, "topk": int}``.
+        ``{"acc": [[float]*topk]*K, "positions": [int]*K, "prompts": int, "new_tokens": int, "topk": int,
+        "target_ranks": [prompt][state][k] int}``: ``target_ranks`` holds, for every decoding state of every prompt
+        (the position whose hidden state the heads read: the last prompt token, then each continuation token but the
+        last two), the rank of each head's target or -1 (:func:`target_ranks`), what
+        :func:`medusa_train.tuning.replay.replayed_accept_length` replays a tree on.
 
     Raises:
         ValueError: no prompts, or an empty prompt.
@@ -79,6 +113,7 @@ def measure_head_accuracy(
     K = model.heads.spec.num_heads
     hits = torch.zeros(K, min(topk, model.heads.spec.out_size), dtype=torch.long)
     totals = torch.zeros(K, dtype=torch.long)
+    replay: list[list[list[int]]] = []
     new_tokens = 0
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
@@ -92,9 +127,13 @@ def measure_head_accuracy(
         heads = model(out, with_heads=True).head_logits  # [K, 1, T, V']
         valid = torch.zeros_like(out, dtype=torch.bool)
         valid[:, ids.shape[1] - 1 :] = True
-        h, t = rank_hits(heads, to_head_vocab(model, out), valid, topk)
+        ranks = target_ranks(heads, to_head_vocab(model, out), hits.shape[1])  # [K, 1, T]
+        h, t = count_rank_hits(ranks, valid, hits.shape[1])
         hits += h
         totals += t
+        # decoding states: the last prompt token .. the third-last token (each state's pass emits >= 1 token)
+        states = ranks[:, 0, ids.shape[1] - 1 : out.shape[1] - 2]  # [K, N-1]
+        replay.append(states.T.tolist())
     acc = (hits.double() / totals.clamp(min=1).unsqueeze(-1).double()).tolist()
     return {"acc": acc, "positions": totals.tolist(), "prompts": len(prompts), "new_tokens": new_tokens,
-            "topk": hits.shape[1]}
+            "topk": hits.shape[1], "target_ranks": replay}

@@ -22,6 +22,8 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
+from medusa_train.tuning.replay import replayed_accept_length
+
 Path = tuple[int, ...]
 
 
@@ -92,9 +94,16 @@ def greedy_tree(acc: Sequence[Sequence[float]], num_nodes: int) -> list[list[int
 
 
 def best_tree_for_latency(
-    acc: Sequence[Sequence[float]], latency_ms: dict[int, float], max_nodes: int | None = None
+    acc: Sequence[Sequence[float]],
+    latency_ms: dict[int, float],
+    max_nodes: int | None = None,
+    target_ranks: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> tuple[list[list[int]], dict[int, dict[str, float]]]:
-    """Choose the tree size that maximises expected accepted tokens per second.
+    """Choose the tree size that maximises accepted tokens per second.
+
+    The trees are :func:`greedy_tree`'s (best by the formula for every size); with ``target_ranks`` each size is
+    scored by its replayed mean accepted tokens (:mod:`medusa_train.tuning.replay`, what the decoder will measure),
+    else by the formula.
 
     Args:
         acc: head accuracy table ``[K][R]``.
@@ -103,10 +112,12 @@ def best_tree_for_latency(
             Timing noise only ever adds time, and a pass over more tokens cannot cost less, so the profile is first
             replaced by its lower monotone envelope (:func:`monotone_envelope`).
         max_nodes: optional cap on nodes (root excluded).
+        target_ranks: ``[prompt][state][head]`` from :func:`medusa_train.tuning.accuracy.measure_head_accuracy`.
 
     Returns:
-        ``(medusa_choices, table)`` where ``table[n] = {"expected_tokens", "latency_ms", "tokens_per_s"}`` for every
-        candidate size n (tokens including the root).
+        ``(medusa_choices, table)`` where ``table[n] = {"expected_tokens", "latency_ms", "tokens_per_s"}`` (and
+        ``"replayed_tokens"`` with ``target_ranks``; ``tokens_per_s`` then uses it) for every candidate size n
+        (tokens including the root).
     """
     if not latency_ms:
         raise ValueError("latency profile is empty: measure it with medusa-tune-tree first")
@@ -124,8 +135,11 @@ def best_tree_for_latency(
     for n_nodes in range(1, len(full) + 1):
         expected += path_value(acc, tuple(full[n_nodes - 1]))
         lat = interpolate(latency_ms, n_nodes + 1)
-        rate = expected / lat * 1000.0
-        table[n_nodes + 1] = {"expected_tokens": expected, "latency_ms": lat, "tokens_per_s": rate}
+        row = {"expected_tokens": expected, "latency_ms": lat}
+        if target_ranks is not None:
+            row["replayed_tokens"] = replayed_accept_length(target_ranks, full[:n_nodes])
+        rate = row.get("replayed_tokens", expected) / lat * 1000.0
+        table[n_nodes + 1] = {**row, "tokens_per_s": rate}
         if rate > best_rate:
             best_n, best_rate = n_nodes, rate
     return full[:best_n], table

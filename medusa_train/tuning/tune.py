@@ -26,7 +26,10 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
     """Measure, search, and write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json``.
 
     Returns:
-        ``{"medusa_choices", "expected_accept_length", "head_accuracy", "latency_profile", "rates"}``.
+        ``{"medusa_choices", "expected_accept_length", "replayed_accept_length", "head_accuracy",
+        "latency_profile", "rates"}``: the two τ predictions of the chosen tree, by the formula
+        (:func:`~medusa_train.tuning.search.expected_accept_length`) and replayed on the tuning prompts
+        (:func:`~medusa_train.tuning.replay.replayed_accept_length`, what the decoder measures on them).
     """
     cfg.validate()
     token_prompts = [encode_prompt(tokenizer, p.first_turn_messages()) for p in prompts]
@@ -35,16 +38,20 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
     check_accuracy_table(accuracy["acc"], num_heads=model.heads.spec.num_heads)
     latency = measure_verification_latency(model.base, sizes=cfg.latency_sizes, context_length=cfg.context_length,
                                            repeats=cfg.repeats)
-    choices, rates = best_tree_for_latency(accuracy["acc"], latency["latency_ms"], max_nodes=cfg.max_nodes)
+    choices, rates = best_tree_for_latency(accuracy["acc"], latency["latency_ms"], max_nodes=cfg.max_nodes,
+                                           target_ranks=accuracy["target_ranks"])
     expected = expected_accept_length(accuracy["acc"], choices)
+    replayed = rates[len(choices) + 1]["replayed_tokens"]
     out = Path(cfg.export_dir)
     accuracy["prompt_source"] = cfg.prompts.source
     write_json(out / ACCURACY_FILE, accuracy)
     write_json(out / LATENCY_FILE, {**latency, "latency_ms": {str(k): v for k, v in latency["latency_ms"].items()},
                                            "predicted": {str(k): v for k, v in rates.items()}})
     write_json(out / CHOICES_FILE, choices)
-    log.info("tree of %d nodes, expected accepted tokens %.3f", len(choices), expected)
-    return {"medusa_choices": choices, "expected_accept_length": expected, "head_accuracy": accuracy,
+    log.info("tree of %d nodes, mean accepted tokens: %.3f replayed on the prompts' continuations, %.3f by the "
+             "independent-heads formula", len(choices), replayed, expected)
+    return {"medusa_choices": choices, "expected_accept_length": expected, "replayed_accept_length": replayed,
+            "head_accuracy": accuracy,
             "latency_profile": latency, "rates": rates}
 
 

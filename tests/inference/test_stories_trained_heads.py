@@ -1,5 +1,6 @@
 """Medusa greedy decoding on a real model (stories260K) with heads trained by medusa-train: identical to plain
-greedy decoding, and the trained heads make it accept more than one token per forward pass."""
+greedy decoding, the trained heads make it accept more than one token per forward pass, and the tree tuner's replay
+predicts the decoder's counts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from inference.tree import chain_choices
 from medusa_train.loading.medusa import load_medusa
 from medusa_train.paths import CONF_DIR
 from medusa_train.training.recipe import TrainRecipe
+from medusa_train.tuning.accuracy import measure_head_accuracy
+from medusa_train.tuning.replay import replay_counts
 
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The cat was sad.", "Tom had a big red ball."]
 
@@ -23,7 +26,8 @@ def test_trained_stories260k_heads_decode_exactly_greedy_and_accept_more(tmp_pat
     summary = TrainRecipe(cfg).run()
     model, tokenizer, _ = load_medusa(summary["export_dir"])
     vanilla = VanillaDecoder(model.base)
-    medusa = MedusaDecoder(model, chain_choices(model.heads.spec.num_heads) + [[1], [0, 1]], topk=4)
+    tree = chain_choices(model.heads.spec.num_heads) + [[1], [0, 1]]
+    medusa = MedusaDecoder(model, tree, topk=4)
     config = DecodeConfig(max_new_tokens=64)
     passes = tokens = 0
     for text in PROMPTS:
@@ -34,3 +38,9 @@ def test_trained_stories260k_heads_decode_exactly_greedy_and_accept_more(tmp_pat
         passes += result.forward_passes
         tokens += sum(result.accepted_lengths)
     assert tokens / passes > 1.3  # measured 1.67 with 60 training steps
+    # the tree tuner's replay of greedy verification predicts these counts from the teacher-forced head ranks
+    recorded = measure_head_accuracy(model, [tokenizer(text)["input_ids"] for text in PROMPTS], max_new_tokens=64,
+                                     topk=4, eos_token_id=None)
+    predicted_tokens, predicted_passes = replay_counts(recorded["target_ranks"], tree)
+    assert predicted_tokens == tokens
+    assert abs(predicted_passes - passes) <= 1  # a floating-point tie between cached and teacher-forced logits at most

@@ -561,6 +561,20 @@ def test_self_distill_writes_records_and_resumes(tok, tiny_model, tmp_path, monk
     assert "dropping a cut last line" in caplog.text and len(read_lines(out)) == 8
 
 
+def test_self_distill_records_holding_unicode_line_separators_resume_and_read_back(tok, tiny_model, tmp_path):
+    # json.dumps(ensure_ascii=False) leaves U+2028 and U+0085 raw; str.splitlines would cut such a record in two
+    from medusa_train.training.data_prep import read_distilled
+
+    conversations = [[{"role": "user", "content": "one\u2028two"}], [{"role": "user", "content": "three\x85four"}]]
+    out = tmp_path / "sd.jsonl"
+    self_distill(tiny_model, tok, conversations, max_new_tokens=3, batch_size=2, output_path=out)
+    assert out.read_text(encoding="utf-8").count("\n") == 2
+    stats = self_distill(tiny_model, tok, conversations, max_new_tokens=3, batch_size=2, output_path=out)
+    assert (stats.already_done, stats.generated) == (2, 0)
+    distilled = read_distilled(conversations, out, world_size=1)
+    assert [c[0]["content"] for c in distilled] == ["one\u2028two", "three\x85four"]
+
+
 def test_self_distill_skips_prompts_over_max_prompt_tokens(tok, tiny_model, tmp_path, monkeypatch):
     conversations = distill_conversations()
     calls = count_generate(tiny_model, monkeypatch)

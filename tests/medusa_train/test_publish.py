@@ -334,6 +334,13 @@ def test_medusa2_export_publishes_its_fine_tuned_base(heads, base, tmp_path):
     published = tree_of(local.folder)
     for path in written:
         assert published[path] == (export / path).read_bytes(), path
+    # as medusa-train writes it: the heads' base is the folder inside the export, the original is recorded beside it
+    config = json.loads((export / "config.json").read_text())
+    config.update(base_model_name_or_path="base", original_base_model_name_or_path=BASE)
+    (export / "config.json").write_text(json.dumps(config))
+    readme = (prepare_repo_folder(export, tmp_path / "repo2", REPO).folder / "README.md").read_text()
+    assert readme_metadata(readme)["base_model"] == BASE
+    assert f"Medusa heads for {BASE}" in readme and "published in `base/`" in readme
 
 
 def test_bad_export_and_output_folders(hub, export, tmp_path):

@@ -130,3 +130,46 @@ def test_rank_hits_counts_by_hand():
     valid[0, 0] = False  # t=0 no longer counts
     hits, totals = rank_hits(logits, tokens, valid, topk=2)
     assert totals.tolist() == [2, 1] and hits.tolist() == [[0, 1], [1, 0]]
+
+
+def test_replay_follows_greedy_verification_by_hand():
+    from medusa_train.tuning.replay import accepted_depth, replay_counts, replayed_accept_length
+
+    tree = {(0,), (1,), (0, 0)}
+    assert accepted_depth([0, 0, 3], tree) == 2
+    assert accepted_depth([1, 0], tree) == 1  # (1, 0) is not in the tree
+    assert accepted_depth([-1, 0], tree) == 0
+    # one prompt, 6 states (a 7-token continuation). s=0 accepts 2 -> s=3 accepts 0 -> s=4 accepts 1 -> s=6: done
+    states = [[0, 0], [5, 5], [5, 5], [2, 0], [1, -1], [0, 0]]
+    assert replay_counts([states], [[0], [1], [0, 0]]) == (6, 3)
+    # a chain of depth 1 on the same states: s=0 +2, s=2 +1, s=3 +1, s=4 +1, s=5 +2 -> 5 passes
+    assert replay_counts([states], [[0]]) == (6, 5)
+    assert replayed_accept_length([states, [[0, 0]]], [[0]]) == pytest.approx(7 / 6)
+    with pytest.raises(ValueError, match="shorter than two tokens"):
+        replayed_accept_length([[]], [[0]])
+
+
+def test_replay_is_below_the_formula_when_hits_come_in_runs():
+    # head 0 is right on the first half of the positions and wrong on the second: per-position accuracy 0.5, so the
+    # formula predicts 1.5, but decoding skips half of the easy positions: 10 passes over the easy 20 (2 tokens
+    # each), 20 over the hard 20 -> 40 tokens / 30 passes
+    from medusa_train.tuning.replay import replayed_accept_length
+
+    states = [[0]] * 20 + [[-1]] * 20
+    assert expected_accept_length([[0.5]], [[0]]) == pytest.approx(1.5)
+    assert replayed_accept_length([states], [[0]]) == pytest.approx(40 / 30)
+
+
+def test_target_ranks_and_hits_count_a_target_outside_the_head_vocab_as_a_miss():
+    import torch
+
+    from medusa_train.tuning.accuracy import rank_hits, target_ranks
+
+    tokens = torch.tensor([[0, 1, 2, -1]])  # the last token is outside a reduced head vocabulary
+    logits = torch.zeros(1, 1, 4, 3)
+    logits[0, 0, 0, 2] = 5  # t=0 predicts token 2 at t=2: right
+    logits[0, 0, 1, 0] = 5  # t=1 predicts token 0 at t=3, whose target is out of the vocabulary
+    ranks = target_ranks(logits, tokens, topk=2)
+    assert ranks[0, 0].tolist() == [0, -1, -1, -1]
+    hits, totals = rank_hits(logits, tokens, torch.ones(1, 4, dtype=torch.bool), topk=2)
+    assert totals.tolist() == [2] and hits.tolist() == [[1, 0]]

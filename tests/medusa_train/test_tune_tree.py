@@ -29,6 +29,7 @@ def tiny_export(tmp_path):
 
 def test_tune_tree_writes_a_valid_tree_for_the_export(tiny_export):
     from medusa_train.cli.tune_tree import run
+    from medusa_train.tuning.replay import replayed_accept_length
     from medusa_train.tuning.search import expected_accept_length, greedy_tree
 
     export, prompts = tiny_export
@@ -49,6 +50,12 @@ def test_tune_tree_writes_a_valid_tree_for_the_export(tiny_export):
     # the chosen tree is a prefix of the greedy order, so it is the best tree of its size for the measured table
     assert choices == greedy_tree(acc["acc"], len(choices))
     assert result["expected_accept_length"] == pytest.approx(expected_accept_length(acc["acc"], choices))
+    # one decoding state per continuation token but the first (the prefill's), each with a rank per head
+    states = acc["target_ranks"]
+    assert sum(len(s) for s in states) == acc["new_tokens"] - acc["prompts"]
+    assert all(len(ranks) == 3 and all(-1 <= r < 4 for r in ranks) for s in states for ranks in s)
+    assert result["replayed_accept_length"] == pytest.approx(replayed_accept_length(states, choices))
+    assert latency["predicted"][str(len(choices) + 1)]["replayed_tokens"] == result["replayed_accept_length"]
 
 
 def test_tune_tree_rejects_bad_budget_before_loading(tiny_export):
