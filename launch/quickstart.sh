@@ -11,7 +11,7 @@
 # Every step resumes: re-running after a kill continues where it stopped. Knobs (environment variables):
 #   QUICKSTART_OUT (runs/quickstart), QUICKSTART_CONVERSATIONS (ShareGPT conversations read, 700: about 520 have a
 #   first turn of at most 128 tokens), QUICKSTART_EPOCHS (5), QUICKSTART_DTYPE (float32: this CPU has no bf16 matrix
-#   units), QUICKSTART_EVAL_TOKENS (64).
+#   units), QUICKSTART_EVAL_TOKENS (64), QUICKSTART_EVAL (true; false stops after the tree: launch/recipe_long.sh), QUICKSTART_HEAD_VOCAB (4096).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -23,13 +23,15 @@ conversations="${QUICKSTART_CONVERSATIONS:-700}"
 epochs="${QUICKSTART_EPOCHS:-5}"
 dtype="${QUICKSTART_DTYPE:-float32}"
 eval_tokens="${QUICKSTART_EVAL_TOKENS:-64}"
+run_eval="${QUICKSTART_EVAL:-true}"
+head_vocab="${QUICKSTART_HEAD_VOCAB:-4096}"
 resume=false
 [[ -d "$out/checkpoints" || -d "$out/export" || -d "$out/self_distill" ]] && resume=true
 
 echo "== 1/3 medusa-train: SmolLM2-135M-Instruct, replies self-distilled for the short first turns of $conversations ShareGPT conversations -> $out/export"
 medusa-train model=smollm2_135m model.dtype="$dtype" data=sharegpt data.self_distill=true \
   data.max_conversations="$conversations" data.max_prompt_tokens=128 data.max_new_tokens=192 \
-  data.generation_batch_size=128 data.eval_fraction=0.03 max_length=320 hidden_cache=true heads.head_vocab_size=4096 \
+  data.generation_batch_size=128 data.eval_fraction=0.03 max_length=320 hidden_cache=true heads.head_vocab_size="$head_vocab" \
   trainer=cpu trainer.precision=fp32 trainer.learning_rate=2e-3 \
   trainer.num_train_epochs="$epochs" trainer.per_device_train_batch_size=8 trainer.save_steps=100 \
   output_dir="$out" resume="$resume"
@@ -38,6 +40,10 @@ echo "== 2/3 medusa-tune-tree: head accuracy on held-out ShareGPT prompts, laten
 medusa-tune-tree export_dir="$out/export" dtype="$dtype" prompts.num_prompts=8 max_new_tokens=96 \
   latency_sizes='[1,2,4,8,12,16,24,32]' max_nodes=31 repeats=3
 
+if [[ "$run_eval" != true ]]; then
+  echo "QUICKSTART_EVAL=$run_eval: no evaluation; heads and tree are in $out/export (head accuracy: head_accuracy.json)"
+  exit 0
+fi
 echo "== 3/3 medusa-eval: MT-Bench first turns, one per category, every decoder side by side"
 medusa-eval export_dir="$out/export" output_dir="$out/eval" prompts=mt_bench per_category=1 max_turns=1 \
   max_new_tokens="$eval_tokens" dtype="$dtype"
