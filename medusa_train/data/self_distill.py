@@ -71,10 +71,16 @@ def distill_prompt(messages: Conversation) -> Conversation:
     return system + [user]
 
 
-def record_id(index: int, prompt: Conversation) -> str:
-    """``"{index}-{hash}"``: the position in the input list and a hash of the prompt, so a changed list is noticed."""
-    digest = hashlib.sha1(json.dumps(prompt, sort_keys=True).encode("utf-8")).hexdigest()[:10]
-    return f"{index}-{digest}"
+def record_id(prompt: Conversation) -> str:
+    """A hash of the prompt: a reply is reused for the same prompt whatever list or position it comes in (a run
+    with more conversations keeps the replies it already has)."""
+    return hashlib.sha1(json.dumps(prompt, sort_keys=True).encode("utf-8")).hexdigest()[:10]
+
+
+def prompt_key(rid: str) -> str:
+    """The prompt hash of a record id: the id itself, or the part after ``-`` in the ``"{index}-{hash}"`` ids that
+    earlier versions wrote (so their records are reused too)."""
+    return rid.rsplit("-", 1)[-1]
 
 
 def _done_ids(path: Path) -> set[str]:
@@ -93,7 +99,7 @@ def _done_ids(path: Path) -> set[str]:
         if not line.strip():
             continue
         try:
-            ids.add(json.loads(line)["id"])
+            ids.add(prompt_key(json.loads(line)["id"]))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{n} is not a self-distillation record ({e}); move the file away") from e
     return ids
@@ -188,7 +194,7 @@ def self_distill(
         if not prompt:
             stats.no_prompt += 1
             continue
-        rid = record_id(i, prompt)
+        rid = record_id(prompt)
         if rid in done:
             stats.already_done += 1
             continue

@@ -22,7 +22,7 @@ from medusa_train.config import DataConfig
 from medusa_train.data import BuildStats, Conversation, LoadStats, build_dataset, load_conversations, self_distill
 from medusa_train.data.conversations import normalize_record
 from medusa_train.data.json_stream import jsonl_lines
-from medusa_train.data.self_distill import distill_prompt, record_id, shard_path
+from medusa_train.data.self_distill import distill_prompt, prompt_key, record_id, shard_path
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +64,11 @@ def read_distilled(conversations: list[Conversation], output_path: Path, world_s
     Raises:
         ValueError: no prompt has a reply.
     """
-    wanted = {}
+    wanted: dict[str, list[int]] = {}  # prompt hash -> its positions (a prompt may repeat)
     for i, c in enumerate(conversations):
         prompt = distill_prompt(c)
         if prompt:
-            wanted[record_id(i, prompt)] = i
+            wanted.setdefault(record_id(prompt), []).append(i)
     if not wanted:
         raise ValueError("no conversation has a user turn to answer: self-distillation needs user prompts")
     records: dict[int, dict[str, Any]] = {}
@@ -79,14 +79,15 @@ def read_distilled(conversations: list[Conversation], output_path: Path, world_s
         for line in jsonl_lines(path.read_text(encoding="utf-8")):
             if line.strip():
                 record = json.loads(line)
-                if record.get("id") in wanted:
-                    records[wanted[record["id"]]] = record
+                for i in wanted.get(prompt_key(str(record.get("id", ""))), []):
+                    records[i] = record
+    prompts = sum(len(v) for v in wanted.values())
     if not records:
-        raise ValueError(f"self-distillation answered none of the {len(wanted)} prompts (all longer than max_length?);"
+        raise ValueError(f"self-distillation answered none of the {prompts} prompts (all longer than max_length?);"
                          " raise max_length or use shorter prompts")
-    if len(records) != len(wanted):
+    if len(records) != prompts:
         log.warning("self-distillation: %d of %d prompts have no reply (longer than data.max_prompt_tokens or "
-                    "max_length) and are left out", len(wanted) - len(records), len(wanted))
+                    "max_length) and are left out", prompts - len(records), prompts)
     stats = LoadStats(source="self_distill", path=str(output_path))
     distilled = [normalize_record(records[i], stats, require_assistant=True) for i in sorted(records)]
     return [c for c in distilled if c is not None]

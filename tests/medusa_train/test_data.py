@@ -575,6 +575,21 @@ def test_self_distill_records_holding_unicode_line_separators_resume_and_read_ba
     assert [c[0]["content"] for c in distilled] == ["one\u2028two", "three\x85four"]
 
 
+def test_self_distill_reuses_replies_for_a_longer_or_reordered_list(tok, tiny_model, tmp_path, monkeypatch):
+    from medusa_train.training.data_prep import read_distilled
+
+    conversations = distill_conversations()
+    out = tmp_path / "sd.jsonl"
+    first = self_distill(tiny_model, tok, conversations[:5], max_new_tokens=3, batch_size=4, output_path=out)
+    calls = count_generate(tiny_model, monkeypatch)
+    shuffled = conversations[::-1] + [conversations[0]]  # other positions, one prompt twice
+    stats = self_distill(tiny_model, tok, shuffled, max_new_tokens=3, batch_size=4, output_path=out)
+    assert stats.already_done == first.generated + 1  # the repeated prompt's reply is there too
+    assert stats.generated == 8 - first.generated and sum(calls) == stats.generated
+    distilled = read_distilled(shuffled, out, world_size=1)
+    assert len(distilled) == 9 and distilled[-1] == read_distilled(conversations[:1], out, world_size=1)[0]
+
+
 def test_self_distill_skips_prompts_over_max_prompt_tokens(tok, tiny_model, tmp_path, monkeypatch):
     conversations = distill_conversations()
     calls = count_generate(tiny_model, monkeypatch)
