@@ -15,9 +15,9 @@ below. Drafted positions that are padding (paths shorter than the tree depth) ar
 Rules, and where they come from:
 
 - :func:`greedy_accept` (temperature 0): keep the longest drafted prefix equal to the target's argmax chain
-  (Medusa, Cai et al. 2024, Sec. 3.1.2; Stern et al. 2018 blockwise parallel decoding). Lossless: the output is
+  (Medusa, Cai et al. 2024, Sec. 2.1.2; Stern et al. 2018 blockwise parallel decoding). Lossless: the output is
   exactly greedy decoding's.
-- :func:`typical_accept`: Medusa's typical acceptance (Cai et al. 2024, Sec. 3.3.1): accept drafted token x when
+- :func:`typical_accept`: Medusa's typical acceptance (Cai et al. 2024, Sec. 2.3.1): accept drafted token x when
   ``p(x) > min(epsilon, delta * exp(-H(p)))``, p the target distribution at the temperature. LOSSY: the output
   does not follow the target distribution; it trades fidelity for longer accepts.
 - :func:`tree_speculative_sample_batch` and :func:`chain_speculative_sample`: speculative sampling, lossless at any
@@ -103,7 +103,7 @@ def typical_accept(
     posterior_alpha: float,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Medusa's typical acceptance (Cai et al. 2024, Sec. 3.3.1). LOSSY: output does not follow the target.
+    """Medusa's typical acceptance (Cai et al. 2024, Sec. 2.3.1). LOSSY: output does not follow the target.
 
     With p the target distribution at ``temperature`` at the position before drafted token x, x is accepted when
     ``p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p)))`` (epsilon and delta in the paper; H the

@@ -67,7 +67,7 @@ class MedusaSettings:
 
     Attributes:
         acceptance: ``greedy``, ``typical`` or ``speculative`` (typical and speculative are greedy at temperature 0).
-        posterior_threshold, posterior_alpha: typical acceptance's epsilon and delta (Medusa paper, Sec. 3.3.1).
+        posterior_threshold, posterior_alpha: typical acceptance's epsilon and delta (Medusa paper, Sec. 2.3.1).
         topk: candidates taken from each head.
         medusa_choices: the tree (a list of paths, or a JSON file holding one); None: the export's
             ``medusa_choices.json`` when present, else Medusa's default tree cut to the heads and ``topk``.

@@ -5,7 +5,7 @@ head 1's rank-``j`` token": a node at depth ``d`` holds a token proposed by head
 the base model's own next token; the tree must be prefix-closed (every prefix of a path is itself a path).
 
 The buffers follow the semantics of Medusa's ``generate_medusa_buffers`` (FasterDecoding/Medusa,
-``medusa/model/utils.py`` at 10a2697; Cai et al. 2024, "Medusa", Sec. 3.1.2 "Tree Attention"): nodes sorted by
+``medusa/model/utils.py`` at 10a2697; Cai et al. 2024, "Medusa", Sec. 2.1.2 "Tree Attention"): nodes sorted by
 (depth, path), a mask letting each node see its ancestors and itself, positions equal to depths, and one row of
 node indices per root-to-leaf path. Differences: the mask is ``bool``, leaves in ``retrieve_indices`` are in
 lexicographic path order (rank-0 paths first) rather than Medusa's reverse order, and ``parents``/``children``
@@ -178,7 +178,7 @@ def build_tree_buffers(
     topk: int,
     device: torch.device | str | None = None,
 ) -> TreeBuffers:
-    """Validate ``medusa_choices`` and build its :class:`TreeBuffers` (Medusa, Cai et al. 2024, Sec. 3.1.2).
+    """Validate ``medusa_choices`` and build its :class:`TreeBuffers` (Medusa, Cai et al. 2024, Sec. 2.1.2).
 
     Args:
         medusa_choices: prefix-closed list of paths (see :func:`validate_medusa_choices`).

@@ -1,6 +1,6 @@
 """Head accuracy by rank: how often head k's rank-i candidate is the token the base model itself produces.
 
-This is the quantity the tree is tuned from (Medusa paper, Sec. 3.3.3): ``acc[k][i]`` = P(head k's i-th most likely
+This is the quantity the tree is tuned from (Medusa paper, Sec. 2.3.3): ``acc[k][i]`` = P(head k's i-th most likely
 token at position t equals the target token at t + k + 2). Measured on the base model's own greedy continuations,
 the tokens greedy verification will have to match.
 """

@@ -1,6 +1,6 @@
 """Verification latency: one target forward pass over n tree tokens on top of a KV cache, by n.
 
-The tree's width is paid for in this latency (Medusa paper, Sec. 3.3.3; Sequoia, Sec. 4): on a GPU a pass over 64
+The tree's width is paid for in this latency (Medusa paper, Sec. 2.3.3; Sequoia, Sec. 4): on a GPU a pass over 64
 tokens costs about what one does, on this CPU 2.7 times as much (NOTES.md). The profile is measured on the device and
 dtype that will decode, and the tree size is chosen from it (:func:`medusa_train.tuning.search.best_tree_for_latency`).
 """

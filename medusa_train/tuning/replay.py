@@ -8,7 +8,7 @@ SmolLM2-135M with heads from the quickstart and the one-node tree ``[[0]]``: hea
 held-out ShareGPT prompts (formula τ 1.359) against a measured τ of 1.27 on the same prompts.
 
 The replay walks the base model's own greedy continuation the way greedy verification does (Medusa paper,
-Sec. 2.1.2 and 3.3.3: the accepted candidate is the longest tree path whose tokens all match the base model's).
+Sec. 2.1.2 and 2.3.3: the accepted candidate is the longest tree path whose tokens all match the base model's).
 At each decoding state s (the position whose hidden state the heads read) ``target_ranks[s][k]`` is the rank of the
 true token t + k + 2 among head k's top-k, so the accepted path is found by following, from the root, the child
 whose rank is that head's target rank, for as long as the child is in the tree. The step emits the accepted tokens

@@ -1,6 +1,6 @@
 """Tree search: the ``medusa_choices`` that maximise expected accepted tokens for a node budget.
 
-Model (Medusa paper, Sec. 3.3.3 "Optimized Tree Construction"; Sequoia, Chen et al. 2024, Sec. 3.1): head k's rank-i
+Model (Medusa paper, Sec. 2.3.3 "Optimized Tree Construction"; Sequoia, Chen et al. 2024, Sec. 3.1): head k's rank-i
 candidate is right with probability ``acc[k][i]``, independently of the other heads. A node for path
 ``(i_0, ..., i_{d-1})`` is accepted iff every node on its path is right, which happens with probability
 ``prod_j acc[j][i_j]``; greedy verification accepts the deepest such node, and the ranks of one head are mutually
