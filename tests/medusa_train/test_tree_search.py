@@ -173,3 +173,16 @@ def test_target_ranks_and_hits_count_a_target_outside_the_head_vocab_as_a_miss()
     assert ranks[0, 0].tolist() == [0, -1, -1, -1]
     hits, totals = rank_hits(logits, tokens, torch.ones(1, 4, dtype=torch.bool), topk=2)
     assert totals.tolist() == [2] and hits.tolist() == [[1, 0]]
+
+
+def test_tree_size_is_chosen_by_replayed_tokens_when_ranks_are_recorded():
+    # one head: rank 0 right on the first 10 states, never on the last 10; rank 1 never right in the recording
+    table = [[0.5, 0.3]]
+    states = [[0]] * 10 + [[-1]] * 10
+    latency = {1: 10.0, 2: 10.0, 3: 11.0}
+    by_formula, _ = best_tree_for_latency(table, latency)
+    assert by_formula == [[0], [1]]  # 1.8 tokens / 11 ms beats 1.5 / 10
+    by_replay, rates = best_tree_for_latency(table, latency, target_ranks=[states])
+    assert by_replay == [[0]]  # the second node adds nothing on the recording: 20 tokens / 15 passes either way
+    assert rates[2]["replayed_tokens"] == rates[3]["replayed_tokens"] == pytest.approx(20 / 15)
+    assert rates[2]["tokens_per_s"] == pytest.approx(20 / 15 / 10.0 * 1000.0)
