@@ -11,7 +11,8 @@
 # Every step resumes: re-running after a kill continues where it stopped. Knobs (environment variables):
 #   QUICKSTART_OUT (runs/quickstart), QUICKSTART_CONVERSATIONS (ShareGPT conversations read, 700: about 520 have a
 #   first turn of at most 128 tokens), QUICKSTART_EPOCHS (5), QUICKSTART_DTYPE (float32: this CPU has no bf16 matrix
-#   units), QUICKSTART_EVAL_TOKENS (64), QUICKSTART_EVAL (true; false stops after the tree: launch/recipe_long.sh), QUICKSTART_HEAD_VOCAB (4096).
+#   units), QUICKSTART_HEAD_VOCAB (4096), QUICKSTART_TUNE_PROMPTS (16: head accuracy varies widely between prompts),
+#   QUICKSTART_EVAL (true; false stops after the tree, as launch/recipe_long.sh does), QUICKSTART_EVAL_TOKENS (64).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -25,6 +26,7 @@ dtype="${QUICKSTART_DTYPE:-float32}"
 eval_tokens="${QUICKSTART_EVAL_TOKENS:-64}"
 run_eval="${QUICKSTART_EVAL:-true}"
 head_vocab="${QUICKSTART_HEAD_VOCAB:-4096}"
+tune_prompts="${QUICKSTART_TUNE_PROMPTS:-16}"
 resume=false
 [[ -d "$out/checkpoints" || -d "$out/export" || -d "$out/self_distill" ]] && resume=true
 
@@ -37,7 +39,7 @@ medusa-train model=smollm2_135m model.dtype="$dtype" data=sharegpt data.self_dis
   output_dir="$out" resume="$resume"
 
 echo "== 2/3 medusa-tune-tree: head accuracy on held-out ShareGPT prompts, latency on this CPU -> medusa_choices.json"
-medusa-tune-tree export_dir="$out/export" dtype="$dtype" prompts.num_prompts=8 max_new_tokens=96 \
+medusa-tune-tree export_dir="$out/export" dtype="$dtype" prompts.num_prompts="$tune_prompts" max_new_tokens=96 \
   latency_sizes='[1,2,4,8,12,16,24,32]' max_nodes=31 repeats=3
 
 if [[ "$run_eval" != true ]]; then
