@@ -30,16 +30,16 @@ from inference.tree import chain_choices
 from medusa_train.loading.medusa import load_medusa
 from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, load_prompts, sharegpt_prompts
 from medusa_train.tuning.replay import replayed_accept_length
+from medusa_train.tuning.tune import read_tree_files
 from medusa_train.tuning.search import expected_accept_length
 
 
 def predicted_tau(export: Path, tree: list[list[int]]) -> dict[str, float]:
     """The tuned tree's τ predicted from ``head_accuracy.json`` (empty without one): ``formula`` (independent heads)
     and ``replayed`` (greedy verification replayed on the tuning prompts' continuations, when recorded)."""
-    path = export / "head_accuracy.json"
-    if not path.is_file():
+    table = read_tree_files(export).get("head_accuracy")
+    if not table:
         return {}
-    table = json.loads(path.read_text())
     out = {"formula": expected_accept_length(table["acc"], tree)}
     if table.get("target_ranks"):
         out["replayed"] = replayed_accept_length(table["target_ranks"], tree)

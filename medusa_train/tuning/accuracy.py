@@ -42,14 +42,6 @@ def target_ranks(head_logits: torch.Tensor, tokens: torch.Tensor, topk: int) -> 
     return ranks
 
 
-def rank_hits(
-    head_logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, topk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Count rank hits of every head: :func:`count_rank_hits` of :func:`target_ranks` (same arguments)."""
-    topk = min(topk, head_logits.shape[-1])
-    return count_rank_hits(target_ranks(head_logits, tokens, topk), valid, topk)
-
-
 def count_rank_hits(ranks: torch.Tensor, valid: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank hits from :func:`target_ranks`.
 

@@ -107,7 +107,10 @@ def test_table_for_other_heads_and_bad_budget():
 def test_rank_hits_counts_by_hand():
     import torch
 
-    from medusa_train.tuning.accuracy import rank_hits
+    from medusa_train.tuning.accuracy import count_rank_hits, target_ranks
+
+    def rank_hits(logits, tokens, valid, topk):
+        return count_rank_hits(target_ranks(logits, tokens, topk), valid, topk)
 
     # K=2 heads, B=1, T=5, V=4. tokens: 0 1 2 3 0
     tokens = torch.tensor([[0, 1, 2, 3, 0]])
@@ -163,7 +166,7 @@ def test_replay_is_below_the_formula_when_hits_come_in_runs():
 def test_target_ranks_and_hits_count_a_target_outside_the_head_vocab_as_a_miss():
     import torch
 
-    from medusa_train.tuning.accuracy import rank_hits, target_ranks
+    from medusa_train.tuning.accuracy import count_rank_hits, target_ranks
 
     tokens = torch.tensor([[0, 1, 2, -1]])  # the last token is outside a reduced head vocabulary
     logits = torch.zeros(1, 1, 4, 3)
@@ -171,7 +174,7 @@ def test_target_ranks_and_hits_count_a_target_outside_the_head_vocab_as_a_miss()
     logits[0, 0, 1, 0] = 5  # t=1 predicts token 0 at t=3, whose target is out of the vocabulary
     ranks = target_ranks(logits, tokens, topk=2)
     assert ranks[0, 0].tolist() == [0, -1, -1, -1]
-    hits, totals = rank_hits(logits, tokens, torch.ones(1, 4, dtype=torch.bool), topk=2)
+    hits, totals = count_rank_hits(ranks, torch.ones(1, 4, dtype=torch.bool), topk=2)
     assert totals.tolist() == [2] and hits.tolist() == [[1, 0]]
 
 
