@@ -4,8 +4,9 @@ Loads two exports: a Medusa-1 export (heads on the original base) and a Medusa-2
 base in ``export/base``). On held-out ShareGPT first turns (by default past the prompts ``medusa-tune-tree`` measures
 on) it reports, in one run:
 
-- mean accepted tokens (τ) of greedy Medusa decoding with each export's own tree (Medusa-2's is measured on its own,
-  fine-tuned base, whose greedy output it reproduces exactly);
+- mean accepted tokens (τ) of greedy Medusa decoding with each export's own tree and, to compare the heads rather
+  than the trees, with Medusa's ``mc_sim_7b_63`` tree for both (Medusa-2's is measured on its own, fine-tuned base,
+  whose greedy output it reproduces exactly);
 - greedy agreement: the share of the original model's greedy tokens that the fine-tuned base also predicts, teacher
   forced on the original's reply (1.0: the fine-tuned model says what the original says; issue target >= 0.9);
 - the perplexity of each base on held-out ShareGPT assistant turns (the original human-written text), and its change.
@@ -26,6 +27,7 @@ import torch
 
 from inference.decoders import DecodeConfig, MedusaDecoder
 from inference.decoders.choices import resolve_medusa_choices
+from inference.decoders.medusa import default_medusa_choices
 from medusa_train.data import build_dataset, load_conversations
 from medusa_train.loading.medusa import load_medusa
 from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, sharegpt_prompts
@@ -76,23 +78,26 @@ def main() -> None:
     tokenizer = None
     for name, export in (("medusa1", args.medusa1), ("medusa2", args.medusa2)):
         model, tokenizer, _ = load_medusa(export, dtype=args.dtype)
-        tree = resolve_medusa_choices(None, export, model.heads.spec.num_heads, args.topk)
         models[name] = model
-        decoders[name] = MedusaDecoder(model, tree, topk=args.topk, acceptance="greedy")
+        own = resolve_medusa_choices(None, export, model.heads.spec.num_heads, args.topk)
+        same = default_medusa_choices(model.heads.spec.num_heads, args.topk)
+        for tree_name, tree in (("own tree", own), ("mc_sim_7b_63", same)):
+            decoders[name, tree_name] = MedusaDecoder(model, tree, topk=args.topk, acceptance="greedy")
     eos = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
     config = DecodeConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
 
-    stats = {name: {"decoded": 0, "passes": 0} for name in decoders}
+    stats = {key: {"decoded": 0, "passes": 0} for key in decoders}
     matches = positions = 0
     for prompt in sharegpt_prompts(args.offset, args.prompts):
         ids = encode_prompt(tokenizer, prompt.first_turn_messages())
         replies = {}
-        for name, decoder in decoders.items():
+        for key, decoder in decoders.items():
             result = decoder.generate(ids, config)
-            stats[name]["decoded"] += sum(result.accepted_lengths)
-            stats[name]["passes"] += result.forward_passes
-            replies[name] = result.tokens
-        m, n = agreement(models["medusa2"], ids, replies["medusa1"])  # medusa1's reply = the original's greedy
+            stats[key]["decoded"] += sum(result.accepted_lengths)
+            stats[key]["passes"] += result.forward_passes
+            replies[key] = result.tokens
+        # Medusa-1's reply is the original model's greedy reply (greedy verification is lossless)
+        m, n = agreement(models["medusa2"], ids, replies["medusa1", "own tree"])
         matches, positions = matches + m, positions + n
 
     start = args.offset + args.prompts  # perplexity text: other held-out conversations
@@ -103,17 +108,17 @@ def main() -> None:
         nll, count = assistant_nll(model, rows)
         ppl[name] = math.exp(nll / max(count, 1))
 
-    tau = {name: s["decoded"] / max(s["passes"], 1) for name, s in stats.items()}
+    tau = {f"{name}, {tree}": s["decoded"] / max(s["passes"], 1) for (name, tree), s in stats.items()}
     report = {"dtype": args.dtype, "prompts": args.prompts, "offset": args.offset,
               "max_new_tokens": args.max_new_tokens, "mean_accepted_tokens": tau,
               "greedy_agreement": matches / max(positions, 1), "agreement_positions": positions,
               "perplexity": ppl, "perplexity_change": ppl["medusa2"] / ppl["medusa1"] - 1.0,
               "perplexity_tokens": count}
     print(f"{args.prompts} held-out ShareGPT prompts x {args.max_new_tokens} tokens, {args.dtype}")
-    print("| export | mean accepted tokens | perplexity (held-out ShareGPT replies) |")
-    print("| --- | ---: | ---: |")
+    print("| export | τ, own tree | τ, mc_sim_7b_63 | perplexity (held-out ShareGPT replies) |")
+    print("| --- | ---: | ---: | ---: |")
     for name in models:
-        print(f"| {name} | {tau[name]:.2f} | {ppl[name]:.2f} |")
+        print(f"| {name} | {tau[f'{name}, own tree']:.3f} | {tau[f'{name}, mc_sim_7b_63']:.3f} | {ppl[name]:.2f} |")
     print(f"greedy agreement of the fine-tuned base with the original: {report['greedy_agreement']:.3f} "
           f"({positions} tokens); perplexity change {100 * report['perplexity_change']:+.1f}%")
     out = Path(args.output or Path(args.medusa2) / "medusa2_vs_medusa1.json")

@@ -11,7 +11,7 @@
 # Every step resumes: re-running after a kill continues where it stopped. Knobs (environment variables):
 #   QUICKSTART_OUT (runs/quickstart), QUICKSTART_CONVERSATIONS (ShareGPT conversations read, 700: about 520 have a
 #   first turn of at most 128 tokens), QUICKSTART_EPOCHS (5), QUICKSTART_DTYPE (float32: this CPU has no bf16 matrix
-#   units), QUICKSTART_HEAD_VOCAB (4096), QUICKSTART_TUNE_PROMPTS (16: head accuracy varies widely between prompts),
+#   units), QUICKSTART_HEAD_VOCAB (4096), QUICKSTART_TUNE_PROMPTS (64: head accuracy varies widely between prompts),
 #   QUICKSTART_EVAL (true; false stops after the tree, as launch/recipe_long.sh does), QUICKSTART_EVAL_TOKENS (64).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,7 +26,7 @@ dtype="${QUICKSTART_DTYPE:-float32}"
 eval_tokens="${QUICKSTART_EVAL_TOKENS:-64}"
 run_eval="${QUICKSTART_EVAL:-true}"
 head_vocab="${QUICKSTART_HEAD_VOCAB:-4096}"
-tune_prompts="${QUICKSTART_TUNE_PROMPTS:-16}"
+tune_prompts="${QUICKSTART_TUNE_PROMPTS:-64}"
 resume=false
 [[ -d "$out/checkpoints" || -d "$out/export" || -d "$out/self_distill" ]] && resume=true
 

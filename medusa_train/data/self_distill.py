@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from medusa_train.data.collate import pad_token_id_of
 from medusa_train.data.conversations import Conversation
 from medusa_train.data.json_stream import jsonl_lines
 from medusa_train.data.tokenize import encode, end_of_turn_ids, render, resolve_chat_template
+from medusa_train.generation import greedy_generate, length_batches
 
 logger = logging.getLogger(__name__)
 
@@ -103,25 +103,6 @@ def _done_ids(path: Path) -> set[str]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{n} is not a self-distillation record ({e}); move the file away") from e
     return ids
-
-
-def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``attention_mask``, both [B, T] int64, each prompt right-aligned."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        attention_mask[i, width - len(p) :] = 1
-    return input_ids.to(device), attention_mask.to(device)
-
-
-def _reply_tokens(new_tokens: list[int], stop_ids: set[int]) -> tuple[list[int], bool]:
-    """The reply up to (excluding) the first stop id, and whether a stop id ended it."""
-    for j, token in enumerate(new_tokens):
-        if token in stop_ids:
-            return new_tokens[:j], True
-    return new_tokens, False
 
 
 def _stop_ids(model: Any, tokenizer: Any, template: str) -> set[int]:
@@ -203,17 +184,16 @@ def self_distill(
             stats.too_long += 1
             continue
         pending.append((i, rid, prompt, ids))
-    pending.sort(key=lambda item: len(item[3]), reverse=True)  # similar lengths share a batch; longest first
 
-    device = getattr(model, "device", None) or next(model.parameters()).device
     bar = tqdm(total=len(pending), desc="self-distill", disable=rank != 0 or not show_progress)
     was_training = model.training
     model.eval()
     try:
         with path.open("a", encoding="utf-8") as out:
-            for start in range(0, len(pending), batch_size):
-                batch = pending[start : start + batch_size]
-                replies = _generate_batch(model, [item[3] for item in batch], max_new_tokens, pad_id, stop_ids, device)
+            for chunk in length_batches([len(item[3]) for item in pending], batch_size):
+                batch = [pending[j] for j in chunk]
+                replies = [(tokens[:-1] if finished else tokens, finished) for tokens, finished in
+                           greedy_generate(model, [item[3] for item in batch], max_new_tokens, pad_id, stop_ids)]
                 for (index, rid, prompt, _), (reply, finished) in zip(batch, replies):
                     text = tokenizer.decode(reply, skip_special_tokens=True).strip()
                     out.write(json.dumps(_record(index, rid, prompt, text, len(reply), finished), ensure_ascii=False))
@@ -232,24 +212,6 @@ def self_distill(
     if stats.unfinished:
         logger.warning("%s: %d replies hit max_new_tokens=%d", path, stats.unfinished, max_new_tokens)
     return stats
-
-
-@torch.inference_mode()
-def _generate_batch(
-    model: Any, prompts: list[list[int]], max_new_tokens: int, pad_id: int, stop_ids: set[int], device: torch.device
-) -> list[tuple[list[int], bool]]:
-    """Greedy replies (token ids, without the stop token) to B prompts, and whether each stopped on its own."""
-    input_ids, attention_mask = _left_pad(prompts, pad_id, device)
-    generated = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad_id,
-        eos_token_id=sorted(stop_ids) or None,
-    )
-    new_tokens = generated[:, input_ids.shape[1] :].tolist()  # [B, <= max_new_tokens]
-    return [_reply_tokens(tokens, stop_ids) for tokens in new_tokens]
 
 
 def _record(index: int, rid: str, prompt: Conversation, reply: str, new_tokens: int, finished: bool) -> dict:

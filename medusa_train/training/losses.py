@@ -63,14 +63,6 @@ def valid_mask(labels: torch.Tensor, num_heads: int) -> torch.Tensor:
     return mask
 
 
-def target_positions(labels: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Indices ``(k, b, t)`` of every counted (head, position) pair, each ``[M]`` long, in ``[K, B, T]`` order.
-
-    Head k at position t is counted when ``labels[b, t + k + 2] != -100`` (see :func:`valid_mask`).
-    """
-    return valid_mask(labels, num_heads).nonzero(as_tuple=True)
-
-
 def to_head_vocab(token_ids: torch.Tensor, token_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     """Base token ids (any shape, long) -> head-vocabulary indices; -1 for tokens outside a reduced head vocabulary."""
     if token_map is None:
@@ -78,6 +70,42 @@ def to_head_vocab(token_ids: torch.Tensor, token_map: torch.Tensor | None, vocab
     inverse = torch.full((vocab_size,), -1, dtype=torch.long, device=token_ids.device)
     inverse[token_map.to(token_ids.device)] = torch.arange(token_map.numel(), device=token_ids.device)
     return inverse[token_ids]
+
+
+def head_targets(
+    labels: torch.Tensor, num_heads: int, *, target: str, base_argmax: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The base token id each head must predict at each position.
+
+    Args:
+        labels: ``[B, T]`` long, token ids on assistant turns and -100 elsewhere (not shifted).
+        num_heads: K.
+        target: ``labels`` (the data token at ``t + k + 2``) or ``base_argmax``/``soft`` (the base's greedy token for
+            ``t + k + 2``, ``base_argmax[t + k + 1]``).
+        base_argmax: ``[B, T]`` long, needed unless ``target == "labels"``.
+
+    Returns:
+        ``[K, B, T]`` long base ids, -100 where head k at t is not counted (see :func:`valid_mask`).
+    """
+    source, shift = (labels, 2) if target == "labels" else (base_argmax, 1)
+    T = labels.shape[1]
+    targets = torch.full((num_heads, *labels.shape), IGNORE_INDEX, dtype=torch.long, device=labels.device)
+    for k in range(num_heads):
+        if k + 2 < T:
+            targets[k, :, : T - k - 2] = source[:, k + shift : T - 2 + shift]
+    return targets.masked_fill_(~valid_mask(labels, num_heads), IGNORE_INDEX)
+
+
+def _check_targets(target: str, base_argmax: torch.Tensor | None, base_logits: torch.Tensor | None,
+                   token_map: torch.Tensor | None, vocab_size: int | None) -> None:
+    if target not in TARGETS:
+        raise ValueError(f"heads.target must be one of {TARGETS}, got {target!r}")
+    if target != "labels" and base_argmax is None:
+        raise ValueError(f"heads.target={target} needs the base model's argmax tokens [B, T]")
+    if target == "soft" and base_logits is None:
+        raise ValueError("heads.target=soft needs the base logits [B, T, V]")
+    if token_map is not None and vocab_size is None:
+        raise ValueError("a reduced head vocabulary (token_map) needs vocab_size")
 
 
 def medusa_head_loss(
@@ -120,45 +148,91 @@ def medusa_head_loss(
             f"head_logits must be [K, B, T, V'] with [B, T] = labels.shape {tuple(labels.shape)}, "
             f"got {tuple(head_logits.shape)}"
         )
-    if target not in TARGETS:
-        raise ValueError(f"heads.target must be one of {TARGETS}, got {target!r}")
-    if target != "labels" and base_argmax is None:
-        raise ValueError(f"heads.target={target} needs the base model's argmax tokens [B, T]")
-    if target == "soft" and base_logits is None:
-        raise ValueError("heads.target=soft needs the base logits [B, T, V]")
-    if token_map is not None and vocab_size is None:
-        raise ValueError("a reduced head vocabulary (token_map) needs vocab_size")
+    _check_targets(target, base_argmax, base_logits, token_map, vocab_size)
     K = head_logits.shape[0]
-    device = labels.device
-    k, b, t = target_positions(labels, K)  # each [M]
-    logits = head_logits[k, b, t]  # [M, V']
-    if target == "labels":
-        targets = labels[b, t + k + 2]  # [M] base ids
-    else:
-        targets = base_argmax[b, t + k + 1]
-    head_targets = to_head_vocab(targets, token_map, vocab_size or 0)  # [M], -1 outside the head vocabulary
-
+    targets = head_targets(labels, K, target=target, base_argmax=base_argmax)  # [K, B, T]
+    k, b, t = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # each [M]
+    base_next = None
     if target == "soft":
         base_next = base_logits[b, t + k + 1]  # [M, V]: the base's distribution for position t + k + 2
+    if normalizer is None:
+        normalizer = (labels != IGNORE_INDEX).sum().clamp_min(1)
+    return _loss_on_rows(head_logits[k, b, t], targets[k, b, t], k, K, decay=decay, token_map=token_map,
+                         vocab_size=vocab_size, normalizer=normalizer, base_next=base_next)
+
+
+def packed_head_loss(
+    head_logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    decay: float,
+    normalizer: torch.Tensor | float,
+    token_map: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+) -> HeadLossOutput:
+    """:func:`medusa_head_loss` for logits computed only at the positions some head counts (hard targets).
+
+    A batch of chat rows is mostly padding and prompt tokens that no head is trained on; projecting only the
+    counted positions onto the head vocabulary (the bulk of the heads' compute) gives the same loss, gradient and
+    metrics as the dense path for a fraction of the work.
+
+    Args:
+        head_logits: ``[K, M, V']`` head logits at M gathered positions.
+        targets: ``[K, M]`` long base ids from :func:`head_targets` at the same positions (-100: not counted).
+        decay: head k's loss weight is ``decay ** k``.
+        normalizer: the labelled tokens to divide by (of the batch, or of the optimizer step across ranks).
+        token_map, vocab_size: as :func:`medusa_head_loss`.
+
+    Returns:
+        :class:`HeadLossOutput`, equal to the dense path's on the same batch.
+
+    Raises:
+        ValueError: shapes that do not match, or a token map without ``vocab_size``.
+    """
+    if head_logits.ndim != 3 or head_logits.shape[:2] != targets.shape:
+        raise ValueError(f"head_logits must be [K, M, V'] with [K, M] = targets.shape {tuple(targets.shape)}, "
+                         f"got {tuple(head_logits.shape)}")
+    _check_targets("labels", None, None, token_map, vocab_size)
+    k, m = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
+    return _loss_on_rows(head_logits[k, m], targets[k, m], k, head_logits.shape[0], decay=decay,
+                         token_map=token_map, vocab_size=vocab_size, normalizer=normalizer)
+
+
+def _loss_on_rows(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    k: torch.Tensor,
+    num_heads: int,
+    *,
+    decay: float,
+    token_map: torch.Tensor | None,
+    vocab_size: int | None,
+    normalizer: torch.Tensor | float,
+    base_next: torch.Tensor | None = None,
+) -> HeadLossOutput:
+    """The loss and metric sums over counted rows: ``logits [M, V']``, base-id ``targets [M]``, head index ``k [M]``;
+    ``base_next [M, V]`` base logits makes the loss the KL to the base distribution (``soft``)."""
+    device = logits.device
+    K = num_heads
+    head_targets_ = to_head_vocab(targets, token_map, vocab_size or 0)  # [M], -1 outside the head vocabulary
+    if base_next is not None:
         if token_map is not None:
             base_next = base_next[:, token_map.to(device)]
         base_logp = F.log_softmax(base_next.float(), dim=-1)
         head_logp = F.log_softmax(logits.float(), dim=-1)
         per_pos = (base_logp.exp() * (base_logp - head_logp)).sum(-1)  # KL(p_base || p_head), [M]
     else:
-        per_pos = F.cross_entropy(logits.float(), head_targets.clamp_min(0), reduction="none")
-        per_pos = per_pos * (head_targets >= 0)
+        per_pos = F.cross_entropy(logits.float(), head_targets_.clamp_min(0), reduction="none")
+        per_pos = per_pos * (head_targets_ >= 0)
 
     zeros = torch.zeros(K, dtype=torch.float32, device=device)
     loss_sum = zeros.index_add(0, k, per_pos.float())
-    if normalizer is None:
-        normalizer = (labels != IGNORE_INDEX).sum().clamp_min(1)
     loss = (decay_weights(K, decay, device) * loss_sum).sum() / normalizer
 
     with torch.no_grad():
         top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # [M, 5]
-        hit1 = (top[:, 0] == head_targets).float()
-        hit5 = (top == head_targets[:, None]).any(-1).float()
+        hit1 = (top[:, 0] == head_targets_).float()
+        hit5 = (top == head_targets_[:, None]).any(-1).float()
         correct1 = zeros.index_add(0, k, hit1)
         correct5 = zeros.index_add(0, k, hit5)
         count = zeros.index_add(0, k, torch.ones_like(hit1))

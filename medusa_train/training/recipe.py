@@ -193,6 +193,7 @@ class TrainRecipe:
         vocab_size = int(base.get_output_embeddings().weight.shape[0])
         self.loss_spec = LossSpec(target=cfg.heads.target, decay=cfg.heads.loss_decay,
                                   share_lm_head=cfg.heads.share_lm_head, vocab_size=vocab_size,
+                                  num_heads=heads.spec.num_heads,
                                   token_map=None if heads.token_map is None else heads.token_map.to(device))
         self.frozen_base = None if self.joint else FrozenBase.of(base)
         self.collator: Any = Collator.from_tokenizer(tokenizer)

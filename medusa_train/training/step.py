@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_train.training.losses import HeadLossOutput, medusa_head_loss
+from medusa_train.training.losses import IGNORE_INDEX, HeadLossOutput, head_targets, medusa_head_loss, packed_head_loss
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class LossSpec:
         decay: head k's weight is ``decay ** k``.
         share_lm_head: the heads project with the base lm_head (passed to the heads' forward).
         vocab_size: V of the base model.
+        num_heads: K.
         token_map: ``[V']`` long reduced head vocabulary, or None.
     """
 
@@ -69,6 +70,7 @@ class LossSpec:
     decay: float
     share_lm_head: bool
     vocab_size: int
+    num_heads: int
     token_map: torch.Tensor | None = None
 
 
@@ -81,6 +83,10 @@ def heads_on_batch(
 ) -> tuple[HeadLossOutput, torch.Tensor]:
     """Run the heads on one batch and compute the loss.
 
+    With hard targets (``labels``, ``base_argmax``) the heads run only at the positions some head is trained on
+    (:func:`~medusa_train.training.losses.packed_head_loss`): padding and prompt tokens, often half of a chat batch,
+    never reach the vocabulary projection. ``soft`` targets run the heads on every position.
+
     Args:
         heads: ``MedusaHeads`` or its DDP/DeepSpeed wrapper; called as ``heads(hidden, base_lm_head_weight)``.
         base: the frozen base.
@@ -90,7 +96,8 @@ def heads_on_batch(
         normalizer: see :func:`medusa_head_loss`.
 
     Returns:
-        ``(loss output, head logits [K, B, T, V'])``.
+        ``(loss output, head logits)``: ``[K, M, V']`` at the M counted positions with hard targets,
+        ``[K, B, T, V']`` with ``soft``.
     """
     labels = batch["labels"]
     hidden = batch.get("hidden")
@@ -104,9 +111,18 @@ def heads_on_batch(
             if base_argmax is None:
                 base_argmax = base_logits.argmax(-1)
     lm_weight = base.lm_head.weight if spec.share_lm_head else None
-    head_logits = heads(hidden, lm_weight)  # [K, B, T, V']
-    out = head_loss(head_logits, labels, spec, base_logits=base_logits, base_argmax=base_argmax,
-                    normalizer=normalizer)
+    if spec.target == "soft":
+        head_logits = heads(hidden, lm_weight)  # [K, B, T, V']
+        out = head_loss(head_logits, labels, spec, base_logits=base_logits, base_argmax=base_argmax,
+                        normalizer=normalizer)
+        return out, head_logits
+    targets = head_targets(labels, spec.num_heads, target=spec.target, base_argmax=base_argmax)  # [K, B, T]
+    b, t = (targets != IGNORE_INDEX).any(0).nonzero(as_tuple=True)  # [M] positions some head counts
+    head_logits = heads(hidden[b, t], lm_weight)  # [K, M, V']
+    if normalizer is None:
+        normalizer = (labels != IGNORE_INDEX).sum().clamp_min(1)
+    out = packed_head_loss(head_logits, targets[:, b, t], decay=spec.decay, normalizer=normalizer,
+                           token_map=spec.token_map, vocab_size=spec.vocab_size)
     return out, head_logits
 
 

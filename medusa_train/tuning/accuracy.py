@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from medusa_train.generation import greedy_generate, length_batches
 from medusa_train.model import MedusaModel
 
 
@@ -83,11 +84,27 @@ def measure_head_accuracy(
     max_new_tokens: int = 128,
     topk: int = 10,
     eos_token_id: int | None = None,
+    batch_size: int = 1,
+    pad_token_id: int | None = None,
+    max_batch_tokens: int = 4096,
 ) -> dict:
     """``acc[k][i]`` on the base model's own greedy continuations of ``prompts``.
 
-    Each prompt is continued greedily by the base model (HF ``generate``), then one teacher-forced pass over prompt +
-    continuation gives every head's logits at every continuation position t (from the last prompt token on).
+    Each prompt is continued greedily by the base model (HF ``generate``, ``batch_size`` prompts of similar length at
+    a time, left-padded: :func:`medusa_train.generation.greedy_generate`), then one teacher-forced pass over prompt +
+    continuation, one prompt at a time and unpadded, gives every head's logits at every continuation position t (from
+    the last prompt token on).
+
+    Args:
+        model: the base with its heads.
+        prompts: token-id lists.
+        max_new_tokens: continuation length (fewer when ``eos_token_id`` ends it).
+        topk: ranks counted per head.
+        eos_token_id: ends a continuation (included in it), or None.
+        batch_size: prompts per ``generate`` call. Batched greedy tokens can differ from one-at-a-time ones where
+            two logits nearly tie (padding changes the rounding); 1 reproduces the decoder's own continuations.
+        pad_token_id: pads batches (default ``eos_token_id``, else 0).
+        max_batch_tokens: the most padded prompt tokens per batch; a longer prompt is continued alone.
 
     Returns:
         ``{"acc": [[float]*topk]*K, "positions": [int]*K, "prompts": int, "new_tokens": int, "topk": int,
@@ -97,7 +114,7 @@ def measure_head_accuracy(
         :func:`medusa_train.tuning.replay.replayed_accept_length` replays a tree on.
 
     Raises:
-        ValueError: no prompts, or an empty prompt.
+        ValueError: no prompts, an empty prompt, or ``batch_size`` < 1.
     """
     if not prompts:
         raise ValueError("measure_head_accuracy needs at least one prompt")
@@ -110,21 +127,24 @@ def measure_head_accuracy(
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompt {i} is empty")
-        ids = torch.tensor([list(prompt)], device=device)
-        out = model.base.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=eos_token_id, pad_token_id=eos_token_id if eos_token_id is not None else 0,
-        )
-        new_tokens += out.shape[1] - ids.shape[1]
+    pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+    stops = set() if eos_token_id is None else {eos_token_id}
+    continuations: dict[int, list[int]] = {}
+    for chunk in length_batches([len(p) for p in prompts], batch_size, max_tokens=max_batch_tokens):
+        replies = greedy_generate(model.base, [list(prompts[i]) for i in chunk], max_new_tokens, pad, stops)
+        continuations.update((i, tokens) for i, (tokens, _) in zip(chunk, replies))
+    for i, prompt in enumerate(prompts):
+        out = torch.tensor([list(prompt) + continuations[i]], device=device)
+        new_tokens += out.shape[1] - len(prompt)
         heads = model(out, with_heads=True).head_logits  # [K, 1, T, V']
         valid = torch.zeros_like(out, dtype=torch.bool)
-        valid[:, ids.shape[1] - 1 :] = True
+        valid[:, len(prompt) - 1 :] = True
         ranks = target_ranks(heads, to_head_vocab(model, out), hits.shape[1])  # [K, 1, T]
         h, t = count_rank_hits(ranks, valid, hits.shape[1])
         hits += h
         totals += t
         # decoding states: the last prompt token .. the third-last token (each state's pass emits >= 1 token)
-        states = ranks[:, 0, ids.shape[1] - 1 : out.shape[1] - 2]  # [K, N-1]
+        states = ranks[:, 0, len(prompt) - 1 : out.shape[1] - 2]  # [K, N-1]
         replay.append(states.T.tolist())
     acc = (hits.double() / totals.clamp(min=1).unsqueeze(-1).double()).tolist()
     return {"acc": acc, "positions": totals.tolist(), "prompts": len(prompts), "new_tokens": new_tokens,

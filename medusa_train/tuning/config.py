@@ -31,6 +31,8 @@ class TuneTreeConfig:
         dtype, device: decode-time dtype and device (default: the model config's); latency is measured there.
         prompts: held-out prompts for the accuracy table.
         max_new_tokens: greedy continuation length per prompt.
+        generation_batch_size: prompts continued per ``generate`` call (left-padded; 1 continues each prompt alone,
+            exactly as the decoder would, at a fraction of the speed).
         topk: ranks measured per head (>= the widest rank a tree may use).
         max_nodes: largest tree considered (nodes, root excluded).
         latency_sizes: tree sizes (tokens incl. root) whose verification latency is measured.
@@ -44,6 +46,7 @@ class TuneTreeConfig:
     device: Optional[str] = None
     prompts: PromptSetConfig = field(default_factory=PromptSetConfig)
     max_new_tokens: int = 96
+    generation_batch_size: int = 16
     topk: int = 10
     max_nodes: int = 63
     latency_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES[:9]))
@@ -53,6 +56,8 @@ class TuneTreeConfig:
     def validate(self) -> None:
         if self.max_nodes < 1:
             raise ValueError(f"max_nodes (the tree node budget) must be >= 1, got {self.max_nodes}")
+        if self.generation_batch_size < 1:
+            raise ValueError(f"generation_batch_size must be >= 1, got {self.generation_batch_size}")
         if self.topk < 1:
             raise ValueError(f"topk must be >= 1, got {self.topk}")
         if self.max_new_tokens < 4:

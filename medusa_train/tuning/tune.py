@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from medusa_train.data.collate import pad_token_id_of
 from medusa_train.export.files import write_json
 from medusa_train.model import MedusaModel
 from medusa_train.prompts import Prompt, encode_prompt
@@ -34,7 +35,8 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
     cfg.validate()
     token_prompts = [encode_prompt(tokenizer, p.first_turn_messages()) for p in prompts]
     accuracy = measure_head_accuracy(model, token_prompts, max_new_tokens=cfg.max_new_tokens, topk=cfg.topk,
-                                     eos_token_id=tokenizer.eos_token_id)
+                                     eos_token_id=tokenizer.eos_token_id, batch_size=cfg.generation_batch_size,
+                                     pad_token_id=pad_token_id_of(tokenizer))
     check_accuracy_table(accuracy["acc"], num_heads=model.heads.spec.num_heads)
     latency = measure_verification_latency(model.base, sizes=cfg.latency_sizes, context_length=cfg.context_length,
                                            repeats=cfg.repeats)

@@ -44,3 +44,7 @@ def test_trained_stories260k_heads_decode_exactly_greedy_and_accept_more(tmp_pat
     predicted_tokens, predicted_passes = replay_counts(recorded["target_ranks"], tree)
     assert predicted_tokens == tokens
     assert abs(predicted_passes - passes) <= 1  # a floating-point tie between cached and teacher-forced logits at most
+    # continuing the prompts in one left-padded batch measures the same continuations
+    batched = measure_head_accuracy(model, [tokenizer(text)["input_ids"] for text in PROMPTS], max_new_tokens=64,
+                                    topk=4, eos_token_id=None, batch_size=len(PROMPTS))
+    assert batched["target_ranks"] == recorded["target_ranks"]

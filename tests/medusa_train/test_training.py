@@ -220,6 +220,51 @@ def test_loss_rejects_mismatched_shapes_and_missing_base_outputs():
                          base_argmax=torch.zeros(1, 5, dtype=torch.long))
 
 
+@pytest.mark.parametrize("target", ["labels", "base_argmax"])
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_heads_run_only_where_counted_and_give_the_dense_loss_gradient_and_metrics(target, share_lm_head):
+    from medusa_train.heads import HeadsSpec, MedusaHeads
+    from medusa_train.training.step import FrozenBase, LossSpec, heads_on_batch
+
+    torch.manual_seed(0)
+    V, H, K, T = 12, 8, 3, 9
+    token_map = torch.tensor([0, 2, 3, 5, 7, 8, 11])  # a reduced head vocabulary: some targets miss it
+    spec = HeadsSpec(num_heads=K, num_layers=1, hidden_size=H, vocab_size=V, share_lm_head=share_lm_head,
+                     head_vocab_size=token_map.numel())
+    heads = MedusaHeads(spec, token_map)
+    with torch.no_grad():
+        for param in heads.parameters():
+            param.normal_(0, 0.5)
+    lm_head = torch.nn.Linear(H, V, bias=False)
+    base = FrozenBase(backbone=None, lm_head=lm_head)
+    # a padded batch: row 1 is two tokens shorter, prompts (-100) at the start of each row
+    labels = torch.randint(0, V, (2, T))
+    labels[:, :3] = -100
+    labels[1, T - 2 :] = -100
+    batch = {"hidden": torch.randn(2, T, H), "base_argmax": torch.randint(0, V, (2, T)), "labels": labels}
+    loss_spec = LossSpec(target=target, decay=0.8, share_lm_head=share_lm_head, vocab_size=V, num_heads=K,
+                         token_map=token_map)
+
+    packed, packed_logits = heads_on_batch(heads, base, batch, loss_spec)
+    packed.loss.backward()
+    packed_grads = [p.grad.clone() for p in heads.parameters()]
+    heads.zero_grad()
+    dense = medusa_head_loss(heads(batch["hidden"], lm_head.weight if share_lm_head else None), labels,
+                             target=target, decay=0.8, base_argmax=batch["base_argmax"], token_map=token_map,
+                             vocab_size=V)
+    dense.loss.backward()
+
+    # row 0 is labelled at 3..8, row 1 at 3..6: head k counts t when t + k + 2 is labelled, so positions 0..6 of
+    # row 0 and 0..4 of row 1 are counted by some head; head 0 counts 6 + 4, head 1 6 + 4, head 2 5 + 3
+    assert packed_logits.shape == (K, 7 + 5, token_map.numel())
+    assert packed.count.tolist() == dense.count.tolist() == [10, 10, 8]
+    assert packed.correct_top1.tolist() == dense.correct_top1.tolist()
+    assert packed.correct_top5.tolist() == dense.correct_top5.tolist()
+    assert packed.loss.item() == pytest.approx(dense.loss.item(), rel=1e-6)
+    for got, param in zip(packed_grads, heads.parameters()):
+        assert torch.allclose(got, param.grad, rtol=1e-5, atol=1e-7)
+
+
 # ---- training on a tiny model -------------------------------------------------------------------------------------
 
 def test_training_reduces_head_loss_and_the_export_loads(tiny_inputs, tmp_path):

@@ -64,5 +64,8 @@ def test_tune_tree_rejects_bad_budget_before_loading(tiny_export):
     export, prompts = tiny_export
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("tune_tree", overrides=[f"export_dir={export}", "max_nodes=0"])
+        no_batch = compose("tune_tree", overrides=[f"export_dir={export}", "generation_batch_size=0"])
     with pytest.raises(ValueError, match="node budget"):
         run(cfg)
+    with pytest.raises(ValueError, match="generation_batch_size must be >= 1"):
+        run(no_batch)
