@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
     args = parser.parse_args()
+    if args.batches < 1:
+        parser.error(f"--batches must be >= 1, got {args.batches}")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -62,6 +64,8 @@ def main() -> None:
         overrides.append(f"data.self_distill_dir={args.output_dir / 'self_distill'}")
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
+    if cfg.heads.target == "soft":
+        parser.error("heads.target=soft trains on every position (dense): there is no packed step to compare")
     recipe = TrainRecipe(cfg)
     recipe.setup()
     heads, base, spec = recipe.trainer.model, recipe.frozen_base, recipe.loss_spec
