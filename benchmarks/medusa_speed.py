@@ -30,8 +30,8 @@ from inference.tree import chain_choices
 from medusa_train.loading.medusa import load_medusa
 from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, load_prompts, sharegpt_prompts
 from medusa_train.tuning.replay import replayed_accept_length
-from medusa_train.tuning.tune import read_tree_files
 from medusa_train.tuning.search import expected_accept_length
+from medusa_train.tuning.tune import read_tree_files
 
 
 def predicted_tau(export: Path, tree: list[list[int]]) -> dict[str, float]:

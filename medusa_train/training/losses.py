@@ -96,18 +96,6 @@ def head_targets(
     return targets.masked_fill_(~valid_mask(labels, num_heads), IGNORE_INDEX)
 
 
-def _check_targets(target: str, base_argmax: torch.Tensor | None, base_logits: torch.Tensor | None,
-                   token_map: torch.Tensor | None, vocab_size: int | None) -> None:
-    if target not in TARGETS:
-        raise ValueError(f"heads.target must be one of {TARGETS}, got {target!r}")
-    if target != "labels" and base_argmax is None:
-        raise ValueError(f"heads.target={target} needs the base model's argmax tokens [B, T]")
-    if target == "soft" and base_logits is None:
-        raise ValueError("heads.target=soft needs the base logits [B, T, V]")
-    if token_map is not None and vocab_size is None:
-        raise ValueError("a reduced head vocabulary (token_map) needs vocab_size")
-
-
 def medusa_head_loss(
     head_logits: torch.Tensor,
     labels: torch.Tensor,
@@ -148,7 +136,12 @@ def medusa_head_loss(
             f"head_logits must be [K, B, T, V'] with [B, T] = labels.shape {tuple(labels.shape)}, "
             f"got {tuple(head_logits.shape)}"
         )
-    _check_targets(target, base_argmax, base_logits, token_map, vocab_size)
+    if target not in TARGETS:
+        raise ValueError(f"heads.target must be one of {TARGETS}, got {target!r}")
+    if target != "labels" and base_argmax is None:
+        raise ValueError(f"heads.target={target} needs the base model's argmax tokens [B, T]")
+    if target == "soft" and base_logits is None:
+        raise ValueError("heads.target=soft needs the base logits [B, T, V]")
     K = head_logits.shape[0]
     targets = head_targets(labels, K, target=target, base_argmax=base_argmax)  # [K, B, T]
     k, b, t = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # each [M]
@@ -192,7 +185,6 @@ def packed_head_loss(
     if head_logits.ndim != 3 or head_logits.shape[:2] != targets.shape:
         raise ValueError(f"head_logits must be [K, M, V'] with [K, M] = targets.shape {tuple(targets.shape)}, "
                          f"got {tuple(head_logits.shape)}")
-    _check_targets("labels", None, None, token_map, vocab_size)
     k, m = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
     return _loss_on_rows(head_logits[k, m], targets[k, m], k, head_logits.shape[0], decay=decay,
                          token_map=token_map, vocab_size=vocab_size, normalizer=normalizer)
@@ -212,6 +204,8 @@ def _loss_on_rows(
 ) -> HeadLossOutput:
     """The loss and metric sums over counted rows: ``logits [M, V']``, base-id ``targets [M]``, head index ``k [M]``;
     ``base_next [M, V]`` base logits makes the loss the KL to the base distribution (``soft``)."""
+    if token_map is not None and vocab_size is None:
+        raise ValueError("a reduced head vocabulary (token_map) needs vocab_size")
     device = logits.device
     K = num_heads
     head_targets_ = to_head_vocab(targets, token_map, vocab_size or 0)  # [M], -1 outside the head vocabulary
