@@ -1,8 +1,9 @@
 """One Medusa-1 training step of the heads, dense against packed, side by side on the same batches.
 
-The dense step runs the heads on every position of a padded batch (``[K, B, T, V']`` logits) and masks the loss;
-the packed step (what ``medusa-train`` does, :func:`medusa_train.training.step.heads_on_batch`) runs them only on
-the positions some head is trained on. Both give the same loss and gradient (tested); this measures the time of
+The dense step runs the heads on every position of a padded batch (``[K, B, T, V']`` logits; with ``soft`` targets
+also the base's full lm_head) and masks the loss; the packed step (what ``medusa-train`` does,
+:func:`medusa_train.training.step.heads_on_batch`) runs them only on the positions some head is trained on (with
+``soft``, the base's distributions only where they are targets, over the head vocabulary). Both give the same loss and gradient (tested); this measures the time of
 forward + backward per batch, alternating the two on each batch of the run's own training data (hidden-state cache).
 
     python benchmarks/head_step.py                                          # stories260k, its self-distilled data
@@ -16,12 +17,9 @@ Writes ``OUTPUT_DIR/head_step.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
-from pathlib import Path
-
 import torch
 from hydra import compose, initialize_config_dir
 
@@ -31,6 +29,8 @@ from medusa_train.training.losses import IGNORE_INDEX, head_targets
 from medusa_train.training.recipe import TrainRecipe
 from medusa_train.training.step import head_loss, heads_on_batch
 
+from training_args import training_overrides, training_parser
+
 
 def timed(fn) -> float:
     start = time.perf_counter()
@@ -39,33 +39,15 @@ def timed(fn) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="stories260k", help="model/ config group option")
-    parser.add_argument("--data", default="stories260k_selfdistill", help="data/ config group option")
+    parser = training_parser(__doc__, "runs/bench_head_step")
     parser.add_argument("--batches", type=int, default=20, help="training batches timed (each both ways)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_head_step"))
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
     args = parser.parse_args()
     if args.batches < 1:
         parser.error(f"--batches must be >= 1, got {args.batches}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    overrides = [
-        f"model={args.model}", f"data={args.data}", "trainer=cpu",
-        f"trainer.per_device_train_batch_size={args.batch_size}",
-        f"max_length={args.max_length}", "hidden_cache=true", "export=false", "overwrite=true",
-        f"output_dir={args.output_dir / 'run'}", *args.override,
-    ]
-    if not any(o.startswith("data.self_distill_dir=") for o in args.override):
-        overrides.append(f"data.self_distill_dir={args.output_dir / 'self_distill'}")
+    # --override last: a user's override wins over these
+    overrides = ["hidden_cache=true", f"output_dir={args.output_dir / 'run'}", *training_overrides(args)]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    if cfg.heads.target == "soft":
-        parser.error("heads.target=soft trains on every position (dense): there is no packed step to compare")
     recipe = TrainRecipe(cfg)
     recipe.setup()
     heads, base, spec = recipe.trainer.model, recipe.frozen_base, recipe.loss_spec
@@ -73,7 +55,9 @@ def main() -> None:
 
     def dense(batch):
         logits = heads(batch["hidden"], lm_weight)  # [K, B, T, V']
-        head_loss(logits, batch["labels"], spec, base_argmax=batch["base_argmax"]).loss.backward()
+        base_logits = base.logits(batch["hidden"]) if spec.target == "soft" else None  # [B, T, V]
+        head_loss(logits, batch["labels"], spec, base_argmax=batch["base_argmax"],
+                  base_logits=base_logits).loss.backward()
 
     def packed(batch):
         heads_on_batch(heads, base, batch, spec)[0].loss.backward()

@@ -13,10 +13,8 @@ Writes ``OUTPUT_DIR/train_throughput.json`` next to the two runs' folders.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +23,8 @@ from hydra import compose, initialize_config_dir
 import medusa_train  # noqa: F401  (registers schemas and resolvers)
 from medusa_train.paths import CONF_DIR
 from medusa_train.training.recipe import TrainRecipe
+
+from training_args import training_overrides, training_parser
 
 
 class CountingCollator:
@@ -60,29 +60,17 @@ def run_once(overrides: list[str], hidden_cache: bool) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="stories260k", help="model/ config group option")
-    parser.add_argument("--data", default="stories260k_selfdistill", help="data/ config group option")
+    parser = training_parser(__doc__, "runs/bench_train_throughput")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_train_throughput"))
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
     common = [
-        f"model={args.model}", f"data={args.data}", "trainer=cpu", f"trainer.max_steps={args.steps}",
-        f"trainer.per_device_train_batch_size={args.batch_size}", "trainer.save_steps=1000000",
-        "trainer.disable_tqdm=true", "trainer.logging_steps=1000000", f"max_length={args.max_length}",
-        "export=false", "overwrite=true", f"data.self_distill_dir={args.output_dir / 'self_distill'}",
+        f"trainer.max_steps={args.steps}", "trainer.save_steps=1000000", "trainer.disable_tqdm=true",
+        "trainer.logging_steps=1000000", *training_overrides(args),
     ]
     rows = []
     for cached in (False, True):
         out = args.output_dir / ("cached" if cached else "base_pass")
-        rows.append(run_once([*common, f"output_dir={out}", *args.override], hidden_cache=cached))
+        rows.append(run_once([f"output_dir={out}", *common], hidden_cache=cached))
 
     base = rows[0]["tokens_per_second"]
     print(f"\nMedusa-1 head training, model={args.model}, data={args.data}, {args.steps} steps of "

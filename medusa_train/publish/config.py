@@ -28,7 +28,9 @@ class PublishConfig:
             ``${export_dir}/eval`` when that exists.
         license: license of the published heads; default: the base model's (its model card), else ``unknown``.
         base_model: Hub id of the base model, for exports trained on a local copy (a folder, a GGUF or llama2.c
-            file): written as ``base_model_name_or_path`` in the published ``config.json`` and the card.
+            file): written as ``base_model_name_or_path`` in the published ``config.json`` and the card. For a
+            Medusa-2 export (its own fine-tuned ``base/``) it names the model ``base/`` was fine-tuned from
+            (``original_base_model_name_or_path``); the heads keep loading ``base/``.
         commit_message: first line of the commits (default: one naming medusa-train).
     """
 

@@ -36,7 +36,7 @@ from medusa_train.export.writer import (
     VLLM_WEIGHTS_FILE,
     WEIGHTS_FILE,
 )
-from medusa_train.loading.medusa import EXPORT_MODEL_KEY
+from medusa_train.loading.medusa import EXPORT_MODEL_KEY, ORIGINAL_BASE_KEY
 from medusa_train.tuning.tune import ACCURACY_FILE, CHOICES_FILE, LATENCY_FILE, read_tree_files
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,9 @@ def collect_export(
         eval_dir: a ``medusa-eval`` output folder; default ``export_dir/eval`` when it exists (a warning otherwise).
         base_model: Hub id to publish as ``base_model_name_or_path`` (for exports trained on a local copy); a
             recorded ``medusa_train_model`` naming another path (how the local copy was loaded) is then dropped
-            from the published config, so loaders use the Hub id.
+            from the published config, so loaders use the Hub id. For a Medusa-2 export (``base/``, the fine-tuned
+            base the heads fit) it is written as ``original_base_model_name_or_path`` instead: the model ``base/``
+            was fine-tuned from, named by the card, while loaders keep using ``base/``.
 
     Raises:
         FileNotFoundError: no export there, or ``eval_dir`` given without a ``summary.json``.
@@ -138,7 +140,12 @@ def collect_export(
     contents = ExportContents(folder, config, False, str(config.get("base_model_name_or_path", "")), files, tree,
                               missing=missing)
     _collect_eval(contents, eval_dir)
-    if base_model:
+    if base_model and (base_dir / CONFIG_FILE).is_file():
+        # Medusa-2: the heads fit the fine-tuned base in base/, so base_model_name_or_path stays; the Hub id names
+        # the model it was fine-tuned from (the card's base_model)
+        published = dict(config, **{ORIGINAL_BASE_KEY: base_model})
+        contents.config, contents.config_changed = published, published != config
+    elif base_model:
         published = dict(config, base_model_name_or_path=base_model)
         recorded = config.get(EXPORT_MODEL_KEY)
         if isinstance(recorded, dict) and recorded.get("name_or_path") != base_model:

@@ -148,6 +148,8 @@ def medusa_head_loss(
     base_next = None
     if target == "soft":
         base_next = base_logits[b, t + k + 1]  # [M, V]: the base's distribution for position t + k + 2
+        if token_map is not None:
+            base_next = base_next[:, token_map.to(base_next.device)]  # [M, V']
     if normalizer is None:
         normalizer = (labels != IGNORE_INDEX).sum().clamp_min(1)
     return _loss_on_rows(head_logits[k, b, t], targets[k, b, t], k, K, decay=decay, token_map=token_map,
@@ -162,8 +164,9 @@ def packed_head_loss(
     normalizer: torch.Tensor | float,
     token_map: torch.Tensor | None = None,
     vocab_size: int | None = None,
+    base_next: torch.Tensor | None = None,
 ) -> HeadLossOutput:
-    """:func:`medusa_head_loss` for logits computed only at the positions some head counts (hard targets).
+    """:func:`medusa_head_loss` for logits computed only at the positions some head counts.
 
     A batch of chat rows is mostly padding and prompt tokens that no head is trained on; projecting only the
     counted positions onto the head vocabulary (the bulk of the heads' compute) gives the same loss, gradient and
@@ -175,6 +178,9 @@ def packed_head_loss(
         decay: head k's loss weight is ``decay ** k``.
         normalizer: the labelled tokens to divide by (of the batch, or of the optimizer step across ranks).
         token_map, vocab_size: as :func:`medusa_head_loss`.
+        base_next: ``soft`` targets: ``[R, V']`` base logits (restricted to the head vocabulary) for the R counted
+            rows, in the order of ``(targets != -100).nonzero()`` (head-major): row (k, m) holds the base's logits
+            at position ``t_m + k + 1``, its distribution for the token at ``t_m + k + 2``. None: hard targets.
 
     Returns:
         :class:`HeadLossOutput`, equal to the dense path's on the same batch.
@@ -186,8 +192,11 @@ def packed_head_loss(
         raise ValueError(f"head_logits must be [K, M, V'] with [K, M] = targets.shape {tuple(targets.shape)}, "
                          f"got {tuple(head_logits.shape)}")
     k, m = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
+    if base_next is not None and base_next.shape != (k.numel(), head_logits.shape[-1]):
+        raise ValueError(f"base_next must be [R, V'] = {(k.numel(), head_logits.shape[-1])} (one row per counted "
+                         f"head and position), got {tuple(base_next.shape)}")
     return _loss_on_rows(head_logits[k, m], targets[k, m], k, head_logits.shape[0], decay=decay,
-                         token_map=token_map, vocab_size=vocab_size, normalizer=normalizer)
+                         token_map=token_map, vocab_size=vocab_size, normalizer=normalizer, base_next=base_next)
 
 
 def _loss_on_rows(
@@ -203,15 +212,14 @@ def _loss_on_rows(
     base_next: torch.Tensor | None = None,
 ) -> HeadLossOutput:
     """The loss and metric sums over counted rows: ``logits [M, V']``, base-id ``targets [M]``, head index ``k [M]``;
-    ``base_next [M, V]`` base logits makes the loss the KL to the base distribution (``soft``)."""
+    ``base_next [M, V']`` base logits over the head vocabulary makes the loss the KL to the base distribution
+    (``soft``; with a reduced head vocabulary, renormalised over it)."""
     if token_map is not None and vocab_size is None:
         raise ValueError("a reduced head vocabulary (token_map) needs vocab_size")
     device = logits.device
     K = num_heads
     head_targets_ = to_head_vocab(targets, token_map, vocab_size or 0)  # [M], -1 outside the head vocabulary
     if base_next is not None:
-        if token_map is not None:
-            base_next = base_next[:, token_map.to(device)]
         base_logp = F.log_softmax(base_next.float(), dim=-1)
         head_logp = F.log_softmax(logits.float(), dim=-1)
         per_pos = (base_logp.exp() * (base_logp - head_logp)).sum(-1)  # KL(p_base || p_head), [M]

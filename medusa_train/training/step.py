@@ -52,6 +52,16 @@ class FrozenBase:
         """``[B, T, H]`` -> base logits ``[B, T, V]`` (the lm_head's dtype)."""
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
+    @torch.no_grad()
+    def logits_at(self, hidden: torch.Tensor, b: torch.Tensor, t: torch.Tensor,
+                  token_map: torch.Tensor | None = None) -> torch.Tensor:
+        """Base logits at positions ``(b[i], t[i])`` of ``hidden [B, T, H]``, over the vocabulary ``token_map [V']``
+        (None: all V): ``[R, V']`` float32. Each distinct position is projected once (heads share them)."""
+        flat, inverse = torch.unique(b * hidden.shape[1] + t, return_inverse=True)
+        rows = hidden.reshape(-1, hidden.shape[-1])[flat].to(self.lm_head.weight.dtype)  # [U, H]
+        weight = self.lm_head.weight if token_map is None else self.lm_head.weight[token_map.to(rows.device)]
+        return (rows @ weight.T).float()[inverse]
+
 
 @dataclass(frozen=True)
 class LossSpec:
@@ -83,9 +93,10 @@ def heads_on_batch(
 ) -> tuple[HeadLossOutput, torch.Tensor]:
     """Run the heads on one batch and compute the loss.
 
-    With hard targets (``labels``, ``base_argmax``) the heads run only at the positions some head is trained on
+    The heads run only at the positions some head is trained on
     (:func:`~medusa_train.training.losses.packed_head_loss`): padding and prompt tokens, often half of a chat batch,
-    never reach the vocabulary projection. ``soft`` targets run the heads on every position.
+    never reach the vocabulary projection. ``soft`` targets project the base's hidden states only at the positions
+    whose distributions are targets, onto the head vocabulary only.
 
     Args:
         heads: ``MedusaHeads`` or its DDP/DeepSpeed wrapper; called as ``heads(hidden, base_lm_head_weight)``.
@@ -96,33 +107,29 @@ def heads_on_batch(
         normalizer: see :func:`medusa_head_loss`.
 
     Returns:
-        ``(loss output, head logits)``: ``[K, M, V']`` at the M counted positions with hard targets,
-        ``[K, B, T, V']`` with ``soft``.
+        ``(loss output, head logits)``: head logits ``[K, M, V']`` at the M counted positions.
     """
     labels = batch["labels"]
     hidden = batch.get("hidden")
     base_argmax = batch.get("base_argmax")
-    base_logits = None
     with torch.no_grad():
         if hidden is None:
             hidden = base.hidden(batch["input_ids"], batch.get("attention_mask"))
-        if spec.target == "soft" or (spec.target == "base_argmax" and base_argmax is None):
-            base_logits = base.logits(hidden)
-            if base_argmax is None:
-                base_argmax = base_logits.argmax(-1)
+        if spec.target != "labels" and base_argmax is None:
+            base_argmax = base.logits(hidden).argmax(-1)
     lm_weight = base.lm_head.weight if spec.share_lm_head else None
-    if spec.target == "soft":
-        head_logits = heads(hidden, lm_weight)  # [K, B, T, V']
-        out = head_loss(head_logits, labels, spec, base_logits=base_logits, base_argmax=base_argmax,
-                        normalizer=normalizer)
-        return out, head_logits
     targets = head_targets(labels, spec.num_heads, target=spec.target, base_argmax=base_argmax)  # [K, B, T]
     b, t = (targets != IGNORE_INDEX).any(0).nonzero(as_tuple=True)  # [M] positions some head counts
+    targets = targets[:, b, t]  # [K, M]
     head_logits = heads(hidden[b, t], lm_weight)  # [K, M, V']
+    base_next = None
+    if spec.target == "soft":
+        k, m = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # the counted rows, head-major
+        base_next = base.logits_at(hidden, b[m], t[m] + k + 1, spec.token_map)  # [R, V']
     if normalizer is None:
         normalizer = (labels != IGNORE_INDEX).sum().clamp_min(1)
-    out = packed_head_loss(head_logits, targets[:, b, t], decay=spec.decay, normalizer=normalizer,
-                           token_map=spec.token_map, vocab_size=spec.vocab_size)
+    out = packed_head_loss(head_logits, targets, decay=spec.decay, normalizer=normalizer,
+                           token_map=spec.token_map, vocab_size=spec.vocab_size, base_next=base_next)
     return out, head_logits
 
 

@@ -405,6 +405,18 @@ def test_build_dataset_split_by_conversation(tok):
     assert again[2].eval_indices == stats.eval_indices and again[0]["input_ids"] == train["input_ids"]
 
 
+def test_build_dataset_skips_repeated_conversations_on_both_sides_of_the_split(tok, caplog):
+    conversations = all_fixture_conversations()
+    # the first 3 repeated 3 times each at the end (as ShareGPT repeats "continue" and self-distillation answers it
+    # with the same greedy reply): 8 distinct + 9 copies
+    copies = [list(c) for c in conversations[:3]] * 3
+    train, held, stats = build_dataset(tok, conversations + copies, max_length=512, eval_fraction=0.5, seed=0)
+    assert stats.skipped == {"duplicate": 9} and stats.kept == 8
+    assert set(stats.train_indices + stats.eval_indices) <= set(range(8))
+    assert not {tuple(r) for r in train["input_ids"]} & {tuple(r) for r in held["input_ids"]}
+    assert "9 of 17 conversations skipped: duplicate=9" in caplog.text
+
+
 def test_build_dataset_counts_skips(tok, caplog):
     conversations = all_fixture_conversations()
     conversations.append([{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}])

@@ -341,6 +341,14 @@ def test_medusa2_export_publishes_its_fine_tuned_base(heads, base, tmp_path):
     readme = (prepare_repo_folder(export, tmp_path / "repo2", REPO).folder / "README.md").read_text()
     assert readme_metadata(readme)["base_model"] == BASE
     assert f"Medusa heads for {BASE}" in readme and "published in `base/`" in readme
+    # base_model= names the model base/ was fine-tuned from; the heads keep loading base/
+    config.pop("original_base_model_name_or_path")
+    (export / "config.json").write_text(json.dumps(config))
+    repo3 = prepare_repo_folder(export, tmp_path / "repo3", REPO, base_model=BASE).folder
+    published_config = json.loads((repo3 / "config.json").read_text())
+    assert published_config["base_model_name_or_path"] == "base"
+    assert published_config["original_base_model_name_or_path"] == BASE
+    assert readme_metadata((repo3 / "README.md").read_text())["base_model"] == BASE
 
 
 def test_bad_export_and_output_folders(hub, export, tmp_path):

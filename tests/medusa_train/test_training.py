@@ -24,7 +24,7 @@ from medusa_train.loading.llama2c import load_llama2c_tokenizer
 from medusa_train.paths import CONF_DIR, assets_dir
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import check_deepspeed_batch
-from medusa_train.training.losses import decay_weights, medusa_head_loss, valid_mask
+from medusa_train.training.losses import decay_weights, medusa_head_loss, packed_head_loss, valid_mask
 from medusa_train.training.recipe import TrainRecipe
 from tests.conftest import make_tiny_model
 
@@ -218,9 +218,12 @@ def test_loss_rejects_mismatched_shapes_and_missing_base_outputs():
     with pytest.raises(ValueError, match="soft needs the base logits"):
         medusa_head_loss(torch.zeros(2, 1, 5, 4), torch.zeros(1, 5, dtype=torch.long), target="soft", decay=0.8,
                          base_argmax=torch.zeros(1, 5, dtype=torch.long))
+    targets = torch.tensor([[3, -100, 1], [2, -100, -100]])  # 3 counted rows of 2 heads at 3 positions
+    with pytest.raises(ValueError, match=r"base_next must be \[R, V'\] = \(3, 4\)"):
+        packed_head_loss(torch.zeros(2, 3, 4), targets, decay=0.8, normalizer=1.0, base_next=torch.zeros(6, 4))
 
 
-@pytest.mark.parametrize("target", ["labels", "base_argmax"])
+@pytest.mark.parametrize("target", ["labels", "base_argmax", "soft"])
 @pytest.mark.parametrize("share_lm_head", [False, True])
 def test_heads_run_only_where_counted_and_give_the_dense_loss_gradient_and_metrics(target, share_lm_head):
     from medusa_train.heads import HeadsSpec, MedusaHeads
@@ -241,7 +244,9 @@ def test_heads_run_only_where_counted_and_give_the_dense_loss_gradient_and_metri
     labels = torch.randint(0, V, (2, T))
     labels[:, :3] = -100
     labels[1, T - 2 :] = -100
-    batch = {"hidden": torch.randn(2, T, H), "base_argmax": torch.randint(0, V, (2, T)), "labels": labels}
+    hidden = torch.randn(2, T, H)
+    base_logits = lm_head(hidden).detach()  # soft: the base distributions are the targets
+    batch = {"hidden": hidden, "base_argmax": base_logits.argmax(-1), "labels": labels}
     loss_spec = LossSpec(target=target, decay=0.8, share_lm_head=share_lm_head, vocab_size=V, num_heads=K,
                          token_map=token_map)
 
@@ -251,7 +256,7 @@ def test_heads_run_only_where_counted_and_give_the_dense_loss_gradient_and_metri
     heads.zero_grad()
     dense = medusa_head_loss(heads(batch["hidden"], lm_head.weight if share_lm_head else None), labels,
                              target=target, decay=0.8, base_argmax=batch["base_argmax"], token_map=token_map,
-                             vocab_size=V)
+                             vocab_size=V, base_logits=base_logits if target == "soft" else None)
     dense.loss.backward()
 
     # row 0 is labelled at 3..8, row 1 at 3..6: head k counts t when t + k + 2 is labelled, so positions 0..6 of
