@@ -211,6 +211,10 @@ class DataConfig:
             replies).
         path: file or folder for ``json``/``hf_disk`` (optional for ``sharegpt``).
         max_conversations: keep at most this many conversations (None: all).
+        stride: keep every ``stride``-th conversation of the source (1: all), so ``max_conversations`` samples
+            ``stride`` times as much of it. ShareGPT is in session order (9% of its first 700 first turns continue
+            one user's story), so a small sample taken from the start is narrow. On ``sharegpt``, keep
+            ``max_conversations * stride`` at most 16000: the default held-out prompts start there.
         eval_fraction: share of the tokenized conversations held out for the accuracy table (0 <= f < 1).
         prompts: user turns for ``source=prompts`` (replies are greedy, so give distinct prompts).
         self_distill: regenerate every assistant turn with the base model (greedy) before training (Medusa paper,
@@ -228,6 +232,7 @@ class DataConfig:
     source: str = "sharegpt"
     path: Optional[str] = None
     max_conversations: Optional[int] = None
+    stride: int = 1
     eval_fraction: float = 0.05
     prompts: list[str] = field(default_factory=list)
     self_distill: bool = False
@@ -249,6 +254,8 @@ class DataConfig:
                 raise ValueError("data.source=prompts has no replies to train on: set data.self_distill=true")
         if self.max_conversations is not None and self.max_conversations < 1:
             raise ValueError(f"data.max_conversations must be >= 1 or null, got {self.max_conversations}")
+        if self.stride < 1:
+            raise ValueError(f"data.stride must be >= 1 (1 keeps every conversation), got {self.stride}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.max_new_tokens < 1 or self.generation_batch_size < 1:

@@ -197,12 +197,16 @@ def _iter_hf_disk_records(path: Path, stats: LoadStats) -> Iterator[Any]:
 
 
 def _collect(
-    records: Iterable[Any], stats: LoadStats, max_conversations: int | None, require_assistant: bool
+    records: Iterable[Any], stats: LoadStats, max_conversations: int | None, require_assistant: bool, stride: int = 1
 ) -> list[Conversation]:
     conversations: list[Conversation] = []
+    usable = 0
     for record in records:
         messages = normalize_record(record, stats, require_assistant)
         if messages is not None:
+            usable += 1
+            if (usable - 1) % stride:
+                continue
             conversations.append(messages)
             if max_conversations is not None and len(conversations) >= max_conversations:
                 stats.stopped_early = True
@@ -216,6 +220,7 @@ def load_conversations(
     max_conversations: int | None = None,
     seed: int | None = None,
     require_assistant: bool = True,
+    stride: int = 1,
 ) -> tuple[list[Conversation], LoadStats]:
     """Load conversations from one source.
 
@@ -230,6 +235,9 @@ def load_conversations(
         seed: when given, shuffle the returned conversations with ``random.Random(seed)``.
         require_assistant: drop (and count) conversations without an assistant turn; keep them for prompt
             files fed to self-distillation.
+        stride: keep every ``stride``-th usable conversation (the 1st, the ``stride + 1``-th, ...), so
+            ``max_conversations`` spreads over ``stride`` times as much of the file: ShareGPT is in session order,
+            and a run of neighbouring conversations is often one user's topic.
 
     Returns:
         ``(conversations, stats)``: a list of message lists with roles ``user``/``assistant``/``system``,
@@ -244,6 +252,8 @@ def load_conversations(
         raise ValueError(f"unknown data source {source!r}; valid sources: {', '.join(SOURCES)}")
     if max_conversations is not None and max_conversations <= 0:
         raise ValueError(f"max_conversations must be positive or None, got {max_conversations}")
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
     if path is None:
         if source != "sharegpt":
             raise ValueError(f"data source {source!r} needs a path (a file or folder)")
@@ -254,7 +264,7 @@ def load_conversations(
         records = _iter_hf_disk_records(path, stats)
     else:
         records = _iter_json_records(path, stats)
-    conversations = _collect(records, stats, max_conversations, require_assistant)
+    conversations = _collect(records, stats, max_conversations, require_assistant, stride)
     stats.kept = len(conversations)
     if not conversations:
         wanted = "an assistant turn" if require_assistant else "a message"

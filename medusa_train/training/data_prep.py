@@ -23,6 +23,7 @@ from medusa_train.data import BuildStats, Conversation, LoadStats, build_dataset
 from medusa_train.data.conversations import normalize_record
 from medusa_train.data.json_stream import jsonl_lines
 from medusa_train.data.self_distill import distill_prompt, prompt_key, record_id, shard_path
+from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,17 @@ def source_conversations(data: DataConfig, seed: int) -> list[Conversation]:
     if data.source == "prompts":
         return [[{"role": "user", "content": p}] for p in data.prompts]
     conversations, stats = load_conversations(
-        data.source, data.path, data.max_conversations, seed, require_assistant=not data.self_distill
+        data.source, data.path, data.max_conversations, seed, require_assistant=not data.self_distill,
+        stride=data.stride,
     )
     log.info("data: %s", stats.summary())
+    if data.source == "sharegpt" and data.path is None:
+        reach = (stats.kept - 1) * data.stride + 1 if stats.stopped_early else None  # usable conversations spanned
+        if reach is None or reach > SHAREGPT_HELDOUT_OFFSET:
+            log.warning("training reads ShareGPT conversations past %d, where the default held-out prompts of "
+                        "medusa-tune-tree and benchmarks start: measure on other prompts (prompts.offset) or lower "
+                        "data.max_conversations * data.stride (now %s)", SHAREGPT_HELDOUT_OFFSET,
+                        "all" if reach is None else reach)
     return conversations
 
 

@@ -156,6 +156,14 @@ def test_max_conversations_stops_early_and_seed_shuffles():
     b, _ = load_conversations("json", SHAREGPT_JSON, seed=3)
     assert a == b and sorted(map(str, a)) == sorted(map(str, plain))
 
+    # stride: every 3rd usable conversation (the 1st, 4th, 7th), max_conversations of those
+    strided, stats = load_conversations("json", SHAREGPT_JSON, stride=3)
+    assert strided == plain[::3] and stats.kept == len(plain[::3])
+    two, stats = load_conversations("json", SHAREGPT_JSON, max_conversations=2, stride=3)
+    assert two == plain[:4:3] and stats.stopped_early
+    with pytest.raises(ValueError, match="stride must be >= 1"):
+        load_conversations("json", SHAREGPT_JSON, stride=0)
+
 
 def test_stream_small_chunks_match_json_load():
     expected = json.loads(SHAREGPT_JSON.read_text(encoding="utf-8"))
@@ -610,6 +618,8 @@ def test_self_distill_skips_prompts_over_max_prompt_tokens(tok, tiny_model, tmp_
     assert (stats.too_long, stats.generated, calls) == (8, 0, [])
     with pytest.raises(ValueError, match="data.max_prompt_tokens must be >= 1"):
         DataConfig(max_prompt_tokens=0).validate()
+    with pytest.raises(ValueError, match="data.stride must be >= 1"):
+        DataConfig(stride=0).validate()
 
 
 def test_self_distill_batched_left_padding_matches_one_by_one(tok, tiny_model, tmp_path):
