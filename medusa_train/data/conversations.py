@@ -54,6 +54,7 @@ class LoadStats:
         malformed: records without a ``conversations``/``messages`` list of role/content messages.
         truncated_chars: characters of a record cut off by the end of the file (ShareGPT's file has one).
         stopped_early: reading stopped once ``max_conversations`` were collected (later records not counted).
+        strided: usable conversations passed over by ``stride``.
         unknown_roles: the unknown role names seen, with counts.
     """
 
@@ -67,6 +68,7 @@ class LoadStats:
     malformed: int = 0
     truncated_chars: int = 0
     stopped_early: bool = False
+    strided: int = 0
     unknown_roles: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -79,9 +81,10 @@ class LoadStats:
         cut = f", 1 record cut by the end of the file ({self.truncated_chars} chars)" if self.truncated_chars else ""
         early = " (stopped early at max_conversations)" if self.stopped_early else ""
         roles = f" {self.unknown_roles}" if self.unknown_roles else ""
+        strided = f", {self.strided} passed over by stride" if self.strided else ""
         return (
-            f"{self.path}: {self.records} complete records{early}, kept {self.kept}; dropped {self.empty} empty, "
-            f"{self.no_assistant} without an assistant turn, {self.unknown_role} with unknown roles{roles}, "
+            f"{self.path}: {self.records} complete records{early}, kept {self.kept}{strided}; "
+            f"dropped {self.empty} empty, {self.no_assistant} without an assistant turn, {self.unknown_role} with unknown roles{roles}, "
             f"{self.malformed} malformed{cut}"
         )
 
@@ -206,6 +209,7 @@ def _collect(
         if messages is not None:
             usable += 1
             if (usable - 1) % stride:
+                stats.strided += 1
                 continue
             conversations.append(messages)
             if max_conversations is not None and len(conversations) >= max_conversations:

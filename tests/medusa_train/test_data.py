@@ -159,6 +159,7 @@ def test_max_conversations_stops_early_and_seed_shuffles():
     # stride: every 3rd usable conversation (the 1st, 4th, 7th), max_conversations of those
     strided, stats = load_conversations("json", SHAREGPT_JSON, stride=3)
     assert strided == plain[::3] and stats.kept == len(plain[::3])
+    assert stats.strided == len(plain) - stats.kept and "passed over by stride" in stats.summary()
     two, stats = load_conversations("json", SHAREGPT_JSON, max_conversations=2, stride=3)
     assert two == plain[:4:3] and stats.stopped_early
     with pytest.raises(ValueError, match="stride must be >= 1"):
