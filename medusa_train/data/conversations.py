@@ -84,8 +84,8 @@ class LoadStats:
         strided = f", {self.strided} passed over by stride" if self.strided else ""
         return (
             f"{self.path}: {self.records} complete records{early}, kept {self.kept}{strided}; "
-            f"dropped {self.empty} empty, {self.no_assistant} without an assistant turn, {self.unknown_role} with unknown roles{roles}, "
-            f"{self.malformed} malformed{cut}"
+            f"dropped {self.empty} empty, {self.no_assistant} without an assistant turn, "
+            f"{self.unknown_role} with unknown roles{roles}, {self.malformed} malformed{cut}"
         )
 
 
