@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+
 import torch
 from hydra import compose, initialize_config_dir
 

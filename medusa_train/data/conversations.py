@@ -203,12 +203,10 @@ def _collect(
     records: Iterable[Any], stats: LoadStats, max_conversations: int | None, require_assistant: bool, stride: int = 1
 ) -> list[Conversation]:
     conversations: list[Conversation] = []
-    usable = 0
     for record in records:
         messages = normalize_record(record, stats, require_assistant)
         if messages is not None:
-            usable += 1
-            if (usable - 1) % stride:
+            if (len(conversations) + stats.strided) % stride:  # the usable conversations before this one
                 stats.strided += 1
                 continue
             conversations.append(messages)

@@ -63,6 +63,11 @@ def valid_mask(labels: torch.Tensor, num_heads: int) -> torch.Tensor:
     return mask
 
 
+def labelled_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """The default loss normaliser: assistant (labelled, ``!= -100``) tokens in ``labels``, at least 1."""
+    return (labels != IGNORE_INDEX).sum().clamp_min(1)
+
+
 def to_head_vocab(token_ids: torch.Tensor, token_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     """Base token ids (any shape, long) -> head-vocabulary indices; -1 for tokens outside a reduced head vocabulary."""
     if token_map is None:
@@ -151,7 +156,7 @@ def medusa_head_loss(
         if token_map is not None:
             base_next = base_next[:, token_map.to(base_next.device)]  # [M, V']
     if normalizer is None:
-        normalizer = (labels != IGNORE_INDEX).sum().clamp_min(1)
+        normalizer = labelled_tokens(labels)
     return _loss_on_rows(head_logits[k, b, t], targets[k, b, t], k, K, decay=decay, token_map=token_map,
                          vocab_size=vocab_size, normalizer=normalizer, base_next=base_next)
 

@@ -14,7 +14,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_train.training.losses import IGNORE_INDEX, HeadLossOutput, head_targets, medusa_head_loss, packed_head_loss
+from medusa_train.training.losses import (
+    IGNORE_INDEX,
+    HeadLossOutput,
+    head_targets,
+    labelled_tokens,
+    medusa_head_loss,
+    packed_head_loss,
+)
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,7 @@ def heads_on_batch(
         k, m = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # the counted rows, head-major
         base_next = base.logits_at(hidden, b[m], t[m] + k + 1, spec.token_map)  # [R, V']
     if normalizer is None:
-        normalizer = (labels != IGNORE_INDEX).sum().clamp_min(1)
+        normalizer = labelled_tokens(labels)
     out = packed_head_loss(head_logits, targets, decay=spec.decay, normalizer=normalizer,
                            token_map=spec.token_map, vocab_size=spec.vocab_size, base_next=base_next)
     return out, head_logits

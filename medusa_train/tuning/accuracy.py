@@ -13,6 +13,7 @@ import torch
 
 from medusa_train.generation import greedy_generate, length_batches
 from medusa_train.model import MedusaModel
+from medusa_train.training.losses import to_head_vocab as token_ids_to_head_vocab
 
 
 def target_ranks(head_logits: torch.Tensor, tokens: torch.Tensor, topk: int) -> torch.Tensor:
@@ -69,12 +70,7 @@ def count_rank_hits(ranks: torch.Tensor, valid: torch.Tensor, topk: int) -> tupl
 
 def to_head_vocab(model: MedusaModel, tokens: torch.Tensor) -> torch.Tensor:
     """Base token ids ``[...]`` -> head-vocabulary indices (-1 for tokens outside a reduced vocabulary)."""
-    token_map = model.heads.token_map
-    if token_map is None:
-        return tokens
-    lookup = torch.full((model.heads.spec.vocab_size,), -1, dtype=torch.long, device=tokens.device)
-    lookup[token_map.to(tokens.device)] = torch.arange(token_map.numel(), device=tokens.device)
-    return lookup[tokens]
+    return token_ids_to_head_vocab(tokens, model.heads.token_map, model.heads.spec.vocab_size)
 
 
 @torch.no_grad()
