@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from medusa_train.config import DataConfig
+from medusa_train.config import DataConfig, TrainerConfig
 from medusa_train.data import (
     BuildStats,
     Conversation,
@@ -71,21 +71,30 @@ def check_data_source(data: DataConfig) -> None:
         raise type(e)(f"data.path: {e}") from e
 
 
-def check_enough_data(data: PreparedData, num_heads: int, rows_per_step: int, rows_per_step_text: str) -> None:
+def check_enough_data(data: PreparedData, num_heads: int, trainer: TrainerConfig, world_size: int) -> None:
     """Refuse a training split too small to train on, saying what was dropped and why.
 
-    Too small: fewer conversations than one optimizer step takes (``rows_per_step``), or no labelled token far
-    enough into any conversation for the last head to have a target (head k at position t predicts t + k + 2, so
-    head K-1 needs a labelled token at position K + 1 or later).
+    Too small: fewer conversations than one optimizer step takes (micro batch x accumulation steps x ranks), or no
+    labelled token far enough into any conversation for the last head to have a target (head k at position t
+    predicts t + k + 2, so head K-1 needs a labelled token at position K + 1 or later).
 
     Raises:
         ValueError: the counts, the drops (loading, self-distillation, tokenization) and what to change.
     """
+    micro, accum = trainer.per_device_train_batch_size, trainer.gradient_accumulation_steps
+    rows_per_step = micro * accum * world_size
+    rows_per_step_text = (f"trainer.per_device_train_batch_size={micro} x trainer.gradient_accumulation_steps={accum}"
+                          f" x {world_size} ranks")
     rows = len(data.train)
-    late = sum(sum(1 for label in labels[num_heads + 1:] if label != IGNORE_INDEX) for labels in data.train["labels"])
-    if rows >= rows_per_step and late > 0:
+
+    def labelled(row: int, start: int = 0) -> int:
+        return sum(1 for label in data.train[row]["labels"][start:] if label != IGNORE_INDEX)
+
+    # the first row that gives the last head a target ends the scan (usually row 0)
+    late = any(labelled(i, num_heads + 1) for i in range(rows))
+    if rows >= rows_per_step and late:
         return
-    labelled = sum(sum(1 for label in labels if label != IGNORE_INDEX) for labels in data.train["labels"])
+    total = sum(labelled(i) for i in range(rows))
     dropped = [data.load.summary()] if data.load is not None else []
     if data.no_reply:
         dropped.append(f"{data.no_reply} prompts without a self-distilled reply")
@@ -93,7 +102,7 @@ def check_enough_data(data: PreparedData, num_heads: int, rows_per_step: int, ro
     why = (f"one optimizer step takes {rows_per_step} ({rows_per_step_text})" if rows < rows_per_step else
            f"head {num_heads - 1} would never have a target (no labelled token at position {num_heads + 1} or later)")
     raise ValueError(
-        f"too little data to train on: {rows} training conversations with {labelled} labelled tokens "
+        f"too little data to train on: {rows} training conversations with {total} labelled tokens "
         f"({len(data.eval)} held out), and {why}. Dropped on the way: {'; '.join(dropped)}. Add conversations (check "
         "data.path and data.max_conversations) or lower trainer.per_device_train_batch_size")
 

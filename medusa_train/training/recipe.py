@@ -230,13 +230,7 @@ class TrainRecipe:
                 self_distill_dir=Path(cfg.data.self_distill_dir or self.paths.self_distill),
                 rank=self.env.rank, world_size=self.env.world_size, barrier=self.barrier,
             )
-        tc = cfg.trainer
-        check_enough_data(data, num_heads=cfg.heads.medusa_num_heads,
-                          rows_per_step=tc.per_device_train_batch_size * tc.gradient_accumulation_steps *
-                          self.env.world_size,
-                          rows_per_step_text=f"trainer.per_device_train_batch_size={tc.per_device_train_batch_size} x "
-                          f"trainer.gradient_accumulation_steps={tc.gradient_accumulation_steps} x "
-                          f"{self.env.world_size} ranks")
+        check_enough_data(data, cfg.heads.medusa_num_heads, cfg.trainer, self.env.world_size)
         heads = self._initial_heads(base) if self.init_heads_from else self._new_heads(base, data)
         vocab_size = int(base.get_output_embeddings().weight.shape[0])
         self.loss_spec = LossSpec(target=cfg.heads.target, decay=cfg.heads.loss_decay,
