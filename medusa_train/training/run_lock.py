@@ -7,9 +7,11 @@ token), protected by a POSIX record lock (``fcntl.lockf``) on the open file:
   record lock is free was left by a run that is gone; on the same host it is taken over, with a warning naming the
   run that left it. One left by another host is refused (that run may still be alive, on a file system whose locks
   do not reach this host); the message tells how to remove it;
-- a record lock belongs to a process, not to its forked children (DataLoader workers do not inherit it), and closing
-  any descriptor of the file drops it: the holder never opens the file again, and a second hold of the same folder
-  in one process is refused from a registry instead;
+- a record lock belongs to a process, not to its forked children (DataLoader workers do not inherit it, and a child
+  never releases it), and closing any descriptor of the file drops it: the holder never opens the file again, and a
+  second hold of the same folder in one process is refused from a registry instead;
+- it is released (the file removed) by :meth:`RunLock.release`, and at interpreter exit for a run that never got
+  to its cleanup; a killed run leaves the file behind, for the next run to take over as above;
 - on a file system without record locks (some Lustre mounts) the file's existence is the lock (``O_CREAT|O_EXCL``),
   with the holder's pid checked for a left-over file; this is said in a warning.
 
@@ -21,6 +23,7 @@ folder is on a file system every rank shares.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import logging
@@ -248,13 +251,14 @@ class RunLock:
     def _register(cls, root: Path, fd: int, me: Holder, path: Path, created: bool) -> RunLock:
         lock = cls(root, fd, me, path, created)
         _HELD_HERE[root] = lock
+        atexit.register(lock.release)  # a run that never reached its cleanup still leaves no lock file
         log.info("holding output_dir %s (%s)", root, path.name)
         return lock
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent); remove ``output_dir`` itself if it was created for
         the lock and nothing else was written into it."""
-        if self._fd is None:
+        if self._fd is None or os.getpid() != self.holder.pid:  # a forked child never releases its parent's lock
             return
         try:
             if _same_file(self._fd, self.path):
@@ -263,6 +267,7 @@ class RunLock:
             os.close(self._fd)  # drops the record lock
             self._fd = None
             _HELD_HERE.pop(self.root, None)
+            atexit.unregister(self.release)
         if self.created_root:
             _remove_if_empty(self.root)
 

@@ -138,6 +138,9 @@ def test_a_held_folder_refuses_a_second_process_naming_the_holder_until_it_is_re
         with pytest.raises(LockHeldError, match="already held by this process"):
             RunLock.acquire(folder)
     assert not (folder / "train.lock").exists()
+    forgot = "import sys\nfrom medusa_train.training.run_lock import RunLock\nRunLock.acquire(sys.argv[1])\n"
+    subprocess.run([sys.executable, "-c", forgot, str(folder)], env=ENV, cwd=REPO_ROOT, check=True, timeout=120)
+    assert not (folder / "train.lock").exists()  # released at exit by a process that never called release()
 
 
 def test_a_lock_left_by_a_killed_process_is_taken_over_and_one_from_another_host_is_not(tmp_path, caplog):
