@@ -107,7 +107,8 @@ def read_records(path: Path, text: str | None = None) -> list[dict[str, Any]]:
             continue
         try:
             record = json.loads(line)
-            str(record["id"])
+            if not isinstance(record, dict) or "id" not in record:
+                raise KeyError("id")
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{n} is not a self-distillation record ({e}); delete that line (its reply is "
                              "generated again) or move the file away") from e

@@ -15,10 +15,10 @@ token), protected by a POSIX record lock (``fcntl.lockf``) on the open file:
 - on a file system without record locks (some Lustre mounts) the file's existence is the lock (``O_CREAT|O_EXCL``),
   with the holder's pid checked for a left-over file; this is said in a warning.
 
-Under torchrun only the main process takes the lock, before the process group starts; the other ranks write nothing
-into ``output_dir`` before the first barrier, which the main process reaches only while holding it, and then check
-that the lock file they see carries their main process's token (:func:`check_token`), which also proves that the
-folder is on a file system every rank shares.
+Under torchrun only the main process takes the lock, before the process group starts. The other ranks write nothing
+into ``output_dir`` before the first collective after it starts (the broadcast of the lock's token, which the main
+process reaches only while holding the lock), and then check that the lock file they see carries their main
+process's token (:func:`check_token`), which also proves that the folder is on a file system every rank shares.
 """
 
 from __future__ import annotations

@@ -91,6 +91,7 @@ def test_overwrite_with_bad_data_fails_before_the_finished_run_is_touched(inputs
     assert snapshot(run_copy) == before  # export, checkpoints and train_config.yaml intact; no lock left behind
 
 
+@pytest.mark.slow  # a medusa-train process per call
 def test_the_command_line_with_a_missing_data_file_leaves_the_run_folder_as_it_was(inputs, run_copy, tmp_path):
     """Through Hydra too: no copy of the failed config is written into the folder (Hydra's own .hydra/ included)."""
     model_dir, _ = inputs
@@ -163,6 +164,40 @@ def test_a_lock_left_by_a_killed_process_is_taken_over_and_one_from_another_host
                                             rf"{folder / 'train.lock'}"):
         RunLock.acquire(folder)
     assert json.loads((folder / "train.lock").read_text()) == other  # not stolen
+
+
+def test_without_file_locks_the_lock_file_itself_is_the_lock(tmp_path, monkeypatch, caplog):
+    """Some file systems (Lustre without flock) refuse record locks: the file's existence and its pid decide."""
+    import errno
+
+    from medusa_train.training.run_lock import LockHeldError, RunLock
+
+    def no_locks(fd):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(RunLock, "_record_lock", staticmethod(no_locks))
+    folder = tmp_path / "run"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        for pid in (live.pid, dead.pid):
+            folder.mkdir(exist_ok=True)
+            (folder / "train.lock").write_text(json.dumps({"pid": pid, "host": socket.gethostname(),
+                                                           "started": "then", "command": "medusa-train"}))
+            if pid == live.pid:
+                with pytest.raises(LockHeldError, match=f"in use by another run: pid {pid} on host"):
+                    RunLock.acquire(folder)
+                continue
+            with caplog.at_level(logging.WARNING, logger="medusa_train.training.run_lock"):
+                lock = RunLock.acquire(folder)
+            assert "has no file locks" in caplog.text and f"taking over the lock left by pid {pid}" in caplog.text
+            assert json.loads((folder / "train.lock").read_text())["pid"] == os.getpid()
+            lock.release()
+            assert not (folder / "train.lock").exists()
+    finally:
+        live.kill()
+        live.wait()
 
 
 class PauseAtSave(TrainerCallback):
@@ -353,6 +388,7 @@ def test_output_dir_rules(tmp_path):
         assert check_location(tmp_path / good) == (tmp_path / good).resolve()
 
 
+@pytest.mark.slow  # a medusa-train process per call
 def test_the_command_line_refuses_an_empty_or_foreign_output_dir_before_hydra_writes(inputs, tmp_path):
     model_dir, data = inputs
     cwd = tmp_path / "cwd"
