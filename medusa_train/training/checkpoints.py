@@ -51,8 +51,9 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def mark_complete(folder: str | os.PathLike[str], step: int) -> Path:
-    """Write the completeness marker into a fully saved checkpoint folder (main process, after a barrier).
+def mark_complete(folder: str | os.PathLike[str], step: int, world_size: int = 1) -> Path:
+    """Write the completeness marker into a fully saved checkpoint folder (main process, after a barrier), with the
+    number of ranks that wrote it (a resume must have as many: see :func:`saved_world_size`).
 
     Raises:
         FileNotFoundError: ``folder`` does not exist.
@@ -62,7 +63,7 @@ def mark_complete(folder: str | os.PathLike[str], step: int) -> Path:
         raise FileNotFoundError(f"checkpoint folder {folder} not found")
     files = _files_with_sizes(folder)
     digests = files_sha256(folder / name for name in files)
-    payload = {"global_step": int(step), "files": files,
+    payload = {"global_step": int(step), "world_size": int(world_size), "files": files,
                "sha256": {name: digests[folder / name] for name in files}}
     tmp = folder / f".{COMPLETE_MARKER}.tmp"
     with open(tmp, "w") as f:
@@ -124,6 +125,15 @@ def latest_complete(root: str | os.PathLike[str]) -> Path | None:
         if reason is None:
             return folder
         log.warning("skipping incomplete checkpoint %s: %s", folder, reason)
+    return None
+
+
+def saved_world_size(root: str | os.PathLike[str]) -> int | None:
+    """The number of ranks that wrote the newest complete checkpoint under ``root`` (None: none, or not recorded)."""
+    for _, folder in reversed(list_checkpoints(root)):
+        if incomplete_reason(folder) is None:
+            value = json.loads((folder / COMPLETE_MARKER).read_text()).get("world_size")
+            return int(value) if value is not None else None
     return None
 
 

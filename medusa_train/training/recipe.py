@@ -150,7 +150,7 @@ class TrainRecipe:
             ds_config = load_deepspeed_config(cfg.trainer.deepspeed)
             check_deepspeed_batch(ds_config, cfg.trainer, self.env.world_size)
         check_data_source(cfg.data)
-        check_output_dir(self.paths, self.resolved, cfg.resume, cfg.overwrite)
+        check_output_dir(self.paths, self.resolved, cfg.resume, cfg.overwrite, self.env.world_size)
         if self.joint:
             self._check_joint(ds_config)
         if cfg.push_to_hub:

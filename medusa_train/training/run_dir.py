@@ -149,7 +149,8 @@ def check_location(output_dir: str | os.PathLike[str]) -> Path:
     return root
 
 
-def check_output_dir(paths: RunPaths, resolved: dict[str, Any], resume: bool, overwrite: bool) -> None:
+def check_output_dir(paths: RunPaths, resolved: dict[str, Any], resume: bool, overwrite: bool,
+                     world_size: int = 1) -> None:
     """Rule 2 of the module docstring: refuse to start in a folder that holds another run (read-only, every rank).
 
     A folder "holds a run" once it has checkpoints or an export; a run that stopped before its first checkpoint
@@ -158,7 +159,8 @@ def check_output_dir(paths: RunPaths, resolved: dict[str, Any], resume: bool, ov
     Raises:
         OutputDirError: the folder holds a run and neither ``resume=true`` nor ``overwrite=true`` is given, or
             ``resume=true`` asks to change what the run's checkpoints fix (anything outside
-            :data:`RESUME_MAY_CHANGE`); the message lists the differing keys and only the ways out that work.
+            :data:`RESUME_MAY_CHANGE`, or the number of ranks, ``world_size``, that wrote the newest checkpoint); the
+            message lists the differences and only the ways out that work.
     """
     has_outputs = bool(checkpoints.list_checkpoints(paths.checkpoints)) or paths.export.is_dir()
     if overwrite or not has_outputs:
@@ -172,23 +174,26 @@ def check_output_dir(paths: RunPaths, resolved: dict[str, Any], resume: bool, ov
         return
     saved = OmegaConf.to_container(OmegaConf.load(paths.config), resolve=True)
     diff = config_differences(saved, resolved)
-    fixed = [k for k in diff if not resume_may_change(k)]
+    fixed = {k: _shown([k], saved, resolved) for k in diff if not resume_may_change(k)}  # name -> "k (a -> b)"
+    saved_ranks = checkpoints.saved_world_size(paths.checkpoints)
+    if saved_ranks is not None and saved_ranks != world_size:
+        fixed["the number of ranks"] = f"the number of ranks ({saved_ranks} wrote the checkpoints -> {world_size})"
     if resume and fixed:
         raise OutputDirError(
-            f"resume=true cannot continue the run in {paths.root} with {_shown(fixed, saved, resolved)}: its "
-            "checkpoints fix these (tensor shapes, optimizer state, data order). Resume with the run's own values "
-            f"(see {paths.config}), or train with the new ones in {start_over}")
+            f"resume=true cannot continue the run in {paths.root} with {', '.join(fixed.values())}: its checkpoints "
+            "fix these (tensor shapes, optimizer state, data order). Resume with the run's own values (see "
+            f"{paths.config}), or train with the new ones in {start_over}")
     if resume:
         if diff:
             log.warning("resuming in %s with a changed config: %s", paths.root, _shown(diff, saved, resolved))
         return
+    resume_works = "resume=true to continue that run with these values" if diff else "resume=true to continue it"
+    ways = (f"{resume_works}, {start_over}" if not fixed
+            else f"{start_over}; resume=true continues a run only with its own {', '.join(fixed)}")
     if diff:
-        ways = (f"resume=true to continue that run with these values, {start_over}" if not fixed
-                else f"{start_over}; resume=true continues a run only with its own values of these keys")
         raise OutputDirError(f"output_dir {paths.root} holds another run whose config differs in "
                              f"{_shown(diff, saved, resolved)}. Use {ways}")
-    raise OutputDirError(f"output_dir {paths.root} already holds checkpoints or an export of this run. Use "
-                         f"resume=true to continue it, {start_over}")
+    raise OutputDirError(f"output_dir {paths.root} already holds checkpoints or an export of this run. Use {ways}")
 
 
 def prepare_output_dir(paths: RunPaths, resolved: dict[str, Any], overwrite: bool, resume: bool = False) -> None:

@@ -176,6 +176,6 @@ class MedusaTrainer(Trainer):
         folder = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
         self.accelerator.wait_for_everyone()  # every rank's files (DeepSpeed shards, RNG states) are written
         if self.args.should_save:
-            checkpoints.mark_complete(folder, self.state.global_step)
+            checkpoints.mark_complete(folder, self.state.global_step, world_size=self.accelerator.num_processes)
             checkpoints.rotate(self.args.output_dir, self.keep_checkpoints)
         self.accelerator.wait_for_everyone()

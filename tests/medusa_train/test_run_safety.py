@@ -276,6 +276,19 @@ def test_resume_with_another_head_count_is_refused_before_the_model_loads_and_th
     assert resumed.summary["global_step"] == 12
 
 
+def test_resume_on_another_number_of_ranks_is_refused(inputs, run_copy):
+    model_dir, data = inputs
+    marker = run_copy / "checkpoints" / "checkpoint-8" / checkpoints.COMPLETE_MARKER
+    assert json.loads(marker.read_text())["world_size"] == 1
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "world_size": 2}))  # as if 2 ranks wrote it
+    with pytest.raises(ValueError, match=r"resume=true cannot continue .* the number of ranks \(2 wrote the "
+                                         r"checkpoints -> 1\)"):
+        TrainRecipe(compose_train(tiny_overrides(model_dir, data, run_copy, resume="true"))).check()
+    with pytest.raises(ValueError, match=r"already holds .* Use a new output_dir, or overwrite=true") as refused:
+        TrainRecipe(compose_train(tiny_overrides(model_dir, data, run_copy))).check()
+    assert "resume=true to continue" not in str(refused.value)
+
+
 # ---- 4. checksums, and training that stops instead of going non-finite --------------------------------------------
 
 def damage(path: Path) -> None:
