@@ -8,7 +8,8 @@ Examples::
     medusa-train ... resume=true                                       # continue from the latest complete checkpoint
 
 Under the deepspeed launcher the ``--local_rank=N`` argument it appends is moved into ``LOCAL_RANK`` before Hydra
-parses the command line.
+parses the command line. ``output_dir`` is checked (:class:`CheckOutputDir`) before Hydra creates its run folder
+inside it, so a bad one (empty, a file, someone else's folder) leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import sys
 
 import hydra
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 import medusa_train  # noqa: F401  (registers the config schemas and resolvers)
@@ -39,6 +41,27 @@ def strip_local_rank(argv: list[str]) -> list[str]:
             out.append(arg)
         i += 1
     return out
+
+
+class CheckOutputDir(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/train.yaml``): refuse a bad ``output_dir`` before Hydra makes
+    ``${output_dir}/hydra``, exiting with the one-line message of
+    :func:`~medusa_train.training.run_dir.check_location` (Hydra turns a callback's exceptions into warnings, so
+    this one exits instead)."""
+
+    def _check(self, config: DictConfig) -> None:
+        from medusa_train.training.run_dir import OutputDirError, check_location
+
+        try:
+            check_location(config.output_dir)
+        except OutputDirError as e:
+            raise SystemExit(f"medusa-train: {e}") from None
+
+    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
+        self._check(config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        self._check(config)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")

@@ -12,6 +12,7 @@ from medusa_train.data.conversations import (
     Message,
     load_conversations,
     normalize_role,
+    resolve_data_path,
 )
 from medusa_train.data.dataset import BuildStats, build_dataset
 from medusa_train.data.json_stream import JsonRecordStream
@@ -47,6 +48,7 @@ __all__ = [
     "normalize_role",
     "pad_token_id_of",
     "resolve_chat_template",
+    "resolve_data_path",
     "self_distill",
     "shard_path",
     "split_indices",

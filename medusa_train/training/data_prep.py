@@ -11,18 +11,25 @@ Steps, each failing before training with a message that names the setting to cha
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from medusa_train.config import DataConfig
-from medusa_train.data import BuildStats, Conversation, LoadStats, build_dataset, load_conversations, self_distill
+from medusa_train.config import DataConfig, TrainerConfig
+from medusa_train.data import (
+    BuildStats,
+    Conversation,
+    LoadStats,
+    build_dataset,
+    load_conversations,
+    resolve_data_path,
+    self_distill,
+)
 from medusa_train.data.conversations import normalize_record
-from medusa_train.data.json_stream import jsonl_lines
-from medusa_train.data.self_distill import distill_prompt, prompt_key, record_id, shard_path
+from medusa_train.data.self_distill import distill_prompt, prompt_key, read_records, record_id, shard_path
+from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET
 
 log = logging.getLogger(__name__)
@@ -32,22 +39,82 @@ DISTILLED_FILE = "conversations.jsonl"
 
 @dataclass
 class PreparedData:
-    """Tokenized datasets (``input_ids``, ``labels`` columns) and what preparing them counted."""
+    """Tokenized datasets (``input_ids``, ``labels`` columns) and what preparing them counted.
+
+    Attributes:
+        train, eval: the splits.
+        stats: what tokenization kept and skipped.
+        conversations: conversations given to tokenization.
+        load: what loading the source read and dropped (None for ``source=prompts``).
+        no_reply: prompts self-distillation left without a reply.
+    """
 
     train: Any
     eval: Any
     stats: BuildStats
     conversations: int
+    load: LoadStats | None = None
+    no_reply: int = 0
 
 
-def source_conversations(data: DataConfig, seed: int) -> list[Conversation]:
-    """Conversations from the configured source (prompts become single user turns).
+def check_data_source(data: DataConfig) -> None:
+    """The data files exist and can be read (no model, nothing parsed): run before anything else.
+
+    Raises:
+        FileNotFoundError, PermissionError, ValueError: from :func:`resolve_data_path`, naming ``data.path``.
+    """
+    if data.source == "prompts":
+        return
+    try:
+        resolve_data_path(data.source, data.path)
+    except (FileNotFoundError, PermissionError) as e:
+        raise type(e)(f"data.path: {e}") from e
+
+
+def check_enough_data(data: PreparedData, num_heads: int, trainer: TrainerConfig, world_size: int) -> None:
+    """Refuse a training split too small to train on, saying what was dropped and why.
+
+    Too small: fewer conversations than one optimizer step takes (micro batch x accumulation steps x ranks), or no
+    labelled token far enough into any conversation for the last head to have a target (head k at position t
+    predicts t + k + 2, so head K-1 needs a labelled token at position K + 1 or later).
+
+    Raises:
+        ValueError: the counts, the drops (loading, self-distillation, tokenization) and what to change.
+    """
+    micro, accum = trainer.per_device_train_batch_size, trainer.gradient_accumulation_steps
+    rows_per_step = micro * accum * world_size
+    rows_per_step_text = (f"trainer.per_device_train_batch_size={micro} x trainer.gradient_accumulation_steps={accum}"
+                          f" x {world_size} ranks")
+    rows = len(data.train)
+
+    def labelled(row: int, start: int = 0) -> int:
+        return sum(1 for label in data.train[row]["labels"][start:] if label != IGNORE_INDEX)
+
+    # the first row that gives the last head a target ends the scan (usually row 0)
+    late = any(labelled(i, num_heads + 1) for i in range(rows))
+    if rows >= rows_per_step and late:
+        return
+    total = sum(labelled(i) for i in range(rows))
+    dropped = [data.load.summary()] if data.load is not None else []
+    if data.no_reply:
+        dropped.append(f"{data.no_reply} prompts without a self-distilled reply")
+    dropped.append(data.stats.skipped_summary() or "tokenization skipped none")
+    why = (f"one optimizer step takes {rows_per_step} ({rows_per_step_text})" if rows < rows_per_step else
+           f"head {num_heads - 1} would never have a target (no labelled token at position {num_heads + 1} or later)")
+    raise ValueError(
+        f"too little data to train on: {rows} training conversations with {total} labelled tokens "
+        f"({len(data.eval)} held out), and {why}. Dropped on the way: {'; '.join(dropped)}. Add conversations (check "
+        "data.path and data.max_conversations) or lower trainer.per_device_train_batch_size")
+
+
+def source_conversations(data: DataConfig, seed: int) -> tuple[list[Conversation], LoadStats | None]:
+    """Conversations from the configured source (prompts become single user turns) and what loading counted.
 
     Raises:
         ValueError, FileNotFoundError: from :func:`load_conversations` (empty file, no assistant turn, missing path).
     """
     if data.source == "prompts":
-        return [[{"role": "user", "content": p}] for p in data.prompts]
+        return [[{"role": "user", "content": p}] for p in data.prompts], None
     conversations, stats = load_conversations(
         data.source, data.path, data.max_conversations, seed, require_assistant=not data.self_distill,
         stride=data.stride,
@@ -60,7 +127,7 @@ def source_conversations(data: DataConfig, seed: int) -> list[Conversation]:
                         "medusa-tune-tree and benchmarks start: measure on other prompts (prompts.offset) or lower "
                         "data.max_conversations * data.stride (now %s)", SHAREGPT_HELDOUT_OFFSET,
                         "all" if reach is None else reach)
-    return conversations
+    return conversations, stats
 
 
 def read_distilled(conversations: list[Conversation], output_path: Path, world_size: int) -> list[Conversation]:
@@ -85,11 +152,9 @@ def read_distilled(conversations: list[Conversation], output_path: Path, world_s
         path = shard_path(output_path, rank, world_size)
         if not path.is_file():
             continue
-        for line in jsonl_lines(path.read_text(encoding="utf-8")):
-            if line.strip():
-                record = json.loads(line)
-                for i in wanted.get(prompt_key(str(record.get("id", ""))), []):
-                    records[i] = record
+        for record in read_records(path):
+            for i in wanted.get(prompt_key(str(record["id"])), []):
+                records[i] = record
     prompts = sum(len(v) for v in wanted.values())
     if not records:
         raise ValueError(f"self-distillation answered none of the {prompts} prompts (all longer than max_length?);"
@@ -120,7 +185,8 @@ def prepare_data(
         ValueError: no usable conversation, a file without records, every conversation skipped by tokenization.
         FileNotFoundError: a missing data file or package.
     """
-    conversations = source_conversations(data, seed)
+    conversations, load = source_conversations(data, seed)
+    no_reply = 0
     if data.self_distill:
         output_path = self_distill_dir / DISTILLED_FILE
         # a prompt of max_length tokens or more leaves no room for a labelled reply: do not generate one
@@ -129,7 +195,9 @@ def prepare_data(
                              output_path, rank, world_size, max_prompt_tokens=max_prompt)
         log.info("self-distillation (rank %d): %s", rank, stats)
         barrier()
+        prompts = len(conversations)
         conversations = read_distilled(conversations, output_path, world_size)
+        no_reply = prompts - len(conversations)
     train, held_out, build = build_dataset(tokenizer, conversations, max_length, data.eval_fraction, seed,
                                            num_proc=data.num_proc)
     if build.at_max_length:
@@ -139,4 +207,5 @@ def prepare_data(
         )
     log.info("data: %d train and %d eval conversations, %d tokens, %d labelled", len(train), len(held_out),
              build.tokens, build.label_tokens)
-    return PreparedData(train=train, eval=held_out, stats=build, conversations=len(conversations))
+    return PreparedData(train=train, eval=held_out, stats=build, conversations=len(conversations), load=load,
+                        no_reply=no_reply)

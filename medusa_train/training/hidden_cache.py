@@ -4,8 +4,9 @@ With the base frozen (Medusa-1), its last hidden states and greedy tokens never 
 :func:`build_hidden_cache` splits a tokenized dataset over ranks (row i goes to rank ``i % world_size``); each rank
 writes one safetensors shard holding its rows' hidden states ``[N_tokens, H]`` (base dtype), base argmax tokens
 ``[N_tokens]`` and row offsets, through a temporary file renamed into place, next to a JSON description with a
-fingerprint of the data and the base model. A shard whose description matches is reused (a resumed run skips the
-base entirely). :class:`CachedHiddenDataset` reads rows back lazily (memory-mapped) from all shards, so the
+fingerprint of the data and the base model and the shard file's size and sha256. A shard whose description matches
+and whose file still has that size and checksum is reused (a resumed run skips the base entirely); a damaged one is
+rebuilt, with a warning. :class:`CachedHiddenDataset` reads rows back lazily (memory-mapped) from all shards, so the
 Trainer's sampler sees the same rows in the same order as without the cache, and :class:`HiddenCollator` pads them.
 
 Every rank reads every shard: ``output_dir`` (or ``hidden_cache_dir``) must be on a file system all ranks share.
@@ -29,12 +30,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from medusa_train.checksums import file_sha256
 from medusa_train.data.collate import Collator
 from medusa_train.training.step import FrozenBase
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: descriptions hold the shard's size and sha256
 
 
 def dataset_fingerprint(dataset: Any, base_name: str, dtype: torch.dtype) -> str:
@@ -58,21 +60,32 @@ class ShardInfo:
     rows: list[int]
     hidden_size: int
     dtype: str
+    size: int
+    sha256: str
 
     def to_json(self) -> dict[str, Any]:
         return {"version": CACHE_VERSION, "fingerprint": self.fingerprint, "rows": self.rows,
-                "hidden_size": self.hidden_size, "dtype": self.dtype}
+                "hidden_size": self.hidden_size, "dtype": self.dtype, "size": self.size, "sha256": self.sha256}
 
 
-def _shard_is_current(folder: Path, name: str, fingerprint: str, rows: list[int]) -> bool:
+def _shard_problem(folder: Path, name: str, fingerprint: str, rows: list[int], verify: bool) -> str | None:
+    """None when the shard can be reused, else why not: missing, built for other data, or (checked by size, and with
+    ``verify`` by sha256) changed since it was written."""
     meta_path, data_path = folder / f"{name}.json", folder / f"{name}.safetensors"
     if not (meta_path.is_file() and data_path.is_file()):
-        return False
+        return "missing"
     try:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError:
-        return False
-    return meta.get("version") == CACHE_VERSION and meta.get("fingerprint") == fingerprint and meta.get("rows") == rows
+        return "its description is unreadable"
+    if not (meta.get("version") == CACHE_VERSION and meta.get("fingerprint") == fingerprint
+            and meta.get("rows") == rows):
+        return "built for other data"
+    if data_path.stat().st_size != meta.get("size"):
+        return f"damaged: {data_path.stat().st_size} bytes, {meta.get('size')} when written"
+    if verify and file_sha256(data_path) != meta.get("sha256"):
+        return "damaged: its sha256 differs from the one recorded when it was written (same size)"
+    return None
 
 
 @torch.no_grad()
@@ -110,9 +123,12 @@ def build_hidden_cache(
     name = shard_name(split, rank, world_size)
     rows = list(range(rank, len(dataset), world_size))
     target = folder / f"{name}.safetensors"
-    if _shard_is_current(folder, name, fingerprint, rows):
+    problem = _shard_problem(folder, name, fingerprint, rows, verify=True)
+    if problem is None:
         log.info("hidden cache: reusing %s (%d rows)", target, len(rows))
         return target
+    if problem.startswith("damaged"):
+        log.warning("hidden cache: %s is %s; rebuilding it", target, problem)
     lengths = [len(dataset[i]["input_ids"]) for i in rows]
     hidden_parts: list[torch.Tensor | None] = [None] * len(rows)
     argmax_parts: list[torch.Tensor | None] = [None] * len(rows)
@@ -138,7 +154,8 @@ def build_hidden_cache(
     tmp = folder / f".{name}.safetensors.tmp"
     save_file(tensors, str(tmp))
     os.replace(tmp, target)
-    info = ShardInfo(fingerprint=fingerprint, rows=rows, hidden_size=H, dtype=str(tensors["hidden"].dtype))
+    info = ShardInfo(fingerprint=fingerprint, rows=rows, hidden_size=H, dtype=str(tensors["hidden"].dtype),
+                     size=target.stat().st_size, sha256=file_sha256(target))
     meta_tmp = folder / f".{name}.json.tmp"
     meta_tmp.write_text(json.dumps(info.to_json()))
     os.replace(meta_tmp, folder / f"{name}.json")  # written last: a shard without its description is rebuilt
@@ -152,7 +169,8 @@ class CachedHiddenDataset(torch.utils.data.Dataset):
     Item i: ``{"hidden": [T_i, H], "base_argmax": [T_i] long, "labels": [T_i] long}``.
 
     Raises:
-        FileNotFoundError: a shard of ``world_size`` is missing or was built for other data (fingerprint).
+        FileNotFoundError: a shard of ``world_size`` is missing, was built for other data (fingerprint) or has
+            changed size since it was written (its owner rank verified its checksum in :func:`build_hidden_cache`).
     """
 
     def __init__(
@@ -164,10 +182,11 @@ class CachedHiddenDataset(torch.utils.data.Dataset):
         self.where: dict[int, tuple[int, int]] = {}  # row -> (shard, position in shard)
         for s, name in enumerate(self.names):
             rows = list(range(s, len(dataset), world_size))
-            if not _shard_is_current(self.folder, name, fingerprint, rows):
+            problem = _shard_problem(self.folder, name, fingerprint, rows, verify=False)
+            if problem is not None:
                 raise FileNotFoundError(
-                    f"hidden cache shard {self.folder / name}.safetensors is missing or belongs to other data; "
-                    "it is rebuilt at the start of training (delete the folder to force it)"
+                    f"hidden cache shard {self.folder / name}.safetensors is {problem}; it is rebuilt at the start "
+                    "of training (delete the folder to force it)"
                 )
             for j, row in enumerate(rows):
                 self.where[row] = (s, j)

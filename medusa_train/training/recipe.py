@@ -5,13 +5,18 @@ when ``heads.stage1_epochs > 0`` (:mod:`medusa_train.training.stages`), then tra
 :mod:`medusa_train.training.joint`) together with the heads (:class:`~medusa_train.training.joint_trainer.JointTrainer`)
 and exports the heads with the fine-tuned base merged into ``export/base``.
 
-Everything that can be checked without a model is checked first, on every rank: config values, the launcher's world
-size against the trainer strategy, DeepSpeed batch sizes, and whether ``output_dir`` holds another run. Then the
-process group starts (through ``TrainingArguments``), the base model loads (converted once, main process first), the
-data is prepared (self-distillation sharded over ranks), the heads are built from the base lm_head, and the HF Trainer
-trains them (:class:`~medusa_train.training.trainer.MedusaTrainer`). At the end every rank joins in gathering the
-heads' full fp32 weights (sharded under ZeRO-3); the main process measures per-head accuracy on the held-out split,
-prints the table and writes ``export/`` with ``train_head_accuracy.json``.
+Everything that can be checked without a model is checked first, on every rank, reading only: config values, the
+launcher's world size against the trainer strategy, DeepSpeed batch sizes, the data files, ``output_dir`` itself
+(not empty, not a file, not someone else's folder) and whether it holds another run, or a run that ``resume=true``
+cannot continue with this config (:mod:`~medusa_train.training.run_dir`). Then the main process takes the folder's
+lock (:mod:`~medusa_train.training.run_lock`), the process group starts (through ``TrainingArguments``), the base
+model loads (converted once, main process first), the data is prepared (self-distillation sharded over ranks) and
+refused if too little is left, and the heads are built from the base lm_head. Only then is the folder changed: an
+overwritten run cleared, unusable checkpoints dropped, ``train_config.yaml`` written. The HF Trainer trains the heads
+(:class:`~medusa_train.training.trainer.MedusaTrainer`, which stops on a non-finite loss or weight and on a diverged
+head). At the end every rank joins in gathering the heads' full fp32 weights (sharded under ZeRO-3) and checks them
+finite; the main process measures per-head accuracy on the held-out split, prints the table and writes ``export/``
+with ``train_head_accuracy.json``. The lock is released on the way out, whether the run succeeded or failed.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from medusa_train.training.arguments import (
     zero3_hidden_from_transformers,
 )
 from medusa_train.training.callbacks import exit_callback_from_env
-from medusa_train.training.data_prep import PreparedData, prepare_data
+from medusa_train.training.data_prep import PreparedData, check_data_source, check_enough_data, prepare_data
 from medusa_train.training.evaluate import head_accuracy
 from medusa_train.training.hidden_cache import (
     CachedHiddenDataset,
@@ -54,12 +59,13 @@ from medusa_train.training.hidden_cache import (
     dataset_fingerprint,
 )
 from medusa_train.training.metrics import format_table
-from medusa_train.training.run_dir import RunPaths, check_output_dir, prepare_output_dir
+from medusa_train.training.run_dir import RunPaths, check_location, check_output_dir, prepare_output_dir
+from medusa_train.training.run_lock import RunLock, check_token
 from medusa_train.training.joint import JointMedusaModel, causal_lm, lora_target_modules, prepare_base
 from medusa_train.training.joint_trainer import JointSpec, JointTrainer, load_trainable_state
 from medusa_train.training.stages import STAGE1_DIR, stage1_config, stage1_done
 from medusa_train.training.step import FrozenBase, LossSpec
-from medusa_train.training.trainer import MedusaTrainer
+from medusa_train.training.trainer import MedusaTrainer, TrainingStopped, nonfinite_names
 
 log = logging.getLogger(__name__)
 
@@ -130,18 +136,21 @@ class TrainRecipe:
         self.summary: dict[str, Any] = {}
         self.joint = self.cfg.heads.mode == "medusa2"
         self.init_heads_from: Path | None = Path(self.cfg.heads.init_from) if self.cfg.heads.init_from else None
+        self.lock: RunLock | None = None
 
     # ---- setup ---------------------------------------------------------------------------------------------------
 
     def check(self) -> dict[str, Any] | None:
         """The checks that need no model (every rank, read-only); returns the DeepSpeed config, if any."""
         cfg = self.cfg
+        check_location(cfg.output_dir)
         check_strategy(cfg.trainer, self.env)
         ds_config = None
         if cfg.trainer.strategy == "deepspeed":
             ds_config = load_deepspeed_config(cfg.trainer.deepspeed)
             check_deepspeed_batch(ds_config, cfg.trainer, self.env.world_size)
-        check_output_dir(self.paths, self.resolved, cfg.resume, cfg.overwrite)
+        check_data_source(cfg.data)
+        check_output_dir(self.paths, self.resolved, cfg.resume, cfg.overwrite, self.env.world_size)
         if self.joint:
             self._check_joint(ds_config)
         if cfg.push_to_hub:
@@ -160,19 +169,51 @@ class TrainRecipe:
             raise ValueError("heads.share_lm_head=true with heads.mode=medusa2 under ZeRO-3: the heads would read the "
                              "sharded lm_head weight outside its module; use heads.share_lm_head=false or ZeRO-2")
 
+    def hold(self) -> dict[str, Any] | None:
+        """Main process: take ``output_dir``'s lock (once the folder passes :func:`check_location`), then
+        :meth:`check` under it, so that the folder cannot change between the checks and the run; other ranks:
+        :meth:`check`. Returns the DeepSpeed config. A failed check releases the lock, leaving the folder as it was
+        (one created for the lock is removed again).
+
+        Raises:
+            LockHeldError: another run holds the folder (named), see :class:`RunLock`.
+        """
+        if self.env.is_main and self.lock is None:
+            check_location(self.cfg.output_dir)
+            self.lock = RunLock.acquire(self.paths.root)
+        try:
+            return self.check()
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Release ``output_dir``'s lock, if this process holds it (idempotent; see :meth:`RunLock.release`)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _check_lock_shared(self) -> None:
+        """Under a launcher: every rank sees the lock its main process holds (one run, one shared folder)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        token = [self.lock.holder.token if self.lock is not None else None]
+        torch.distributed.broadcast_object_list(token, src=0)
+        if not self.env.is_main:
+            check_token(self.paths.root, token[0])
+
     def setup(self) -> None:
-        """Checks, process group, base model, data, heads, optional hidden cache, Trainer."""
+        """Checks and the folder's lock, process group, base model, data, heads, optional hidden cache, then the
+        folder is prepared and the Trainer built."""
         cfg = self.cfg
-        ds_config = self.check()
+        ds_config = self.hold()
         args = training_arguments(cfg.trainer, cfg.logger, checkpoints_dir=self.paths.checkpoints, seed=cfg.seed,
                                   deepspeed_config=ds_config, world_size=self.env.world_size)
         device = args.device  # starts the process group under a launcher
         from accelerate import PartialState
 
         self.barrier = PartialState().wait_for_everyone
-        if self.env.is_main:
-            prepare_output_dir(self.paths, self.resolved, cfg.overwrite)
-        self.barrier()
+        self._check_lock_shared()
         set_seed(cfg.seed)
 
         with zero3_hidden_from_transformers(args):
@@ -189,6 +230,7 @@ class TrainRecipe:
                 self_distill_dir=Path(cfg.data.self_distill_dir or self.paths.self_distill),
                 rank=self.env.rank, world_size=self.env.world_size, barrier=self.barrier,
             )
+        check_enough_data(data, cfg.heads.medusa_num_heads, cfg.trainer, self.env.world_size)
         heads = self._initial_heads(base) if self.init_heads_from else self._new_heads(base, data)
         vocab_size = int(base.get_output_embeddings().weight.shape[0])
         self.loss_spec = LossSpec(target=cfg.heads.target, decay=cfg.heads.loss_decay,
@@ -202,6 +244,9 @@ class TrainRecipe:
             train_set, eval_set = self._cached_datasets(data, device, args.per_device_eval_batch_size)
         self.eval_set = eval_set
         self.data = data
+        if self.env.is_main:  # the run is known to start: only now is the folder changed
+            prepare_output_dir(self.paths, self.resolved, cfg.overwrite, resume=cfg.resume)
+        self.barrier()
 
         callbacks = [*self.extra_callbacks]
         exit_cb = exit_callback_from_env()
@@ -296,6 +341,10 @@ class TrainRecipe:
         """Gather the trained weights (every rank), then on the main process: (Medusa-2: the fine-tuned base,
         merged), accuracy table, export. Returns ``export/``."""
         state = gather_trainable_state(self.trainer)
+        bad = nonfinite_names(state.items())  # every rank holds the gathered state: all stop together
+        if bad:
+            raise TrainingStopped(f"the trained weights are not finite ({', '.join(bad[:4])}): nothing is exported; "
+                                  "lower trainer.learning_rate and start again with overwrite=true")
         export_dir = None
         if self.env.is_main:
             spec = self.trainer.model.spec
@@ -395,16 +444,19 @@ class TrainRecipe:
     def run_stage1(self) -> None:
         """Train the heads alone into ``${output_dir}/stage1`` (reused when ``resume=true`` finds its export), and
         start the joint stage from its export. The process group stays up for the joint stage."""
-        self.check()  # this run's own checks first: a bad joint config fails before stage 1 trains
+        self.hold()  # this run's own checks and lock first: a bad joint config fails before stage 1 trains
         folder = self.paths.root / STAGE1_DIR
         if self.cfg.resume and stage1_done(folder):
             log.info("stage 1: reusing the heads in %s", folder / "export")
         else:
             stage1 = TrainRecipe(stage1_config(self.resolved, folder, self.paths.self_distill))
-            stage1.setup()
-            stage1.train()
-            stage1.save()
-            stage1.finish_tracker()
+            try:
+                stage1.setup()
+                stage1.train()
+                stage1.save()
+                stage1.finish_tracker()
+            finally:
+                stage1.release()
             self.summary["stage1"] = stage1.summary
             del stage1
         self.init_heads_from = folder / "export"
@@ -420,12 +472,16 @@ class TrainRecipe:
                 wandb.finish(exit_code=1 if failed else 0)
 
     def cleanup(self, failed: bool = False) -> None:
-        """Close the tracker run and the process group (without waiting for other ranks when this one ``failed``)."""
-        self.finish_tracker(failed)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            if not failed:
-                torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+        """Close the tracker run and the process group (without waiting for other ranks when this one ``failed``),
+        and release ``output_dir``'s lock."""
+        try:
+            self.finish_tracker(failed)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                if not failed:
+                    torch.distributed.barrier()
+                torch.distributed.destroy_process_group()
+        finally:
+            self.release()
 
     def run(self) -> dict[str, Any]:
         """(Medusa-2 stage 1,) setup, train, save, cleanup; returns a summary (global_step, train_loss, accuracy,

@@ -12,11 +12,18 @@ not at all when batches come from the hidden-state cache. What changes from the 
 - ``evaluation_loop``: the same per-head metrics for evaluations run during training.
 - ``_save_checkpoint``: marks each checkpoint complete after every rank saved, and rotates old ones afterwards
   (:mod:`medusa_train.training.checkpoints`).
+- stops (:class:`TrainingStopped`, with the step and a hint) instead of training on: a non-finite loss (checked at
+  every micro-batch, after its backward pass and before the optimizer step, so the weights stay as they were), a
+  non-finite trainable weight (checked on every rank before each checkpoint is written, so none holds NaN), and a
+  diverged head: one whose logged mean loss is over :data:`DIVERGED_FACTOR` times ``ln V'`` (what a uniform guess
+  over its V' tokens costs, which a freshly initialised head is far below).
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -26,6 +33,22 @@ from transformers import Trainer
 from medusa_train.training import checkpoints
 from medusa_train.training.metrics import HeadMetrics
 from medusa_train.training.step import FrozenBase, LossSpec, heads_on_batch, real_tokens
+
+DIVERGED_FACTOR = 10.0
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped before it spoiled the weights: a non-finite loss or weight, or a diverged head."""
+
+
+def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an infinity."""
+    return [name for name, t in named if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's values of a parameter (its partition under DeepSpeed ZeRO-3, where ``param`` itself is empty)."""
+    return getattr(param, "ds_tensor", param)
 
 
 class MedusaTrainer(Trainer):
@@ -82,6 +105,42 @@ class MedusaTrainer(Trainer):
             loss = loss * self.accelerator.num_processes
         return loss
 
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """The stock step (forward, backward), then a stop on a non-finite loss before the optimizer can use it."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not bool(torch.isfinite(loss).all()):
+            self._stop(self.state.global_step + 1, f"the loss is {float(loss)}; the optimizer step was not taken, so "
+                       "the weights and the last checkpoint are as they were")
+        return loss
+
+    def _stop(self, step: int, what: str) -> None:
+        """Raise :class:`TrainingStopped` at optimizer step ``step``, with the way out."""
+        raise TrainingStopped(
+            f"training stopped at step {step}: {what}. No export was written. Lower trainer.learning_rate (now "
+            f"{self.args.learning_rate:g}; Medusa trains heads at 1e-3) or check the data, and start again with "
+            "overwrite=true (resume=true would keep the run's learning rate)")
+
+    def _check_divergence(self, logs: dict[str, float]) -> None:
+        vocab = self.loss_spec.vocab_size if self.loss_spec.token_map is None else self.loss_spec.token_map.numel()
+        limit = DIVERGED_FACTOR * math.log(vocab)
+        for k in range(self.model.spec.num_heads):
+            loss = logs.get(f"head{k}/loss")
+            if loss is not None and not loss <= limit:  # NaN fails the comparison too
+                self._stop(self.state.global_step,
+                           f"head {k}'s mean loss over the last {self.args.logging_steps} steps is {loss:.4g}, over "
+                           f"{DIVERGED_FACTOR:g} x ln({vocab}) = {limit:.1f} (ten times what a uniform guess costs): "
+                           "training diverged, and checkpoints written since it started may hold diverged weights")
+
+    def _check_finite_weights(self, model: nn.Module) -> None:
+        """Every rank, before a checkpoint: stop if any rank holds a non-finite trainable weight."""
+        bad = nonfinite_names((n, _local(p).detach()) for n, p in model.named_parameters() if p.requires_grad)
+        flag = self._reduce_sum(torch.tensor([float(len(bad))], device=self.args.device))
+        if float(flag.sum()) > 0:
+            shown = ", ".join(bad[:4]) + (" ..." if len(bad) > 4 else "") if bad else "on another rank"
+            self._stop(self.state.global_step,
+                       f"trainable weights are not finite ({shown}); this checkpoint was not written")
+
     @staticmethod
     def phase(model: nn.Module) -> str:
         return "train" if model.training else "eval"
@@ -97,6 +156,7 @@ class MedusaTrainer(Trainer):
             train = self.head_metrics["train"]
             logs = {**logs, **train.summary(self._reduce_sum)}
             train.reset()
+            self._check_divergence(logs)  # the same reduced values on every rank: all ranks stop together
         super().log(logs, start_time)
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
@@ -111,10 +171,11 @@ class MedusaTrainer(Trainer):
         return output
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        self._check_finite_weights(self.model)
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
         self.accelerator.wait_for_everyone()  # every rank's files (DeepSpeed shards, RNG states) are written
         if self.args.should_save:
-            checkpoints.mark_complete(folder, self.state.global_step)
+            checkpoints.mark_complete(folder, self.state.global_step, world_size=self.accelerator.num_processes)
             checkpoints.rotate(self.args.output_dir, self.keep_checkpoints)
         self.accelerator.wait_for_everyone()

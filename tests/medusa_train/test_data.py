@@ -271,6 +271,20 @@ def test_load_errors(tmp_path):
         load_conversations("json", SHAREGPT_JSON, max_conversations=0)
 
 
+def test_conversations_whose_turns_are_all_empty_are_counted_as_such_not_as_duplicates(tmp_path, caplog):
+    blank = {"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": " \n"}]}
+    real = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [blank, real, blank]))
+    with caplog.at_level(logging.WARNING):
+        conversations, stats = load_conversations("json", path)
+    assert (stats.records, stats.kept, stats.blank, stats.empty) == (3, 1, 2, 0)
+    assert "2 whose turns are all empty" in caplog.text
+    path.write_text(json.dumps(blank) + "\n")
+    with pytest.raises(ValueError, match="1 whose turns are all empty"):
+        load_conversations("json", path)
+
+
 # ------------------------------------------------------------------------------------------ tokenization
 
 
@@ -646,3 +660,23 @@ def test_self_distill_sharding_is_disjoint(tok, tiny_model, tmp_path):
     assert stats.kept == 8
     with pytest.raises(ValueError, match="rank must be in"):
         self_distill(tiny_model, tok, conversations, 2, batch_size=4, output_path=out, rank=2, world_size=2)
+
+
+def test_self_distilled_records_carry_checksums_and_a_damaged_middle_line_is_named(tok, tiny_model, tmp_path):
+    from medusa_train.training.data_prep import read_distilled
+
+    conversations = distill_conversations()
+    out = tmp_path / "sd.jsonl"
+    self_distill(tiny_model, tok, conversations, max_new_tokens=4, batch_size=8, output_path=out)
+    lines = out.read_text(encoding="utf-8").splitlines(keepends=True)
+    record = json.loads(lines[1])
+    record["conversations"][-1]["value"] += " (edited)"  # still valid JSON, no longer what the model said
+    damaged = lines[:1] + [json.dumps(record, ensure_ascii=False) + "\n"] + lines[2:]
+    out.write_text("".join(damaged), encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"{out}:2: the record does not match its checksum.*delete that line"):
+        self_distill(tiny_model, tok, conversations, max_new_tokens=4, batch_size=8, output_path=out)
+    with pytest.raises(ValueError, match=rf"{out}:2: the record does not match its checksum"):
+        read_distilled(conversations, out, world_size=1)
+    out.write_text("".join(lines[:1] + ['{"id": "broken\n'] + lines[2:]), encoding="utf-8")  # not JSON at all
+    with pytest.raises(ValueError, match=rf"{out}:2 is not a self-distillation record"):
+        read_distilled(conversations, out, world_size=1)

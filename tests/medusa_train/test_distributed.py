@@ -65,6 +65,7 @@ def test_ddp_two_ranks_train_the_same_heads_as_one_process(reference):
     assert result.stdout.count("per-head accuracy on the eval split") == 1  # rank 0 only
     assert sorted(p.name for p in (out / "hydra").glob("*.log")) == ["train-rank0.log", "train-rank1.log"]
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["checkpoint-4", "checkpoint-8"]
+    assert not (out / "train.lock").exists()  # rank 0 held the folder for the run, and released it
 
 
 def test_deepspeed_zero3_two_ranks_train_the_same_heads_as_one_process(reference):
@@ -95,4 +96,5 @@ def test_killed_deepspeed_zero2_run_resumes_to_the_same_heads(reference):
     check_ok(resumed)
     assert "resuming from" in resumed.stderr + resumed.stdout
     assert "hidden cache: reusing" in resumed.stderr + resumed.stdout
+    assert "taking over the lock left by pid" in resumed.stderr + resumed.stdout  # the killed rank 0's
     assert_same_heads(single, exported_heads(out / "export"))

@@ -454,10 +454,14 @@ def test_output_dir_holding_another_run_needs_resume_or_overwrite(tiny_inputs, t
     other = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", seed=7)))
     other.check()  # a run that stopped before its first checkpoint leaves nothing to protect
     (tmp_path / "run" / "checkpoints" / "checkpoint-2").mkdir(parents=True)
-    with pytest.raises(ValueError, match=r"differs in seed \(42 -> 7\).*resume=true.*new output_dir.*overwrite=true"):
+    # the seed fixes the data order of the checkpoints: resume=true is not advised, it could not continue with it
+    with pytest.raises(ValueError, match=r"differs in seed \(42 -> 7\)\. Use a new output_dir, or overwrite=true"):
         other.check()
+    longer = {"trainer.max_steps": 16}
+    with pytest.raises(ValueError, match=r"trainer.max_steps \(8 -> 16\)\. Use resume=true.*new output_dir.*overwrite"):
+        TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", **longer))).check()
     TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", seed=7, overwrite="true"))).check()
-    TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", seed=7, resume="true"))).check()
+    TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", resume="true", **longer))).check()
     with pytest.raises(ValueError, match="already holds checkpoints or an export of this run"):
         first.check()
 
