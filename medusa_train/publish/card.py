@@ -327,7 +327,9 @@ def _engines(contents: ExportContents, repo: str) -> str:
             "The top level of this repository is in FasterDecoding's layout: `config.json` with `medusa_num_heads`, "
             "`medusa_num_layers` and `base_model_name_or_path` (the base model both load; no `architectures`, with "
             "which TGI would not take it for Medusa heads), and the heads under the keys "
-            "`{h}.{l}.linear.weight|bias` and `{h}.{L}.weight`.\n\n")
+            "`{h}.{l}.linear.weight|bias` and `{h}.{L}.weight`."
+            + ("" if contents.base_is_hub_id else f" `{base}` is a local file's name: set `base_model_name_or_path` "
+               "to a base model they can load first.") + "\n\n")
     if spec is not None and spec.head_vocab_size is not None:
         text += (f"These heads predict over a reduced vocabulary of {spec.head_vocab_size} of the base model's "
                  f"{spec.vocab_size} tokens, mapped to token ids by `{TOKEN_MAP_FILE}`. FasterDecoding and Text "

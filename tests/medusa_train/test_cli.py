@@ -4,9 +4,14 @@ gets one line naming it and an example, exit status 2, before Hydra creates any 
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 
 ENTRY_POINTS = {  # module, its required settings, the example the message shows
     "medusa-tune-tree": ("medusa_train.cli.tune_tree", ["export_dir"], "medusa-tune-tree export_dir="),
@@ -41,7 +46,9 @@ def test_missing_required_settings_get_one_line_with_an_example(command, tmp_pat
         assert capsys.readouterr().err.startswith(f"{command}: {required[1]} is required: add {required[1]}=...")
 
 
-def test_complete_command_lines_reach_the_command_itself(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    code = run_main("inference.cli.generate", [f"export_dir={tmp_path / 'nowhere'}", "prompt=hi"], monkeypatch)
-    assert code == 1 and "is not a folder (an export written by medusa-train)" in capsys.readouterr().err
+def test_complete_command_lines_reach_the_command_itself(tmp_path):
+    # a process of its own: Hydra's run reconfigures logging (generate.yaml disables it), which must not leak here
+    run = subprocess.run([sys.executable, "-m", "inference.cli.generate", f"export_dir={tmp_path / 'nowhere'}",
+                          "prompt=hi"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 1 and "is not a folder (an export written by medusa-train)" in run.stderr
