@@ -4,8 +4,8 @@ Hydra resolves its own settings (``hydra.run.dir: ${output_dir}``, ``${export_di
 runs, so a missing ``export_dir`` would print about a hundred lines of Hydra internals. :func:`hydra_app` composes
 the config first (the same files, schemas and overrides Hydra will use) and, when a required value (``???``) is
 still missing, prints one line (``medusa-tune-tree: export_dir is required: add export_dir=... (e.g.
-medusa-tune-tree export_dir=runs/stories/export)``) and exits with status 2, before Hydra creates any folder. Anything else (bad keys, sweeps, ``--help``, ``--cfg``) is left
-to Hydra's own messages.
+medusa-tune-tree export_dir=runs/stories/export)``) and exits with status 2, before Hydra creates any folder.
+Anything else (bad keys, sweeps, ``--help``, ``--cfg``) is left to Hydra's own messages.
 """
 
 from __future__ import annotations

@@ -339,10 +339,11 @@ def _engines(contents: ExportContents, repo: str) -> str:
         return text
     fd_reason = fasterdecoding_limitation(spec) if spec is not None else None
     if LEGACY_WEIGHTS_FILE in contents.files and fd_reason is None:
-        text += (f"- **FasterDecoding** (`pip install medusa-llm`, Llama bases): `MedusaModel.from_pretrained(\"{repo}\")` "
-                 f"builds the base model `{base}` and loads `{LEGACY_WEIGHTS_FILE}` (a `torch.save` of the heads"
-                 + (", each head's projection being the base lm_head, as these heads share it" if spec and
-                    spec.share_lm_head else "") + ").\n")
+        shared = ", each head's projection being the base lm_head, as these heads share it" \
+            if spec is not None and spec.share_lm_head else ""
+        text += ("- **FasterDecoding** (`pip install medusa-llm`, Llama bases): "
+                 f"`MedusaModel.from_pretrained(\"{repo}\")` builds the base model `{base}` and loads "
+                 f"`{LEGACY_WEIGHTS_FILE}` (a `torch.save` of the heads{shared}).\n")
     else:
         why = fd_reason or f"this export has no `{LEGACY_WEIGHTS_FILE}` (re-export with medusa-train to write it)"
         text += f"- **FasterDecoding** cannot load these heads: {why}.\n"

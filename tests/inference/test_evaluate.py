@@ -438,8 +438,9 @@ def test_a_new_tree_or_new_heads_remeasure_only_the_medusa_rows(export, prompts,
     heads, _ = load_heads(mine)
     with torch.no_grad():
         heads.block_weight.mul_(0.5)
-    save_export(heads, mine, json.loads((mine / "config.json").read_text())["base_model_name_or_path"], vllm=False,
-                extra_config={"medusa_train_model": json.loads((mine / "config.json").read_text())["medusa_train_model"]})
+    record = json.loads((mine / "config.json").read_text())
+    save_export(heads, mine, record["base_model_name_or_path"], vllm=False,
+                extra_config={"medusa_train_model": record["medusa_train_model"]})
     monkeypatch.undo()
     counter = CallCounter(monkeypatch)
     evaluate(config(mine, prompts, out, "num_prompts=2"))
