@@ -196,12 +196,24 @@ def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
                                   "tree_nodes": len(choices) + 1})
 
 
-def _draft(settings: DraftConfig, ctx: BuildContext) -> tuple[Any, Any, dict[str, Any]]:
-    """(draft model, its tokenizer or None, info) for ``settings``; a separate model takes the run's dtype/device
-    overrides and is loaded once per run however many decoders use it."""
+def _draft(settings: DraftConfig, ctx: BuildContext, name: str) -> tuple[Any, Any, dict[str, Any]]:
+    """(draft model, its tokenizer or None, info) for decoder ``name``'s ``settings``; a separate model takes the
+    run's dtype/device overrides and is loaded once per run however many decoders use it.
+
+    Raises:
+        ValueError: a self-layers draft as deep as the target (``decoder.<name>.num_layers`` and the target's layer
+            count named), or the draft's own errors.
+    """
     from medusa_train.config import ModelConfig, as_dataclass
     from inference.draft_model import load_draft
 
+    if settings.kind == "self_layers":
+        layers = getattr(ctx.model.base.config, "num_hidden_layers", None)
+        if isinstance(layers, int) and settings.num_layers >= layers:
+            fix = (f"set decoder.{name}.num_layers to at most {layers - 1} (e.g. decoder.{name}.num_layers="
+                   f"{max(1, layers // 2)})" if layers > 1 else f"use decoder.{name}.kind=model with a smaller model")
+            raise ValueError(f"decoder.{name}.num_layers={settings.num_layers}: a self_layers draft keeps fewer layers "
+                             f"than the target, which has {layers}; {fix}, or leave {name} out of decoders")
     if settings.kind == "model":
         model_cfg = as_dataclass(ModelConfig, settings.model)
         overrides = {k: v for k, v in (("dtype", ctx.dtype), ("device", ctx.device)) if v is not None}
@@ -220,7 +232,7 @@ def _draft(settings: DraftConfig, ctx: BuildContext) -> tuple[Any, Any, dict[str
 def _build_draft(settings: DraftSettings, ctx: BuildContext) -> BuiltDecoder:
     from inference.decoders.draft import DraftDecoder
 
-    draft, draft_tokenizer, info = _draft(settings, ctx)
+    draft, draft_tokenizer, info = _draft(settings, ctx, "draft")
     decoder = DraftDecoder(ctx.model.base, draft, num_draft_tokens=settings.num_draft_tokens,
                            schedule=settings.schedule, tokenizer=ctx.tokenizer, draft_tokenizer=draft_tokenizer)
     return BuiltDecoder(decoder, info)
@@ -229,7 +241,7 @@ def _build_draft(settings: DraftSettings, ctx: BuildContext) -> BuiltDecoder:
 def _build_hf_assisted(settings: HfAssistedSettings, ctx: BuildContext) -> BuiltDecoder:
     from inference.decoders.hf_peers import HfAssistedDecoder
 
-    draft, draft_tokenizer, info = _draft(settings, ctx)
+    draft, draft_tokenizer, info = _draft(settings, ctx, "hf_assisted")
     decoder = HfAssistedDecoder(ctx.model.base, draft, num_draft_tokens=settings.num_draft_tokens,
                                 schedule=settings.schedule, confidence_threshold=settings.confidence_threshold,
                                 tokenizer=ctx.tokenizer, draft_tokenizer=draft_tokenizer)
@@ -268,6 +280,8 @@ class DecoderEntry:
         summary: one line for listings.
         check_request: ``(settings, request) -> None``, raising ``ValueError`` when the decoder cannot serve the
             request (e.g. greedy-only decoders at temperature > 0); run before any model loads.
+        uses_heads: the decoder decodes with the export's heads, so its measurements depend on them (``medusa-eval``
+            re-measures its rows when the heads' checksum changes).
     """
 
     name: str
@@ -275,6 +289,7 @@ class DecoderEntry:
     build: Callable[[Any, BuildContext], BuiltDecoder]
     summary: str
     check_request: Optional[Callable[[Any, DecodeConfig], None]] = None
+    uses_heads: bool = False
 
 
 REGISTRY: dict[str, DecoderEntry] = {}
@@ -288,7 +303,7 @@ def register_decoder(entry: DecoderEntry) -> None:
 for _entry in (
     DecoderEntry("vanilla", VanillaSettings, _build_vanilla, "plain decoding, one target pass per token"),
     DecoderEntry("medusa", MedusaSettings, _build_medusa, "Medusa heads draft a tree, one target pass verifies it",
-                 _check_medusa_request),
+                 _check_medusa_request, uses_heads=True),
     DecoderEntry("draft", DraftSettings, _build_draft, "a draft model proposes K tokens, one target pass verifies"),
     DecoderEntry("lookahead", LookaheadSettings, _build_lookahead, "Jacobi n-gram pool, no draft model (greedy)",
                  _greedy_only("lookahead")),
@@ -366,10 +381,34 @@ def build_decoder(name: str, settings: Any, ctx: BuildContext) -> BuiltDecoder:
     """Build decoder ``name`` from its validated settings (see :func:`decoder_settings`) over ``ctx.model``.
 
     Raises:
-        ValueError: unknown name (valid ones listed); errors of the decoder's constructor.
+        ValueError: unknown name (valid ones listed); errors of the decoder's constructor, prefixed with
+            ``decoder.<name>`` when they do not name it.
     """
     check_decoder_names([name])
-    return REGISTRY[name].build(settings, ctx)
+    try:
+        return REGISTRY[name].build(settings, ctx)
+    except ValueError as e:
+        if str(e).startswith(f"decoder.{name}"):
+            raise
+        raise ValueError(f"decoder.{name}: {e}") from e
+
+
+def build_decoders(settings: Mapping[str, Any], ctx: BuildContext) -> dict[str, BuiltDecoder]:
+    """Build every decoder of ``settings`` (name -> validated settings, in order), reporting all that fail at once.
+
+    Raises:
+        ValueError: one line per decoder that could not be built (each starting with ``decoder.<name>``).
+    """
+    built: dict[str, BuiltDecoder] = {}
+    errors: list[str] = []
+    for name, value in settings.items():
+        try:
+            built[name] = build_decoder(name, value, ctx)
+        except ValueError as e:
+            errors.append(str(e))
+    if errors:
+        raise ValueError("cannot build " + ("these decoders:\n  " if len(errors) > 1 else "") + "\n  ".join(errors))
+    return built
 
 
 __all__ = [
@@ -384,6 +423,7 @@ __all__ = [
     "REGISTRY",
     "VanillaSettings",
     "build_decoder",
+    "build_decoders",
     "check_decoder_names",
     "check_request",
     "decoder_names",

@@ -43,6 +43,10 @@ class ModelConfig:
         trust_remote_code: passed to transformers for Hub models with custom code.
         cache_converted: convert GGUF and llama2.c checkpoints once into an HF folder under the cache, so later loads
             take about a second instead of dequantizing again (about 20 s for SmolLM2).
+        hub_id: the Hub repository a local ``name_or_path`` is a copy of, for the record only: ``medusa-publish``
+            names it as the base model instead of the local path. Never loaded; set it with the ``name_or_path`` it
+            describes (the shipped ``model/`` files leave it null, so overriding their ``name_or_path`` cannot
+            inherit a wrong id).
     """
 
     name_or_path: str = MISSING
@@ -55,6 +59,7 @@ class ModelConfig:
     attn_implementation: Optional[str] = "sdpa"
     trust_remote_code: bool = False
     cache_converted: bool = True
+    hub_id: Optional[str] = None
 
     def validate(self) -> None:
         if self.format not in MODEL_FORMATS:

@@ -8,12 +8,11 @@ sweep writes into ``OUT/<job number>`` and the sweep ends with one table of all 
 
 from __future__ import annotations
 
-import hydra
 from omegaconf import DictConfig
 
 import medusa_train  # noqa: F401  (registers config schemas and resolvers)
 import inference.evaluation.config  # noqa: F401  (registers evaluate_schema and schema/decoder/*)
-from medusa_train.paths import CONF_DIR
+from medusa_train.cli.app import hydra_app
 
 
 def run(cfg: DictConfig) -> dict:
@@ -22,7 +21,7 @@ def run(cfg: DictConfig) -> dict:
     return evaluate(cfg)
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="evaluate", version_base="1.3")
+@hydra_app("evaluate", example='medusa-eval export_dir=runs/stories/export output_dir=runs/stories/eval')
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

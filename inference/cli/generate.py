@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 from transformers import TextStreamer
@@ -25,9 +24,9 @@ from inference.decoders import DecodeConfig, DecodeResult
 from inference.decoders import generate as chat_generate
 from inference.decoders.choices import resolve_medusa_choices
 from inference.registry import BuildContext, build_decoder, check_decoder_names, decoder_settings
+from medusa_train.cli.app import hydra_app
 from medusa_train.config import as_dataclass, torch_dtype
 from medusa_train.loading.medusa import load_medusa
-from medusa_train.paths import CONF_DIR
 
 
 @dataclass
@@ -143,7 +142,7 @@ def run(cfg: DictConfig | GenerateConfig, out: TextIO | None = None) -> DecodeRe
     return result
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="generate", version_base="1.3")
+@hydra_app("generate", example='medusa-generate export_dir=runs/stories/export prompt="Once upon a time"')
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

@@ -211,10 +211,13 @@ def check_context(
     if limit is None or prompt_len + max_new_tokens + reserve <= limit:
         return
     extra = f" + {reserve} reserved" if reserve else ""
+    room = limit - prompt_len - reserve
+    fix = (f"lower max_new_tokens to at most {room} or shorten the prompt" if room >= 1 else
+           f"the prompt alone leaves no room for a reply: shorten it to fewer than {limit - reserve} tokens or leave "
+           "it out")
     raise ValueError(
         f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}){extra} = "
-        f"{prompt_len + max_new_tokens + reserve} exceeds {what} ({limit} positions); lower max_new_tokens to at "
-        f"most {max(limit - prompt_len - reserve, 0)} or shorten the prompt"
+        f"{prompt_len + max_new_tokens + reserve} exceeds {what} ({limit} positions); {fix}"
     )
 
 

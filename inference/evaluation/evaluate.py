@@ -3,37 +3,48 @@
 Files in the output folder:
 
 - ``run.json``: the resolved config, the command-line overrides and command, the environment (device, dtype,
-  torch threads, versions, git commit), what each decoder resolved (e.g. the Medusa tree and its source).
-- ``results.jsonl``: one row per (prompt, turn, decoder) (:mod:`inference.evaluation.results`).
-- ``summary.json`` (DESIGN.md's fields), ``summary.md`` (a table per category and overall),
-  ``summary_details.json`` (the same tables by category and the accepted-length histogram), PNG plots.
+  torch threads, versions, git commit), what each decoder resolved (e.g. the Medusa tree and its source), and
+  ``measured_with``: what the rows were measured with (:mod:`inference.evaluation.provenance`: the base model config,
+  each decoder's settings, resolved tree and heads' checksum, and each one's fingerprint, which its rows carry).
+- ``results.jsonl``: one row per (prompt, turn, decoder) (:mod:`inference.evaluation.results`);
+  ``results_superseded.jsonl``: rows a rerun measured again (see below).
+- ``summary.json`` (DESIGN.md's fields, plus ``skipped_prompts`` when some prompt turns did not fit the context),
+  ``summary.md`` (a table per category and overall), ``summary_details.json`` (the same tables by category and the
+  accepted-length histogram), PNG plots.
 
-A rerun with the same settings in the same folder resumes: finished rows are kept, the rest measured; more prompts or
-turns extend the run (:data:`~inference.evaluation.config.RESUMABLE_KEYS`). A rerun with other settings is refused
-(``overwrite=true`` starts over). The summary covers the current prompt selection.
+A rerun in the same folder resumes: finished rows are kept, the rest measured; more prompts or turns extend the run
+(:data:`~inference.evaluation.config.RESUMABLE_KEYS`). A decoder whose settings or resolved inputs changed (e.g. the
+tree ``medusa-tune-tree`` rewrote, or new heads) has its rows measured again, the old ones moved to
+``results_superseded.jsonl``; the other decoders' rows are kept. A rerun whose shared settings (``max_new_tokens``,
+temperature, the decoder list, ...) or base model (name, dtype, device, ...) changed is refused before any model
+loads, naming what changed (``overwrite=true`` starts over). The summary covers the current prompt selection.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from inference.decoders.base import max_positions
 from inference.decoders.chat import eos_ids
 from inference.evaluation.config import BASELINE, RESUMABLE_KEYS, EvaluateConfig
 from inference.evaluation.environment import describe_environment
 from inference.evaluation.plots import write_plots
-from inference.evaluation.results import RESULTS_FILE, ResultsLog
+from inference.evaluation.provenance import MEASURED_WITH, decoder_identity, differences, fingerprint, run_identity
+from inference.evaluation.results import RESULTS_FILE, SUPERSEDED_FILE, ResultsLog
 from inference.evaluation.runner import evaluate_prompts
 from inference.evaluation.summary import accepted_length_histogram, summarize, summary_markdown, tables_by_category
 from inference.evaluation.sweep import RUN_FILE, SUMMARY_FILE
-from inference.registry import BuildContext, build_decoder
+from inference.registry import REGISTRY, BuildContext, BuiltDecoder, build_decoders
 from medusa_train.config import as_dataclass
 from medusa_train.export.files import write_json
+from medusa_train.export.reader import heads_checksum
 from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, load_medusa, model_config_for_export
 from medusa_train.prompts import PROMPT_SOURCES, Prompt, load_prompts
 from medusa_train.tuning.tune import read_tree_files
@@ -73,46 +84,97 @@ def resolved_config(cfg: DictConfig | EvaluateConfig) -> dict[str, Any]:
 
 
 def result_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The settings every row of a run shares: :data:`RESUMABLE_KEYS` left out, and the settings of decoders that
-    do not run."""
-    shared = {k: v for k, v in config.items() if k not in RESUMABLE_KEYS}
-    running = [BASELINE] + [n for n in shared.get("decoders", []) if n != BASELINE]  # as EvaluateConfig.run_order
-    shared["decoders"] = running
-    shared["decoder"] = {k: v for k, v in (shared.get("decoder") or {}).items() if k in running}
+    """The settings every row of a run shares: :data:`RESUMABLE_KEYS` left out, and the per-decoder settings
+    (``decoder``), which only their own decoder's rows depend on (:mod:`inference.evaluation.provenance`)."""
+    shared = {k: v for k, v in config.items() if k not in RESUMABLE_KEYS and k != "decoder"}
+    shared["decoders"] = [BASELINE] + [n for n in shared.get("decoders", []) if n != BASELINE]  # as run_order
     return shared
 
 
-def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [d for k in sorted(set(old) | set(new), key=str)
-                for d in _differences(old.get(k), new.get(k), f"{prefix}{k}.")]
-    return [] if old == new else [f"{prefix.rstrip('.')}: {old!r} -> {new!r}"]
+def _previous_run(out_dir: Path) -> dict[str, Any]:
+    path = out_dir / RUN_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} cannot be read ({e}): cannot tell which settings made the results beside it; "
+                         "choose another output_dir or pass overwrite=true") from e
+    return data if isinstance(data, dict) else {}
 
 
-def open_results(out_dir: Path, config: dict[str, Any], overwrite: bool) -> ResultsLog:
-    """The run's results log, resumed when ``out_dir`` holds a run with the same settings.
+def open_results(out_dir: Path, config: dict[str, Any], overwrite: bool,
+                 identity: Callable[[], dict[str, Any]] | None = None) -> ResultsLog:
+    """The run's results log, resumed when ``out_dir`` holds a run with the same shared settings and base model.
+
+    Args:
+        out_dir: the run folder.
+        config: the run's resolved config.
+        overwrite: discard the results there.
+        identity: computes the run's :func:`~inference.evaluation.provenance.run_identity`, which is compared with
+            the recorded one; called after the settings check, so a run refused for its settings reads no export
+            (None: not compared).
 
     Raises:
-        ValueError: ``out_dir`` holds results of other settings (the differences listed) or results without
-            their ``run.json``; ``overwrite=true`` discards them instead.
+        ValueError: ``out_dir`` holds results of other shared settings or of another base model (the differences
+            listed), results without their ``run.json``, or results of an older medusa-train that did not record
+            what they were measured with; ``overwrite=true`` discards them instead.
     """
     results_path, run_path = out_dir / RESULTS_FILE, out_dir / RUN_FILE
     if overwrite:
         results_path.unlink(missing_ok=True)
+        out_dir.joinpath(SUPERSEDED_FILE).unlink(missing_ok=True)
         return ResultsLog(results_path)
-    if results_path.is_file():
+    if results_path.is_file() and results_path.stat().st_size:
         if not run_path.is_file():
             raise ValueError(f"{results_path} exists without its {RUN_FILE}: cannot tell which settings made it; "
                              "choose another output_dir or pass overwrite=true")
-        previous = result_settings(json.loads(run_path.read_text()).get("config", {}))
-        diffs = _differences(previous, result_settings(config))
+        previous = _previous_run(out_dir)
+        diffs = differences(result_settings(previous.get("config", {})), result_settings(config))
         if diffs:
             raise ValueError(f"{out_dir} holds results of other settings ({'; '.join(diffs)}); choose another "
                              "output_dir, or pass overwrite=true to discard them")
+        if identity is not None:
+            current = identity()
+            recorded = previous.get(MEASURED_WITH, {}).get("run")
+            if recorded is None:
+                raise ValueError(f"{out_dir} holds results of an older medusa-train, which did not record what they "
+                                 "were measured with (tree, heads, base model): pass overwrite=true to measure them "
+                                 "again, or choose another output_dir")
+            diffs = differences(recorded, current)
+            if diffs:
+                raise ValueError(f"{out_dir} holds results measured on another base model ({'; '.join(diffs)}); "
+                                 "choose another output_dir, or pass overwrite=true to discard them")
     results = ResultsLog(results_path)
     if len(results):
         log.info("resuming %s: %d rows already measured are kept", results_path, len(results))
     return results
+
+
+def supersede_stale_rows(out_dir: Path, results: ResultsLog, identities: dict[str, dict[str, Any]],
+                         fingerprints: dict[str, str]) -> dict[str, str]:
+    """Move the rows measured with another decoder identity (tree, heads, settings) than ``identities`` to
+    ``results_superseded.jsonl``, so they are measured again. Returns decoder -> why (what changed).
+
+    Raises:
+        ValueError: the baseline's rows are stale (every later turn follows its answers: the whole run is).
+    """
+    stale: dict[str, list] = {}
+    for key, row in results.rows.items():
+        name = key[2]
+        if name in fingerprints and row.get(MEASURED_WITH) != fingerprints[name]:
+            stale.setdefault(name, []).append(key)
+    if not stale:
+        return {}
+    recorded = _previous_run(out_dir).get(MEASURED_WITH, {}).get("decoders", {})
+    reasons = {name: "; ".join(differences(recorded.get(name), identities[name])) or "measured with other settings"
+               for name in stale}
+    if BASELINE in stale:
+        raise ValueError(f"{out_dir}: the {BASELINE} rows were measured with other settings ({reasons[BASELINE]}); "
+                         "every later turn follows them: pass overwrite=true to measure the run again")
+    for name, keys in stale.items():
+        log.warning("%s: %d rows were measured with other settings (%s): measuring them again; the old rows are "
+                    "kept in %s", name, len(keys), reasons[name], SUPERSEDED_FILE)
+    results.supersede([k for keys in stale.values() for k in keys], reasons)
+    return reasons
 
 
 def _hydra_runtime() -> tuple[str | None, list[str]]:
@@ -137,8 +199,9 @@ def evaluate(cfg: DictConfig | EvaluateConfig, output_dir: str | Path | None = N
 
     Raises:
         ValueError / FileNotFoundError: bad settings, an unknown decoder, a malformed prompt file (line named),
-            results of other settings in the folder: all before a model is loaded. An export without heads:
-            before the base model is loaded.
+            results of other shared settings or another base model in the folder, an export without heads or
+            without a base model: all before a model is loaded. Decoders that cannot be built for this model (e.g.
+            a self-layers draft as deep as the target): all named at once, before any decoding.
     """
     ec: EvaluateConfig = as_dataclass(EvaluateConfig, cfg)  # validates names and every decoder's settings
     hydra_dir, hydra_overrides = _hydra_runtime()
@@ -151,13 +214,25 @@ def evaluate(cfg: DictConfig | EvaluateConfig, output_dir: str | Path | None = N
     prompts = load_eval_prompts(ec)
     config = resolved_config(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    results = open_results(out, config, ec.overwrite)
+    identity: dict[str, Any] = {}
+
+    def measure_identity() -> dict[str, Any]:  # the export's heads and base model, read only once settings match
+        identity["heads_sha256"] = heads_checksum(ec.export_dir)
+        identity["run"] = run_identity(ec.export_dir, ec.model, ec.dtype, ec.device, identity["heads_sha256"])
+        return identity["run"]
+
+    results = open_results(out, config, ec.overwrite, measure_identity)
+    if not identity:  # a fresh run: nothing to compare, but the record needs it (and a missing export fails here)
+        measure_identity()
 
     if ec.threads is not None:
         torch.set_num_threads(ec.threads)
     model, tokenizer, export_config = load_medusa(ec.export_dir, model=ec.model, dtype=ec.dtype, device=ec.device)
     ctx = BuildContext(model=model, tokenizer=tokenizer, export_dir=ec.export_dir, dtype=ec.dtype, device=ec.device)
-    built = {name: build_decoder(name, settings[name], ctx) for name in order}
+    built = build_decoders(settings, ctx)
+    identities = decoder_identities(built, config, identity["heads_sha256"])
+    fingerprints = {name: fingerprint(i) for name, i in identities.items()}
+    remeasured = supersede_stale_rows(out, results, identities, fingerprints)
     environment = describe_environment(model)
     # A Medusa-2 export records its fine-tuned base as "base" (inside it): name the model it was made from.
     model_name = export_config.get(ORIGINAL_BASE_KEY, export_config.get("base_model_name_or_path")) \
@@ -166,20 +241,39 @@ def evaluate(cfg: DictConfig | EvaluateConfig, output_dir: str | Path | None = N
     write_json(out / RUN_FILE, {"config": config, "overrides": overrides, "command": command,
                                 "environment": environment, "model": model_name,
                                 "decoders": {name: b.info for name, b in built.items()},
-                                "resumed_rows": len(results)})
+                                MEASURED_WITH: {"run": identity["run"], "decoders": identities,
+                                                "fingerprints": fingerprints},
+                                "resumed_rows": len(results), "remeasured": remeasured})
 
     request = ec.request(eos_ids(tokenizer, getattr(model.base, "generation_config", None)))
-    rows = evaluate_prompts({name: b.decoder for name, b in built.items()}, tokenizer, prompts, request, results,
-                            baseline=BASELINE, max_turns=ec.max_turns, warmup=ec.warmup,
-                            warmup_max_new_tokens=ec.warmup_max_new_tokens, progress=ec.progress)
-    return write_outputs(out, rows, ec, model_name, environment, command, export_dir=ec.export_dir)
+    run = evaluate_prompts({name: b.decoder for name, b in built.items()}, tokenizer, prompts, request, results,
+                           baseline=BASELINE, max_turns=ec.max_turns, warmup=ec.warmup,
+                           warmup_max_new_tokens=ec.warmup_max_new_tokens, progress=ec.progress,
+                           context=max_positions(model.base.config), fingerprints=fingerprints)
+    return write_outputs(out, run.rows, ec, model_name, environment, command, export_dir=ec.export_dir,
+                         skipped=run.skipped)
+
+
+def decoder_identities(built: dict[str, BuiltDecoder], config: dict[str, Any],
+                       heads_sha256: str) -> dict[str, dict[str, Any]]:
+    """Each decoder's :func:`~inference.evaluation.provenance.decoder_identity`: its settings as resolved in
+    ``config``, what its builder resolved, the heads' checksum when it decodes with them."""
+    return {name: decoder_identity((config.get("decoder") or {}).get(name), b.info,
+                                   heads_sha256 if REGISTRY[name].uses_heads else None)
+            for name, b in built.items()}
 
 
 def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, model_name: str,
-                  environment: dict[str, Any], command: str | None, export_dir: str | None) -> dict[str, Any]:
-    """summary.json, summary.md, summary_details.json and the plots from ``rows``; returns the summary."""
+                  environment: dict[str, Any], command: str | None, export_dir: str | None,
+                  skipped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """summary.json, summary.md, summary_details.json and the plots from ``rows``; returns the summary.
+
+    ``skipped``: prompt turns left out because they do not fit the context, listed as ``skipped_prompts`` in
+    summary.json when there are any."""
     summary = summarize(rows, ec.greedy, model_name, environment["device"], environment["dtype"],
                         ec.max_new_tokens, baseline=BASELINE)
+    if skipped:
+        summary["skipped_prompts"] = skipped
     by_category = tables_by_category(rows, ec.greedy, baseline=BASELINE)
     histogram = accepted_length_histogram(rows)
     write_json(out / SUMMARY_FILE, summary)
@@ -195,4 +289,5 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, mod
     return summary
 
 
-__all__ = ["evaluate", "load_eval_prompts", "open_results", "resolved_config", "result_settings", "write_outputs"]
+__all__ = ["decoder_identities", "evaluate", "load_eval_prompts", "open_results", "resolved_config",
+           "result_settings", "supersede_stale_rows", "write_outputs"]

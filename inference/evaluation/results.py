@@ -6,9 +6,12 @@ A row::
     {"prompt_id": str, "category": str, "turn": int (1-based), "decoder": str, "prompt_tokens": int,
      "new_tokens": int, "wall_time_s": float, "prefill_time_s": float, "forward_passes": int,
      "accepted_lengths": [int], "mean_accepted_tokens": float | null, "tokens_per_second": float,
-     "stop_reason": str, "tokens": [int], "text": str}
+     "stop_reason": str, "tokens": [int], "text": str, "measured_with": str}
 
 ``forward_passes`` and ``accepted_lengths`` follow :mod:`inference.decoders.base`'s convention (prefill apart).
+``measured_with`` is the fingerprint of what the decoder measured with (:mod:`inference.evaluation.provenance`;
+``run.json`` describes it). Rows superseded by a rerun with another tree, other heads or settings are moved to
+``results_superseded.jsonl`` with a ``superseded_because`` field, never deleted.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from inference.decoders.base import DecodeResult
+from medusa_train.export.files import atomic_write
 
 log = logging.getLogger(__name__)
 
 RESULTS_FILE = "results.jsonl"
+SUPERSEDED_FILE = "results_superseded.jsonl"
 Key = tuple[str, int, str]  # (prompt_id, turn, decoder)
 
 
@@ -32,8 +37,9 @@ def row_key(row: dict[str, Any]) -> Key:
     return (str(row["prompt_id"]), int(row["turn"]), str(row["decoder"]))
 
 
-def make_row(prompt_id: str, category: str, turn: int, decoder: str, result: DecodeResult, text: str) -> dict:
-    """The results.jsonl row of one reply."""
+def make_row(prompt_id: str, category: str, turn: int, decoder: str, result: DecodeResult, text: str,
+             measured_with: str | None = None) -> dict:
+    """The results.jsonl row of one reply (``measured_with``: the decoder's fingerprint)."""
     tau = result.mean_accepted_tokens
     return {
         "prompt_id": prompt_id, "category": category, "turn": turn, "decoder": decoder,
@@ -42,6 +48,7 @@ def make_row(prompt_id: str, category: str, turn: int, decoder: str, result: Dec
         "forward_passes": result.forward_passes, "accepted_lengths": list(result.accepted_lengths),
         "mean_accepted_tokens": None if math.isnan(tau) else tau, "tokens_per_second": result.tokens_per_second,
         "stop_reason": result.stop_reason, "tokens": list(result.tokens), "text": text,
+        "measured_with": measured_with,
     }
 
 
@@ -135,3 +142,24 @@ class ResultsLog:
             f.flush()
             os.fsync(f.fileno())
         self.rows[key] = row
+
+    def supersede(self, keys: list[Key], reasons: dict[str, str]) -> int:
+        """Move the rows ``keys`` to ``results_superseded.jsonl`` (appended, each with ``superseded_because`` from
+        ``reasons[decoder]``), then rewrite ``results.jsonl`` without them atomically. Returns how many moved.
+
+        A process killed between the two steps leaves the rows in both files; the rerun moves them again.
+        """
+        moved = [self.rows[k] for k in keys if k in self.rows]
+        if not moved:
+            return 0
+        with open(self.path.with_name(SUPERSEDED_FILE), "a", encoding="utf-8") as f:
+            for row in moved:
+                f.write(json.dumps({**row, "superseded_because": reasons.get(row["decoder"], "")},
+                                   ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        for key in keys:
+            self.rows.pop(key, None)
+        text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in self.rows.values())
+        atomic_write(self.path, lambda p: p.write_text(text, encoding="utf-8"))
+        return len(moved)

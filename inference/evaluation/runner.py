@@ -9,13 +9,18 @@
   decoder's own answer. (MT-Bench's protocol answers the second question after the model's own first answer.)
 - **Resumable**: each (prompt, turn, decoder) row is appended to ``results.jsonl`` as soon as it is measured and
   skipped when the run restarts; the baseline's stored text gives later turns the same conversation again.
+- **Prompts that do not fit**: a prompt turn whose tokens plus ``max_new_tokens`` exceed the target's context is
+  skipped, with its later turns, before any decoder runs on it: every first turn is checked before the first
+  decoder runs (all of them named in one warning), a later turn when the conversation reaching it is known. The
+  skipped turns are returned (``summary.json`` lists them) with the ``max_new_tokens`` that would fit them.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -23,6 +28,44 @@ from tqdm.auto import tqdm
 from inference.decoders.base import DecodeConfig, Decoder
 from inference.evaluation.results import ResultsLog, make_row
 from medusa_train.prompts import Prompt, encode_prompt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptRun:
+    """What :func:`evaluate_prompts` did.
+
+    Attributes:
+        rows: the rows of this prompt set in run order (prompt, turn, decoder), resumed and new alike.
+        skipped: one record per prompt turn left out because it does not fit the context (its later turns go with
+            it): ``{"prompt_id", "turn", "prompt_tokens", "max_new_tokens", "context", "fits_max_new_tokens"}``,
+            the last None when the prompt alone fills the context.
+    """
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+
+def overlong(prompt_id: str, turn: int, prompt_tokens: int, max_new_tokens: int,
+             context: int | None) -> dict[str, Any] | None:
+    """The skip record of a prompt turn that does not fit ``context`` positions with ``max_new_tokens`` (None when
+    it fits, or when the context is unknown)."""
+    if context is None or prompt_tokens + max_new_tokens <= context:
+        return None
+    room = context - prompt_tokens
+    return {"prompt_id": prompt_id, "turn": turn, "prompt_tokens": prompt_tokens, "max_new_tokens": max_new_tokens,
+            "context": context, "fits_max_new_tokens": room if room >= 1 else None}
+
+
+def describe_skips(skipped: Sequence[dict[str, Any]]) -> str:
+    """One line naming every skipped prompt turn, its length and what would fit it."""
+    parts = []
+    for s in skipped:
+        fix = (f"max_new_tokens={s['fits_max_new_tokens']} would fit it" if s["fits_max_new_tokens"] else
+               "the prompt alone fills the context: leave it out")
+        parts.append(f"prompt {s['prompt_id']!r} turn {s['turn']} ({s['prompt_tokens']} tokens; {fix})")
+    return "; ".join(parts)
 
 
 def turns_of(prompt: Prompt, max_turns: int | None) -> list[str]:
@@ -59,7 +102,9 @@ def evaluate_prompts(
     warmup: int = 1,
     warmup_max_new_tokens: int = 16,
     progress: bool = True,
-) -> list[dict[str, Any]]:
+    context: int | None = None,
+    fingerprints: Mapping[str, str] | None = None,
+) -> PromptRun:
     """Every decoder on every prompt and turn; rows already in ``results`` are kept, the others measured.
 
     Args:
@@ -73,48 +118,80 @@ def evaluate_prompts(
         warmup: untimed warm-up generations per decoder (only when some row remains to be measured).
         warmup_max_new_tokens: length of each warm-up generation.
         progress: show a tqdm bar (one step per prompt turn).
+        context: the target's context length in positions (None: unknown, nothing skipped).
+        fingerprints: decoder name -> the fingerprint stored in its new rows (``measured_with``).
 
     Returns:
-        The rows of this prompt set in run order (prompt, turn, decoder), resumed and new alike.
+        :class:`PromptRun`: the rows, and the prompt turns skipped because they do not fit ``context``.
 
     Raises:
-        ValueError: the baseline missing or not first, duplicate prompt ids, or a decoder's own error.
+        ValueError: the baseline missing or not first, duplicate prompt ids, or a decoder's own error (the prompt,
+            turn and decoder named).
     """
     names = list(decoders)
     if not names or names[0] != baseline:
         raise ValueError(f"decoders must start with the baseline {baseline!r}, got {names}")
     check_prompt_ids(prompts)
+    fingerprints = fingerprints or {}
     units = [(p, t) for p in prompts for t in range(1, len(turns_of(p, max_turns)) + 1)]
     done = sum(all((p.id, t, n) in results for n in names) for p, t in units)
     pending = [n for n in names if any((p.id, t, n) not in results for p, t in units)]
-    if pending and warmup and prompts:
-        first = prompts[0]
-        warm_up({n: decoders[n] for n in pending}, encode_prompt(tokenizer, _messages(first, [first.turns[0]], [])),
-                request, warmup, warmup_max_new_tokens)
 
-    rows: list[dict[str, Any]] = []
+    # Every first turn against the context before any decoder runs (later turns follow answers not known yet).
+    run = PromptRun()
+    first_ids = {p.id: encode_prompt(tokenizer, _messages(p, [p.turns[0]], [])) for p in prompts
+                 if any((p.id, 1, n) not in results for n in names)}
+    for prompt in prompts:
+        if prompt.id in first_ids and (skip := overlong(prompt.id, 1, len(first_ids[prompt.id]),
+                                                        request.max_new_tokens, context)):
+            run.skipped.append(skip)
+    if run.skipped:
+        log.warning("%d of %d prompts do not fit the model's context of %d positions with max_new_tokens=%d and are "
+                    "left out (summary.json lists them): %s", len(run.skipped), len(prompts), context,
+                    request.max_new_tokens, describe_skips(run.skipped))
+    left_out = {s["prompt_id"] for s in run.skipped}
+    fitting = [p for p in prompts if p.id in first_ids and p.id not in left_out]
+    if pending and warmup and fitting:
+        warm_up({n: decoders[n] for n in pending}, first_ids[fitting[0].id], request, warmup, warmup_max_new_tokens)
+
     with tqdm(total=len(units), initial=done, disable=not progress, unit="turn", desc="medusa-eval") as bar:
         for prompt in prompts:
             answers: list[str] = []
             user_turns = turns_of(prompt, max_turns)
             for turn in range(1, len(user_turns) + 1):
+                if prompt.id in left_out:
+                    bar.update(1)
+                    continue
                 ids: list[int] | None = None
                 for name in names:
                     row = results.get((prompt.id, turn, name))
                     if row is None:
                         if ids is None:
                             ids = encode_prompt(tokenizer, _messages(prompt, user_turns[:turn], answers))
-                        result = decoders[name].generate(ids, request)
+                            skip = overlong(prompt.id, turn, len(ids), request.max_new_tokens, context)
+                            if skip:
+                                log.warning("leaving out %s: it does not fit the context of %d positions",
+                                            describe_skips([skip]), context)
+                                run.skipped.append(skip)
+                                left_out.add(prompt.id)
+                                break
+                        try:
+                            result = decoders[name].generate(ids, request)
+                        except ValueError as e:
+                            raise ValueError(f"prompt {prompt.id!r} turn {turn}, decoder {name}: {e}") from e
                         text = result.text if result.text is not None else \
                             tokenizer.decode(result.tokens, skip_special_tokens=True)
-                        row = make_row(prompt.id, prompt.category, turn, name, result, text)
+                        row = make_row(prompt.id, prompt.category, turn, name, result, text, fingerprints.get(name))
                         results.append(row)
                         bar.set_postfix_str(_postfix(row), refresh=False)
-                    rows.append(row)
+                    run.rows.append(row)
+                if prompt.id in left_out:
+                    bar.update(1)
+                    continue
                 answers.append(results.get((prompt.id, turn, baseline))["text"])
                 if ids is not None:
                     bar.update(1)
-    return rows
+    return run
 
 
 def _messages(prompt: Prompt, user_turns: Sequence[str], answers: Sequence[str]) -> list[dict[str, str]]:
@@ -133,4 +210,5 @@ def _postfix(row: dict[str, Any]) -> str:
     return f"{row['decoder']} {row['tokens_per_second']:.1f} tok/s tau {tau_text}"
 
 
-__all__ = ["check_prompt_ids", "evaluate_prompts", "turns_of", "warm_up"]
+__all__ = ["PromptRun", "check_prompt_ids", "describe_skips", "evaluate_prompts", "overlong", "turns_of",
+           "warm_up"]

@@ -157,6 +157,11 @@ def summary_markdown(summary: dict[str, Any], by_category: dict[str, dict[str, d
             "Speedup: tokens/s over vanilla's on the same prompts in the same run; mean accepted tokens: new tokens "
             "per target forward pass after the prefill; exact match: share of replies identical to vanilla's "
             "(greedy runs only)."]
+    skipped = summary.get("skipped_prompts") or []
+    if skipped:
+        head += ["", f"Left out, not fitting the model's context with max_new_tokens {summary['max_new_tokens']}: "
+                 + ", ".join(f"prompt {s['prompt_id']} turn {s['turn']} ({s['prompt_tokens']} tokens)"
+                             for s in skipped) + "."]
     if command:
         head += ["", f"Command: `{command}`"]
     parts = ["\n".join(head), f"## {OVERALL}\n\n{markdown_table(by_category.get(OVERALL, {}))}"]

@@ -3,12 +3,11 @@ write the repository folder only). Settings: :class:`medusa_train.publish.config
 
 from __future__ import annotations
 
-import hydra
 from omegaconf import DictConfig
 
 import medusa_train  # noqa: F401  (registers config schemas and resolvers)
+from medusa_train.cli.app import hydra_app
 from medusa_train.config import as_dataclass
-from medusa_train.paths import CONF_DIR
 from medusa_train.publish.config import PublishConfig
 
 
@@ -32,7 +31,7 @@ def run(cfg: DictConfig) -> object:
     return result
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="publish", version_base="1.3")
+@hydra_app("publish", example='medusa-publish export_dir=runs/stories/export repo_id=your-name/stories-medusa')
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

@@ -18,12 +18,11 @@ import logging
 import os
 import sys
 
-import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 import medusa_train  # noqa: F401  (registers the config schemas and resolvers)
-from medusa_train.paths import CONF_DIR
+from medusa_train.cli.app import hydra_app
 
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -64,7 +63,7 @@ class CheckOutputDir(Callback):
         self._check(config)
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+@hydra_app("train", example='medusa-train model=stories260k output_dir=runs/stories')
 def _main(cfg: DictConfig) -> None:
     from medusa_train.training.recipe import TrainRecipe
 

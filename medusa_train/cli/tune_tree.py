@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 
-import hydra
 from omegaconf import DictConfig
 
 import medusa_train  # noqa: F401  (registers config schemas and resolvers)
 import medusa_train.tuning.config  # noqa: F401  (registers tune_tree_schema)
+from medusa_train.cli.app import hydra_app
 from medusa_train.config import as_dataclass
-from medusa_train.paths import CONF_DIR
 
 
 def run(cfg: DictConfig) -> dict:
@@ -37,7 +36,7 @@ def run(cfg: DictConfig) -> dict:
     return result
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="tune_tree", version_base="1.3")
+@hydra_app("tune_tree", example='medusa-tune-tree export_dir=runs/stories/export')
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

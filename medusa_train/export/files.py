@@ -1,7 +1,8 @@
-"""File helpers for exports: atomic per-file writes and tensor/JSON reads whose errors name the file."""
+"""File helpers for exports: atomic per-file writes, tensor/JSON reads whose errors name the file, checksums."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -39,6 +40,23 @@ def write_json(path: Path, data: Any) -> None:
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     # metadata format=pt: what transformers and vLLM expect of a PyTorch safetensors file.
     atomic_write(path, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+
+
+def write_torch(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``torch.save`` of a plain name -> tensor dict (what FasterDecoding's loader ``torch.load``s); tensors that
+    share storage are stored once."""
+    atomic_write(path, lambda p: torch.save(tensors, p))
+
+
+def sha256_files(paths: list[Path]) -> str:
+    """Hex SHA-256 over the files' names and bytes, in the order given (read in 1 MiB chunks)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -139,6 +139,61 @@ def check_keys_and_shapes(
         raise ValueError(f"{source}: weights must be floating point, got {[(k, state[k].dtype) for k in not_float]}")
 
 
+def fasterdecoding_limitation(spec: HeadsSpec) -> str | None:
+    """Why FasterDecoding's own ``MedusaModel`` cannot reproduce heads of ``spec`` (None when it can).
+
+    Its head is ``nn.Sequential(ResBlock * L, nn.Linear(H, V))``: one block object repeated L times and a projection
+    over the full vocabulary, with no token map.
+    """
+    if spec.head_vocab_size is not None:
+        return (f"a reduced head vocabulary (head_vocab_size={spec.head_vocab_size} of {spec.vocab_size}) needs the "
+                "token map, which FasterDecoding and TGI do not read")
+    if spec.num_layers > 1:
+        return (f"medusa_num_layers={spec.num_layers}: FasterDecoding builds a head's blocks by list multiplication, "
+                "so its model holds one block per head and would load the last layer's weights into every layer")
+    return None
+
+
+def tgi_limitation(spec: HeadsSpec) -> str | None:
+    """Why Text Generation Inference cannot serve heads of ``spec`` (None when it can).
+
+    TGI (``server/text_generation_server/layers/medusa.py``) reads ``medusa_lm_head.safetensors`` with one projection
+    per head over the full vocabulary (``MedusaHeadV1``), or, when the projections are absent, projects every head
+    with the base lm_head and takes one-layer heads only (``MedusaHeadV2``); it reads no token map.
+    """
+    if spec.head_vocab_size is not None:
+        return (f"a reduced head vocabulary (head_vocab_size={spec.head_vocab_size} of {spec.vocab_size}) needs the "
+                "token map, which TGI does not read")
+    if spec.share_lm_head and spec.num_layers > 1:
+        return (f"share_lm_head with medusa_num_layers={spec.num_layers}: TGI projects with the base lm_head only for "
+                "one-layer heads")
+    return None
+
+
+def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
+    """Raise ``ValueError`` naming every floating-point tensor of ``state`` that holds NaN or Inf, with its head.
+
+    Keys are those of a checkpoint layout (``{h}.{l}.linear.weight``, ``blocks.{h}.layers.{l}.weight``, ...); the
+    head is the first integer in the key.
+    """
+    bad = []
+    for key in sorted(state, key=_natural):
+        tensor = state[key]
+        if not tensor.is_floating_point():
+            continue
+        finite = torch.isfinite(tensor)
+        if bool(finite.all()):
+            continue
+        nan = int(torch.isnan(tensor).sum())
+        inf = tensor.numel() - int(finite.sum()) - nan
+        head = next((part for part in key.split(".") if part.isdigit()), "?")
+        bad.append(f"{key} (head {head}): {nan} NaN and {inf} Inf of {tensor.numel()} values")
+    if bad:
+        shown = "; ".join(bad[:6]) + (f"; and {len(bad) - 6} more tensors" if len(bad) > 6 else "")
+        raise ValueError(f"{source}: the heads hold non-finite weights ({shown}). Heads like these decode garbage: "
+                         "training diverged or a checkpoint is damaged; export an earlier checkpoint or retrain")
+
+
 def _natural(key: str) -> list[object]:
     """Sort key ordering ``2.x`` before ``10.x``."""
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]

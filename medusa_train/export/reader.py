@@ -1,8 +1,8 @@
 """Load Medusa heads from our export folder, a FasterDecoding folder, or a vLLM Medusa folder, strictly.
 
-Every key is accounted for (missing and unexpected keys are listed in one error) and every shape is checked against
-the config before anything is copied into :class:`~medusa_train.heads.MedusaHeads`; with a base model, the heads'
-hidden size and vocabulary are checked against it first.
+Every key is accounted for (missing and unexpected keys are listed in one error), every shape is checked against
+the config and every weight is checked finite before anything is copied into :class:`~medusa_train.heads.MedusaHeads`;
+with a base model, the heads' hidden size and vocabulary are checked against it first.
 """
 
 from __future__ import annotations
@@ -15,8 +15,15 @@ import torch
 from transformers import PreTrainedModel
 
 from medusa_train.export.configs import check_version, read_vllm_config, spec_from_medusa_config
-from medusa_train.export.files import read_json, read_tensors
-from medusa_train.export.layouts import FASTERDECODING, VLLM, check_keys_and_shapes, expected_shapes, stack_heads
+from medusa_train.export.files import read_json, read_tensors, sha256_files
+from medusa_train.export.layouts import (
+    FASTERDECODING,
+    VLLM,
+    check_finite,
+    check_keys_and_shapes,
+    expected_shapes,
+    stack_heads,
+)
 from medusa_train.export.writer import CONFIG_FILE, LEGACY_WEIGHTS_FILE, TOKEN_MAP_FILE, WEIGHTS_FILE
 from medusa_train.heads import HeadsSpec, MedusaHeads
 from medusa_train.model import base_sizes, check_heads_match_base
@@ -31,6 +38,65 @@ def read_export_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     folder = _folder(path)
     return read_json(folder / CONFIG_FILE)
+
+
+def heads_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The files :func:`load_heads` reads the heads' weights from: the weights file it picks (safetensors before
+    ``.pt``) and ``token_map.safetensors`` when present, or a vLLM folder's ``*.safetensors``.
+
+    Raises:
+        FileNotFoundError: the folder does not exist or holds no heads (as :func:`load_heads`).
+    """
+    folder = _folder(path)
+    weights = _weights_file(folder)
+    if weights is not None:
+        token_map = folder / TOKEN_MAP_FILE
+        return [weights, token_map] if token_map.is_file() else [weights]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files or read_json(folder / CONFIG_FILE).get("model_type") != "medusa":
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} or {LEGACY_WEIGHTS_FILE} in {folder}: is this an export folder?")
+    return files
+
+
+def heads_checksum(path: str | os.PathLike[str]) -> str:
+    """Hex SHA-256 of the heads' weight files (:func:`heads_files`): what identifies the heads a measurement used.
+
+    Raises:
+        FileNotFoundError: as :func:`heads_files`.
+    """
+    return sha256_files(heads_files(path))
+
+
+def check_fasterdecoding_copy(path: str | os.PathLike[str]) -> bool:
+    """Check that ``medusa_lm_head.pt`` beside ``medusa_lm_head.safetensors`` holds the same heads (FasterDecoding's
+    loader reads the ``.pt``, every other loader the safetensors): the same keys and values, plus with
+    ``share_lm_head`` a finite ``[V, H]`` projection per head. Returns False when the folder has no such pair.
+
+    Raises:
+        ValueError: the ``.pt`` is damaged, holds other keys or shapes, non-finite values, or other weights than
+            the safetensors file (re-export to rewrite both).
+    """
+    folder = _folder(path)
+    pt, safetensors = folder / LEGACY_WEIGHTS_FILE, folder / WEIGHTS_FILE
+    if not (pt.is_file() and safetensors.is_file()):
+        return False
+    raw = read_json(folder / CONFIG_FILE)
+    ours = read_tensors(safetensors)
+    theirs = read_tensors(pt)
+    spec = spec_from_medusa_config(raw, {k: tuple(v.shape) for k, v in ours.items()}, None, str(folder))
+    check_keys_and_shapes(theirs, expected_shapes(FASTERDECODING, spec, projections=spec.num_heads), str(pt),
+                          "re-export to write medusa_lm_head.pt again")
+    check_finite(theirs, str(pt))
+    differ = [k for k, v in ours.items() if not torch.equal(theirs[k], v)]
+    if differ:
+        raise ValueError(f"{pt} holds other weights than {safetensors.name} (e.g. {differ[:3]}): it is left from "
+                         "another export; re-export to write both again")
+    return True
+
+
+def _weights_file(folder: Path) -> Path | None:
+    # Our safetensors file wins over a .pt beside it (FasterDecoding's loader would read the .pt).
+    return next((folder / n for n in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE) if (folder / n).is_file()), None)
 
 
 def load_heads(
@@ -68,13 +134,13 @@ def load_heads(
     Raises:
         FileNotFoundError: the folder, its weights, config.json or token_map.safetensors is missing (named).
         ValueError: damaged file (path named, chained), missing/unexpected keys (listed), wrong shapes, bad token map,
-            or heads for another base model (``hidden_size`` / ``vocab_size`` named).
+            NaN or Inf weights (tensor and head named), or heads for another base model (``hidden_size`` /
+            ``vocab_size`` named).
     """
     folder = _folder(path)
     base_hv = None if base_model is None else base_sizes(base_model)
     config_path = folder / CONFIG_FILE
-    # Our safetensors file wins over a .pt beside it (FasterDecoding's loader would read the .pt).
-    weights = next((folder / n for n in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE) if (folder / n).is_file()), None)
+    weights = _weights_file(folder)
     if weights is not None:
         raw = read_json(config_path)
         check_version(raw, str(folder))
@@ -138,6 +204,7 @@ def _read_medusa(
     hint = ("if these heads project with the base model's lm_head, set share_lm_head: true in config.json"
             if not spec.share_lm_head else "")
     check_keys_and_shapes(state, expected, str(weights), hint)
+    check_finite(state, str(weights))
     fmt = "medusa-train" if "medusa_train_version" in raw else "fasterdecoding"
     return spec, stack_heads(state, FASTERDECODING, spec), token_map, fmt
 
@@ -175,6 +242,7 @@ def _read_vllm(
         if token_map is not None and name in state and state[name].shape[0] == spec.vocab_size:
             state[name] = state[name][token_map]  # vLLM cuts full-vocabulary projections to the token map
     check_keys_and_shapes(state, expected_shapes(VLLM, spec, projections, with_bias=fc_bias), source)
+    check_finite(state, source)
     if spec.share_lm_head and base_model is not None:
         stored = state["lm_heads.0.weight"].float()
         base = base_model.get_output_embeddings().weight.detach().float().cpu()

@@ -7,15 +7,23 @@ export/
   config.json                  medusa_num_heads, medusa_num_layers, hidden_size, vocab_size,
                                base_model_name_or_path, share_lm_head, version (+ head_vocab_size, torch_dtype, ...)
   medusa_lm_head.safetensors   "{h}.{l}.linear.weight|bias", "{h}.{L}.weight" (no projection with share_lm_head)
+  medusa_lm_head.pt            the same keys, torch.save of a plain dict: what FasterDecoding's loader reads
   token_map.safetensors        "token_map" [V'] int64, only with a reduced head vocabulary
   vllm/config.json             vLLM MedusaConfig (model_type "medusa", medusa_fc_bias true)
   vllm/model.safetensors       "blocks.{h}.layers.{l}.weight|bias", "lm_heads.{h}.weight" (+ "token_map")
 ```
 
-With ``share_lm_head`` the FasterDecoding file holds the residual blocks only: FasterDecoding's own loader then
-needs the base lm_head copied into each head (TGI does that itself for one-layer heads; :func:`load_heads` handles
-any). vLLM's Medusa cannot reach the target model's lm_head, so ``vllm/`` stores the base lm_head once as
-``lm_heads.0.weight`` with ``original_lm_head: true``, which is why that case needs ``base_model``.
+``medusa_lm_head.pt`` is for FasterDecoding's ``MedusaModel.from_pretrained`` (v0.1 and its GitHub head read only
+that name, with ``torch.load`` and ``load_state_dict(strict=False)``). It is written only when FasterDecoding's model
+can reproduce the heads (:func:`~medusa_train.export.layouts.fasterdecoding_limitation`: full vocabulary, one block
+per head), and removed otherwise. With ``share_lm_head`` it holds every head's projection too, as the base lm_head
+(one storage referenced by K keys, so the file holds one copy): FasterDecoding's model has a projection per head and
+its GitHub head leaves a missing one randomly initialised. The ``.safetensors`` file stays the compact one (TGI and
+:func:`load_heads` read it). vLLM's Medusa cannot reach the target model's lm_head either, so ``vllm/`` stores the
+base lm_head once as ``lm_heads.0.weight`` with ``original_lm_head: true``. Both are why ``share_lm_head`` needs
+``base_model``.
+
+Heads holding NaN or Inf are refused before anything is written.
 
 Files are replaced one by one (temporary sibling + ``os.replace``) rather than the folder as a whole, because
 other tools write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json`` and ``README.md`` into
@@ -26,6 +34,7 @@ does not have (a stale ``token_map.safetensors``, ``vllm/`` when ``vllm=False``)
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -34,10 +43,12 @@ import torch
 from transformers import PreTrainedModel
 
 from medusa_train.export.configs import export_config, vllm_config
-from medusa_train.export.files import write_json, write_safetensors
-from medusa_train.export.layouts import FASTERDECODING, VLLM, split_heads
+from medusa_train.export.files import write_json, write_safetensors, write_torch
+from medusa_train.export.layouts import FASTERDECODING, VLLM, check_finite, fasterdecoding_limitation, split_heads
 from medusa_train.heads import MedusaHeads
 from medusa_train.model import check_heads_match_base
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
@@ -55,6 +66,7 @@ def save_export(
     vllm: bool = True,
     *,
     base_model: PreTrainedModel | None = None,
+    fasterdecoding: bool = True,
 ) -> Path:
     """Export ``heads`` into ``out_dir`` (created if needed), keeping unrelated files already there.
 
@@ -69,20 +81,27 @@ def save_export(
         extra_config: more JSON-serialisable fields for config.json (never one of the fields written here).
         vllm: also write ``vllm/``.
         base_model: the base ``*ForCausalLM``; checked against the heads and its class recorded. Required with
-            ``share_lm_head`` and ``vllm=True`` (its lm_head goes into ``vllm/model.safetensors``).
+            ``share_lm_head`` when ``vllm`` or ``medusa_lm_head.pt`` is written (its lm_head goes into them).
+        fasterdecoding: also write ``medusa_lm_head.pt`` for FasterDecoding's loader (when it can reproduce the
+            heads, see the module docstring).
 
     Returns:
         ``out_dir`` as a :class:`~pathlib.Path`.
 
     Raises:
-        ValueError: ``extra_config`` clashes with a written field or is not JSON-serialisable; ``share_lm_head`` and
-            ``vllm`` without ``base_model``; ``base_model`` does not match the heads (field named).
+        ValueError: heads holding NaN or Inf (tensor and head named); ``extra_config`` clashes with a written field
+            or is not JSON-serialisable; ``share_lm_head`` with ``vllm`` or ``medusa_lm_head.pt`` but without
+            ``base_model``; ``base_model`` does not match the heads (field named). All before anything is written.
     """
     spec = heads.spec
     out = Path(out_dir)
-    if spec.share_lm_head and vllm and base_model is None:
-        raise ValueError("share_lm_head=True: vLLM's Medusa cannot use the target model's lm_head, so vllm/ must "
-                         "hold a copy; pass base_model=... to save_export, or vllm=False to skip vllm/")
+    tensors = split_heads(heads, FASTERDECODING)
+    check_finite(tensors, f"refusing to export to {out}")
+    fd_reason = fasterdecoding_limitation(spec) if fasterdecoding else "fasterdecoding=False"
+    if spec.share_lm_head and base_model is None and (vllm or fd_reason is None):
+        raise ValueError("share_lm_head=True: vLLM's Medusa and FasterDecoding's loader cannot use the target "
+                         "model's lm_head, so vllm/ and medusa_lm_head.pt hold a copy; pass base_model=... to "
+                         "save_export, or vllm=False and fasterdecoding=False to write neither")
     if base_model is not None:
         check_heads_match_base(spec, base_model)
     dtype = heads.block_weight.dtype
@@ -100,7 +119,14 @@ def save_export(
         raise ValueError(f"export folder {out} exists and is not a folder")
 
     out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / WEIGHTS_FILE, split_heads(heads, FASTERDECODING))
+    write_safetensors(out / WEIGHTS_FILE, tensors)
+    if fd_reason is None:
+        write_torch(out / LEGACY_WEIGHTS_FILE, _fasterdecoding_state(heads, tensors, base_model))
+    else:
+        if (out / LEGACY_WEIGHTS_FILE).exists():
+            log.info("removing %s of an earlier export: FasterDecoding cannot load these heads (%s)",
+                     out / LEGACY_WEIGHTS_FILE, fd_reason)
+        (out / LEGACY_WEIGHTS_FILE).unlink(missing_ok=True)
     token_map = None if heads.token_map is None else heads.token_map.detach().to("cpu", copy=True).contiguous()
     if token_map is not None:
         write_safetensors(out / TOKEN_MAP_FILE, {"token_map": token_map})
@@ -113,6 +139,18 @@ def save_export(
         _remove_vllm(out / VLLM_DIR)
     write_json(out / CONFIG_FILE, config)
     return out
+
+
+def _fasterdecoding_state(
+    heads: MedusaHeads, tensors: dict[str, torch.Tensor], base_model: PreTrainedModel | None
+) -> dict[str, torch.Tensor]:
+    """``medusa_lm_head.pt``'s state dict: ``tensors`` (FasterDecoding keys), plus with ``share_lm_head`` the base
+    lm_head ``[V, H]`` in the heads' dtype as every head's ``{h}.{L}.weight`` (one tensor under K keys)."""
+    if not heads.spec.share_lm_head:
+        return tensors
+    weight = base_model.get_output_embeddings().weight.detach().to("cpu", heads.block_weight.dtype, copy=True)
+    L = heads.spec.num_layers
+    return {**tensors, **{FASTERDECODING.projection.format(h=h, L=L): weight for h in range(heads.spec.num_heads)}}
 
 
 def _write_vllm(

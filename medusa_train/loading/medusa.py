@@ -29,15 +29,45 @@ def export_extra_config(model_cfg: ModelConfig) -> dict[str, Any]:
     return {EXPORT_MODEL_KEY: dataclasses.asdict(model_cfg)}
 
 
-def model_config_for_export(export_config: dict[str, Any], override: Any = None) -> ModelConfig:
+def model_config_for_export(export_config: dict[str, Any], override: Any = None,
+                            source: str = "the export's config.json") -> ModelConfig:
     """The base model's config: ``override`` (a ModelConfig or mapping) when given, else the one recorded in the
-    export, else ``base_model_name_or_path`` as an HF id or folder."""
+    export, else ``base_model_name_or_path`` as an HF id or folder.
+
+    Raises:
+        ValueError: none of the three names a base model (``source``, the field and the fix named).
+    """
     if override is not None:
         return as_dataclass(ModelConfig, override)
     recorded = export_config.get(EXPORT_MODEL_KEY)
     if recorded:
         return as_dataclass(ModelConfig, recorded)
-    return as_dataclass(ModelConfig, {"name_or_path": export_config["base_model_name_or_path"]})
+    name = export_config.get("base_model_name_or_path")
+    if not isinstance(name, str) or not name:
+        raise ValueError(
+            f"{source} has no base_model_name_or_path (got {name!r}): it names the base model the heads were trained "
+            "for, and FasterDecoding and TGI load the base from it too. Add \"base_model_name_or_path\": \"<Hub id or "
+            f"local folder of the base model>\" to {source}, or choose the base on the command line with model=<model "
+            "config> (e.g. model=smollm2_135m)")
+    return as_dataclass(ModelConfig, {"name_or_path": name})
+
+
+def export_base_config(export_dir: str | os.PathLike[str], export_config: dict[str, Any], model: Any = None,
+                       dtype: str | None = None, device: str | None = None) -> ModelConfig:
+    """The base model config :func:`load_medusa` loads for ``export_dir``: ``model`` or the export's recorded base
+    (a Medusa-2 base inside the folder made absolute), with the ``dtype`` / ``device`` overrides applied.
+
+    Raises:
+        ValueError: as :func:`model_config_for_export`.
+    """
+    cfg = model_config_for_export(export_config, model, f"{Path(export_dir) / 'config.json'}")
+    if model is None:
+        cfg = resolve_export_base(export_dir, cfg)  # a Medusa-2 export's fine-tuned base, inside the folder
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, dtype=dtype)
+    if device is not None:
+        cfg = dataclasses.replace(cfg, device=device)
+    return cfg
 
 
 ORIGINAL_BASE_KEY = "original_base_model_name_or_path"
@@ -81,7 +111,7 @@ def check_export_base(export_dir: str | os.PathLike[str], model_cfg: ModelConfig
         config = read_export_config(export_dir)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{field}={export_dir}: {e}") from e
-    recorded = resolve_export_base(export_dir, model_config_for_export(config)).name_or_path
+    recorded = export_base_config(export_dir, config).name_or_path
     names = [recorded, str(config.get(ORIGINAL_BASE_KEY) or "")]
     if not any(name and _same_model(name, model_cfg.name_or_path) for name in names):
         raise ValueError(
@@ -108,17 +138,12 @@ def load_medusa(
 
     Raises:
         FileNotFoundError: no export there (checked before the base model is loaded).
-        ValueError: the heads do not fit the base model (hidden size or vocabulary named).
+        ValueError: config.json names no base model (and ``model`` is None), or the heads do not fit the base model
+            (hidden size or vocabulary named).
     """
     # Heads first: a folder without heads or with a broken file fails in a second, before the base model loads.
     heads, export_config = load_heads(export_dir)
-    cfg = model_config_for_export(export_config, model)
-    if model is None:
-        cfg = resolve_export_base(export_dir, cfg)  # a Medusa-2 export's fine-tuned base, inside the folder
-    if dtype is not None:
-        cfg = dataclasses.replace(cfg, dtype=dtype)
-    if device is not None:
-        cfg = dataclasses.replace(cfg, device=device)
+    cfg = export_base_config(export_dir, export_config, model, dtype, device)
     base, tokenizer = load_base_model(cfg)
     check_heads_match_base(heads.spec, base)
     weight = base.get_output_embeddings().weight

@@ -20,9 +20,12 @@ import yaml
 from huggingface_hub import EvalResult, ModelCardData
 
 from medusa_train.export.base_model import BASE_DIR
+from medusa_train.export.layouts import fasterdecoding_limitation, tgi_limitation
+from medusa_train.export.writer import LEGACY_WEIGHTS_FILE, TOKEN_MAP_FILE
 from medusa_train.loading.medusa import ORIGINAL_BASE_KEY
 from medusa_train.publish.folder import ExportContents
 from medusa_train.publish.hub import LicenseInfo, is_hub_id
+from medusa_train.publish.local_paths import public_name
 
 LIBRARY_NAME = "medusa-train"
 TAGS = ["medusa", "speculative-decoding", "medusa-train"]
@@ -51,7 +54,7 @@ def card_metadata(contents: ExportContents, repo_id: str | None, license_info: L
     license_info = license_info or LicenseInfo(UNKNOWN_LICENSE)
     tags = TAGS + (["vllm"] if contents.has_vllm else [])
     data = ModelCardData(
-        base_model=base if is_hub_id(base) else None,
+        base_model=base if contents.base_is_hub_id and is_hub_id(base) else None,
         library_name=LIBRARY_NAME,
         license=license_info.license,
         license_name=license_info.name,
@@ -135,7 +138,9 @@ def hub_base(contents: ExportContents) -> str:
 
 def _base_link(contents: ExportContents) -> str:
     base = hub_base(contents) or "?"
-    return f"[`{base}`](https://huggingface.co/{base})" if is_hub_id(base) else f"`{base}` (a local path)"
+    if contents.base_is_hub_id and is_hub_id(base):
+        return f"[`{base}`](https://huggingface.co/{base})"
+    return f"`{base}` (a local path)"
 
 
 def _intro(contents: ExportContents) -> str:
@@ -152,13 +157,13 @@ def _intro(contents: ExportContents) -> str:
         text += (f"\n> Medusa-2: the heads were trained jointly with a fine-tuned copy of {_base_link(contents)}, "
                  f"published in `{BASE_DIR}/` (adapters merged). Use that folder as the base model: the heads fit it, "
                  "not the original.\n")
-    elif not is_hub_id(str(c.get("base_model_name_or_path", ""))):
-        text += ("\n> The base model was a local path when these heads were exported, so loaders cannot fetch it: "
-                 "pass the base model yourself (`model.name_or_path=...`), or publish again with "
-                 "`base_model=<hub id>`.\n")
+    elif not contents.base_is_hub_id or not is_hub_id(str(c.get("base_model_name_or_path", ""))):
+        text += (f"\n> The base model was a local path (`{public_name(contents.original_base)}`) when these heads were "
+                 "exported, and no Hub id was given, so loaders cannot fetch it: pass the base model yourself "
+                 "(`model.name_or_path=...`), or publish again with `base_model=<hub id>`.\n")
     elif contents.original_base and contents.original_base != c.get("base_model_name_or_path"):
-        text += (f"\n> Trained on a local copy of the base model (`{contents.original_base}`), published as "
-                 f"`{c['base_model_name_or_path']}`.\n")
+        text += (f"\n> Trained on a local copy of the base model (`{public_name(contents.original_base)}`), "
+                 f"published as `{c['base_model_name_or_path']}`.\n")
     return text
 
 
@@ -311,10 +316,45 @@ def _usage(contents: ExportContents, repo: str) -> str:
                  'print(llm.generate(["Why is the sky blue?"], SamplingParams(temperature=0, max_tokens=256))[0]'
                  ".outputs[0].text)\n"
                  "```\n")
-    text += ("\n### FasterDecoding Medusa and Text Generation Inference\n\n"
-             "The top level of this repository is in FasterDecoding's layout: `config.json` with `medusa_num_heads` "
-             "and `base_model_name_or_path`, and `medusa_lm_head.safetensors` with keys `{h}.{l}.linear.weight|bias` "
-             "and `{h}.{L}.weight`.\n")
+    return text + _engines(contents, repo)
+
+
+def _engines(contents: ExportContents, repo: str) -> str:
+    """What FasterDecoding's loader and TGI need, and whether they can use these heads."""
+    c, spec = contents.config, contents.spec
+    base = c.get("base_model_name_or_path", "<base model>")
+    text = ("\n### FasterDecoding Medusa and Text Generation Inference\n\n"
+            "The top level of this repository is in FasterDecoding's layout: `config.json` with `medusa_num_heads`, "
+            "`medusa_num_layers` and `base_model_name_or_path` (the base model both load; no `architectures`, with "
+            "which TGI would not take it for Medusa heads), and the heads under the keys "
+            "`{h}.{l}.linear.weight|bias` and `{h}.{L}.weight`."
+            + ("" if contents.base_is_hub_id else f" `{base}` is a local file's name: set `base_model_name_or_path` "
+               "to a base model they can load first.") + "\n\n")
+    if spec is not None and spec.head_vocab_size is not None:
+        text += (f"These heads predict over a reduced vocabulary of {spec.head_vocab_size} of the base model's "
+                 f"{spec.vocab_size} tokens, mapped to token ids by `{TOKEN_MAP_FILE}`. FasterDecoding and Text "
+                 "Generation Inference read no token map, so they cannot use these heads: the reduced vocabulary is "
+                 "for loaders that apply the map, medusa-train's `MedusaDecoder` and vLLM's Medusa (`vllm/`, "
+                 "`truncated_vocab_size` with `token_map`).\n")
+        return text
+    fd_reason = fasterdecoding_limitation(spec) if spec is not None else None
+    if LEGACY_WEIGHTS_FILE in contents.files and fd_reason is None:
+        shared = ", each head's projection being the base lm_head, as these heads share it" \
+            if spec is not None and spec.share_lm_head else ""
+        text += ("- **FasterDecoding** (`pip install medusa-llm`, Llama bases): "
+                 f"`MedusaModel.from_pretrained(\"{repo}\")` builds the base model `{base}` and loads "
+                 f"`{LEGACY_WEIGHTS_FILE}` (a `torch.save` of the heads{shared}).\n")
+    else:
+        why = fd_reason or f"this export has no `{LEGACY_WEIGHTS_FILE}` (re-export with medusa-train to write it)"
+        text += f"- **FasterDecoding** cannot load these heads: {why}.\n"
+    tgi_reason = tgi_limitation(spec) if spec is not None else None
+    if tgi_reason is None:
+        shared = (" It projects every head with the base model's lm_head, as these heads were trained to."
+                  if spec is not None and spec.share_lm_head else "")
+        text += (f"- **Text Generation Inference**: `--model-id {repo}` serves `{base}` with these heads "
+                 f"(`medusa_lm_head.safetensors`, up to `--speculate {c['medusa_num_heads']}`).{shared}\n")
+    else:
+        text += f"- **Text Generation Inference** cannot serve these heads: {tgi_reason}.\n"
     return text
 
 

@@ -4,7 +4,8 @@ Repository layout (the export layout of ``DESIGN.md`` plus the evaluation):
 
 ```
 config.json                  FasterDecoding / TGI config (base_model_name_or_path may be replaced, see below)
-medusa_lm_head.safetensors   the heads (or medusa_lm_head.pt from a FasterDecoding folder)
+medusa_lm_head.safetensors   the heads (TGI and medusa-train read it)
+medusa_lm_head.pt            the same heads for FasterDecoding's loader, when the export has it (checked equal)
 token_map.safetensors        only with a reduced head vocabulary
 vllm/config.json, vllm/model.safetensors
 base/...                     Medusa-2 only: the fine-tuned base (LoRA merged) the heads were trained with
@@ -14,7 +15,10 @@ README.md                    the model card
 ```
 
 Only these files are published: other things in the export folder (Hydra run folders, checkpoints, notes) stay
-local. The export itself is never modified.
+local. The export itself is never modified. Local absolute paths are not published
+(:mod:`~medusa_train.publish.local_paths`): the base model is named by its Hub id when one is known, else by its file
+or folder name, and ``config.json``, ``eval/summary.json`` and ``eval/summary.md`` are written with every other
+absolute path cut to its last component. Heads holding NaN or Inf are refused before anything is written.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from medusa_train.export import BASE_DIR, load_heads, read_export_config
+from medusa_train.export.reader import check_fasterdecoding_copy
 from medusa_train.export.writer import (
     CONFIG_FILE,
     LEGACY_WEIGHTS_FILE,
@@ -36,7 +41,9 @@ from medusa_train.export.writer import (
     VLLM_WEIGHTS_FILE,
     WEIGHTS_FILE,
 )
+from medusa_train.heads import HeadsSpec
 from medusa_train.loading.medusa import EXPORT_MODEL_KEY, ORIGINAL_BASE_KEY
+from medusa_train.publish.local_paths import published_base, scrub, scrub_text
 from medusa_train.tuning.tune import ACCURACY_FILE, CHOICES_FILE, LATENCY_FILE, read_tree_files
 
 log = logging.getLogger(__name__)
@@ -55,12 +62,17 @@ class ExportContents:
         export_dir: the export folder.
         config: its ``config.json`` as published (``base_model_name_or_path`` replaced when a base was given).
         config_changed: whether ``config`` differs from the file (then it is written, not copied).
-        original_base: ``base_model_name_or_path`` as the export recorded it.
+        original_base: the base the export recorded (``base_model_name_or_path``; for Medusa-2 the model ``base/``
+            was fine-tuned from), maybe a local path: never published; the license lookup reads a local base's
+            card from it.
         files: repository path -> local file, README excluded.
         tree: :func:`~medusa_train.tuning.tune.read_tree_files` of the export.
-        eval_summary: ``summary.json`` of the evaluation, or None.
-        eval_markdown: ``summary.md`` of the evaluation, or None.
+        spec: the heads' shape (from the strict load).
+        base_is_hub_id: whether the published base (``hub_base``) is a Hub id; False: a local file or folder's name.
+        eval_summary: ``summary.json`` of the evaluation as published, or None.
+        eval_markdown: ``summary.md`` of the evaluation as published, or None.
         eval_plots: repository paths of the evaluation's PNG plots.
+        rewritten: repository path -> text written instead of copying the file (local paths taken out).
         missing: one sentence per missing part (tree, accuracy table, evaluation, vLLM folder), for the card.
     """
 
@@ -70,9 +82,12 @@ class ExportContents:
     original_base: str
     files: dict[str, Path]
     tree: dict[str, Any]
+    spec: HeadsSpec | None = None
+    base_is_hub_id: bool = True
     eval_summary: dict[str, Any] | None = None
     eval_markdown: str | None = None
     eval_plots: list[str] = field(default_factory=list)
+    rewritten: dict[str, str] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
 
     @property
@@ -99,14 +114,18 @@ def collect_export(
 
     Raises:
         FileNotFoundError: no export there, or ``eval_dir`` given without a ``summary.json``.
-        ValueError: damaged weights or JSON files (the file named), or an invalid ``medusa_choices.json``.
+        ValueError: damaged weights or JSON files (the file named), heads holding NaN or Inf (tensor and head
+            named), a ``medusa_lm_head.pt`` that differs from the safetensors file, no base model named (neither
+            ``base_model_name_or_path`` nor ``base_model``), or an invalid ``medusa_choices.json``.
     """
     folder = Path(export_dir)
     config = read_export_config(folder)  # FileNotFoundError / ValueError naming the folder
-    load_heads(folder)  # strict: missing keys, shapes, damaged files
+    heads, _ = load_heads(folder)  # strict: missing keys, shapes, damaged files, NaN / Inf
     files: dict[str, Path] = {CONFIG_FILE: folder / CONFIG_FILE}
     weights = next(n for n in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE) if (folder / n).is_file())
     files[weights] = folder / weights
+    if check_fasterdecoding_copy(folder):  # FasterDecoding's loader downloads the .pt: it must hold the same heads
+        files[LEGACY_WEIGHTS_FILE] = folder / LEGACY_WEIGHTS_FILE
     if config.get("head_vocab_size") is not None:
         files[TOKEN_MAP_FILE] = folder / TOKEN_MAP_FILE
     missing: list[str] = []
@@ -138,19 +157,29 @@ def collect_export(
                        "split) and by `medusa-tune-tree`.")
 
     contents = ExportContents(folder, config, False, str(config.get("base_model_name_or_path", "")), files, tree,
-                              missing=missing)
-    _collect_eval(contents, eval_dir)
-    if base_model and (base_dir / CONFIG_FILE).is_file():
+                              spec=heads.spec, missing=missing)
+    recorded_model = config.get(EXPORT_MODEL_KEY)
+    if (base_dir / CONFIG_FILE).is_file():
         # Medusa-2: the heads fit the fine-tuned base in base/, so base_model_name_or_path stays; the Hub id names
         # the model it was fine-tuned from (the card's base_model)
-        published = dict(config, **{ORIGINAL_BASE_KEY: base_model})
-        contents.config, contents.config_changed = published, published != config
-    elif base_model:
-        published = dict(config, base_model_name_or_path=base_model)
-        recorded = config.get(EXPORT_MODEL_KEY)
-        if isinstance(recorded, dict) and recorded.get("name_or_path") != base_model:
+        original = str(config.get(ORIGINAL_BASE_KEY) or "")
+        contents.original_base = original
+        name, contents.base_is_hub_id = published_base(original, recorded_model, base_model)
+        published = dict(config, **{ORIGINAL_BASE_KEY: name}) if original or base_model else dict(config)
+        renamed = {original: name}
+    else:
+        if not base_model and not contents.original_base:
+            raise ValueError(f"{folder / CONFIG_FILE} has no base_model_name_or_path: FasterDecoding, TGI and "
+                             "medusa-train load the base model from it; add \"base_model_name_or_path\": \"<Hub "
+                             "id>\" to that file, or publish with base_model=<Hub id>")
+        name, contents.base_is_hub_id = published_base(contents.original_base, recorded_model, base_model)
+        published = dict(config, base_model_name_or_path=name)
+        if isinstance(recorded_model, dict) and recorded_model.get("name_or_path") != name:
             del published[EXPORT_MODEL_KEY]  # how a local copy was loaded: meaningless elsewhere
-        contents.config, contents.config_changed = published, published != config
+        renamed = {contents.original_base: name}
+    published = scrub(published)  # any other local path (e.g. training.init_from): its last component
+    contents.config, contents.config_changed = published, published != config
+    _collect_eval(contents, eval_dir, renamed)
     for note in contents.missing:
         log.warning("publishing %s: %s", folder, note)
     return contents
@@ -166,7 +195,8 @@ def _check_choices(choices: Any, path: Path) -> None:
         raise ValueError(f"{path} must hold a list of rank paths such as [[0], [0, 0], [1]], got {choices!r:.200}")
 
 
-def _collect_eval(contents: ExportContents, eval_dir: str | os.PathLike[str] | None) -> None:
+def _collect_eval(contents: ExportContents, eval_dir: str | os.PathLike[str] | None,
+                  renamed: dict[str, str]) -> None:
     default = contents.export_dir / EVAL_DIR
     folder = Path(eval_dir) if eval_dir is not None else default
     summary = folder / EVAL_SUMMARY
@@ -184,11 +214,20 @@ def _collect_eval(contents: ExportContents, eval_dir: str | os.PathLike[str] | N
         raise ValueError(f"{summary} is not valid JSON: {e}") from e
     if not isinstance(data, dict) or not isinstance(data.get("decoders"), dict):
         raise ValueError(f"{summary} must be a medusa-eval summary with a 'decoders' mapping")
-    contents.eval_summary = data
+    # the model it names is the export's base: published under the same name as in config.json
+    published = scrub(dict(data, model=renamed.get(data.get("model"), data.get("model"))))
+    contents.eval_summary = published
     contents.files[f"{EVAL_DIR}/{EVAL_SUMMARY}"] = summary
+    if published != data:
+        contents.rewritten[f"{EVAL_DIR}/{EVAL_SUMMARY}"] = json.dumps(published, indent=2) + "\n"
     if (folder / EVAL_MARKDOWN).is_file():
-        contents.eval_markdown = (folder / EVAL_MARKDOWN).read_text(encoding="utf-8")
+        text = (folder / EVAL_MARKDOWN).read_text(encoding="utf-8")
+        for old, new in renamed.items():
+            text = text.replace(old, new) if old else text
+        contents.eval_markdown = scrub_text(text)
         contents.files[f"{EVAL_DIR}/{EVAL_MARKDOWN}"] = folder / EVAL_MARKDOWN
+        if contents.eval_markdown != (folder / EVAL_MARKDOWN).read_text(encoding="utf-8"):
+            contents.rewritten[f"{EVAL_DIR}/{EVAL_MARKDOWN}"] = contents.eval_markdown
     for plot in sorted(folder.glob("*.png")):
         contents.files[f"{EVAL_DIR}/{plot.name}"] = plot
         contents.eval_plots.append(f"{EVAL_DIR}/{plot.name}")
@@ -223,6 +262,8 @@ def write_repo_folder(
         target.parent.mkdir(parents=True, exist_ok=True)
         if repo_path == CONFIG_FILE and contents.config_changed:
             target.write_text(json.dumps(contents.config, indent=2) + "\n", encoding="utf-8")
+        elif repo_path in contents.rewritten:
+            target.write_text(contents.rewritten[repo_path], encoding="utf-8")
         elif link:
             try:
                 os.link(source, target)

@@ -19,9 +19,10 @@ import yaml
 log = logging.getLogger(__name__)
 
 LOOKUP_TIMEOUT_S = 10.0  # the license lookup is optional: never wait long for an unreachable Hub
-# What MedusaDecoder needs from a published export (vllm/ and eval/ are not downloaded for it).
-DECODER_FILES = ["config.json", "medusa_lm_head.safetensors", "medusa_lm_head.pt", "token_map.safetensors",
-                 "medusa_choices.json"]
+# What MedusaDecoder needs from a published export (vllm/ and eval/ are not downloaded for it); the .pt copy for
+# FasterDecoding's loader only when a repository has no safetensors (FasterDecoding's own).
+DECODER_FILES = ["config.json", "medusa_lm_head.safetensors", "token_map.safetensors", "medusa_choices.json"]
+FASTERDECODING_WEIGHTS = "medusa_lm_head.pt"
 
 
 def hub_endpoint(endpoint: str | None = None) -> str | None:
@@ -206,6 +207,9 @@ def pretrained_decoder_kwargs(
 
     folder = download_export(repo_or_dir, revision, allow_patterns=DECODER_FILES, cache_dir=cache_dir,
                              endpoint=endpoint)
+    if not (folder / DECODER_FILES[1]).is_file():
+        folder = download_export(repo_or_dir, revision, allow_patterns=DECODER_FILES + [FASTERDECODING_WEIGHTS],
+                                 cache_dir=cache_dir, endpoint=endpoint)
     medusa_model, tokenizer, _ = load_medusa(str(folder), model=model, dtype=dtype, device=device)
     if decoder_kwargs.get("medusa_choices") is None:
         choices = read_tree_files(folder).get("medusa_choices")

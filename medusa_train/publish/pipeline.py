@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from medusa_train.publish.card import render_card
+from medusa_train.publish.card import hub_base, render_card
 from medusa_train.publish.folder import ExportContents, collect_export, write_repo_folder
 from medusa_train.publish.hub import LicenseInfo, base_model_license
 from medusa_train.publish.upload import (
@@ -61,8 +61,9 @@ def _card(
         except PublishError:
             token = ""  # a public base model's card needs no token
         with redacted_logs(token):
-            info = base_model_license(str(contents.config.get("base_model_name_or_path", "")), endpoint,
-                                      token or None)
+            # the published Hub id's card, else the local base's own README.md (its path is never published)
+            source = hub_base(contents) if contents.base_is_hub_id else contents.original_base
+            info = base_model_license(source, endpoint, token or None)
         if info is None:
             log.warning("the base model's license is unknown: the card says `license: unknown`; pass license=... "
                         "to set it")

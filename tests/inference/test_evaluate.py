@@ -387,3 +387,149 @@ def test_a_damaged_results_line_is_named(tmp_path):
     log = ResultsLog(path)
     log.append({**row, "turn": 2})
     assert [json.loads(line)["turn"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+# ---------------------------------------------------------------- stale rows, drafts too deep, prompts too long
+
+
+def copy_export(export: Path, to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(export, to)
+    return to
+
+
+def test_a_new_tree_or_new_heads_remeasure_only_the_medusa_rows(export, prompts, tmp_path, monkeypatch):
+    """medusa-tune-tree rewrote medusa_choices.json (or training rewrote the heads) after a run: a rerun in the same
+    folder measures medusa again with what it now decodes with, keeps vanilla's rows, and keeps the old rows aside."""
+    from medusa_train.export import load_heads
+
+    mine = copy_export(export, tmp_path / "export")
+    out = tmp_path / "run"
+    evaluate(config(mine, prompts, out, "num_prompts=2"))
+    first = read_rows(out / "results.jsonl")
+    run = json.loads((out / "run.json").read_text())
+    recorded = run["measured_with"]["decoders"]["medusa"]
+    assert recorded["medusa_choices"] == TREE and len(recorded["heads_sha256"]) == 64
+    assert run["measured_with"]["run"]["base_model"]["name_or_path"] == str(export.parent / "base")
+    assert run["measured_with"]["run"]["base_model"]["dtype"] == "float32"
+    assert {r["measured_with"] for r in first if r["decoder"] == "medusa"} == {
+        run["measured_with"]["fingerprints"]["medusa"]}
+
+    new_tree = [[0], [1], [0, 0]]
+    (mine / "medusa_choices.json").write_text(json.dumps(new_tree))
+    counter = CallCounter(monkeypatch)
+    summary = evaluate(config(mine, prompts, out, "num_prompts=2"))
+    assert counter.calls == {"vanilla": 0, "medusa": 4}  # 2 prompts x 2 turns, medusa only
+    rows = read_rows(out / "results.jsonl")
+    assert [r for r in rows if r["decoder"] == "vanilla"] == [r for r in first if r["decoder"] == "vanilla"]
+    run = json.loads((out / "run.json").read_text())
+    assert run["measured_with"]["decoders"]["medusa"]["medusa_choices"] == new_tree
+    assert run["decoders"]["medusa"]["medusa_choices"] == new_tree
+    assert "medusa_choices" in run["remeasured"]["medusa"]
+    superseded = read_rows(out / "results_superseded.jsonl")
+    assert len(superseded) == 4 and all("medusa_choices: [[0], [0, 0], [1], [0, 1]] -> [[0], [1], [0, 0]]"
+                                        in r["superseded_because"] for r in superseded)
+    new_medusa = [r for r in rows if r["decoder"] == "medusa"]
+    tau = sum(sum(r["accepted_lengths"]) for r in new_medusa) / sum(r["forward_passes"] for r in new_medusa)
+    assert summary["decoders"]["medusa"]["mean_accepted_tokens"] == pytest.approx(tau)
+
+    # new heads, same tree: the checksum changed, medusa is measured again
+    heads, _ = load_heads(mine)
+    with torch.no_grad():
+        heads.block_weight.mul_(0.5)
+    record = json.loads((mine / "config.json").read_text())
+    save_export(heads, mine, record["base_model_name_or_path"], vllm=False,
+                extra_config={"medusa_train_model": record["medusa_train_model"]})
+    monkeypatch.undo()
+    counter = CallCounter(monkeypatch)
+    evaluate(config(mine, prompts, out, "num_prompts=2"))
+    assert counter.calls == {"vanilla": 0, "medusa": 4}
+    assert "heads_sha256" in json.loads((out / "run.json").read_text())["remeasured"]["medusa"]
+    assert len(read_rows(out / "results_superseded.jsonl")) == 8
+
+    # a medusa setting: only medusa again; nothing changed: nothing measured
+    monkeypatch.undo()
+    counter = CallCounter(monkeypatch)
+    evaluate(config(mine, prompts, out, "num_prompts=2", "decoder.medusa.topk=4"))
+    assert counter.calls == {"vanilla": 0, "medusa": 4}
+    monkeypatch.undo()
+    counter = CallCounter(monkeypatch)
+    evaluate(config(mine, prompts, out, "num_prompts=2", "decoder.medusa.topk=4"))
+    assert counter.calls == {"vanilla": 0, "medusa": 0}
+
+
+def test_another_base_model_or_an_unrecorded_run_is_refused_before_loading(export, prompts, tmp_path, monkeypatch):
+    import shutil
+
+    import medusa_train.loading.base as loading
+
+    mine = copy_export(export, tmp_path / "export")
+    out = tmp_path / "run"
+    evaluate(config(mine, prompts, out, "num_prompts=1", "max_turns=1"))
+    # the export now records another base model (retrained into the same folder)
+    other = tmp_path / "other-base"
+    shutil.copytree(Path(json.loads((mine / "config.json").read_text())["base_model_name_or_path"]), other)
+    record = json.loads((mine / "config.json").read_text())
+    record["medusa_train_model"]["name_or_path"] = record["base_model_name_or_path"] = str(other)
+    (mine / "config.json").write_text(json.dumps(record))
+    monkeypatch.setattr(loading, "load_base_model", lambda cfg: pytest.fail("loaded a model"))
+    with pytest.raises(ValueError, match=r"measured on another base model \(base_model\.name_or_path: .*other-base"
+                                         r".*overwrite=true"):
+        evaluate(config(mine, prompts, out, "num_prompts=1", "max_turns=1"))
+    # results of a medusa-train that did not record what they were measured with
+    run = json.loads((out / "run.json").read_text())
+    del run["measured_with"]
+    (out / "run.json").write_text(json.dumps(run))
+    with pytest.raises(ValueError, match=r"older medusa-train.*overwrite=true"):
+        evaluate(config(mine, prompts, out, "num_prompts=1", "max_turns=1"))
+
+
+def test_a_self_layers_draft_as_deep_as_the_target_is_named_before_decoding(export, prompts, tmp_path, monkeypatch):
+    counter = CallCounter(monkeypatch)
+    out = tmp_path / "run"
+    with pytest.raises(ValueError) as info:  # the defaults: num_layers 8 on a 2-layer target
+        evaluate(config(export, prompts, out, "decoders=[draft,hf_assisted]"))
+    message = str(info.value)
+    for name in ("draft", "hf_assisted"):
+        assert (f"decoder.{name}.num_layers=8: a self_layers draft keeps fewer layers than the target, which has 2; "
+                f"set decoder.{name}.num_layers to at most 1") in message
+    assert counter.calls == {"vanilla": 0, "medusa": 0} and not (out / "results.jsonl").exists()
+
+
+def test_prompts_that_do_not_fit_the_context_are_left_out_named_and_listed(export, tmp_path, caplog):
+    # the tiny tokenizer is one token per character; the tiny Llama has 2048 positions
+    template = len(encode_prompt(make_tiny_tokenizer(), [{"role": "user", "content": ""}]))
+    questions = [
+        {"question_id": 1, "category": "ok", "turns": ["short"]},
+        {"question_id": 2, "category": "long", "turns": ["x" * 2100]},                # the prompt alone does not fit
+        {"question_id": 3, "category": "long", "turns": ["y" * (2044 - template)]},   # fits max_new_tokens <= 4
+        {"question_id": 4, "category": "ok", "turns": ["hi", "z" * 2040]},            # turn 2 does not fit
+    ]
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    out = tmp_path / "run"
+    caplog.set_level("WARNING")
+    summary = evaluate(config(export, prompts, out))
+    skipped = {(s["prompt_id"], s["turn"]): s for s in summary["skipped_prompts"]}
+    assert sorted(skipped) == [("2", 1), ("3", 1), ("4", 2)]
+    assert skipped[("2", 1)]["fits_max_new_tokens"] is None and skipped[("2", 1)]["context"] == 2048
+    assert skipped[("3", 1)]["prompt_tokens"] == 2044 and skipped[("3", 1)]["fits_max_new_tokens"] == 4
+    assert "2 of 4 prompts do not fit the model's context of 2048 positions with max_new_tokens=10" in caplog.text
+    assert "prompt '3' turn 1 (2044 tokens; max_new_tokens=4 would fit it)" in caplog.text
+    assert "prompt '2' turn 1" in caplog.text and "the prompt alone fills the context: leave it out" in caplog.text
+    rows = read_rows(out / "results.jsonl")
+    assert sorted({(r["prompt_id"], r["turn"]) for r in rows}) == [("1", 1), ("4", 1)]
+    assert summary["prompts"] == 2
+    assert json.loads((out / "summary.json").read_text())["skipped_prompts"] == summary["skipped_prompts"]
+    assert "Left out, not fitting the model's context" in (out / "summary.md").read_text()
+
+
+def test_the_context_error_advises_what_fits():
+    from inference.decoders.base import check_context
+
+    with pytest.raises(ValueError, match=r"lower max_new_tokens to at most 48 or shorten the prompt"):
+        check_context(80, 64, 128)
+    with pytest.raises(ValueError, match=r"the prompt alone leaves no room for a reply: shorten it to fewer than 128 "
+                                         r"tokens or leave it out"):
+        check_context(130, 64, 128)

@@ -337,3 +337,82 @@ def test_refuses_newer_export_version(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "version": 2}))
     with pytest.raises(ValueError, match="format version 2 is newer"):
         load_heads(tmp_path)
+
+
+# ---------------------------------------------------------------- FasterDecoding's medusa_lm_head.pt, non-finite heads
+
+
+def test_fasterdecoding_pt_holds_the_same_tensors_as_the_safetensors(tmp_path, base):
+    heads = random_heads(3, 1)
+    save_export(heads, tmp_path, "tiny-llama", base_model=base)
+    ours = load_file(tmp_path / "medusa_lm_head.safetensors")
+    pt = torch.load(tmp_path / "medusa_lm_head.pt", weights_only=True)
+    assert sorted(pt) == sorted(ours) and all(torch.equal(pt[k], ours[k]) for k in ours)
+    assert torch.equal(pt["2.1.weight"], heads.lm_head_weight[2])
+    assert not list(tmp_path.glob(".*tmp*"))  # written through a temporary sibling, renamed into place
+
+
+def test_fasterdecoding_pt_of_shared_lm_head_heads_carries_the_base_lm_head_once(tmp_path, base):
+    heads = random_heads(3, 1, share=True)
+    save_export(heads, tmp_path, "tiny-llama", base_model=base, vllm=False)
+    pt = torch.load(tmp_path / "medusa_lm_head.pt", weights_only=True)
+    assert sorted(pt) == sorted(f"{h}.{k}" for h in range(3) for k in ("0.linear.bias", "0.linear.weight", "1.weight"))
+    for h in range(3):  # FasterDecoding's head h projects with pt[f"{h}.1.weight"]: the base lm_head, as ours
+        assert torch.equal(pt[f"{h}.1.weight"], base.lm_head.weight)
+    assert pt["0.1.weight"].untyped_storage().data_ptr() == pt["2.1.weight"].untyped_storage().data_ptr()
+    # one copy of the [V, H] lm_head in the file, not K
+    blocks_only = tmp_path / "blocks.pt"
+    torch.save({k: v for k, v in pt.items() if "linear" in k}, blocks_only)
+    lm_head_bytes = base.lm_head.weight.numel() * 4
+    assert (tmp_path / "medusa_lm_head.pt").stat().st_size - blocks_only.stat().st_size < 1.5 * lm_head_bytes
+    with pytest.raises(ValueError, match="pass base_model="):
+        save_export(heads, tmp_path / "again", "tiny-llama", vllm=False)
+    save_export(heads, tmp_path / "no_pt", "tiny-llama", vllm=False, fasterdecoding=False)
+    assert not (tmp_path / "no_pt" / "medusa_lm_head.pt").exists()
+
+
+@pytest.mark.parametrize("num_layers, token_map", [(2, None), (1, TOKEN_MAP)], ids=["two_layers", "token_map"])
+def test_no_pt_where_fasterdecoding_cannot_reproduce_the_heads_and_a_stale_one_is_removed(tmp_path, num_layers,
+                                                                                        token_map):
+    save_export(random_heads(2, 1), tmp_path, "tiny-llama")
+    assert (tmp_path / "medusa_lm_head.pt").is_file()
+    save_export(random_heads(2, num_layers, token_map=token_map), tmp_path, "tiny-llama")
+    assert not (tmp_path / "medusa_lm_head.pt").exists()
+    assert load_heads(tmp_path)[0].spec.num_layers == num_layers
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_heads_holding_nan_or_inf_are_never_exported(tmp_path, base, share):
+    good = random_heads(3, 1, share=share, seed=1)
+    save_export(good, tmp_path, "tiny-llama", base_model=base)
+    before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    bad = random_heads(3, 1, share=share, seed=2)
+    with torch.no_grad():
+        bad.block_weight[2, 0, 1, 3] = float("nan")
+        bad.block_bias[1, 0, :2] = float("inf")
+    with pytest.raises(ValueError, match=r"1\.0\.linear\.bias \(head 1\): 0 NaN and 2 Inf.*2\.0\.linear\.weight "
+                                         r"\(head 2\): 1 NaN and 0 Inf"):
+        save_export(bad, tmp_path, "tiny-llama", base_model=base)
+    assert {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # the good export kept
+    if not share:
+        with torch.no_grad():
+            bad = random_heads(3, 1)
+            bad.lm_head_weight[0, 5, 0] = float("-inf")
+        with pytest.raises(ValueError, match=r"0\.1\.weight \(head 0\): 0 NaN and 1 Inf"):
+            save_export(bad, tmp_path / "new", "tiny-llama", base_model=base)
+        assert not (tmp_path / "new").exists()
+
+
+def test_loading_refuses_non_finite_heads_naming_tensor_and_head(tmp_path):
+    save_export(random_heads(2, 1), tmp_path, "tiny-llama")
+
+    def poison(state):
+        state["1.0.linear.weight"][0, 0] = float("nan")
+
+    rewrite(tmp_path / "medusa_lm_head.safetensors", poison)
+    with pytest.raises(ValueError, match=r"medusa_lm_head\.safetensors: the heads hold non-finite weights "
+                                         r"\(1\.0\.linear\.weight \(head 1\): 1 NaN"):
+        load_heads(tmp_path)
+    rewrite(tmp_path / "vllm" / "model.safetensors", lambda s: s["lm_heads.0.weight"].fill_(float("inf")))
+    with pytest.raises(ValueError, match=r"lm_heads\.0\.weight \(head 0\): 0 NaN and \d+ Inf"):
+        load_heads(tmp_path / "vllm")

@@ -69,3 +69,22 @@ def test_smollm2_gguf_answers_a_chat_prompt():
     out = model.generate(**enc, max_new_tokens=12, do_sample=False)
     reply = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in reply
+
+
+def test_export_naming_no_base_model_says_which_file_field_and_fix(tmp_path, monkeypatch):
+    import json
+
+    import medusa_train.loading.base as loading
+    from medusa_train.export import save_export
+    from medusa_train.loading.medusa import load_medusa
+    from medusa_train.model import new_heads_for
+
+    save_export(new_heads_for(make_tiny_model("llama"), num_heads=2), tmp_path / "export", "tiny-llama", vllm=False)
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    del config["base_model_name_or_path"]
+    (tmp_path / "export" / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(loading, "load_base_model", lambda cfg: pytest.fail("loaded a model"))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'export' / 'config.json'} has no base_model_name_or_path "
+                                         r"\(got None\).*Add \"base_model_name_or_path\": \"<Hub id or local folder of "
+                                         r"the base model>\" to .*or choose the base on the command line with model="):
+        load_medusa(str(tmp_path / "export"))

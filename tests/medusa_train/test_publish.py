@@ -466,8 +466,12 @@ def test_training_with_push_to_hub_publishes_the_export(hub, tmp_path):
     export = Path(summary["export_dir"])
     stored = hub.files(REPO)
     assert summary["hub_url"] == f"{hub.url}/{REPO}"
-    for name in ("config.json", "medusa_lm_head.safetensors"):
-        assert stored.get(name) == (export / name).read_bytes(), name
+    assert stored.get("medusa_lm_head.safetensors") == (export / "medusa_lm_head.safetensors").read_bytes()
+    # trained on a local folder: the published config names it without its local path (nor the recorded model/)
+    published, local = json.loads(stored["config.json"]), json.loads((export / "config.json").read_text())
+    assert published["base_model_name_or_path"] == "tiny_llama" and str(tmp_path) not in stored["config.json"].decode()
+    local.pop("medusa_train_model")
+    assert published == {**local, "base_model_name_or_path": "tiny_llama"}
 
 
 def test_push_to_hub_without_repo_or_token_fails_before_training(hub, tmp_path, monkeypatch):
@@ -482,3 +486,121 @@ def test_push_to_hub_without_repo_or_token_fails_before_training(hub, tmp_path, 
     recipe = TrainRecipe(compose_train(overrides + ["push_to_hub=true", f"hub_repo_id={REPO}"]))
     with pytest.raises(PublishError, match="hf auth login"):
         recipe.check()
+
+
+# ---------------------------------------------------------------- what a published repository must not hold or claim
+
+
+def test_local_paths_never_reach_the_card_the_config_or_the_eval_files(heads, base, tmp_path):
+    """Trained on a local llama2.c file, evaluated with absolute paths on the command line: the repository names the
+    file and says it is local; with the model/ config's hub_id (or base_model=) it names the Hub id."""
+    from medusa_train.config import ModelConfig
+    from medusa_train.loading.medusa import export_extra_config
+
+    local = tmp_path / "home" / "alice" / "models"
+    model_cfg = ModelConfig(name_or_path=str(local / "stories260K.bin"), format="llama2c",
+                            tokenizer_path=str(local / "tok512.bin"))
+    export = tmp_path / "home" / "alice" / "runs" / "export"
+    save_export(heads, export, model_cfg.name_or_path, base_model=base,
+                extra_config={**export_extra_config(model_cfg), "training": {"init_from": str(tmp_path / "old")}})
+    (export / "eval").mkdir()
+    (export / "eval" / "summary.json").write_text(json.dumps({**SUMMARY, "model": model_cfg.name_or_path}))
+    (export / "eval" / "summary.md").write_text(
+        f"# medusa-eval: {model_cfg.name_or_path}\n\nCommand: `medusa-eval export_dir={export} "
+        f"prompts={tmp_path}/q.jsonl output_dir={export}/eval`\n\n| decoder | tokens/s |\n| --- | ---: |\n")
+
+    def published(folder: Path) -> dict[str, str]:
+        texts = {p: (folder / p).read_text() for p in ("README.md", "config.json", "eval/summary.json",
+                                                       "eval/summary.md")}
+        for path, text in texts.items():
+            assert str(tmp_path) not in text and "/home/alice" not in text, path
+        return texts
+
+    texts = published(prepare_repo_folder(export, tmp_path / "repo", REPO, license="mit").folder)
+    config = json.loads(texts["config.json"])
+    assert config["base_model_name_or_path"] == "stories260K.bin" and "medusa_train_model" not in config
+    assert config["training"]["init_from"] == "old"
+    assert json.loads(texts["eval/summary.json"])["model"] == "stories260K.bin"
+    assert "Command: `medusa-eval export_dir=export prompts=q.jsonl output_dir=eval`" in texts["eval/summary.md"]
+    assert "base_model" not in readme_metadata(texts["README.md"])
+    assert "The base model was a local path (`stories260K.bin`)" in texts["README.md"]
+    assert "`base_model=<hub id>`" in texts["README.md"]
+
+    # the model/ config named the Hub repository of its local copy: that is what the repository names
+    record = json.loads((export / "config.json").read_text())
+    record["medusa_train_model"]["hub_id"] = "karpathy/tinyllamas"
+    (export / "config.json").write_text(json.dumps(record))
+    texts = published(prepare_repo_folder(export, tmp_path / "repo2", REPO, license="mit").folder)
+    assert json.loads(texts["config.json"])["base_model_name_or_path"] == "karpathy/tinyllamas"
+    assert json.loads(texts["eval/summary.json"])["model"] == "karpathy/tinyllamas"
+    assert readme_metadata(texts["README.md"])["base_model"] == "karpathy/tinyllamas"
+    assert ("Trained on a local copy of the base model (`stories260K.bin`), published as `karpathy/tinyllamas`"
+            in texts["README.md"])
+    assert json.loads((export / "config.json").read_text())["base_model_name_or_path"] == model_cfg.name_or_path
+
+
+def test_publish_refuses_non_finite_heads_before_writing_anything(heads, base, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    export = write_export(tmp_path / "export", heads, base, evaluated=False)
+    state = load_file(export / "medusa_lm_head.safetensors")
+    state["2.0.linear.bias"][3] = float("nan")
+    save_file(state, export / "medusa_lm_head.safetensors")
+    with pytest.raises(ValueError, match=r"2\.0\.linear\.bias \(head 2\): 1 NaN and 0 Inf"):
+        prepare_repo_folder(export, tmp_path / "repo", REPO)
+    assert not (tmp_path / "repo").exists()
+
+
+def test_publish_refuses_an_export_naming_no_base_model(heads, base, tmp_path):
+    export = write_export(tmp_path / "export", heads, base, evaluated=False)
+    config = json.loads((export / "config.json").read_text())
+    del config["base_model_name_or_path"]
+    (export / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json has no base_model_name_or_path.*base_model=<Hub id>"):
+        prepare_repo_folder(export, tmp_path / "repo", REPO)
+    assert not (tmp_path / "repo").exists()
+    config = json.loads((prepare_repo_folder(export, tmp_path / "repo", REPO, base_model=BASE, license="mit")
+                         .folder / "config.json").read_text())
+    assert config["base_model_name_or_path"] == BASE
+
+
+def test_card_says_what_fasterdecoding_and_tgi_can_load(base, tmp_path):
+    def card_of(spec: HeadsSpec, token_map=None, **save) -> tuple[str, list[str]]:
+        heads = MedusaHeads(spec, token_map=token_map)
+        with torch.no_grad():
+            for p in heads.parameters():
+                p.normal_(0, 0.3)
+        export = tmp_path / f"export{len(list(tmp_path.iterdir()))}"
+        save_export(heads, export, BASE, base_model=base, **save)
+        out = prepare_repo_folder(export, tmp_path / f"{export.name}-repo", REPO, license="mit")
+        return (out.folder / "README.md").read_text(), out.files
+
+    card, files = card_of(HeadsSpec(3, 1, HIDDEN, VOCAB))
+    assert "medusa_lm_head.pt" in files
+    assert f'`MedusaModel.from_pretrained("{REPO}")` builds the base model `{BASE}`' in card
+    assert f"`--model-id {REPO}` serves `{BASE}`" in card and "`--speculate 3`" in card
+    card, files = card_of(HeadsSpec(3, 1, HIDDEN, VOCAB, share_lm_head=True))
+    assert "each head's projection being the base lm_head" in card and "medusa_lm_head.pt" in files
+    card, files = card_of(HeadsSpec(3, 2, HIDDEN, VOCAB))
+    assert "medusa_lm_head.pt" not in files
+    assert "**FasterDecoding** cannot load these heads: medusa_num_layers=2" in card
+    assert f"`--model-id {REPO}` serves" in card  # TGI keeps the layers apart
+    card, files = card_of(HeadsSpec(3, 1, HIDDEN, VOCAB, head_vocab_size=8), token_map=TOKEN_MAP)
+    assert "medusa_lm_head.pt" not in files
+    assert ("FasterDecoding and Text Generation Inference read no token map, so they cannot use these heads" in card)
+    assert "--model-id" not in card
+
+
+def test_a_stale_fasterdecoding_pt_is_refused(heads, base, tmp_path):
+    spec = HeadsSpec(2, 1, HIDDEN, VOCAB)
+    export = tmp_path / "export"
+    first, second = MedusaHeads(spec), MedusaHeads(spec)
+    with torch.no_grad():
+        first.block_weight.normal_()
+        second.block_weight.normal_()
+    save_export(first, export, BASE, base_model=base)
+    stale = (export / "medusa_lm_head.pt").read_bytes()
+    save_export(second, export, BASE, base_model=base)
+    (export / "medusa_lm_head.pt").write_bytes(stale)  # copied over from the older export by hand
+    with pytest.raises(ValueError, match=r"medusa_lm_head\.pt holds other weights than medusa_lm_head\.safetensors"):
+        prepare_repo_folder(export, tmp_path / "repo", REPO, license="mit")

@@ -1,0 +1,82 @@
+"""What the rows of a ``medusa-eval`` run were measured with, recorded in ``run.json`` and compared on resume.
+
+A resumed run keeps a row only if it would be measured the same way now. Two levels:
+
+- **The run** (:func:`run_identity`): the base model config every decoder runs (the recorded ``model/`` config or
+  the ``model`` override, with the ``dtype`` / ``device`` overrides applied: name, format, revision, dtype, ...)
+  and, for a Medusa-2 export whose fine-tuned base lives inside the export, the checksum of the heads written with
+  it. Together with the settings every row shares (:func:`~inference.evaluation.evaluate.result_settings`:
+  ``max_new_tokens``, temperature, the decoder list, ...) a change here invalidates every row: the rerun is refused,
+  naming what changed, before any model loads (``overwrite=true`` starts over).
+- **Each decoder** (:func:`decoder_identity`): its settings (``decoder.<name>``), what its builder resolved (e.g.
+  the Medusa tree actually used, wherever it came from) and, for decoders that decode with the export's heads
+  (:attr:`~inference.registry.DecoderEntry.uses_heads`), the SHA-256 of the heads' weight files. Every row carries
+  the :func:`fingerprint` of its decoder's identity (``measured_with``); rows whose fingerprint differs from the
+  decoder's current one are stale: they are moved to ``results_superseded.jsonl`` (never deleted) and measured again,
+  the other decoders' rows are kept. This is what re-measures only Medusa after ``medusa-tune-tree`` rewrote
+  ``medusa_choices.json`` or training rewrote the heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from medusa_train.export import read_export_config
+from medusa_train.export.reader import heads_checksum
+from medusa_train.loading.medusa import export_base_config
+
+MEASURED_WITH = "measured_with"  # the run.json entry and the row field
+
+
+def run_identity(export_dir: str, model: Any = None, dtype: str | None = None, device: str | None = None,
+                 heads_sha256: str | None = None) -> dict[str, Any]:
+    """What every row of a run depends on besides the run's settings (see the module docstring).
+
+    Args:
+        export_dir: the export folder.
+        model, dtype, device: the run's overrides (as :func:`~medusa_train.loading.medusa.load_medusa` takes them).
+        heads_sha256: the heads' checksum when already computed (:func:`~medusa_train.export.reader.heads_checksum`).
+
+    Raises:
+        FileNotFoundError: no export (or no heads) there. ValueError: its config.json names no base model.
+    """
+    base = export_base_config(export_dir, read_export_config(export_dir), model, dtype, device)
+    identity: dict[str, Any] = {"base_model": dataclasses.asdict(base)}
+    if Path(base.name_or_path).resolve().is_relative_to(Path(export_dir).resolve()):
+        # Medusa-2: the fine-tuned base is rewritten with the heads, so the heads identify it too
+        identity["base_written_with_heads_sha256"] = heads_sha256 or heads_checksum(export_dir)
+    return identity
+
+
+def decoder_identity(settings: dict[str, Any] | None, info: dict[str, Any], heads_sha256: str | None) -> dict:
+    """What one decoder's rows depend on: its settings, what its builder resolved, the heads' checksum if it uses
+    them (None: it does not)."""
+    identity = {"settings": settings or {}, **info}
+    if heads_sha256 is not None:
+        identity["heads_sha256"] = heads_sha256
+    return identity
+
+
+def fingerprint(identity: dict[str, Any]) -> str:
+    """A short stable hash of an identity (canonical JSON), stored in each row."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """``"key.sub: old -> new"`` for every leaf that differs between two JSON values (long values shortened)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in sorted(set(old) | set(new), key=str)
+                for d in differences(old.get(k), new.get(k), f"{prefix}{k}.")]
+    return [] if old == new else [f"{prefix.rstrip('.')}: {_short(old)} -> {_short(new)}"]
+
+
+__all__ = ["MEASURED_WITH", "decoder_identity", "differences", "fingerprint", "run_identity"]

@@ -1,0 +1,83 @@
+"""The Hydra entry points' shared front door: required settings missing from the command line get one line.
+
+Hydra resolves its own settings (``hydra.run.dir: ${output_dir}``, ``${export_dir}/.tune_tree``) before the task
+runs, so a missing ``export_dir`` would print about a hundred lines of Hydra internals. :func:`hydra_app` composes
+the config first (the same files, schemas and overrides Hydra will use) and, when a required value (``???``) is
+still missing, prints one line (``medusa-tune-tree: export_dir is required: add export_dir=... (e.g.
+medusa-tune-tree export_dir=runs/stories/export)``) and exits with status 2, before Hydra creates any folder.
+Anything else (bad keys, sweeps, ``--help``, ``--cfg``) is left to Hydra's own messages.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from medusa_train.paths import CONF_DIR
+
+
+def missing_required(config_name: str, overrides: list[str]) -> list[str] | None:
+    """Dotted keys still ``???`` once ``conf/<config_name>.yaml`` is composed with ``overrides`` (the ``hydra``
+    node left out); None when the command line does not compose as one run (flags other than ``-m``, sweeps of
+    several values, errors: Hydra reports those itself)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = [arg for arg in overrides if arg not in ("-m", "--multirun")]  # a sweep composes per value below
+    if any(arg.startswith("-") for arg in overrides):
+        return None
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException, ValueError):
+        return None
+    return [key for key in _missing(cfg, "") if not key.startswith("hydra.")]
+
+
+def _missing(node: Any, prefix: str) -> list[str]:
+    missing = []
+    for key in node:
+        path = f"{prefix}{key}"
+        if OmegaConf.is_missing(node, key):
+            missing.append(path)
+        else:
+            child = node._get_node(key)
+            if OmegaConf.is_dict(child):
+                missing += _missing(child, f"{path}.")
+    return missing
+
+
+def hydra_app(config_name: str, example: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
+    """``@hydra.main`` over ``conf/<config_name>.yaml``, preceded by the required-settings check.
+
+    Args:
+        config_name: the primary config (``evaluate``, ``tune_tree``, ...).
+        example: a complete command line, shown when something required is missing; its first word names the
+            command in the message.
+    """
+    def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
+        app = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(task)
+
+        @functools.wraps(task)
+        def main() -> Any:
+            missing = missing_required(config_name, sys.argv[1:])
+            if missing:
+                names = " and ".join(", ".join(missing).rsplit(", ", 1))
+                verb = "is" if len(missing) == 1 else "are"
+                add = " ".join(f"{key}=..." for key in missing)
+                print(f"{example.split()[0]}: {names} {verb} required: add {add} (e.g. {example})", file=sys.stderr)
+                raise SystemExit(2)
+            return app()
+
+        return main
+
+    return decorate
+
+
+__all__ = ["hydra_app", "missing_required"]

@@ -1,0 +1,54 @@
+"""The entry points' shared front door (medusa_train/cli/app.py): a required setting missing from the command line
+gets one line naming it and an example, exit status 2, before Hydra creates any folder."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+ENTRY_POINTS = {  # module, its required settings, the example the message shows
+    "medusa-tune-tree": ("medusa_train.cli.tune_tree", ["export_dir"], "medusa-tune-tree export_dir="),
+    "medusa-eval": ("inference.cli.evaluate", ["export_dir", "output_dir"], "medusa-eval export_dir="),
+    "medusa-generate": ("inference.cli.generate", ["export_dir", "prompt"], "medusa-generate export_dir="),
+    "medusa-publish": ("medusa_train.cli.publish", ["export_dir"], "medusa-publish export_dir="),
+}
+
+
+def run_main(module: str, args: list[str], monkeypatch) -> int:
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    with pytest.raises(SystemExit) as info:
+        importlib.import_module(module).main()
+    return info.value.code
+
+
+@pytest.mark.parametrize("command", sorted(ENTRY_POINTS))
+def test_missing_required_settings_get_one_line_with_an_example(command, tmp_path, monkeypatch, capsys):
+    module, required, example = ENTRY_POINTS[command]
+    monkeypatch.chdir(tmp_path)
+    assert run_main(module, [], monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    names = " and ".join(required)
+    assert err.startswith(f"{command}: {names} {'is' if len(required) == 1 else 'are'} required: add "
+                          + " ".join(f"{k}=..." for k in required) + f" (e.g. {example}")
+    assert list(tmp_path.iterdir()) == []  # nothing written: no Hydra run folder, no .tune_tree, no /hydra
+
+    # one of two given: the other is named alone
+    if len(required) == 2:
+        assert run_main(module, [f"{required[0]}=somewhere"], monkeypatch) == 2
+        assert capsys.readouterr().err.startswith(f"{command}: {required[1]} is required: add {required[1]}=...")
+
+
+def test_complete_command_lines_reach_the_command_itself(tmp_path):
+    # a process of its own: Hydra's run reconfigures logging (generate.yaml disables it), which must not leak here
+    run = subprocess.run([sys.executable, "-m", "inference.cli.generate", f"export_dir={tmp_path / 'nowhere'}",
+                          "prompt=hi"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 1 and "is not a folder (an export written by medusa-train)" in run.stderr
