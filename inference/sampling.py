@@ -34,6 +34,17 @@ def is_greedy(temperature: float) -> bool:
     return temperature == 0
 
 
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """The argmax over the last dimension (the first index among exact ties), long ``[...]`` from ``[..., V]``.
+
+    bfloat16 / float16 logits are widened to float32 first: the conversion is exact, so the result equals
+    ``logits.argmax(-1)``, and PyTorch's CPU argmax runs about twice as fast on float32 as on bfloat16.
+    """
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(dim=-1)
+
+
 def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Turn logits into the sampling distribution: divide by temperature, keep top-k, keep top-p, softmax.
 

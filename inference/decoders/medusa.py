@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from inference.acceptance import greedy_accept, tree_speculative_sample_batch, typical_accept
+from inference.acceptance import greedy_accept_tokens, tree_speculative_sample_batch, typical_accept
 from inference.decoders.base import (
     DecodeConfig,
     DecodeResult,
@@ -56,8 +56,8 @@ from inference.decoders.base import (
     max_positions,
 )
 from inference.decoders.batching import Replies, additive_mask, left_pad, positions, prefill_mask, sliding_window
-from inference.kv_cache import keep_tree_nodes, select_rows
-from inference.sampling import logits_to_probs
+from inference.kv_cache import check_compactable, compact, preallocated_cache, select_rows
+from inference.sampling import greedy_tokens, logits_to_probs
 from inference.tree import MC_SIM_7B_63, TreeBuffers, build_tree_buffers, gather_node_tokens, gather_paths
 
 ACCEPTANCE_RULES = ("greedy", "typical", "speculative")
@@ -127,10 +127,13 @@ def make_verifier(
         raise ValueError("acceptance='typical' applies temperature only; set top_k=0 and top_p=1.0, or use "
                          "acceptance='speculative'")
 
+    valid = tree.retrieve_valid
+
     def greedy(node_tokens: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        # [B, N] -> [B, P, D+1] tokens and [B, N, V] -> [B, P, D+1, V] logits along the root-to-leaf paths.
-        best, length, next_token = greedy_accept(gather_paths(node_tokens, tree), gather_paths(logits, tree),
-                                                 tree.retrieve_valid)
+        # The argmax once per node [B, N], then node tokens and target tokens along the root-to-leaf paths
+        # [B, P, D+1].
+        best, length, next_token = greedy_accept_tokens(gather_paths(node_tokens, tree),
+                                                        gather_paths(greedy_tokens(logits), tree), valid)
         return _path_nodes(tree, best, length), length, next_token
 
     def typical(node_tokens: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -169,6 +172,29 @@ class MedusaStep:
     next_position: Tensor
 
 
+def medusa_candidates(model: Any, tree: TreeBuffers, root: Tensor, head_logits: Tensor) -> Tensor:
+    """Step (a): each tree node's token, long ``[B, N]``, from the roots ``[B]`` and the heads' logits
+    ``[K, B, V']``: each head's top-k (head-vocabulary indices mapped to base ids), laid out as
+    ``cat([root], head0_topk, head1_topk, ...)`` and picked per node by ``tree.tree_indices``."""
+    batch = root.shape[0]
+    drafts = model.heads.to_base_tokens(head_logits.topk(tree.topk, dim=-1).indices)  # [K, B, topk]
+    flat = torch.cat([root[:, None], drafts.permute(1, 0, 2).reshape(batch, -1)], dim=1)  # [B, 1 + K * topk]
+    return gather_node_tokens(flat, tree)
+
+
+def tree_pass(model: Any, cache: DynamicCache, tree: TreeBuffers, node_tokens: Tensor, past_valid: Tensor,
+              next_position: Tensor, position_limit: int | None = None) -> Tensor:
+    """Step (b): ONE backbone pass over the N nodes ``[B, N]`` on top of the cache (which it extends by N slots),
+    with the tree's 4-D mask; returns the last hidden states ``[B, N, H]``."""
+    mask = tree_attention_mask(tree.attn_mask, past_valid, model.base.dtype)  # [B, 1, N, L + N]
+    node_positions = next_position[:, None] + tree.position_ids[None, :]  # [B, N]
+    if position_limit is not None:
+        node_positions = node_positions.clamp(max=position_limit - 1)
+    hidden, _ = model.hidden(node_tokens, attention_mask=mask, position_ids=node_positions, cache=cache,
+                             use_cache=True)
+    return hidden
+
+
 def medusa_step(
     model: Any,
     cache: DynamicCache,
@@ -182,9 +208,14 @@ def medusa_step(
 ) -> MedusaStep:
     """One Medusa decoding step: candidates, one tree pass, verification, cache compaction, next heads.
 
+    Per-request state (the cache's layer kinds, the tree, the acceptance rule) is checked by the caller once per
+    request (:meth:`MedusaDecoder.generate` does); the step itself validates nothing and synchronises with the host
+    once, to read the accept lengths and emitted tokens together.
+
     Args:
         model: a :class:`~medusa_train.model.MedusaModel` (``hidden``, ``lm_head``, ``head_logits``, ``heads``).
-        cache: KV cache of L slots (``L = past_valid.shape[1]``); updated in place.
+        cache: KV cache of L slots (``L = past_valid.shape[1]``), compactable (:func:`inference.kv_cache.
+            check_compactable`); updated in place.
         tree: buffers on the model's device, built for ``K = model.heads.spec.num_heads``.
         root: long ``[B]``, each row's token after its committed sequence (already emitted, not yet in the cache).
         head_logits: ``[K, B, V']``, the heads' logits at each row's last committed position.
@@ -199,34 +230,32 @@ def medusa_step(
     """
     batch, past_length = past_valid.shape
     rows = torch.arange(batch, device=root.device)
-    # (a) candidates: [K, B, topk] head-vocabulary indices -> base ids -> flat [B, 1 + K * topk] -> nodes [B, N].
-    drafts = model.heads.to_base_tokens(head_logits.topk(tree.topk, dim=-1).indices)
-    flat = torch.cat([root[:, None], drafts.permute(1, 0, 2).reshape(batch, -1)], dim=1)
-    node_tokens = gather_node_tokens(flat, tree)
-
-    # (b) one tree pass over the N nodes on top of the cache.
-    mask = tree_attention_mask(tree.attn_mask, past_valid, model.base.dtype)  # [B, 1, N, L + N]
-    node_positions = next_position[:, None] + tree.position_ids[None, :]  # [B, N]
-    if position_limit is not None:
-        node_positions = node_positions.clamp(max=position_limit - 1)
-    hidden, _ = model.hidden(node_tokens, attention_mask=mask, position_ids=node_positions, cache=cache,
-                             use_cache=True)  # [B, N, H]
-
-    # (c) base logits of every node [B, N, V] -> acceptance.
+    # (a) candidates [B, N]
+    node_tokens = medusa_candidates(model, tree, root, head_logits)
+    # (b) tree pass: hidden states of every node [B, N, H]
+    hidden = tree_pass(model, cache, tree, node_tokens, past_valid, next_position, position_limit)
+    # (c) verification on the base logits of every node [B, N, V]: accepted nodes below the root [B, D] (-1 after
+    #     each row's accept length), accept lengths [B], recovered-or-bonus tokens [B]
     accepted, length, next_token = verify(node_tokens, model.lm_head(hidden))
 
-    # (d) keep the past and each row's accepted path (root first), padded to the longest with masked repeats.
-    width = int(length.max()) + 1
-    path = torch.cat([accepted.new_zeros(batch, 1), accepted[:, : width - 1]], dim=1)  # [B, width], -1 padded
+    # One host transfer: each row's accept length, then its accepted tokens and next token ([B, 1 + D + 1]).
+    path = torch.cat([accepted.new_zeros(batch, 1), accepted], dim=1)  # [B, D + 1], root first, -1 padded
+    emitted = node_tokens.gather(1, path.clamp(min=0))[:, 1:]  # [B, D], garbage after each row's length
+    emitted = torch.cat([emitted, next_token[:, None]], dim=1).scatter(1, length[:, None], next_token[:, None])
+    host = torch.cat([length[:, None], emitted], dim=1).tolist()
+    tokens = [row[1: row[0] + 2] for row in host]
+    width = max(row[0] for row in host) + 1
+
+    # (d) compaction: keep the past and each row's accepted path (root first), padded to the longest with masked
+    #     repeats of the row's last accepted node.
+    path = path[:, :width]
     kept = path >= 0
     last = path[rows, length]  # [B], each row's last accepted node
     path = torch.where(kept, path, last[:, None])
-    keep_tree_nodes(cache, past_length, path)
+    compact(cache, past_length, path[0] if batch == 1 else path)
 
     # (e) heads at each row's last accepted node: [B, H] -> [K, B, V'].
     next_heads = model.head_logits(hidden[rows, last])
-    tokens = [node_tokens[b, path[b, 1 : n + 1]].tolist() + [t]
-              for b, (n, t) in enumerate(zip(length.tolist(), next_token.tolist()))]
     return MedusaStep(tokens=tokens, root=next_token, head_logits=next_heads,
                       past_valid=torch.cat([past_valid, kept], dim=1), next_position=next_position + length + 1)
 
@@ -341,13 +370,16 @@ class MedusaDecoder:
 
         start = time.perf_counter()
         replies.feed.start(ids)
-        cache = DynamicCache()  # full-attention layers only: the tree mask replaces the model's own masks
+        # Full-attention layers only (the tree mask replaces the model's own masks), written in place: room for the
+        # prompt, the reply and one tree beyond it.
+        cache = preallocated_cache(ids.shape[1] + config.max_new_tokens + tree.num_nodes)
         hidden, _ = model.hidden(ids, attention_mask=prefill_mask(valid, model.base.dtype),
                                  position_ids=positions(valid), cache=cache, use_cache=True)  # [B, T, H]
         root = choose_token(model.lm_head(hidden[:, -1]), config, generator)  # [B]
         head_logits = model.head_logits(hidden[:, -1])  # [K, B, V']
         replies.first(root.tolist())
         prefill_time = time.perf_counter() - start
+        check_compactable(cache)  # once per request: the step compacts without checking
         past_valid, next_position = valid, lengths
         while True:
             keep = replies.prune()

@@ -89,8 +89,9 @@ def evaluate_prompts(
     pending = [n for n in names if any((p.id, t, n) not in results for p, t in units)]
     if pending and warmup and prompts:
         first = prompts[0]
-        warm_up({n: decoders[n] for n in pending}, encode_prompt(tokenizer, _messages(first, [first.turns[0]], [])),
-                request, warmup, warmup_max_new_tokens)
+        warm_up({n: decoders[n] for n in pending},
+                encode_prompt(tokenizer, conversation_messages(first, [first.turns[0]], [])), request, warmup,
+                warmup_max_new_tokens)
 
     rows: list[dict[str, Any]] = []
     with tqdm(total=len(units), initial=done, disable=not progress, unit="turn", desc="medusa-eval") as bar:
@@ -103,7 +104,7 @@ def evaluate_prompts(
                     row = results.get((prompt.id, turn, name))
                     if row is None:
                         if ids is None:
-                            ids = encode_prompt(tokenizer, _messages(prompt, user_turns[:turn], answers))
+                            ids = encode_prompt(tokenizer, conversation_messages(prompt, user_turns[:turn], answers))
                         result = decoders[name].generate(ids, request)
                         text = result.text if result.text is not None else \
                             tokenizer.decode(result.tokens, skip_special_tokens=True)
@@ -117,7 +118,7 @@ def evaluate_prompts(
     return rows
 
 
-def _messages(prompt: Prompt, user_turns: Sequence[str], answers: Sequence[str]) -> list[dict[str, str]]:
+def conversation_messages(prompt: Prompt, user_turns: Sequence[str], answers: Sequence[str]) -> list[dict[str, str]]:
     """System message, then user turn 1, answer 1, ..., the last user turn (one more user turn than answers)."""
     messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
     for i, user in enumerate(user_turns):
@@ -133,4 +134,4 @@ def _postfix(row: dict[str, Any]) -> str:
     return f"{row['decoder']} {row['tokens_per_second']:.1f} tok/s tau {tau_text}"
 
 
-__all__ = ["check_prompt_ids", "evaluate_prompts", "turns_of", "warm_up"]
+__all__ = ["check_prompt_ids", "conversation_messages", "evaluate_prompts", "turns_of", "warm_up"]
