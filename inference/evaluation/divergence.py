@@ -69,11 +69,14 @@ def rounding_noise(base: Any, sequences: Sequence[tuple[Sequence[int], int]], ks
     per_sequence = max(1, -(-positions // max(len(usable), 1)))
     gap_changes: list[float] = []
     top_changes: list[float] = []
+    measured = 0
     for ids, prompt in usable:
-        if len(gap_changes) >= positions * len(ks):
-            break
         reply = len(ids) - prompt
         picked = sorted({prompt + (i * reply) // per_sequence for i in range(min(per_sequence, reply))})
+        picked = picked[: positions - measured]
+        if not picked:
+            break
+        measured += len(picked)
         tokens = torch.tensor(ids, device=device)[None]
         cache = preallocated_cache(len(ids) + max(ks))
         done = 0  # positions in the cache

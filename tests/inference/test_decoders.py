@@ -155,6 +155,60 @@ def test_medusa_greedy_equals_vanilla_greedy_random_heads(family):
         assert result.stop_reason == "max_new_tokens"
 
 
+class HostReads:
+    """Counts a tensor's reads by the host (``tolist``, ``item``, ``int``, ``bool``, ``float``) while ``active``."""
+
+    METHODS = ("tolist", "item", "__int__", "__bool__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch) -> None:
+        self.active, self.count = False, 0
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, **kwargs):
+                self.count += self.active
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_a_medusa_step_reads_the_host_once_and_the_cache_is_checked_once_per_request(monkeypatch):
+    import inference.decoders.medusa as medusa
+    import inference.kv_cache as kv_cache
+
+    base = make_tiny_model("llama")
+    model = random_medusa(base)
+    checks = []
+    monkeypatch.setattr(medusa, "check_compactable", lambda cache: checks.append(type(cache).__name__)
+                        or kv_cache.check_compactable(cache))
+    reads, steps = HostReads(monkeypatch), []
+    backbone = model.hidden
+
+    def step(*args, **kwargs):  # count the step's own reads, not the backbone's (transformers' code)
+        reads.active = True
+        try:
+            return original_step(*args, **kwargs)
+        finally:
+            reads.active = False
+            steps.append(reads.count)
+
+    def hidden(*args, **kwargs):
+        active, reads.active = reads.active, False
+        try:
+            return backbone(*args, **kwargs)
+        finally:
+            reads.active = active
+
+    original_step = medusa.medusa_step
+    monkeypatch.setattr(medusa, "medusa_step", step)
+    monkeypatch.setattr(model, "hidden", hidden)
+    result = MedusaDecoder(model, SMALL_TREE, topk=10).generate(PROMPTS[0], DecodeConfig(max_new_tokens=30))
+    assert result.tokens == greedy(base, PROMPTS[0], 30)
+    assert checks == ["PreallocatedCache"]  # once, after the prefill; never inside a step
+    assert len(steps) == result.forward_passes > 5
+    assert [b - a for a, b in zip([0] + steps, steps)] == [1] * len(steps)  # one host read per step
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("choices,num_heads", [(SMALL_TREE, 3), ([list(p) for p in MC_SIM_7B_63], 4),
                                                (chain_choices(2), 2)])
