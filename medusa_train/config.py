@@ -27,9 +27,9 @@ class ModelConfig:
         format: ``auto`` (guess from the path), ``hf``, ``gguf`` or ``llama2c``.
         gguf_file: file name of the GGUF inside ``name_or_path`` (transformers' ``gguf_file``).
         tokenizer_path: the llama2.c ``tok*.bin`` tokenizer (``format=llama2c`` only).
-        dtype: ``float32``, ``bfloat16`` or ``float16`` (short forms ``fp32``/``bf16``/``fp16`` accepted), or ``auto``:
-            bf16 where the hardware multiplies bf16 natively, fp32 elsewhere (:func:`medusa_train.precision.choose_dtype`,
-            which also refuses float16 on a CPU).
+        dtype: ``float32``, ``bfloat16`` or ``float16`` (short forms ``fp32``/``bf16``/``fp16`` accepted), or
+            ``auto``: bf16 where the hardware multiplies bf16 natively, fp32 elsewhere
+            (:func:`medusa_train.precision.choose_dtype`, which also refuses float16 on a CPU).
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available).
         revision: Hub revision (branch, tag or commit).
         attn_implementation: transformers' attention backend (``sdpa`` or ``eager``).

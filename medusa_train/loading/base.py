@@ -126,6 +126,23 @@ def _converted(cfg: ModelConfig, fmt: str) -> str | tuple[PreTrainedModel, PreTr
     return str(target)
 
 
+def hf_folder(cfg: ModelConfig) -> str:
+    """What another engine (vLLM, TGI) loads for this base: the name or folder itself for an HF model, else the HF
+    folder a GGUF or llama2.c checkpoint is converted into under the cache (converting it once, now, if needed).
+
+    Raises:
+        ValueError: ``cache_converted`` is off for a converted format (there is no folder to point at).
+        FileNotFoundError: the checkpoint is missing.
+    """
+    cfg.validate()
+    fmt = detect_format(cfg)
+    if fmt == "hf":
+        return cfg.name_or_path
+    if not cfg.cache_converted:
+        raise ValueError(f"model.cache_converted=false: the {fmt} checkpoint has no HF folder; set it to true")
+    return str(_converted(cfg, fmt))
+
+
 def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the base causal LM and its tokenizer.
 
