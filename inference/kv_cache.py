@@ -216,6 +216,14 @@ def compact(cache: DynamicCache, start: int, indices: Tensor) -> None:
         _truncate(layer, start + n)
 
 
+def truncate(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer, unchecked (:func:`compact` when the kept positions are
+    already in place, e.g. a tree step that accepted the root only)."""
+    for layer in cache.layers:
+        if layer.is_initialized:
+            _truncate(layer, length)
+
+
 def _truncate(layer: DynamicLayer, length: int) -> None:
     if isinstance(layer, PreallocatedLayer):
         layer.truncate(length)

@@ -35,14 +35,12 @@ def is_greedy(temperature: float) -> bool:
 
 
 def greedy_tokens(logits: Tensor) -> Tensor:
-    """The argmax over the last dimension (the first index among exact ties), long ``[...]`` from ``[..., V]``.
-
-    bfloat16 / float16 logits are widened to float32 first: the conversion is exact, so the result equals
-    ``logits.argmax(-1)``, and PyTorch's CPU argmax runs about twice as fast on float32 as on bfloat16.
+    """The argmax over the last dimension, long ``[...]`` from ``[..., V]``: ``logits.argmax(-1)``, computed as
+    ``logits.max(-1).indices``, which PyTorch documents to return the first index among exact ties too (as argmax),
+    and which runs several times faster than argmax on the CPU (a [6, 49152] bf16 row block: about 0.2 ms instead
+    of 0.7 ms, measured on a 2-core Xeon).
     """
-    if logits.dtype in (torch.bfloat16, torch.float16):
-        logits = logits.float()
-    return logits.argmax(dim=-1)
+    return logits.max(dim=-1).indices
 
 
 def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:

@@ -56,7 +56,7 @@ from inference.decoders.base import (
     max_positions,
 )
 from inference.decoders.batching import Replies, additive_mask, left_pad, positions, prefill_mask, sliding_window
-from inference.kv_cache import check_compactable, compact, preallocated_cache, select_rows
+from inference.kv_cache import check_compactable, compact, preallocated_cache, select_rows, truncate
 from inference.sampling import greedy_tokens, logits_to_probs
 from inference.tree import MC_SIM_7B_63, TreeBuffers, build_tree_buffers, gather_node_tokens, gather_paths
 
@@ -238,21 +238,26 @@ def medusa_step(
     #     each row's accept length), accept lengths [B], recovered-or-bonus tokens [B]
     accepted, length, next_token = verify(node_tokens, model.lm_head(hidden))
 
-    # One host transfer: each row's accept length, then its accepted tokens and next token ([B, 1 + D + 1]).
+    # One host transfer: each row's accept length, its accepted tokens and next token, and its path's nodes.
+    depth = accepted.shape[1]
     path = torch.cat([accepted.new_zeros(batch, 1), accepted], dim=1)  # [B, D + 1], root first, -1 padded
     emitted = node_tokens.gather(1, path.clamp(min=0))[:, 1:]  # [B, D], garbage after each row's length
     emitted = torch.cat([emitted, next_token[:, None]], dim=1).scatter(1, length[:, None], next_token[:, None])
-    host = torch.cat([length[:, None], emitted], dim=1).tolist()
+    host = torch.cat([length[:, None], emitted, path], dim=1).tolist()  # [B, 1 + (D + 1) + (D + 1)]
     tokens = [row[1: row[0] + 2] for row in host]
     width = max(row[0] for row in host) + 1
 
     # (d) compaction: keep the past and each row's accepted path (root first), padded to the longest with masked
-    #     repeats of the row's last accepted node.
+    #     repeats of the row's last accepted node. Nodes already in place (the root alone, or a path of the first
+    #     nodes) need no copy.
     path = path[:, :width]
     kept = path >= 0
     last = path[rows, length]  # [B], each row's last accepted node
-    path = torch.where(kept, path, last[:, None])
-    compact(cache, past_length, path[0] if batch == 1 else path)
+    if all(row[depth + 2: depth + 2 + width] == list(range(width)) for row in host):
+        truncate(cache, past_length + width)
+    else:
+        path = torch.where(kept, path, last[:, None])
+        compact(cache, past_length, path[0] if batch == 1 else path)
 
     # (e) heads at each row's last accepted node: [B, H] -> [K, B, V'].
     next_heads = model.head_logits(hidden[rows, last])

@@ -4,10 +4,16 @@ PyTorch's CPU ``F.linear`` re-lays the weight out for its GEMM on every call: fo
 GEMV, for a few rows (a verification pass) a GEMM that packs the whole weight again, which is why a 2-token pass can
 cost 1.6x a 1-token one in fp32. :class:`PackedLinear` reorders the weight once, into oneDNN's blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, the layout inductor's CPU freezing pass uses), and calls
-``torch.ops.mkldnn._linear_pointwise`` on it. In bf16 this runs on AVX-512 BF16 / AMX and gives the same values as
-``F.linear`` (which also calls oneDNN for bf16); in fp32 it replaces MKL's GEMM with oneDNN's, whose results differ
-in the last bits (up to ~1e-6 relative), so greedy replies under packed and unpacked kernels may part at near-ties.
-Within one kernel choice decoders stay exact: every decoder of a run shares the converted model.
+``torch.ops.mkldnn._linear_pointwise`` on it:
+
+- bf16, every row count: on AVX-512 BF16 / AMX, with the same values as ``F.linear`` (which also calls oneDNN for
+  bf16, re-packing the weight each time); faster at one row and at k rows (``docs/speed.md``).
+- fp32, two rows or more: oneDNN's GEMM instead of MKL's, whose results differ in the last bits (~1e-6 relative).
+  One row stays on PyTorch's own kernel (MKL's GEMV), which measured faster than oneDNN's at one row: packing
+  never slows plain decoding down, and verification passes get the flat cost of the packed GEMM. So fp32 keeps
+  the original weight beside the packed one (twice the linear weights' memory).
+
+Every decoder of a run shares the converted model, so all run on the same kernels for the same shapes.
 
 Options (``cpu_kernels=`` of ``medusa-eval``, ``medusa-tune-tree``, ``medusa-generate``):
 
@@ -16,9 +22,9 @@ Options (``cpu_kernels=`` of ``medusa-eval``, ``medusa-tune-tree``, ``medusa-gen
 - ``none``: PyTorch's default kernels.
 
 What a packed model is: for inference only (no gradients through the packed weights, which are not parameters), on
-the CPU in its final dtype (convert before packing). The original weight is released except where another module
-shares it (a tied lm_head keeps the embedding's). ``benchmarks/cpu_kernels.py`` measures the effect;
-``docs/speed.md`` holds the figures.
+the CPU in its final dtype (convert before packing). A bf16 layer releases its original weight unless another module
+shares it (a tied lm_head keeps the embedding's). ``benchmarks/speed.py`` measures the effect; ``docs/speed.md``
+holds the figures.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
@@ -108,11 +115,14 @@ class PackedLinear(nn.Module):
         bias: ``[out_features]`` or None.
         keep: the parameter to keep as this module's ``weight`` (when another module shares it, e.g. an lm_head
             tied to the embedding), or None to release the original weight (``weight`` is then None).
+        row_weight: the plain weight a single row is multiplied with by ``F.linear`` instead (fp32: MKL's GEMV);
+            None: every row count goes to oneDNN.
 
     Shapes: ``[..., in_features]`` -> ``[..., out_features]``, in the weight's dtype.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, keep: nn.Parameter | None = None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, keep: nn.Parameter | None = None,
+                 row_weight: Tensor | None = None) -> None:
         super().__init__()
         weight = weight.detach()
         if weight.device.type != "cpu" or weight.dtype not in _PACKABLE or weight.ndim != 2:
@@ -124,20 +134,27 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         self.weight = keep
         self.bias = bias
+        self.row_weight = None if row_weight is None else row_weight.detach()
 
     @classmethod
     def from_module(cls, layer: nn.Module, keep_weight: bool = False) -> PackedLinear:
-        """From an ``nn.Linear`` (weight ``[out, in]``) or a transformers ``Conv1D`` (GPT-2; weight ``[in, out]``)."""
+        """From an ``nn.Linear`` (weight ``[out, in]``) or a transformers ``Conv1D`` (GPT-2; weight ``[in, out]``);
+        fp32 keeps the plain weight for single rows (see the module docstring)."""
         weight = layer.weight if isinstance(layer, nn.Linear) else layer.weight.t()
-        return cls(weight, layer.bias, layer.weight if keep_weight else None)
+        row_weight = weight if weight.dtype == torch.float32 else None
+        return cls(weight, layer.bias, layer.weight if keep_weight else None, row_weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype != self.dtype:
             raise TypeError(f"PackedLinear holds {self.dtype} weights, got a {x.dtype} input")
+        if self.row_weight is not None and x.numel() == self.in_features:  # one row: PyTorch's GEMV
+            return F.linear(x, self.row_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, onednn packed"
+        rows = ", one row on PyTorch's GEMV" if self.row_weight is not None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, "
+                f"onednn packed{rows}")
 
 
 def _shared_weights(model: nn.Module) -> set[int]:

@@ -47,6 +47,19 @@ def test_packed_logits_are_those_of_pytorchs_kernels(family, dtype):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # MKL's and oneDNN's fp32 GEMMs round differently
 
 
+def test_fp32_keeps_one_row_on_pytorchs_gemv_and_bf16_packs_every_row_count():
+    torch.manual_seed(0)
+    for dtype, gemv in ((torch.float32, True), (torch.bfloat16, False)):
+        linear = nn.Linear(64, 48).to(dtype).requires_grad_(False)
+        layer = PackedLinear.from_module(linear)
+        assert (layer.row_weight is not None) == gemv
+        one, many = torch.randn(1, 1, 64, dtype=dtype), torch.randn(1, 5, 64, dtype=dtype)
+        if gemv:
+            assert torch.equal(layer(one), torch.nn.functional.linear(one, linear.weight, linear.bias))
+        packed = torch.ops.mkldnn._linear_pointwise(many, layer.packed_weight, linear.bias, "none", [], "")
+        assert torch.equal(layer(many), packed)
+
+
 def test_a_packed_layer_refuses_other_inputs_and_training():
     layer = PackedLinear.from_module(nn.Linear(8, 4))
     with pytest.raises(TypeError, match="holds torch.float32 weights, got a torch.bfloat16 input"):
