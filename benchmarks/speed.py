@@ -39,10 +39,9 @@ import medusa_train  # noqa: F401  (registers schemas and resolvers)
 from inference.decoders.base import DecodeConfig
 from inference.decoders.batching import additive_mask
 from inference.decoders.choices import resolve_medusa_choices
-from inference.decoders.medusa import make_verifier, medusa_candidates, medusa_step
+from inference.decoders.medusa import make_verifier, medusa_candidates, medusa_step, medusa_tree
 from inference.decoders.vanilla import VanillaDecoder
 from inference.kv_cache import preallocated_cache
-from inference.tree import build_tree_buffers
 from medusa_train.config import ModelConfig, as_dataclass
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.cpu_kernels import apply_cpu_kernels, choose_cpu_kernels
@@ -103,13 +102,13 @@ class OverheadProbe:
     def __init__(self, model: MedusaModel, tree_choices: list[list[int]], topk: int, ids: list[int], steps: int):
         self.model = model
         device = model.lm_head.weight.device
-        self.tree = build_tree_buffers(tree_choices, model.heads.spec.num_heads, topk, device=device)
+        self.tree = medusa_tree(tree_choices, model.heads.spec.num_heads, topk, device=device)
         self.verify = make_verifier("greedy", self.tree, DecodeConfig(max_new_tokens=steps), None)
         self.cache = preallocated_cache(len(ids) + (steps + 1) * (self.tree.max_depth + 1) + self.tree.num_nodes)
         x = torch.tensor([ids], device=device)
         hidden, _ = model.hidden(x, cache=self.cache, use_cache=True)
         self.root = model.lm_head(hidden[:, -1]).argmax(-1)
-        self.head_logits = model.head_logits(hidden[:, -1])
+        self.head_logits = model.head_logits(hidden[:, -1], self.tree.num_heads)
         self.past_valid = torch.ones(1, len(ids), dtype=torch.bool, device=device)
         self.position = torch.tensor([len(ids)], device=device)
         self.step_s: list[float] = []

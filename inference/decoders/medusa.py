@@ -58,7 +58,14 @@ from inference.decoders.base import (
 from inference.decoders.batching import Replies, additive_mask, left_pad, positions, prefill_mask, sliding_window
 from inference.kv_cache import check_compactable, compact, preallocated_cache, select_rows, truncate
 from inference.sampling import greedy_tokens, logits_to_probs
-from inference.tree import MC_SIM_7B_63, TreeBuffers, build_tree_buffers, gather_node_tokens, gather_paths
+from inference.tree import (
+    MC_SIM_7B_63,
+    TreeBuffers,
+    build_tree_buffers,
+    gather_node_tokens,
+    gather_paths,
+    validate_medusa_choices,
+)
 
 ACCEPTANCE_RULES = ("greedy", "typical", "speculative")
 # Medusa's typical-acceptance defaults (epsilon = 0.09, delta = sqrt(epsilon) = 0.3; FasterDecoding/Medusa
@@ -76,6 +83,19 @@ Verifier = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 def default_medusa_choices(num_heads: int, topk: int) -> list[list[int]]:
     """Medusa's ``mc_sim_7b_63`` tree cut to ``num_heads`` levels and ranks below ``topk`` (still prefix-closed)."""
     return [list(p) for p in MC_SIM_7B_63 if len(p) <= num_heads and max(p) < topk]
+
+
+def medusa_tree(medusa_choices: Sequence[Sequence[int]], num_heads: int, topk: int,
+                device: torch.device | str | None = None) -> TreeBuffers:
+    """The tree's buffers, validated against the K = ``num_heads`` heads and built for the first D of them, D the
+    tree's depth: a step computes and reads only those heads (``tree.num_heads == D``), so a 6-node tree of depth 2
+    on 4 heads skips half the heads' work.
+
+    Raises:
+        ValueError: as :func:`inference.tree.validate_medusa_choices` (against all K heads).
+    """
+    depth = max(len(p) for p in validate_medusa_choices(medusa_choices, num_heads, topk))
+    return build_tree_buffers(medusa_choices, depth, topk, device=device)
 
 
 def tree_attention_mask(tree_mask: Tensor, past: int | Tensor, dtype: torch.dtype) -> Tensor:
@@ -159,7 +179,8 @@ class MedusaStep:
     Attributes:
         tokens: per row, the accepted drafted tokens then the recovered or bonus token (A_b + 1 tokens).
         root: long ``[B]``, each row's last token: the next step's root (not yet in the cache).
-        head_logits: ``[K, B, V']``, the heads at each row's last accepted node, for the next step's candidates.
+        head_logits: ``[D, B, V']``, the first D heads (``tree.num_heads``) at each row's last accepted node, for the
+            next step's candidates.
         past_valid: bool ``[B, L']``, the cache slots that hold each row's sequence after compaction
             (``L' = L + max_b(A_b + 1)``; a row that accepted fewer leaves masked slots).
         next_position: long ``[B]``, the position of each row's new root.
@@ -174,7 +195,7 @@ class MedusaStep:
 
 def medusa_candidates(model: Any, tree: TreeBuffers, root: Tensor, head_logits: Tensor) -> Tensor:
     """Step (a): each tree node's token, long ``[B, N]``, from the roots ``[B]`` and the heads' logits
-    ``[K, B, V']``: each head's top-k (head-vocabulary indices mapped to base ids), laid out as
+    ``[D, B, V']`` (D = ``tree.num_heads``): each head's top-k (head-vocabulary indices mapped to base ids), laid out as
     ``cat([root], head0_topk, head1_topk, ...)`` and picked per node by ``tree.tree_indices``."""
     batch = root.shape[0]
     drafts = model.heads.to_base_tokens(head_logits.topk(tree.topk, dim=-1).indices)  # [K, B, topk]
@@ -216,9 +237,9 @@ def medusa_step(
         model: a :class:`~medusa_train.model.MedusaModel` (``hidden``, ``lm_head``, ``head_logits``, ``heads``).
         cache: KV cache of L slots (``L = past_valid.shape[1]``), compactable (:func:`inference.kv_cache.
             check_compactable`); updated in place.
-        tree: buffers on the model's device, built for ``K = model.heads.spec.num_heads``.
+        tree: buffers on the model's device (:func:`medusa_tree`: built for the D heads it reads, ``tree.num_heads``).
         root: long ``[B]``, each row's token after its committed sequence (already emitted, not yet in the cache).
-        head_logits: ``[K, B, V']``, the heads' logits at each row's last committed position.
+        head_logits: ``[D, B, V']``, the first D heads' logits at each row's last committed position.
         past_valid: bool ``[B, L]``, the cache slots of each row's sequence (all True for one prompt).
         next_position: long ``[B]``, the position of each root (its row's committed length).
         verify: the acceptance rule (:func:`make_verifier`).
@@ -259,8 +280,8 @@ def medusa_step(
         path = torch.where(kept, path, last[:, None])
         compact(cache, past_length, path[0] if batch == 1 else path)
 
-    # (e) heads at each row's last accepted node: [B, H] -> [K, B, V'].
-    next_heads = model.head_logits(hidden[rows, last])
+    # (e) the D heads at each row's last accepted node: [B, H] -> [D, B, V'].
+    next_heads = model.head_logits(hidden[rows, last], tree.num_heads)
     return MedusaStep(tokens=tokens, root=next_token, head_logits=next_heads,
                       past_valid=torch.cat([past_valid, kept], dim=1), next_position=next_position + length + 1)
 
@@ -312,7 +333,7 @@ class MedusaDecoder:
         self.window = sliding_window(model.base.config)
         self.model = model
         self.device = model.lm_head.weight.device
-        self.tree = build_tree_buffers(medusa_choices, spec.num_heads, topk, device=self.device)
+        self.tree = medusa_tree(medusa_choices, spec.num_heads, topk, device=self.device)
         self.acceptance = acceptance
         self.posterior_threshold = posterior_threshold
         self.posterior_alpha = posterior_alpha
@@ -381,7 +402,7 @@ class MedusaDecoder:
         hidden, _ = model.hidden(ids, attention_mask=prefill_mask(valid, model.base.dtype),
                                  position_ids=positions(valid), cache=cache, use_cache=True)  # [B, T, H]
         root = choose_token(model.lm_head(hidden[:, -1]), config, generator)  # [B]
-        head_logits = model.head_logits(hidden[:, -1])  # [K, B, V']
+        head_logits = model.head_logits(hidden[:, -1], tree.num_heads)  # [D, B, V'], the heads the tree reads
         replies.first(root.tolist())
         prefill_time = time.perf_counter() - start
         check_compactable(cache)  # once per request: the step compacts without checking

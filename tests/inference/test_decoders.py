@@ -62,10 +62,10 @@ class LookupHeadsMedusa(MedusaModel):
             self.table = base.base_model(torch.tensor([sequence])).last_hidden_state[0]  # [S, H]
         self.sequence = sequence
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])  # [M, H]
         position = torch.cdist(flat.float(), self.table.float()).argmin(dim=-1)  # [M]
-        K, V = self.heads.spec.num_heads, self.heads.spec.out_size
+        K, V = num_heads or self.heads.spec.num_heads, self.heads.spec.out_size
         logits = torch.zeros(K, flat.shape[0], V)
         for k in range(K):
             for m, t in enumerate(position.tolist()):
@@ -517,3 +517,12 @@ def test_chat_generate_fills_eos_and_text():
     assert result.text == tokenizer.decode(result.tokens)
     with pytest.raises(ValueError, match="no chat template"):
         chat_prompt_ids(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+def test_a_shallow_tree_reads_only_its_heads():
+    base = make_tiny_model("llama")
+    decoder = MedusaDecoder(MedusaModel(base, new_heads_for(base, num_heads=4)), [[0], [1], [0, 0]], topk=2)
+    assert decoder.tree.num_heads == 2 and decoder.tree.max_depth == 2
+    with pytest.raises(ValueError, match="exceeds num_heads=4"):
+        MedusaDecoder(MedusaModel(base, new_heads_for(base, num_heads=4)), [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0],
+                                                                             [0, 0, 0, 0, 0]], topk=2)
