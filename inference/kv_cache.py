@@ -136,7 +136,8 @@ def request_cache(model_config: Any, capacity: int) -> DynamicCache:
     ``DynamicCache(config=...)`` otherwise (sliding-window layers drop old entries themselves)."""
     kinds = set(getattr(model_config, "layer_types", None) or ())
     window = getattr(model_config, "sliding_window", None)
-    sliding = (kinds - {"full_attention"}) or (window and getattr(model_config, "use_sliding_window", True) is not False)
+    windowed = bool(window) and getattr(model_config, "use_sliding_window", True) is not False
+    sliding = bool(kinds - {"full_attention"}) or windowed
     return DynamicCache(config=model_config) if sliding else preallocated_cache(capacity)
 
 

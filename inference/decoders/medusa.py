@@ -13,9 +13,14 @@ b. **tree pass**: ONE backbone pass over the N node tokens on top of the KV cach
    unchanged (``masking_utils._preprocess_mask_arguments``), so no modeling code is patched;
 c. **verification**: base logits of every node (lm_head over the N hidden states), laid out along the root-to-leaf
    paths and handed to the acceptance rule (:mod:`inference.acceptance`);
-d. **cache compaction**: the cache keeps the past and the accepted nodes only (:mod:`inference.kv_cache`);
-e. **next heads**: the heads read the hidden state of the last accepted node (one position, no second pass); the
-   recovered or bonus token becomes the next step's root. Its KV entry is written by the next tree pass.
+d. **cache compaction**: the cache keeps the past and the accepted nodes only (:mod:`inference.kv_cache`: a cache
+   preallocated for the request, written in place, compacted by an index copy);
+e. **next heads**: the heads read the hidden state of the last accepted node (one position, no second pass); only
+   the first D heads, D the tree's depth (:func:`medusa_tree`). The recovered or bonus token becomes the next step's
+   root. Its KV entry is written by the next tree pass.
+
+A step validates nothing (the request is checked once, before the prefill) and reads the host once; see
+``docs/speed.md`` for what that saves and how the decoder overhead is measured.
 
 Several prompts decode as one batch (:meth:`MedusaDecoder.generate_batch`): each row verifies its own tree in the
 shared pass and keeps its own path; rows that accept fewer tokens leave masked slots in the cache
@@ -195,11 +200,11 @@ class MedusaStep:
 
 def medusa_candidates(model: Any, tree: TreeBuffers, root: Tensor, head_logits: Tensor) -> Tensor:
     """Step (a): each tree node's token, long ``[B, N]``, from the roots ``[B]`` and the heads' logits
-    ``[D, B, V']`` (D = ``tree.num_heads``): each head's top-k (head-vocabulary indices mapped to base ids), laid out as
-    ``cat([root], head0_topk, head1_topk, ...)`` and picked per node by ``tree.tree_indices``."""
+    ``[D, B, V']`` (D = ``tree.num_heads``): each head's top-k (head-vocabulary indices mapped to base ids), laid
+    out as ``cat([root], head0_topk, head1_topk, ...)`` and picked per node by ``tree.tree_indices``."""
     batch = root.shape[0]
-    drafts = model.heads.to_base_tokens(head_logits.topk(tree.topk, dim=-1).indices)  # [K, B, topk]
-    flat = torch.cat([root[:, None], drafts.permute(1, 0, 2).reshape(batch, -1)], dim=1)  # [B, 1 + K * topk]
+    drafts = model.heads.to_base_tokens(head_logits.topk(tree.topk, dim=-1).indices)  # [D, B, topk]
+    flat = torch.cat([root[:, None], drafts.permute(1, 0, 2).reshape(batch, -1)], dim=1)  # [B, 1 + D * topk]
     return gather_node_tokens(flat, tree)
 
 

@@ -232,4 +232,5 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, mod
     return summary
 
 
-__all__ = ["divergence_report", "evaluate", "load_eval_prompts", "open_results", "resolved_config", "result_settings", "write_outputs"]
+__all__ = ["divergence_report", "evaluate", "load_eval_prompts", "open_results", "resolved_config", "result_settings",
+           "write_outputs"]

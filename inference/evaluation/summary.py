@@ -189,9 +189,9 @@ def summary_markdown(summary: dict[str, Any], by_category: dict[str, dict[str, d
                     f"{', '.join(precision['cpu']['flags']) or 'none recorded'}.")
     if kernels:
         head.append(f"Linear kernels: {kernels['kernels']} ({kernels['requested']}), the same for every decoder.")
-    head.append("Speedup: tokens/s over vanilla's on the same prompts in the same run; mean accepted tokens: new tokens "
-                "per target forward pass after the prefill; exact match: share of replies identical to vanilla's "
-                "(greedy runs only).")
+    head.append("Speedup: tokens/s over vanilla's on the same prompts in the same run; mean accepted tokens: new "
+                "tokens per target forward pass after the prefill; exact match: share of replies identical to "
+                "vanilla's (greedy runs only).")
     head += divergence_lines(summary.get("divergences"))
     if command:
         head += ["", f"Command: `{command}`"]

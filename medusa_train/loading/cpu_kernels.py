@@ -167,7 +167,8 @@ def _shared_weights(model: nn.Module) -> set[int]:
 
 
 def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` (and transformers ``Conv1D``, GPT-2's) inside ``model`` by a :class:`PackedLinear` (in place); returns how many.
+    """Replace every ``nn.Linear`` (and transformers ``Conv1D``, GPT-2's) inside ``model`` by a
+    :class:`PackedLinear` (in place); returns how many.
 
     The lm_head (``model.get_output_embeddings()``) and tied weights (a parameter held by two modules, e.g.
     SmolLM2's lm_head and embedding) keep their ``weight``: callers read the lm_head's weight (shapes, device, heads
