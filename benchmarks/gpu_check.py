@@ -3,7 +3,7 @@
     python benchmarks/gpu_check.py base runs/gpu_check/single/export     # prints the base's HF folder
     python benchmarks/gpu_check.py report runs/gpu_check                 # prints the table of a finished check
 
-The report reads what the script left in its folder: ``steps.tsv`` (one line per step: name, status, seconds, log),
+The report (one table) reads what the script left in its folder: ``steps.tsv`` (one line per step: name, status, seconds, log),
 ``eval/summary.json`` (``medusa-eval``) and ``vllm.json`` (``benchmarks/serve_vllm.py``), whichever exist.
 """
 
@@ -34,28 +34,31 @@ def _fmt(value: object, spec: str) -> str:
 
 
 def report(out: Path) -> str:
-    """The check's table: each step's status and time, then the decoders' figures (ours and vLLM's)."""
-    lines = ["| step | status | seconds | log |", "| --- | --- | ---: | --- |"]
+    """The check's one table: a row per step (status, seconds, log), then a row per decoder measured (ours by
+    ``medusa-eval``, vLLM's by ``serve_vllm.py``) with tokens/s, speedup, mean accepted tokens and exact match."""
+    lines = ["| step / decoder | status | seconds | tokens/s | speedup | mean accepted tokens | exact match | where |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     steps = out / "steps.tsv"
     for row in (steps.read_text().splitlines() if steps.is_file() else []):
         name, status, seconds, log = (row.split("\t") + ["", "", ""])[:4]
-        lines.append(f"| {name} | {status} | {seconds} | {log} |")
-    lines += ["", "| decoder | engine | tokens/s | speedup | mean accepted tokens | exact match |",
-              "| --- | --- | ---: | ---: | ---: | ---: |"]
+        lines.append(f"| {name} | {status} | {seconds} | | | | | {log} |")
+
+    def metrics(name: str, where: str, m: dict) -> str:
+        return (f"| {name} | measured | {_fmt(m.get('wall_time_s'), '.1f')} | {_fmt(m['tokens_per_second'], '.1f')} | "
+                f"{_fmt(m['speedup'], '.2f')}x | {_fmt(m['mean_accepted_tokens'], '.2f')} | "
+                f"{_fmt(m['exact_match_vs_greedy'], '.2f')} | {where} |")
+
     summary = out / "eval" / "summary.json"
     if summary.is_file():
         data = json.loads(summary.read_text())
-        engine = f"medusa-eval, {data['dtype']} on {data['device']}"
         for name, m in data["decoders"].items():
-            lines.append(f"| {name} | {engine} | {_fmt(m['tokens_per_second'], '.1f')} | {_fmt(m['speedup'], '.2f')}x "
-                         f"| {_fmt(m['mean_accepted_tokens'], '.2f')} | {_fmt(m['exact_match_vs_greedy'], '.2f')} |")
+            lines.append(metrics(name, f"medusa-eval, {data['dtype']} on {data['device']}", m))
     vllm = out / "vllm.json"
     if vllm.is_file():
         data = json.loads(vllm.read_text())
         for name, m in data["decoders"].items():
-            lines.append(f"| vllm{'' if name == 'vanilla' else '_medusa'} | {data['engine']}, {data['dtype']} | "
-                         f"{_fmt(m['tokens_per_second'], '.1f')} | {_fmt(m['speedup'], '.2f')}x | "
-                         f"{_fmt(m['mean_accepted_tokens'], '.2f')} | {_fmt(m['exact_match_vs_greedy'], '.2f')} |")
+            lines.append(metrics("vllm" if name == "vanilla" else "vllm_medusa", f"{data['engine']}, {data['dtype']}",
+                                 m))
     return "\n".join(lines)
 
 
