@@ -10,7 +10,7 @@ independent-heads formula, and replayed on the tuning prompts' continuations) be
 ``medusa-tune-tree`` measured the accuracy table on): the same distribution as the table, so predicted and measured
 τ compare like for like.
 
-    python benchmarks/medusa_speed.py --export runs/quickstart/export --dtype float32 --prompts 8 --max-new-tokens 96
+    python benchmarks/medusa_speed.py --export runs/quickstart/export --prompts 8 --max-new-tokens 96  # dtype=auto
     python benchmarks/medusa_speed.py --export runs/quickstart/export --prompt-source sharegpt --prompts 16 --trees chain
 """
 
@@ -27,7 +27,7 @@ from inference.decoders import DecodeConfig, MedusaDecoder
 from inference.decoders.choices import resolve_medusa_choices
 from inference.decoders.medusa import default_medusa_choices
 from inference.tree import chain_choices
-from medusa_train.loading.medusa import load_medusa
+from medusa_train.loading.runtime import load_for_inference
 from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, load_prompts, sharegpt_prompts
 from medusa_train.tuning.replay import replayed_accept_length
 from medusa_train.tuning.search import expected_accept_length
@@ -49,7 +49,8 @@ def predicted_tau(export: Path, tree: list[list[int]]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--export", required=True)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has bf16 units), float32, ...")
+    parser.add_argument("--cpu-kernels", default="auto", choices=("auto", "packed", "none"))
     parser.add_argument("--prompts", type=int, default=8, help="MT-Bench first turns, one per category first")
     parser.add_argument("--prompt-source", choices=("mt_bench", "sharegpt"), default="mt_bench")
     parser.add_argument("--offset", type=int, default=SHAREGPT_HELDOUT_OFFSET + 100,
@@ -64,7 +65,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model, tokenizer, _ = load_medusa(args.export, dtype=args.dtype)
+    model, tokenizer, _, runtime = load_for_inference(args.export, dtype=args.dtype, cpu_kernels=args.cpu_kernels)
     heads = model.heads.spec.num_heads
     tuned = resolve_medusa_choices(None, args.export, heads, args.topk)
     trees = {"tuned": tuned, "mc_sim_7b_63": default_medusa_choices(heads, args.topk),
@@ -117,7 +118,7 @@ def main() -> None:
                                    "mean_accepted_tokens": t["decoded"] / max(t["passes"], 1),
                                    "exact_match": t["match"] / len(ordered), "nodes": len(tree) + 1}
     source = "MT-Bench" if args.prompt_source == "mt_bench" else f"held-out ShareGPT (from {args.offset})"
-    print(f"{len(ordered)} {source} prompts x {args.max_new_tokens} tokens, {args.dtype}, "
+    print(f"{len(ordered)} {source} prompts x {args.max_new_tokens} tokens, {runtime.dtype.name}, "
           f"{torch.get_num_threads()} threads")
     if predicted:
         measured = rows["medusa[tuned]"]["mean_accepted_tokens"]
@@ -130,7 +131,8 @@ def main() -> None:
         print(f"| {name} | {r['nodes']} | {r['tokens_per_second']:.2f} | {r['speedup']:.2f} | "
               f"{r['mean_accepted_tokens']:.2f} | {r['exact_match']:.2f} |")
     out = Path(args.output or Path(args.export) / "medusa_speed.json")
-    out.write_text(json.dumps({"dtype": args.dtype, "prompt_source": args.prompt_source, "prompts": len(ordered), "max_new_tokens": args.max_new_tokens,
+    out.write_text(json.dumps({"dtype": runtime.dtype.name, **runtime.record(), "prompt_source": args.prompt_source,
+                               "prompts": len(ordered), "max_new_tokens": args.max_new_tokens,
                                "offset": args.offset if args.prompt_source == "sharegpt" else None,
                                "predicted_tau_tuned": predicted, "rows": rows}, indent=1))
 

@@ -39,7 +39,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from inference.sampling import is_greedy, logits_to_probs
+from inference.sampling import greedy_tokens, is_greedy, logits_to_probs
 from inference.tree import TreeBuffers, build_tree_buffers, chain_choices
 
 
@@ -84,7 +84,16 @@ def greedy_accept(
         ValueError: shapes or dtypes do not match the above.
     """
     _check_path_inputs(candidates, target_logits_at_paths, valid)
-    target_tokens = target_logits_at_paths.argmax(dim=-1)  # [B, P, D+1]
+    return greedy_accept_tokens(candidates, greedy_tokens(target_logits_at_paths), valid)
+
+
+def greedy_accept_tokens(candidates: Tensor, target_tokens: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`greedy_accept` from the target's argmax tokens ``[B, P, D+1]`` instead of its logits: a tree
+    verifier takes the argmax once per node (``[B, N]``) and lays the tokens out along the paths, instead of
+    copying N·V logits into P·(D+1)·V. Same results; shapes of ``candidates`` and ``valid`` as there."""
+    if target_tokens.shape != candidates.shape or target_tokens.dtype != torch.long:
+        raise ValueError(f"target_tokens must be long {tuple(candidates.shape)} (candidates' shape), got "
+                         f"{target_tokens.dtype} {tuple(target_tokens.shape)}")
     matches = (candidates[..., 1:] == target_tokens[..., :-1]) & valid[:, 1:]  # [B, P, D]
     lengths = _accepted_prefix(matches).sum(dim=-1)  # [B, P]
     best_path = lengths.argmax(dim=-1)  # first maximum = lowest path index

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from medusa_train.loading.cpu_kernels import PackedLinear
+
 DRAFT_KINDS = ("self_layers", "model")
 SCHEDULES = ("constant", "heuristic")
 
@@ -47,13 +49,14 @@ def _same_structure(a: nn.Module, b: nn.Module) -> bool:
 
 
 def _share_modules(draft: nn.Module, target: nn.Module) -> None:
-    """Replace each child of ``draft`` by ``target``'s child of the same name when their layouts match; descend into
-    children that differ (the shortened layer list and its parents)."""
+    """Replace each child of ``draft`` by ``target``'s child of the same name when their layouts match or the target's
+    is the same layer converted to pre-packed kernels; descend into children that differ (the shortened layer list
+    and its parents)."""
     for name, child in list(draft.named_children()):
         source = getattr(target, name, None)
         if not isinstance(source, nn.Module):
             continue
-        if _same_structure(child, source):
+        if _same_structure(child, source) or isinstance(source, PackedLinear):
             draft._modules[name] = source
         else:
             _share_modules(child, source)

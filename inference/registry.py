@@ -10,6 +10,7 @@ Names: ``vanilla``, ``medusa``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -30,6 +31,8 @@ class BuildContext:
         export_dir: the export folder (tuned tree files live there).
         dtype, device: the run's dtype and device overrides (None: the model config's); a second model (a draft)
             is loaded with them too.
+        kernels: the target's linear kernels (:class:`~medusa_train.loading.cpu_kernels.KernelChoice`); a second
+            model is converted the same way, so drafting runs on the kernels verification runs on. None: as loaded.
         drafts: drafts built so far, by settings, so that decoders sharing a draft load it once.
     """
 
@@ -38,6 +41,7 @@ class BuildContext:
     export_dir: str
     dtype: Optional[str] = None
     device: Optional[str] = None
+    kernels: Optional[Any] = None
     drafts: dict[str, Any] = field(default_factory=dict)
 
 
@@ -55,7 +59,14 @@ class BuiltDecoder:
 
 @dataclass
 class VanillaSettings:
-    """Plain decoding has no settings."""
+    """Plain decoding (:class:`~inference.decoders.vanilla.VanillaDecoder`).
+
+    Attributes:
+        record_top2_gaps: record each token's top-2 logit gap (computed after the clock stops: the timing is plain
+            decoding's), against which other decoders' divergences from vanilla's replies are explained.
+    """
+
+    record_top2_gaps: bool = True
 
     def validate(self) -> None:
         return None
@@ -173,7 +184,8 @@ def _check_medusa_request(settings: MedusaSettings, request: DecodeConfig) -> No
 def _build_vanilla(settings: VanillaSettings, ctx: BuildContext) -> BuiltDecoder:
     from inference.decoders.vanilla import VanillaDecoder
 
-    return BuiltDecoder(VanillaDecoder(ctx.model.base, tokenizer=ctx.tokenizer))
+    return BuiltDecoder(VanillaDecoder(ctx.model.base, tokenizer=ctx.tokenizer,
+                                       record_top2_gaps=settings.record_top2_gaps))
 
 
 def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
@@ -183,10 +195,12 @@ def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
 
     spec = ctx.model.heads.spec
     choices = resolve_medusa_choices(settings.medusa_choices, ctx.export_dir, spec.num_heads, settings.topk)
+    tuned = read_tree_files(ctx.export_dir)
     if settings.medusa_choices is not None:
         source = "decoder.medusa.medusa_choices"
-    elif "medusa_choices" in read_tree_files(ctx.export_dir):
+    elif "medusa_choices" in tuned:
         source = "export medusa_choices.json"
+        _check_tuned_for(tuned.get("latency_profile"), ctx)
     else:
         source = "default tree (mc_sim_7b_63 cut to the heads and topk)"
     decoder = MedusaDecoder(ctx.model, choices, topk=settings.topk, acceptance=settings.acceptance,
@@ -194,6 +208,21 @@ def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
                             posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer)
     return BuiltDecoder(decoder, {"medusa_choices": [list(p) for p in choices], "tree_source": source,
                                   "tree_nodes": len(choices) + 1})
+
+
+def _check_tuned_for(profile: Optional[dict[str, Any]], ctx: BuildContext) -> None:
+    """Warn when the export's tree was tuned on the latency of another dtype or other kernels than this run's: the
+    best tree size follows the cost of a k-token pass, which both change."""
+    if not profile:
+        return
+    tuned = {"dtype": profile.get("dtype"), "kernels": (profile.get("cpu_kernels") or {}).get("kernels")}
+    now = {"dtype": ctx.dtype, "kernels": ctx.kernels.kernels if ctx.kernels is not None else None}
+    differ = [f"{key} {tuned[key]} (tuned) vs {now[key]} (this run)" for key in tuned
+              if tuned[key] is not None and now[key] is not None and tuned[key] != now[key]]
+    if differ:
+        warnings.warn(f"{ctx.export_dir}/medusa_choices.json was tuned on other latency: {'; '.join(differ)}; rerun "
+                      "medusa-tune-tree with this run's dtype and cpu_kernels for the tree that fits", RuntimeWarning,
+                      stacklevel=2)
 
 
 def _draft(settings: DraftConfig, ctx: BuildContext, name: str) -> tuple[Any, Any, dict[str, Any]]:
@@ -225,6 +254,10 @@ def _draft(settings: DraftConfig, ctx: BuildContext, name: str) -> tuple[Any, An
         info = {"draft": "self_layers", "draft_layers": settings.num_layers}
     if key not in ctx.drafts:
         ctx.drafts[key] = load_draft(settings, ctx.model.base, ctx.tokenizer)
+        if settings.kind == "model" and ctx.kernels is not None:  # self_layers shares the target's converted layers
+            from medusa_train.loading.cpu_kernels import apply_cpu_kernels
+
+            apply_cpu_kernels(ctx.drafts[key][0], ctx.kernels)
     draft, draft_tokenizer = ctx.drafts[key]
     return draft, draft_tokenizer, info
 

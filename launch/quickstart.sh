@@ -10,9 +10,10 @@
 #   4. medusa-eval: every decoder on MT-Bench first turns (one per category), the summary table printed at the end.
 # Every step resumes: re-running after a kill continues where it stopped. Knobs (environment variables):
 #   QUICKSTART_OUT (runs/quickstart), QUICKSTART_CONVERSATIONS (ShareGPT conversations read, 700: about 520 have a
-#   first turn of at most 128 tokens), QUICKSTART_EPOCHS (5), QUICKSTART_DTYPE (float32: this CPU has no bf16 matrix
-#   units), QUICKSTART_HEAD_VOCAB (4096), QUICKSTART_TUNE_PROMPTS (64: head accuracy varies widely between prompts),
-#   QUICKSTART_EVAL (true; false stops after the tree, as launch/recipe_long.sh does), QUICKSTART_EVAL_TOKENS (64).
+#   first turn of at most 128 tokens), QUICKSTART_EPOCHS (5), QUICKSTART_DTYPE (auto: the dtype the tree is tuned on
+#   and every decoder runs in, bf16 on CPUs with bf16 instructions (AVX-512 BF16 / AMX) and on GPUs, fp32 elsewhere;
+#   training stays fp32), QUICKSTART_HEAD_VOCAB (4096), QUICKSTART_TUNE_PROMPTS (64: head accuracy varies widely
+#   between prompts), QUICKSTART_EVAL (true; false stops after the tree, as launch/recipe_long.sh does), QUICKSTART_EVAL_TOKENS (64).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -22,7 +23,7 @@ export PATH="$venv/bin:$PATH" WANDB_MODE="${WANDB_MODE:-offline}" HF_HUB_OFFLINE
 out="${QUICKSTART_OUT:-runs/quickstart}"
 conversations="${QUICKSTART_CONVERSATIONS:-700}"
 epochs="${QUICKSTART_EPOCHS:-5}"
-dtype="${QUICKSTART_DTYPE:-float32}"
+dtype="${QUICKSTART_DTYPE:-auto}"
 eval_tokens="${QUICKSTART_EVAL_TOKENS:-64}"
 run_eval="${QUICKSTART_EVAL:-true}"
 head_vocab="${QUICKSTART_HEAD_VOCAB:-4096}"
@@ -31,14 +32,14 @@ resume=false
 [[ -d "$out/checkpoints" || -d "$out/export" || -d "$out/self_distill" ]] && resume=true
 
 echo "== 1/3 medusa-train: SmolLM2-135M-Instruct, replies self-distilled for the short first turns of $conversations ShareGPT conversations -> $out/export"
-medusa-train model=smollm2_135m model.dtype="$dtype" data=sharegpt data.self_distill=true \
+medusa-train model=smollm2_135m model.dtype=float32 data=sharegpt data.self_distill=true \
   data.max_conversations="$conversations" data.max_prompt_tokens=128 data.max_new_tokens=192 \
   data.generation_batch_size=128 data.eval_fraction=0.03 max_length=320 hidden_cache=true heads.head_vocab_size="$head_vocab" \
   trainer=cpu trainer.precision=fp32 trainer.learning_rate=2e-3 \
   trainer.num_train_epochs="$epochs" trainer.per_device_train_batch_size=8 trainer.save_steps=100 \
   output_dir="$out" resume="$resume"
 
-echo "== 2/3 medusa-tune-tree: head accuracy on held-out ShareGPT prompts, latency on this CPU -> medusa_choices.json"
+echo "== 2/3 medusa-tune-tree: head accuracy on held-out ShareGPT prompts, latency on this CPU (dtype=$dtype, as decoded)"
 medusa-tune-tree export_dir="$out/export" dtype="$dtype" prompts.num_prompts="$tune_prompts" max_new_tokens=96 \
   latency_sizes='[1,2,4,8,12,16,24,32]' max_nodes=31 repeats=3
 

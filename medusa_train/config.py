@@ -10,21 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+from medusa_train.precision import check_dtype_name
+
 MODEL_FORMATS = ("auto", "hf", "gguf", "llama2c")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``"bf16"`` / ``"bfloat16"`` / ... -> ``torch.dtype``; ``ValueError`` listing the valid names otherwise."""
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
 
 
 @dataclass
@@ -36,7 +27,9 @@ class ModelConfig:
         format: ``auto`` (guess from the path), ``hf``, ``gguf`` or ``llama2c``.
         gguf_file: file name of the GGUF inside ``name_or_path`` (transformers' ``gguf_file``).
         tokenizer_path: the llama2.c ``tok*.bin`` tokenizer (``format=llama2c`` only).
-        dtype: ``float32``, ``bfloat16`` or ``float16`` (short forms ``fp32``/``bf16``/``fp16`` accepted).
+        dtype: ``float32``, ``bfloat16`` or ``float16`` (short forms ``fp32``/``bf16``/``fp16`` accepted), or
+            ``auto``: bf16 where the hardware multiplies bf16 natively, fp32 elsewhere
+            (:func:`medusa_train.precision.choose_dtype`, which also refuses float16 on a CPU).
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available).
         revision: Hub revision (branch, tag or commit).
         attn_implementation: transformers' attention backend (``sdpa`` or ``eager``).
@@ -64,7 +57,7 @@ class ModelConfig:
     def validate(self) -> None:
         if self.format not in MODEL_FORMATS:
             raise ValueError(f"model.format must be one of {MODEL_FORMATS}, got {self.format!r}")
-        torch_dtype(self.dtype)
+        check_dtype_name(self.dtype, "model.dtype")
         if not (self.device in ("cpu", "cuda", "auto", "mps") or self.device.startswith("cuda:")):
             raise ValueError(f"model.device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
 
@@ -453,5 +446,5 @@ def as_dataclass(cls: type, cfg: Any) -> Any:
 
 __all__ = [
     "ModelConfig", "HeadsConfig", "LoraSettings", "DataConfig", "TrainerConfig", "LoggerConfig", "TrainConfig",
-    "register_configs", "torch_dtype", "as_dataclass", "DTYPES", "field",
+    "register_configs", "as_dataclass", "field",
 ]

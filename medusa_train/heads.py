@@ -99,18 +99,26 @@ class MedusaHeads(nn.Module):
         weight = base_lm_head_weight if self.token_map is None else base_lm_head_weight[self.token_map]
         self.lm_head_weight.copy_(weight.to(self.lm_head_weight.dtype).unsqueeze(0).expand_as(self.lm_head_weight))
 
-    def transform(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Run the residual blocks of all heads.
+    def _count(self, num_heads: int | None) -> int:
+        if num_heads is None:
+            return self.spec.num_heads
+        if not 1 <= num_heads <= self.spec.num_heads:
+            raise ValueError(f"num_heads must be in [1, {self.spec.num_heads}] (the heads there are), got {num_heads}")
+        return num_heads
+
+    def transform(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Run the residual blocks of all heads (or of the first ``num_heads``).
 
         Args:
             hidden: ``[..., H]`` base last hidden states (after the final norm), any float dtype.
+            num_heads: K' <= K, run only heads ``0 .. K'-1`` (a tree of depth K' reads no others); None: all K.
 
         Returns:
-            ``[K, ..., H]``: head k's features, ``x_{l+1} = x_l + SiLU(W_l x_l + b_l)``.
+            ``[K', ..., H]``: head k's features, ``x_{l+1} = x_l + SiLU(W_l x_l + b_l)``.
         """
         lead = hidden.shape[:-1]
-        K, H = self.spec.num_heads, self.spec.hidden_size
-        w, b = self.block_weight, self.block_bias
+        K, H = self._count(num_heads), self.spec.hidden_size
+        w, b = self.block_weight[:K], self.block_bias[:K]
         # Inputs follow the heads' dtype (cast the module, never the weights per call).
         x = hidden.to(w.dtype).reshape(1, -1, H).expand(K, -1, H)  # [K, M, H], M = prod(lead)
         for layer in range(self.spec.num_layers):
@@ -122,20 +130,21 @@ class MedusaHeads(nn.Module):
         """Project head features to logits.
 
         Args:
-            features: ``[K, ..., H]`` from :meth:`transform`; cast to the projection's dtype.
+            features: ``[K', ..., H]`` from :meth:`transform` (the first K' <= K heads); cast to the projection's
+                dtype.
             base_lm_head_weight: ``[V, H]``, required when ``share_lm_head``.
 
         Returns:
-            ``[K, ..., V']`` logits over the head vocabulary (V' = V without a token map).
+            ``[K', ..., V']`` logits over the head vocabulary (V' = V without a token map).
 
         Raises:
             ValueError: ``share_lm_head`` and no base lm_head weight given.
         """
-        K, H = self.spec.num_heads, self.spec.hidden_size
+        K, H = self._count(features.shape[0]), self.spec.hidden_size
         lead = features.shape[1:-1]
         flat = features.reshape(K, -1, H)
         if self.lm_head_weight is not None:
-            weight = self.lm_head_weight
+            weight = self.lm_head_weight[:K]
             logits = torch.bmm(flat.to(weight.dtype), weight.transpose(1, 2))  # [K, M, V']
         else:
             if base_lm_head_weight is None:
@@ -144,9 +153,11 @@ class MedusaHeads(nn.Module):
             logits = (flat.reshape(-1, H).to(weight.dtype) @ weight.T).reshape(K, flat.shape[1], -1)
         return logits.reshape(K, *lead, logits.shape[-1])
 
-    def forward(self, hidden: torch.Tensor, base_lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """All heads' logits: ``[..., H]`` hidden states -> ``[K, ..., V']`` logits (see :meth:`project`)."""
-        return self.project(self.transform(hidden), base_lm_head_weight)
+    def forward(self, hidden: torch.Tensor, base_lm_head_weight: torch.Tensor | None = None,
+                num_heads: int | None = None) -> torch.Tensor:
+        """All heads' logits (or the first ``num_heads``'): ``[..., H]`` hidden states -> ``[K', ..., V']`` logits
+        (see :meth:`transform` and :meth:`project`)."""
+        return self.project(self.transform(hidden, num_heads), base_lm_head_weight)
 
     def to_base_tokens(self, head_token_ids: torch.Tensor) -> torch.Tensor:
         """Map head-vocabulary indices (any shape, long) to base token ids; the identity without a token map."""

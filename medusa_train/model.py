@@ -89,10 +89,11 @@ class MedusaModel(nn.Module):
         cache = out.get("cache", None)
         return out.last_hidden_state, cache if cache is not None else out.get("past_key_values", None)
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., H]`` -> ``[K, ..., V']`` logits of all heads (one batched product per layer, see heads.py)."""
+    def head_logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """``[..., H]`` -> ``[K, ..., V']`` logits of all heads (one batched product per layer, see heads.py), or of
+        the first ``num_heads`` (``[K', ..., V']``: what a tree of depth K' reads)."""
         weight = self.lm_head.weight if self.heads.spec.share_lm_head else None
-        return self.heads(hidden, weight)
+        return self.heads(hidden, weight, num_heads)
 
     def forward(
         self, input_ids: torch.Tensor, with_heads: bool = True, **kwargs: Any

@@ -25,8 +25,10 @@ from inference.decoders import generate as chat_generate
 from inference.decoders.choices import resolve_medusa_choices
 from inference.registry import BuildContext, build_decoder, check_decoder_names, decoder_settings
 from medusa_train.cli.app import hydra_app
-from medusa_train.config import as_dataclass, torch_dtype
-from medusa_train.loading.medusa import load_medusa
+from medusa_train.config import as_dataclass
+from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
+from medusa_train.loading.runtime import load_for_inference
+from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
 
 
 @dataclass
@@ -45,7 +47,10 @@ class GenerateConfig:
         seed: sampling seed (None: random).
         stop_strings: the reply ends at the first of these.
         model: a ``model/`` config overriding the base model recorded in the export (e.g. ``model=smollm2_135m``).
-        dtype, device: overrides of the model config's dtype and device.
+        dtype: ``auto`` (bf16 where the hardware multiplies bf16 natively, fp32 elsewhere), a dtype name, or None for
+            the model config's.
+        device: overrides the model config's device.
+        cpu_kernels: ``auto``, ``packed`` or ``none`` (:mod:`medusa_train.loading.cpu_kernels`).
     """
 
     export_dir: str = MISSING
@@ -60,8 +65,9 @@ class GenerateConfig:
     seed: Optional[int] = None
     stop_strings: list[str] = field(default_factory=list)
     model: Optional[Any] = None
-    dtype: Optional[str] = None
+    dtype: Optional[str] = DEFAULT_DTYPE
     device: Optional[str] = None
+    cpu_kernels: str = DEFAULT_CPU_KERNELS
 
     def validate(self) -> None:
         """Check every setting before any model is loaded.
@@ -79,8 +85,8 @@ class GenerateConfig:
             )
         if not self.prompt:
             raise ValueError("prompt is empty: pass prompt=TEXT")
-        if self.dtype is not None:
-            torch_dtype(self.dtype)
+        check_dtype_name(self.dtype)
+        check_cpu_kernels(self.cpu_kernels)
         if not Path(self.export_dir).is_dir():
             raise FileNotFoundError(
                 f"export_dir={self.export_dir!r} is not a folder (an export written by medusa-train)")
@@ -132,9 +138,12 @@ def run(cfg: DictConfig | GenerateConfig, out: TextIO | None = None) -> DecodeRe
     """
     gc: GenerateConfig = as_dataclass(GenerateConfig, cfg)
     out = out or sys.stdout
-    model, tokenizer, _ = load_medusa(gc.export_dir, model=gc.model, dtype=gc.dtype, device=gc.device)
-    context = BuildContext(model=model, tokenizer=tokenizer, export_dir=gc.export_dir, dtype=gc.dtype,
-                          device=gc.device)
+    # The dtype and kernel decisions go to stderr: stdout holds the reply.
+    model, tokenizer, _, runtime = load_for_inference(gc.export_dir, model=gc.model, dtype=gc.dtype, device=gc.device,
+                                                      cpu_kernels=gc.cpu_kernels,
+                                                      echo=lambda line: print(line, file=sys.stderr))
+    context = BuildContext(model=model, tokenizer=tokenizer, export_dir=gc.export_dir, dtype=runtime.dtype.name,
+                           device=gc.device, kernels=runtime.kernels)
     decoder = build_decoder(gc.decoder_name, gc.settings(), context).decoder
     result = chat_generate(decoder, tokenizer, gc.prompt, gc.request(), streamer=TextOut(tokenizer, out),
                            system=gc.system)

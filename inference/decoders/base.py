@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from inference.sampling import is_greedy, logits_to_probs
+from inference.sampling import greedy_tokens, is_greedy, logits_to_probs
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,9 @@ class DecodeResult:
         stop_reason: ``"eos"``, ``"stop_string"`` or ``"max_new_tokens"``.
         prompt_tokens: T, the prompt length.
         text: the decoded reply when the decoder has a tokenizer, else None.
+        top2_gaps: when the decoder records them (plain decoding, ``record_top2_gaps``): for each token, the gap
+            between the largest and second-largest logit it was chosen from (logit units; computed after the clock
+            stopped). What a divergence of another decoder from this reply is measured against.
     """
 
     tokens: list[int]
@@ -107,6 +110,7 @@ class DecodeResult:
     prompt_tokens: int
     prefill_passes: int = 1
     text: str | None = None
+    top2_gaps: list[float] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -245,7 +249,7 @@ def choose_token(logits: Tensor, config: DecodeConfig, generator: torch.Generato
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
     if config.greedy:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     probs = logits_to_probs(logits, config.temperature, config.top_k, config.top_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

@@ -13,9 +13,14 @@ b. **tree pass**: ONE backbone pass over the N node tokens on top of the KV cach
    unchanged (``masking_utils._preprocess_mask_arguments``), so no modeling code is patched;
 c. **verification**: base logits of every node (lm_head over the N hidden states), laid out along the root-to-leaf
    paths and handed to the acceptance rule (:mod:`inference.acceptance`);
-d. **cache compaction**: the cache keeps the past and the accepted nodes only (:mod:`inference.kv_cache`);
-e. **next heads**: the heads read the hidden state of the last accepted node (one position, no second pass); the
-   recovered or bonus token becomes the next step's root. Its KV entry is written by the next tree pass.
+d. **cache compaction**: the cache keeps the past and the accepted nodes only (:mod:`inference.kv_cache`: a cache
+   preallocated for the request, written in place, compacted by an index copy);
+e. **next heads**: the heads read the hidden state of the last accepted node (one position, no second pass); only
+   the first D heads, D the tree's depth (:func:`medusa_tree`). The recovered or bonus token becomes the next step's
+   root. Its KV entry is written by the next tree pass.
+
+A step validates nothing (the request is checked once, before the prefill) and reads the host once; see
+``docs/speed.md`` for what that saves and how the decoder overhead is measured.
 
 Several prompts decode as one batch (:meth:`MedusaDecoder.generate_batch`): each row verifies its own tree in the
 shared pass and keeps its own path; rows that accept fewer tokens leave masked slots in the cache
@@ -46,7 +51,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from inference.acceptance import greedy_accept, tree_speculative_sample_batch, typical_accept
+from inference.acceptance import greedy_accept_tokens, tree_speculative_sample_batch, typical_accept
 from inference.decoders.base import (
     DecodeConfig,
     DecodeResult,
@@ -56,9 +61,16 @@ from inference.decoders.base import (
     max_positions,
 )
 from inference.decoders.batching import Replies, additive_mask, left_pad, positions, prefill_mask, sliding_window
-from inference.kv_cache import keep_tree_nodes, select_rows
-from inference.sampling import logits_to_probs
-from inference.tree import MC_SIM_7B_63, TreeBuffers, build_tree_buffers, gather_node_tokens, gather_paths
+from inference.kv_cache import check_compactable, compact, preallocated_cache, select_rows, truncate
+from inference.sampling import greedy_tokens, logits_to_probs
+from inference.tree import (
+    MC_SIM_7B_63,
+    TreeBuffers,
+    build_tree_buffers,
+    gather_node_tokens,
+    gather_paths,
+    validate_medusa_choices,
+)
 
 ACCEPTANCE_RULES = ("greedy", "typical", "speculative")
 # Medusa's typical-acceptance defaults (epsilon = 0.09, delta = sqrt(epsilon) = 0.3; FasterDecoding/Medusa
@@ -76,6 +88,19 @@ Verifier = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 def default_medusa_choices(num_heads: int, topk: int) -> list[list[int]]:
     """Medusa's ``mc_sim_7b_63`` tree cut to ``num_heads`` levels and ranks below ``topk`` (still prefix-closed)."""
     return [list(p) for p in MC_SIM_7B_63 if len(p) <= num_heads and max(p) < topk]
+
+
+def medusa_tree(medusa_choices: Sequence[Sequence[int]], num_heads: int, topk: int,
+                device: torch.device | str | None = None) -> TreeBuffers:
+    """The tree's buffers, validated against the K = ``num_heads`` heads and built for the first D of them, D the
+    tree's depth: a step computes and reads only those heads (``tree.num_heads == D``), so a 6-node tree of depth 2
+    on 4 heads skips half the heads' work.
+
+    Raises:
+        ValueError: as :func:`inference.tree.validate_medusa_choices` (against all K heads).
+    """
+    depth = max(len(p) for p in validate_medusa_choices(medusa_choices, num_heads, topk))
+    return build_tree_buffers(medusa_choices, depth, topk, device=device)
 
 
 def tree_attention_mask(tree_mask: Tensor, past: int | Tensor, dtype: torch.dtype) -> Tensor:
@@ -127,10 +152,13 @@ def make_verifier(
         raise ValueError("acceptance='typical' applies temperature only; set top_k=0 and top_p=1.0, or use "
                          "acceptance='speculative'")
 
+    valid = tree.retrieve_valid
+
     def greedy(node_tokens: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        # [B, N] -> [B, P, D+1] tokens and [B, N, V] -> [B, P, D+1, V] logits along the root-to-leaf paths.
-        best, length, next_token = greedy_accept(gather_paths(node_tokens, tree), gather_paths(logits, tree),
-                                                 tree.retrieve_valid)
+        # The argmax once per node [B, N], then node tokens and target tokens along the root-to-leaf paths
+        # [B, P, D+1].
+        best, length, next_token = greedy_accept_tokens(gather_paths(node_tokens, tree),
+                                                        gather_paths(greedy_tokens(logits), tree), valid)
         return _path_nodes(tree, best, length), length, next_token
 
     def typical(node_tokens: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -156,7 +184,8 @@ class MedusaStep:
     Attributes:
         tokens: per row, the accepted drafted tokens then the recovered or bonus token (A_b + 1 tokens).
         root: long ``[B]``, each row's last token: the next step's root (not yet in the cache).
-        head_logits: ``[K, B, V']``, the heads at each row's last accepted node, for the next step's candidates.
+        head_logits: ``[D, B, V']``, the first D heads (``tree.num_heads``) at each row's last accepted node, for the
+            next step's candidates.
         past_valid: bool ``[B, L']``, the cache slots that hold each row's sequence after compaction
             (``L' = L + max_b(A_b + 1)``; a row that accepted fewer leaves masked slots).
         next_position: long ``[B]``, the position of each row's new root.
@@ -167,6 +196,29 @@ class MedusaStep:
     head_logits: Tensor
     past_valid: Tensor
     next_position: Tensor
+
+
+def medusa_candidates(model: Any, tree: TreeBuffers, root: Tensor, head_logits: Tensor) -> Tensor:
+    """Step (a): each tree node's token, long ``[B, N]``, from the roots ``[B]`` and the heads' logits
+    ``[D, B, V']`` (D = ``tree.num_heads``): each head's top-k (head-vocabulary indices mapped to base ids), laid
+    out as ``cat([root], head0_topk, head1_topk, ...)`` and picked per node by ``tree.tree_indices``."""
+    batch = root.shape[0]
+    drafts = model.heads.to_base_tokens(head_logits.topk(tree.topk, dim=-1).indices)  # [D, B, topk]
+    flat = torch.cat([root[:, None], drafts.permute(1, 0, 2).reshape(batch, -1)], dim=1)  # [B, 1 + D * topk]
+    return gather_node_tokens(flat, tree)
+
+
+def tree_pass(model: Any, cache: DynamicCache, tree: TreeBuffers, node_tokens: Tensor, past_valid: Tensor,
+              next_position: Tensor, position_limit: int | None = None) -> Tensor:
+    """Step (b): ONE backbone pass over the N nodes ``[B, N]`` on top of the cache (which it extends by N slots),
+    with the tree's 4-D mask; returns the last hidden states ``[B, N, H]``."""
+    mask = tree_attention_mask(tree.attn_mask, past_valid, model.base.dtype)  # [B, 1, N, L + N]
+    node_positions = next_position[:, None] + tree.position_ids[None, :]  # [B, N]
+    if position_limit is not None:
+        node_positions = node_positions.clamp(max=position_limit - 1)
+    hidden, _ = model.hidden(node_tokens, attention_mask=mask, position_ids=node_positions, cache=cache,
+                             use_cache=True)
+    return hidden
 
 
 def medusa_step(
@@ -182,12 +234,17 @@ def medusa_step(
 ) -> MedusaStep:
     """One Medusa decoding step: candidates, one tree pass, verification, cache compaction, next heads.
 
+    Per-request state (the cache's layer kinds, the tree, the acceptance rule) is checked by the caller once per
+    request (:meth:`MedusaDecoder.generate` does); the step itself validates nothing and synchronises with the host
+    once, to read the accept lengths and emitted tokens together.
+
     Args:
         model: a :class:`~medusa_train.model.MedusaModel` (``hidden``, ``lm_head``, ``head_logits``, ``heads``).
-        cache: KV cache of L slots (``L = past_valid.shape[1]``); updated in place.
-        tree: buffers on the model's device, built for ``K = model.heads.spec.num_heads``.
+        cache: KV cache of L slots (``L = past_valid.shape[1]``), compactable (:func:`inference.kv_cache.
+            check_compactable`); updated in place.
+        tree: buffers on the model's device (:func:`medusa_tree`: built for the D heads it reads, ``tree.num_heads``).
         root: long ``[B]``, each row's token after its committed sequence (already emitted, not yet in the cache).
-        head_logits: ``[K, B, V']``, the heads' logits at each row's last committed position.
+        head_logits: ``[D, B, V']``, the first D heads' logits at each row's last committed position.
         past_valid: bool ``[B, L]``, the cache slots of each row's sequence (all True for one prompt).
         next_position: long ``[B]``, the position of each root (its row's committed length).
         verify: the acceptance rule (:func:`make_verifier`).
@@ -199,34 +256,37 @@ def medusa_step(
     """
     batch, past_length = past_valid.shape
     rows = torch.arange(batch, device=root.device)
-    # (a) candidates: [K, B, topk] head-vocabulary indices -> base ids -> flat [B, 1 + K * topk] -> nodes [B, N].
-    drafts = model.heads.to_base_tokens(head_logits.topk(tree.topk, dim=-1).indices)
-    flat = torch.cat([root[:, None], drafts.permute(1, 0, 2).reshape(batch, -1)], dim=1)
-    node_tokens = gather_node_tokens(flat, tree)
-
-    # (b) one tree pass over the N nodes on top of the cache.
-    mask = tree_attention_mask(tree.attn_mask, past_valid, model.base.dtype)  # [B, 1, N, L + N]
-    node_positions = next_position[:, None] + tree.position_ids[None, :]  # [B, N]
-    if position_limit is not None:
-        node_positions = node_positions.clamp(max=position_limit - 1)
-    hidden, _ = model.hidden(node_tokens, attention_mask=mask, position_ids=node_positions, cache=cache,
-                             use_cache=True)  # [B, N, H]
-
-    # (c) base logits of every node [B, N, V] -> acceptance.
+    # (a) candidates [B, N]
+    node_tokens = medusa_candidates(model, tree, root, head_logits)
+    # (b) tree pass: hidden states of every node [B, N, H]
+    hidden = tree_pass(model, cache, tree, node_tokens, past_valid, next_position, position_limit)
+    # (c) verification on the base logits of every node [B, N, V]: accepted nodes below the root [B, D] (-1 after
+    #     each row's accept length), accept lengths [B], recovered-or-bonus tokens [B]
     accepted, length, next_token = verify(node_tokens, model.lm_head(hidden))
 
-    # (d) keep the past and each row's accepted path (root first), padded to the longest with masked repeats.
-    width = int(length.max()) + 1
-    path = torch.cat([accepted.new_zeros(batch, 1), accepted[:, : width - 1]], dim=1)  # [B, width], -1 padded
+    # One host transfer: each row's accept length, its accepted tokens and next token, and its path's nodes.
+    depth = accepted.shape[1]
+    path = torch.cat([accepted.new_zeros(batch, 1), accepted], dim=1)  # [B, D + 1], root first, -1 padded
+    emitted = node_tokens.gather(1, path.clamp(min=0))[:, 1:]  # [B, D], garbage after each row's length
+    emitted = torch.cat([emitted, next_token[:, None]], dim=1).scatter(1, length[:, None], next_token[:, None])
+    host = torch.cat([length[:, None], emitted, path], dim=1).tolist()  # [B, 1 + (D + 1) + (D + 1)]
+    tokens = [row[1: row[0] + 2] for row in host]
+    width = max(row[0] for row in host) + 1
+
+    # (d) compaction: keep the past and each row's accepted path (root first), padded to the longest with masked
+    #     repeats of the row's last accepted node. Nodes already in place (the root alone, or a path of the first
+    #     nodes) need no copy.
+    path = path[:, :width]
     kept = path >= 0
     last = path[rows, length]  # [B], each row's last accepted node
-    path = torch.where(kept, path, last[:, None])
-    keep_tree_nodes(cache, past_length, path)
+    if all(row[depth + 2: depth + 2 + width] == list(range(width)) for row in host):
+        truncate(cache, past_length + width)
+    else:
+        path = torch.where(kept, path, last[:, None])
+        compact(cache, past_length, path[0] if batch == 1 else path)
 
-    # (e) heads at each row's last accepted node: [B, H] -> [K, B, V'].
-    next_heads = model.head_logits(hidden[rows, last])
-    tokens = [node_tokens[b, path[b, 1 : n + 1]].tolist() + [t]
-              for b, (n, t) in enumerate(zip(length.tolist(), next_token.tolist()))]
+    # (e) the D heads at each row's last accepted node: [B, H] -> [D, B, V'].
+    next_heads = model.head_logits(hidden[rows, last], tree.num_heads)
     return MedusaStep(tokens=tokens, root=next_token, head_logits=next_heads,
                       past_valid=torch.cat([past_valid, kept], dim=1), next_position=next_position + length + 1)
 
@@ -278,7 +338,7 @@ class MedusaDecoder:
         self.window = sliding_window(model.base.config)
         self.model = model
         self.device = model.lm_head.weight.device
-        self.tree = build_tree_buffers(medusa_choices, spec.num_heads, topk, device=self.device)
+        self.tree = medusa_tree(medusa_choices, spec.num_heads, topk, device=self.device)
         self.acceptance = acceptance
         self.posterior_threshold = posterior_threshold
         self.posterior_alpha = posterior_alpha
@@ -341,13 +401,16 @@ class MedusaDecoder:
 
         start = time.perf_counter()
         replies.feed.start(ids)
-        cache = DynamicCache()  # full-attention layers only: the tree mask replaces the model's own masks
+        # Full-attention layers only (the tree mask replaces the model's own masks), written in place: room for the
+        # prompt, the reply and one tree beyond it.
+        cache = preallocated_cache(ids.shape[1] + config.max_new_tokens + tree.num_nodes)
         hidden, _ = model.hidden(ids, attention_mask=prefill_mask(valid, model.base.dtype),
                                  position_ids=positions(valid), cache=cache, use_cache=True)  # [B, T, H]
         root = choose_token(model.lm_head(hidden[:, -1]), config, generator)  # [B]
-        head_logits = model.head_logits(hidden[:, -1])  # [K, B, V']
+        head_logits = model.head_logits(hidden[:, -1], tree.num_heads)  # [D, B, V'], the heads the tree reads
         replies.first(root.tolist())
         prefill_time = time.perf_counter() - start
+        check_compactable(cache)  # once per request: the step compacts without checking
         past_valid, next_position = valid, lengths
         while True:
             keep = replies.prune()

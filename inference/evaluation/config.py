@@ -11,7 +11,8 @@ from omegaconf import MISSING
 
 from inference.decoders.base import DecodeConfig
 from inference.registry import REGISTRY, check_decoder_names, check_request, decoder_names, decoder_settings
-from medusa_train.config import torch_dtype
+from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
+from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
 from medusa_train.prompts import PROMPT_SOURCES
 
 BASELINE = "vanilla"
@@ -19,7 +20,7 @@ BASELINE = "vanilla"
 # (e.g. more prompts or turns extend a run; each new prompt turn is still measured interleaved). Any other change
 # (decoders, their settings, max_new_tokens, dtype, threads, ...) would mix rows of different settings or sessions.
 RESUMABLE_KEYS = ("output_dir", "overwrite", "progress", "plots", "warmup", "warmup_max_new_tokens", "num_prompts",
-                  "per_category", "prompt_offset", "max_turns")
+                  "per_category", "prompt_offset", "max_turns", "noise_positions")
 
 
 @dataclass
@@ -43,13 +44,20 @@ class EvaluateConfig:
             and is added when missing.
         decoder: settings per decoder name (``conf/decoder/<name>.yaml``).
         model: optional ``model/`` config overriding the base model recorded in the export.
-        dtype, device: overrides of the model config's dtype and device, for every decoder (None: the model config's).
+        dtype: ``auto`` (bf16 where the hardware multiplies bf16 natively, fp32 elsewhere; see
+            :mod:`medusa_train.precision`), a dtype name, or None for the model config's; every decoder runs in it.
+        device: overrides the model config's device (None: the model config's).
+        cpu_kernels: ``auto`` (pre-packed oneDNN linear layers on a CPU), ``packed`` or ``none``; the base model is
+            converted once, so every decoder runs on the same kernels (:mod:`medusa_train.loading.cpu_kernels`).
         max_new_tokens: longest reply per turn.
         temperature, top_p, top_k: 0 for greedy; exact match against vanilla is reported only when greedy.
         seed: sampling seed, the same for every decoder.
         warmup: untimed generations per decoder before the first timed one.
         warmup_max_new_tokens: length of each warm-up generation.
         threads: ``torch.set_num_threads``; None keeps torch's default.
+        noise_positions: greedy runs whose replies leave vanilla's: positions at which the dtype's rounding noise is
+            measured after the run (:func:`inference.evaluation.divergence.rounding_noise`), to tell near-ties from
+            other divergences in ``summary.json``; 0 skips it.
         plots: write the PNG plots.
         progress: show a progress bar.
         overwrite: discard results already in ``output_dir`` (by default a run resumes them when its settings match).
@@ -65,8 +73,9 @@ class EvaluateConfig:
     decoders: list[str] = field(default_factory=lambda: list(decoder_names()))
     decoder: dict[str, Any] = field(default_factory=dict)
     model: Optional[Any] = None
-    dtype: Optional[str] = None
+    dtype: Optional[str] = DEFAULT_DTYPE
     device: Optional[str] = None
+    cpu_kernels: str = DEFAULT_CPU_KERNELS
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -75,6 +84,7 @@ class EvaluateConfig:
     warmup: int = 1
     warmup_max_new_tokens: int = 16
     threads: Optional[int] = None
+    noise_positions: int = 64
     plots: bool = True
     progress: bool = True
     overwrite: bool = False
@@ -93,14 +103,16 @@ class EvaluateConfig:
         unknown = sorted(set(self.decoder) - set(REGISTRY))
         if unknown:
             raise ValueError(f"decoder has settings for unknown decoder(s) {unknown}; valid: {', '.join(REGISTRY)}")
-        if self.dtype is not None:
-            torch_dtype(self.dtype)
+        check_dtype_name(self.dtype)
+        check_cpu_kernels(self.cpu_kernels)
         for key in ("num_prompts", "per_category", "max_turns", "threads"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ValueError(f"{key} must be >= 1 or null, got {value}")
         if self.prompt_offset is not None and self.prompt_offset < 0:
             raise ValueError(f"prompt_offset must be >= 0 or null, got {self.prompt_offset}")
+        if self.noise_positions < 0:
+            raise ValueError(f"noise_positions must be >= 0 (0 skips the measurement), got {self.noise_positions}")
         if self.warmup < 0 or self.warmup_max_new_tokens < 1:
             raise ValueError(f"warmup must be >= 0 and warmup_max_new_tokens >= 1, got {self.warmup} and "
                              f"{self.warmup_max_new_tokens}")

@@ -36,17 +36,25 @@ from inference.decoders.chat import eos_ids
 from inference.evaluation.config import BASELINE, RESUMABLE_KEYS, EvaluateConfig
 from inference.evaluation.environment import describe_environment
 from inference.evaluation.plots import write_plots
+from inference.evaluation.divergence import explain_divergences, find_divergences, rounding_noise
 from inference.evaluation.provenance import MEASURED_WITH, decoder_identity, differences, fingerprint, run_identity
 from inference.evaluation.results import RESULTS_FILE, SUPERSEDED_FILE, ResultsLog
-from inference.evaluation.runner import evaluate_prompts
-from inference.evaluation.summary import accepted_length_histogram, summarize, summary_markdown, tables_by_category
+from inference.evaluation.runner import conversation_messages, evaluate_prompts
+from inference.evaluation.summary import (
+    accepted_length_histogram,
+    complete_units,
+    summarize,
+    summary_markdown,
+    tables_by_category,
+)
 from inference.evaluation.sweep import RUN_FILE, SUMMARY_FILE
 from inference.registry import REGISTRY, BuildContext, BuiltDecoder, build_decoders
 from medusa_train.config import as_dataclass
 from medusa_train.export.files import write_json
 from medusa_train.export.reader import heads_checksum
-from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, load_medusa, model_config_for_export
-from medusa_train.prompts import PROMPT_SOURCES, Prompt, load_prompts
+from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, model_config_for_export
+from medusa_train.loading.runtime import load_for_inference
+from medusa_train.prompts import PROMPT_SOURCES, Prompt, encode_prompt, load_prompts
 from medusa_train.tuning.tune import read_tree_files
 
 log = logging.getLogger(__name__)
@@ -227,13 +235,15 @@ def evaluate(cfg: DictConfig | EvaluateConfig, output_dir: str | Path | None = N
 
     if ec.threads is not None:
         torch.set_num_threads(ec.threads)
-    model, tokenizer, export_config = load_medusa(ec.export_dir, model=ec.model, dtype=ec.dtype, device=ec.device)
-    ctx = BuildContext(model=model, tokenizer=tokenizer, export_dir=ec.export_dir, dtype=ec.dtype, device=ec.device)
+    model, tokenizer, export_config, runtime = load_for_inference(ec.export_dir, model=ec.model, dtype=ec.dtype,
+                                                                  device=ec.device, cpu_kernels=ec.cpu_kernels)
+    ctx = BuildContext(model=model, tokenizer=tokenizer, export_dir=ec.export_dir, dtype=runtime.dtype.name,
+                       device=ec.device, kernels=runtime.kernels)
     built = build_decoders(settings, ctx)
     identities = decoder_identities(built, config, identity["heads_sha256"])
     fingerprints = {name: fingerprint(i) for name, i in identities.items()}
     remeasured = supersede_stale_rows(out, results, identities, fingerprints)
-    environment = describe_environment(model)
+    environment = {**describe_environment(model), **runtime.record()}
     # A Medusa-2 export records its fine-tuned base as "base" (inside it): name the model it was made from.
     model_name = export_config.get(ORIGINAL_BASE_KEY, export_config.get("base_model_name_or_path")) \
         if ec.model is None else model_config_for_export(export_config, ec.model).name_or_path
@@ -250,8 +260,9 @@ def evaluate(cfg: DictConfig | EvaluateConfig, output_dir: str | Path | None = N
                            baseline=BASELINE, max_turns=ec.max_turns, warmup=ec.warmup,
                            warmup_max_new_tokens=ec.warmup_max_new_tokens, progress=ec.progress,
                            context=max_positions(model.base.config), fingerprints=fingerprints)
+    divergences = divergence_report(run.rows, ec, model, tokenizer, prompts, built) if ec.greedy else None
     return write_outputs(out, run.rows, ec, model_name, environment, command, export_dir=ec.export_dir,
-                         skipped=run.skipped)
+                         skipped=run.skipped, divergences=divergences)
 
 
 def decoder_identities(built: dict[str, BuiltDecoder], config: dict[str, Any],
@@ -263,15 +274,40 @@ def decoder_identities(built: dict[str, BuiltDecoder], config: dict[str, Any],
             for name, b in built.items()}
 
 
+def divergence_report(rows: list[dict[str, Any]], ec: EvaluateConfig, model: Any, tokenizer: Any,
+                      prompts: list[Prompt], built: dict[str, Any]) -> dict[str, Any]:
+    """Greedy runs: which replies left vanilla's and whether each was a near-tie under this dtype's rounding
+    (:mod:`inference.evaluation.divergence`); the rounding is measured only when some reply diverged."""
+    units = list(complete_units(rows).values())
+    found = find_divergences(units, BASELINE)
+    noise = None
+    if any(found.values()) and ec.noise_positions:
+        replies = {r["prompt_id"]: r["tokens"] for r in rows if r["decoder"] == BASELINE and r["turn"] == 1}
+        sequences = []
+        for prompt in prompts:
+            if prompt.id in replies:
+                ids = encode_prompt(tokenizer, conversation_messages(prompt, [prompt.turns[0]], []))
+                sequences.append((list(ids) + replies[prompt.id], len(ids)))
+        ks = {2} | {int(b.info["tree_nodes"]) for b in built.values() if b.info.get("tree_nodes", 1) >= 2}
+        log.info("measuring %s rounding noise at %d positions (k = %s) to explain %d divergent replies",
+                 model.base.dtype, ec.noise_positions, sorted(ks), sum(len(v) for v in found.values()))
+        noise = rounding_noise(model.base, sequences, sorted(ks), ec.noise_positions)
+    return explain_divergences(found, noise, len(units))
+
+
 def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, model_name: str,
                   environment: dict[str, Any], command: str | None, export_dir: str | None,
-                  skipped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                  skipped: list[dict[str, Any]] | None = None,
+                  divergences: dict[str, Any] | None = None) -> dict[str, Any]:
     """summary.json, summary.md, summary_details.json and the plots from ``rows``; returns the summary.
 
     ``skipped``: prompt turns left out because they do not fit the context, listed as ``skipped_prompts`` in
-    summary.json when there are any."""
+    summary.json when there are any; ``divergences``: :func:`divergence_report`'s (greedy runs)."""
+    extra = {key: environment[key] for key in ("precision", "cpu_kernels") if key in environment}
+    if divergences is not None:
+        extra["divergences"] = divergences
     summary = summarize(rows, ec.greedy, model_name, environment["device"], environment["dtype"],
-                        ec.max_new_tokens, baseline=BASELINE)
+                        ec.max_new_tokens, baseline=BASELINE, runtime=extra)
     if skipped:
         summary["skipped_prompts"] = skipped
     by_category = tables_by_category(rows, ec.greedy, baseline=BASELINE)
@@ -289,5 +325,5 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, mod
     return summary
 
 
-__all__ = ["decoder_identities", "evaluate", "load_eval_prompts", "open_results", "resolved_config",
-           "result_settings", "supersede_stale_rows", "write_outputs"]
+__all__ = ["decoder_identities", "divergence_report", "evaluate", "load_eval_prompts", "open_results",
+           "resolved_config", "result_settings", "supersede_stale_rows", "write_outputs"]

@@ -3,7 +3,8 @@
 A resumed run keeps a row only if it would be measured the same way now. Two levels:
 
 - **The run** (:func:`run_identity`): the base model config every decoder runs (the recorded ``model/`` config or
-  the ``model`` override, with the ``dtype`` / ``device`` overrides applied: name, format, revision, dtype, ...)
+  the ``model`` override, with the ``dtype`` / ``device`` overrides applied: name, format, revision, the dtype as
+  ``dtype=auto`` resolves on this machine, ...)
   and, for a Medusa-2 export whose fine-tuned base lives inside the export, the checksum of the heads written with
   it. Together with the settings every row shares (:func:`~inference.evaluation.evaluate.result_settings`:
   ``max_new_tokens``, temperature, the decoder list, ...) a change here invalidates every row: the rerun is refused,
@@ -27,7 +28,9 @@ from typing import Any
 
 from medusa_train.export import read_export_config
 from medusa_train.export.reader import heads_checksum
+from medusa_train.loading.base import resolve_device
 from medusa_train.loading.medusa import export_base_config
+from medusa_train.precision import choose_dtype
 
 MEASURED_WITH = "measured_with"  # the run.json entry and the row field
 
@@ -45,6 +48,8 @@ def run_identity(export_dir: str, model: Any = None, dtype: str | None = None, d
         FileNotFoundError: no export (or no heads) there. ValueError: its config.json names no base model.
     """
     base = export_base_config(export_dir, read_export_config(export_dir), model, dtype, device)
+    # ``dtype=auto`` is recorded as what it resolves to here: a resumed run on a machine that decides otherwise differs
+    base = dataclasses.replace(base, dtype=choose_dtype(base.dtype, resolve_device(base.device)).name)
     identity: dict[str, Any] = {"base_model": dataclasses.asdict(base)}
     if Path(base.name_or_path).resolve().is_relative_to(Path(export_dir).resolve()):
         # Medusa-2: the fine-tuned base is rewritten with the heads, so the heads identify it too

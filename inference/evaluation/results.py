@@ -8,6 +8,8 @@ A row::
      "accepted_lengths": [int], "mean_accepted_tokens": float | null, "tokens_per_second": float,
      "stop_reason": str, "tokens": [int], "text": str, "measured_with": str}
 
+plus ``"top2_gaps": [float]`` on the rows of a decoder that records them (vanilla: each token's top-2 logit gap).
+
 ``forward_passes`` and ``accepted_lengths`` follow :mod:`inference.decoders.base`'s convention (prefill apart).
 ``measured_with`` is the fingerprint of what the decoder measured with (:mod:`inference.evaluation.provenance`;
 ``run.json`` describes it). Rows superseded by a rerun with another tree, other heads or settings are moved to
@@ -49,6 +51,7 @@ def make_row(prompt_id: str, category: str, turn: int, decoder: str, result: Dec
         "mean_accepted_tokens": None if math.isnan(tau) else tau, "tokens_per_second": result.tokens_per_second,
         "stop_reason": result.stop_reason, "tokens": list(result.tokens), "text": text,
         "measured_with": measured_with,
+        **({"top2_gaps": list(result.top2_gaps)} if result.top2_gaps is not None else {}),
     }
 
 

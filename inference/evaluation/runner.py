@@ -139,7 +139,7 @@ def evaluate_prompts(
 
     # Every first turn against the context before any decoder runs (later turns follow answers not known yet).
     run = PromptRun()
-    first_ids = {p.id: encode_prompt(tokenizer, _messages(p, [p.turns[0]], [])) for p in prompts
+    first_ids = {p.id: encode_prompt(tokenizer, conversation_messages(p, [p.turns[0]], [])) for p in prompts
                  if any((p.id, 1, n) not in results for n in names)}
     for prompt in prompts:
         if prompt.id in first_ids and (skip := overlong(prompt.id, 1, len(first_ids[prompt.id]),
@@ -167,7 +167,7 @@ def evaluate_prompts(
                     row = results.get((prompt.id, turn, name))
                     if row is None:
                         if ids is None:
-                            ids = encode_prompt(tokenizer, _messages(prompt, user_turns[:turn], answers))
+                            ids = encode_prompt(tokenizer, conversation_messages(prompt, user_turns[:turn], answers))
                             skip = overlong(prompt.id, turn, len(ids), request.max_new_tokens, context)
                             if skip:
                                 log.warning("leaving out %s: it does not fit the context of %d positions",
@@ -194,7 +194,7 @@ def evaluate_prompts(
     return run
 
 
-def _messages(prompt: Prompt, user_turns: Sequence[str], answers: Sequence[str]) -> list[dict[str, str]]:
+def conversation_messages(prompt: Prompt, user_turns: Sequence[str], answers: Sequence[str]) -> list[dict[str, str]]:
     """System message, then user turn 1, answer 1, ..., the last user turn (one more user turn than answers)."""
     messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
     for i, user in enumerate(user_turns):
@@ -210,5 +210,5 @@ def _postfix(row: dict[str, Any]) -> str:
     return f"{row['decoder']} {row['tokens_per_second']:.1f} tok/s tau {tau_text}"
 
 
-__all__ = ["PromptRun", "check_prompt_ids", "describe_skips", "evaluate_prompts", "overlong", "turns_of",
-           "warm_up"]
+__all__ = ["PromptRun", "check_prompt_ids", "conversation_messages", "describe_skips", "evaluate_prompts", "overlong",
+           "turns_of", "warm_up"]

@@ -112,15 +112,18 @@ def accepted_length_histogram(rows: Sequence[dict[str, Any]]) -> dict[str, dict[
 
 def summarize(
     rows: Sequence[dict[str, Any]], greedy: bool, model: str, device: str, dtype: str, max_new_tokens: int,
-    baseline: str = "vanilla",
+    baseline: str = "vanilla", runtime: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``summary.json`` exactly as DESIGN.md specifies::
+    """``summary.json``: DESIGN.md's fields::
 
         {"model", "device", "dtype", "prompts", "max_new_tokens",
          "decoders": {name: {"tokens_per_second", "speedup", "mean_accepted_tokens", "exact_match_vs_greedy",
                              "new_tokens", "wall_time_s"}}}
 
-    ``prompts`` counts the distinct prompts with at least one complete turn.
+    then, when given, ``runtime``'s entries (``precision``: the dtype decision, its reason and the CPU's ISA flags;
+    ``cpu_kernels``: the linear kernels every decoder ran on; ``divergences``: greedy runs' replies that left
+    vanilla's, explained by :func:`inference.evaluation.divergence.explain_divergences`). ``prompts`` counts the
+    distinct prompts with at least one complete turn.
     """
     units = complete_units(rows)
     return {
@@ -130,6 +133,7 @@ def summarize(
         "prompts": len({pid for pid, _ in units}),
         "max_new_tokens": max_new_tokens,
         "decoders": decoder_metrics(list(units.values()), greedy, baseline),
+        **(runtime or {}),
     }
 
 
@@ -148,15 +152,47 @@ def markdown_table(metrics: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def divergence_lines(divergences: dict[str, Any] | None) -> list[str]:
+    """summary.md's account of the replies that left vanilla's (greedy runs), one line per decoder that diverged."""
+    if not divergences:
+        return []
+    threshold = divergences.get("threshold")
+    noise = divergences.get("rounding_noise") or {}
+    lines = []
+    for name, d in divergences["decoders"].items():
+        if not d["diverged"]:
+            continue
+        text = f"{name}: {d['diverged']} of {d['replies']} replies left vanilla's"
+        if threshold is not None:
+            text += (f", {d['near_ties']} at a near-tie (vanilla's top-2 logit gap <= {threshold:.3g}, the largest "
+                     f"gap change measured between 1-token and k-token passes, k = {noise.get('ks')}, at "
+                     f"{noise.get('positions')} positions)")
+        if d["not_near_ties"]:
+            where = ", ".join(f"prompt {x['prompt_id']} turn {x['turn']} token {x['position']} (gap "
+                              f"{x['vanilla_gap']:.3g})" for x in d["not_near_ties"])
+            text += f"; NOT near-ties: {where}"
+        if d["unexplained"]:
+            text += f"; {d['unexplained']} without a recorded gap or noise measurement"
+        lines.append(text + ".")
+    return lines
+
+
 def summary_markdown(summary: dict[str, Any], by_category: dict[str, dict[str, dict[str, Any]]],
                      command: str | None = None, commit: str | None = None) -> str:
     """``summary.md``: the run's header, the overall table, then one table per category."""
+    precision, kernels = summary.get("precision"), summary.get("cpu_kernels")
     head = [f"# medusa-eval: {summary['model']}", "",
             f"{summary['prompts']} prompts, max_new_tokens {summary['max_new_tokens']}, {summary['dtype']} on "
-            f"{summary['device']}" + (f", commit {commit}" if commit else "") + ".",
-            "Speedup: tokens/s over vanilla's on the same prompts in the same run; mean accepted tokens: new tokens "
-            "per target forward pass after the prefill; exact match: share of replies identical to vanilla's "
-            "(greedy runs only)."]
+            f"{summary['device']}" + (f", commit {commit}" if commit else "") + "."]
+    if precision:
+        head.append(f"dtype {precision['dtype']} ({precision['requested']}): {precision['reason']}; CPU flags: "
+                    f"{', '.join(precision['cpu']['flags']) or 'none recorded'}.")
+    if kernels:
+        head.append(f"Linear kernels: {kernels['kernels']} ({kernels['requested']}), the same for every decoder.")
+    head.append("Speedup: tokens/s over vanilla's on the same prompts in the same run; mean accepted tokens: new "
+                "tokens per target forward pass after the prefill; exact match: share of replies identical to "
+                "vanilla's (greedy runs only).")
+    head += divergence_lines(summary.get("divergences"))
     skipped = summary.get("skipped_prompts") or []
     if skipped:
         head += ["", f"Left out, not fitting the model's context with max_new_tokens {summary['max_new_tokens']}: "
@@ -176,6 +212,7 @@ __all__ = [
     "complete_units",
     "decoder_metrics",
     "decoder_order",
+    "divergence_lines",
     "markdown_table",
     "summarize",
     "summary_markdown",

@@ -13,17 +13,18 @@ from medusa_train.config import as_dataclass
 
 
 def run(cfg: DictConfig) -> dict:
-    from medusa_train.loading.medusa import load_medusa
+    from medusa_train.loading.runtime import load_for_inference
     from medusa_train.prompts import load_prompts
     from medusa_train.tuning.config import TuneTreeConfig
     from medusa_train.tuning.tune import tune_tree
 
     tc: TuneTreeConfig = as_dataclass(TuneTreeConfig, cfg)
-    model, tokenizer, _ = load_medusa(tc.export_dir, model=tc.model, dtype=tc.dtype, device=tc.device)
+    model, tokenizer, _, runtime = load_for_inference(tc.export_dir, model=tc.model, dtype=tc.dtype, device=tc.device,
+                                                      cpu_kernels=tc.cpu_kernels)
     if tc.topk > model.heads.spec.out_size:
         raise ValueError(f"topk={tc.topk} exceeds the heads' vocabulary of {model.heads.spec.out_size}")
     prompts = load_prompts(tc.prompts.source, tc.prompts.path, tc.prompts.offset, tc.prompts.num_prompts)
-    result = tune_tree(model, tokenizer, prompts, tc)
+    result = tune_tree(model, tokenizer, prompts, tc, runtime.record())
     acc = result["head_accuracy"]["acc"]
     print("head  " + "  ".join(f"top{i + 1:<3d}" for i in range(min(5, len(acc[0])))))
     for k, row in enumerate(acc):

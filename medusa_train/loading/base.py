@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from medusa_train.config import ModelConfig, torch_dtype
+from medusa_train.config import ModelConfig
 from medusa_train.paths import cache_dir
+from medusa_train.precision import choose_dtype
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,23 @@ def _converted(cfg: ModelConfig, fmt: str) -> str | tuple[PreTrainedModel, PreTr
     return str(target)
 
 
+def hf_folder(cfg: ModelConfig) -> str:
+    """What another engine (vLLM, TGI) loads for this base: the name or folder itself for an HF model, else the HF
+    folder a GGUF or llama2.c checkpoint is converted into under the cache (converting it once, now, if needed).
+
+    Raises:
+        ValueError: ``cache_converted`` is off for a converted format (there is no folder to point at).
+        FileNotFoundError: the checkpoint is missing.
+    """
+    cfg.validate()
+    fmt = detect_format(cfg)
+    if fmt == "hf":
+        return cfg.name_or_path
+    if not cfg.cache_converted:
+        raise ValueError(f"model.cache_converted=false: the {fmt} checkpoint has no HF folder; set it to true")
+    return str(_converted(cfg, fmt))
+
+
 def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the base causal LM and its tokenizer.
 
@@ -132,17 +150,18 @@ def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokeni
         cfg: the ``model/`` config (validated here).
 
     Returns:
-        ``(model, tokenizer)``: the model in eval mode on ``cfg.device`` in ``cfg.dtype``; the tokenizer with its
+        ``(model, tokenizer)``: the model in eval mode on ``cfg.device`` in ``cfg.dtype`` (``auto`` resolved by
+        :func:`medusa_train.precision.choose_dtype`); the tokenizer with its
         chat template, and a pad token (EOS when the tokenizer has none).
 
     Raises:
-        ValueError: a bad setting (dtype, device, format).
+        ValueError: a bad setting (dtype, device, format), or float16 on a CPU.
         FileNotFoundError: a local checkpoint or tokenizer file is missing.
         OSError: transformers could not read the model (corrupt file, Hub id unreachable); the cause is chained.
     """
     cfg.validate()
-    dtype = torch_dtype(cfg.dtype)
     device = resolve_device(cfg.device)
+    dtype = choose_dtype(cfg.dtype, device).dtype  # resolves auto; refuses float16 on a CPU before loading
     fmt = detect_format(cfg)
     if fmt == "hf":
         source: str | tuple = cfg.name_or_path

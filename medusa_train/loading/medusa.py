@@ -122,6 +122,22 @@ def check_export_base(export_dir: str | os.PathLike[str], model_cfg: ModelConfig
     return config
 
 
+def export_base_config(
+    export_dir: str, export_config: dict[str, Any], model: Any = None, dtype: str | None = None,
+    device: str | None = None,
+) -> ModelConfig:
+    """The ``model/`` config the base of ``export_dir`` loads with: ``model`` (an override) or the one recorded in
+    the export (a relative base path found inside the folder), with ``dtype`` / ``device`` overrides applied."""
+    cfg = model_config_for_export(export_config, model)
+    if model is None:
+        cfg = resolve_export_base(export_dir, cfg)  # a Medusa-2 export's fine-tuned base, inside the folder
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, dtype=dtype)
+    if device is not None:
+        cfg = dataclasses.replace(cfg, device=device)
+    return cfg
+
+
 def load_medusa(
     export_dir: str, model: Any = None, dtype: str | None = None, device: str | None = None
 ) -> tuple[MedusaModel, PreTrainedTokenizerBase, dict[str, Any]]:
@@ -131,7 +147,8 @@ def load_medusa(
         export_dir: the export folder (``config.json`` + ``medusa_lm_head.safetensors``); a recorded base path
             relative to it (Medusa-2's ``base``) is found inside it.
         model: optional ``model/`` config overriding the base recorded in the export.
-        dtype, device: optional overrides of the model config's ``dtype`` / ``device``; the heads follow.
+        dtype, device: optional overrides of the model config's ``dtype`` (``auto`` included) / ``device``; the
+            heads follow.
 
     Returns:
         ``(MedusaModel, tokenizer, export_config)``.
@@ -143,8 +160,7 @@ def load_medusa(
     """
     # Heads first: a folder without heads or with a broken file fails in a second, before the base model loads.
     heads, export_config = load_heads(export_dir)
-    cfg = export_base_config(export_dir, export_config, model, dtype, device)
-    base, tokenizer = load_base_model(cfg)
+    base, tokenizer = load_base_model(export_base_config(export_dir, export_config, model, dtype, device))
     check_heads_match_base(heads.spec, base)
     weight = base.get_output_embeddings().weight
     heads = heads.to(device=weight.device, dtype=weight.dtype).requires_grad_(False)

@@ -8,6 +8,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
+from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
 from medusa_train.tuning.latency import DEFAULT_SIZES
 
 
@@ -28,7 +30,11 @@ class TuneTreeConfig:
     Attributes:
         export_dir: the export folder; the results are written into it.
         model: optional ``model/`` config overriding the base recorded in the export.
-        dtype, device: decode-time dtype and device (default: the model config's); latency is measured there.
+        dtype: the decode-time dtype: ``auto`` (bf16 where the hardware multiplies bf16 natively, fp32 elsewhere:
+            what ``medusa-eval`` decodes in by default), a dtype name, or None for the model config's. Latency is
+            measured in it, so the tree fits the dtype that decodes.
+        device: the decode-time device (default: the model config's).
+        cpu_kernels: ``auto``, ``packed`` or ``none``: the linear kernels latency is measured on (as ``medusa-eval``).
         prompts: held-out prompts for the accuracy table.
         max_new_tokens: greedy continuation length per prompt.
         generation_batch_size: prompts continued per ``generate`` call (left-padded; 1 continues each prompt alone,
@@ -42,8 +48,9 @@ class TuneTreeConfig:
 
     export_dir: str = MISSING
     model: Optional[Any] = None
-    dtype: Optional[str] = None
+    dtype: Optional[str] = DEFAULT_DTYPE
     device: Optional[str] = None
+    cpu_kernels: str = DEFAULT_CPU_KERNELS
     prompts: PromptSetConfig = field(default_factory=PromptSetConfig)
     max_new_tokens: int = 96
     generation_batch_size: int = 16
@@ -54,6 +61,8 @@ class TuneTreeConfig:
     repeats: int = 5
 
     def validate(self) -> None:
+        check_dtype_name(self.dtype)
+        check_cpu_kernels(self.cpu_kernels)
         if self.max_nodes < 1:
             raise ValueError(f"max_nodes (the tree node budget) must be >= 1, got {self.max_nodes}")
         if self.generation_batch_size < 1:

@@ -23,8 +23,12 @@ ACCURACY_FILE = "head_accuracy.json"
 LATENCY_FILE = "latency_profile.json"
 
 
-def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: TuneTreeConfig) -> dict[str, Any]:
+def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: TuneTreeConfig,
+              runtime: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure, search, and write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json``.
+
+    ``runtime``: how the model was loaded (:meth:`~medusa_train.loading.runtime.InferenceRuntime.record`: the dtype
+    decision with its reason and the CPU's ISA flags, the linear kernels), recorded in ``latency_profile.json``.
 
     Returns:
         ``{"medusa_choices", "expected_accept_length", "replayed_accept_length", "head_accuracy",
@@ -48,7 +52,7 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
     accuracy["prompt_source"] = cfg.prompts.source
     write_json(out / ACCURACY_FILE, accuracy)
     write_json(out / LATENCY_FILE, {**latency, "latency_ms": {str(k): v for k, v in latency["latency_ms"].items()},
-                                           "predicted": {str(k): v for k, v in rates.items()}})
+                                    "predicted": {str(k): v for k, v in rates.items()}, **(runtime or {})})
     write_json(out / CHOICES_FILE, choices)
     log.info("tree of %d nodes, mean accepted tokens: %.3f replayed on the prompts' continuations, %.3f by the "
              "independent-heads formula", len(choices), replayed, expected)

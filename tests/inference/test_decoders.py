@@ -62,10 +62,10 @@ class LookupHeadsMedusa(MedusaModel):
             self.table = base.base_model(torch.tensor([sequence])).last_hidden_state[0]  # [S, H]
         self.sequence = sequence
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])  # [M, H]
         position = torch.cdist(flat.float(), self.table.float()).argmin(dim=-1)  # [M]
-        K, V = self.heads.spec.num_heads, self.heads.spec.out_size
+        K, V = num_heads or self.heads.spec.num_heads, self.heads.spec.out_size
         logits = torch.zeros(K, flat.shape[0], V)
         for k in range(K):
             for m, t in enumerate(position.tolist()):
@@ -153,6 +153,60 @@ def test_medusa_greedy_equals_vanilla_greedy_random_heads(family):
         assert result.tokens == greedy(base, prompt, 40), (family, prompt)
         check_counts(result)
         assert result.stop_reason == "max_new_tokens"
+
+
+class HostReads:
+    """Counts a tensor's reads by the host (``tolist``, ``item``, ``int``, ``bool``, ``float``) while ``active``."""
+
+    METHODS = ("tolist", "item", "__int__", "__bool__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch) -> None:
+        self.active, self.count = False, 0
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, **kwargs):
+                self.count += self.active
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_a_medusa_step_reads_the_host_once_and_the_cache_is_checked_once_per_request(monkeypatch):
+    import inference.decoders.medusa as medusa
+    import inference.kv_cache as kv_cache
+
+    base = make_tiny_model("llama")
+    model = random_medusa(base)
+    checks = []
+    monkeypatch.setattr(medusa, "check_compactable", lambda cache: checks.append(type(cache).__name__)
+                        or kv_cache.check_compactable(cache))
+    reads, steps = HostReads(monkeypatch), []
+    backbone = model.hidden
+
+    def step(*args, **kwargs):  # count the step's own reads, not the backbone's (transformers' code)
+        reads.active = True
+        try:
+            return original_step(*args, **kwargs)
+        finally:
+            reads.active = False
+            steps.append(reads.count)
+
+    def hidden(*args, **kwargs):
+        active, reads.active = reads.active, False
+        try:
+            return backbone(*args, **kwargs)
+        finally:
+            reads.active = active
+
+    original_step = medusa.medusa_step
+    monkeypatch.setattr(medusa, "medusa_step", step)
+    monkeypatch.setattr(model, "hidden", hidden)
+    result = MedusaDecoder(model, SMALL_TREE, topk=10).generate(PROMPTS[0], DecodeConfig(max_new_tokens=30))
+    assert result.tokens == greedy(base, PROMPTS[0], 30)
+    assert checks == ["PreallocatedCache"]  # once, after the prefill; never inside a step
+    assert len(steps) == result.forward_passes > 5
+    assert [b - a for a, b in zip([0] + steps, steps)] == [1] * len(steps)  # one host read per step
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -463,3 +517,12 @@ def test_chat_generate_fills_eos_and_text():
     assert result.text == tokenizer.decode(result.tokens)
     with pytest.raises(ValueError, match="no chat template"):
         chat_prompt_ids(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+def test_a_shallow_tree_reads_only_its_heads():
+    base = make_tiny_model("llama")
+    decoder = MedusaDecoder(MedusaModel(base, new_heads_for(base, num_heads=4)), [[0], [1], [0, 0]], topk=2)
+    assert decoder.tree.num_heads == 2 and decoder.tree.max_depth == 2
+    with pytest.raises(ValueError, match="exceeds num_heads=4"):
+        MedusaDecoder(MedusaModel(base, new_heads_for(base, num_heads=4)), [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0],
+                                                                             [0, 0, 0, 0, 0]], topk=2)

@@ -71,8 +71,10 @@ def prompts(tmp_path) -> Path:
 
 
 def config(export: Path, prompts: Path, out: Path, *extra: str):
+    # float32 unless a test asks otherwise: dtype=auto would be bf16 on some CPUs and fp32 on others
+    dtype = [] if any(e.startswith("dtype=") for e in extra) else ["dtype=float32"]
     overrides = [f"export_dir={export}", f"prompts={prompts}", f"output_dir={out}", "decoders=[vanilla,medusa]",
-                 "max_new_tokens=10", "progress=false", "warmup=0", "plots=false", "threads=1", *extra]
+                 "max_new_tokens=10", "progress=false", "warmup=0", "plots=false", "threads=1", *dtype, *extra]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return compose("evaluate", overrides=overrides)
 
@@ -102,7 +104,9 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
     assert [(r["prompt_id"], r["turn"], r["decoder"]) for r in rows] == [
         (str(q["question_id"]), t, d) for q in QUESTIONS for t in (1, 2) for d in ("vanilla", "medusa")]
     assert json.loads((out / "summary.json").read_text()) == summary
-    assert set(summary) == {"model", "device", "dtype", "prompts", "max_new_tokens", "decoders"}
+    # DESIGN.md's fields, then how the run chose its dtype and kernels and why replies left vanilla's (none here)
+    assert set(summary) == {"model", "device", "dtype", "prompts", "max_new_tokens", "decoders", "precision",
+                            "cpu_kernels", "divergences"}
     assert summary["prompts"] == 3 and summary["max_new_tokens"] == 10 and summary["dtype"] == "float32"
     assert list(summary["decoders"]) == ["vanilla", "medusa"]
     tps = {}

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from inference.sampling import is_greedy, logits_to_probs
+from inference.sampling import greedy_tokens, is_greedy, logits_to_probs
 
 
 def test_temperature_only_is_softmax_of_scaled_logits() -> None:
@@ -102,3 +102,10 @@ def test_bad_arguments_raise(kwargs: dict, message: str) -> None:
 def test_integer_logits_raise() -> None:
     with pytest.raises(ValueError, match="logits must be a float tensor"):
         logits_to_probs(torch.zeros(4, dtype=torch.long), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_is_argmax_first_index_among_ties(dtype) -> None:
+    logits = (torch.randn(8, 6, 500, generator=torch.Generator().manual_seed(0)) * 3).round().to(dtype)  # many ties
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert greedy_tokens(torch.tensor([[1.0, 3.0, 3.0, 2.0]], dtype=dtype)).tolist() == [1]

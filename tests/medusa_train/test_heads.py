@@ -98,3 +98,20 @@ def test_heads_for_other_base_are_refused():
     wide = make_tiny_model("llama", hidden_size=HIDDEN * 2, head_dim=8)
     with pytest.raises(ValueError, match="hidden_size"):
         MedusaModel(base, new_heads_for(wide, num_heads=2))
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_the_first_heads_alone_equal_all_heads_cut(share):
+    base = make_tiny_model("llama")
+    heads = new_heads_for(base, num_heads=4, num_layers=2, share_lm_head=share)
+    with torch.no_grad():
+        heads.block_weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    model = MedusaModel(base, heads)
+    hidden = torch.randn(2, 3, HIDDEN)
+    full = model.head_logits(hidden)
+    assert full.shape == (4, 2, 3, VOCAB)
+    for k in (1, 2, 4):
+        assert torch.equal(model.head_logits(hidden, num_heads=k), full[:k])
+    with pytest.raises(ValueError, match=r"num_heads must be in \[1, 4\]"):
+        model.head_logits(hidden, num_heads=5)
+

@@ -1,0 +1,98 @@
+"""Load an export for inference with the dtype and kernels decided, printed and recorded in one place.
+
+Every command that decodes (``medusa-eval``, ``medusa-tune-tree``, ``medusa-generate``) and the benchmarks load
+through :func:`load_for_inference`: it resolves ``dtype`` (:func:`medusa_train.precision.choose_dtype`) and
+``cpu_kernels`` (:func:`medusa_train.loading.cpu_kernels.choose_cpu_kernels`) for the device, refusing bad
+combinations before any weight is read, loads base and heads, converts the base's linear layers once (so every
+decoder built on it shares the kernels), prints the two decisions and returns them as :class:`InferenceRuntime` for
+the run's records (``latency_profile.json``, ``run.json``, ``summary.json``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from medusa_train.export import read_export_config
+from medusa_train.loading.base import resolve_device
+from medusa_train.loading.cpu_kernels import (
+    DEFAULT_CPU_KERNELS,
+    KernelChoice,
+    apply_cpu_kernels,
+    check_cpu_kernels,
+    choose_cpu_kernels,
+)
+from medusa_train.loading.medusa import export_base_config, load_medusa
+from medusa_train.model import MedusaModel
+from medusa_train.precision import DEFAULT_DTYPE, DtypeChoice, choose_dtype
+
+
+@dataclass(frozen=True)
+class InferenceRuntime:
+    """What a model was loaded to run on.
+
+    Attributes:
+        dtype: the dtype decision (requested, used, reason, the CPU's ISA flags).
+        kernels: the linear-kernel decision.
+        packed_layers: linear layers converted (0 with PyTorch's kernels).
+    """
+
+    dtype: DtypeChoice
+    kernels: KernelChoice
+    packed_layers: int = 0
+
+    def describe(self) -> str:
+        return f"{self.dtype.describe()}\n{self.kernels.describe()} ({self.packed_layers} linear layers)"
+
+    def record(self) -> dict[str, Any]:
+        """``{"precision": {...}, "cpu_kernels": {..., "packed_layers": n}}`` (JSON-ready)."""
+        return {"precision": self.dtype.record(), "cpu_kernels": {**self.kernels.record(),
+                                                              "packed_layers": self.packed_layers}}
+
+
+def decide_runtime(requested_dtype: str | None, device: Any, cpu_kernels: str | None) -> tuple[DtypeChoice,
+                                                                                                KernelChoice]:
+    """Both decisions for a device, before anything loads (raises ``ValueError`` on a bad combination)."""
+    check_cpu_kernels(cpu_kernels)
+    dtype = choose_dtype(requested_dtype, device)
+    return dtype, choose_cpu_kernels(cpu_kernels, device, dtype.dtype)
+
+
+def load_for_inference(
+    export_dir: str,
+    model: Any = None,
+    dtype: str | None = DEFAULT_DTYPE,
+    device: str | None = None,
+    cpu_kernels: str | None = DEFAULT_CPU_KERNELS,
+    echo: Callable[[str], Any] | None = print,
+) -> tuple[MedusaModel, PreTrainedTokenizerBase, dict[str, Any], InferenceRuntime]:
+    """Heads and base of ``export_dir`` in the decided dtype, on the decided kernels.
+
+    Args:
+        export_dir: the export folder.
+        model: a ``model/`` config overriding the base recorded in the export.
+        dtype: ``auto``, a dtype name, or None for the model config's own ``dtype``.
+        device: overrides the model config's ``device``.
+        cpu_kernels: ``auto``, ``packed`` or ``none`` (None: ``auto``).
+        echo: where the two decisions are printed (None: nowhere).
+
+    Returns:
+        ``(MedusaModel, tokenizer, export_config, InferenceRuntime)``.
+
+    Raises:
+        FileNotFoundError: no export there.
+        ValueError: a bad dtype or kernel option for the device (e.g. float16 on a CPU), before loading.
+    """
+    cfg = export_base_config(export_dir, read_export_config(export_dir), model, dtype, device)
+    dtype_choice, kernel_choice = decide_runtime(cfg.dtype, resolve_device(cfg.device), cpu_kernels)
+    medusa, tokenizer, export_config = load_medusa(export_dir, model=model, dtype=dtype_choice.name, device=device)
+    runtime = InferenceRuntime(dtype_choice, kernel_choice, apply_cpu_kernels(medusa.base, kernel_choice))
+    if echo is not None:
+        echo(runtime.describe())
+    return medusa, tokenizer, export_config, runtime
+
+
+__all__ = ["InferenceRuntime", "decide_runtime", "load_for_inference"]
