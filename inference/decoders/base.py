@@ -96,6 +96,10 @@ class DecodeResult:
         stop_reason: ``"eos"``, ``"stop_string"`` or ``"max_new_tokens"``.
         prompt_tokens: T, the prompt length.
         text: the decoded reply when the decoder has a tokenizer, else None.
+        draft_time_s: tree decoders: seconds spent drafting (the heads filling the tree), summed over the
+            decoding passes; None for decoders that do not time it (:mod:`inference.decoders.timing`).
+        verify_time_s: tree decoders: seconds of the rest of each step (tree pass, acceptance, cache compaction),
+            summed; None likewise. Batched decoding reports the whole batch's, as ``wall_time_s``.
     """
 
     tokens: list[int]
@@ -107,6 +111,8 @@ class DecodeResult:
     prompt_tokens: int
     prefill_passes: int = 1
     text: str | None = None
+    draft_time_s: float | None = None
+    verify_time_s: float | None = None
 
     @property
     def new_tokens(self) -> int:

@@ -29,7 +29,13 @@ from inference.evaluation.environment import describe_environment
 from inference.evaluation.plots import write_plots
 from inference.evaluation.results import RESULTS_FILE, ResultsLog
 from inference.evaluation.runner import evaluate_prompts
-from inference.evaluation.summary import accepted_length_histogram, summarize, summary_markdown, tables_by_category
+from inference.evaluation.summary import (
+    accepted_length_histogram,
+    step_times,
+    summarize,
+    summary_markdown,
+    tables_by_category,
+)
 from inference.evaluation.sweep import RUN_FILE, SUMMARY_FILE
 from inference.registry import BuildContext, build_decoder
 from medusa_train.config import as_dataclass
@@ -182,11 +188,13 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, mod
                         ec.max_new_tokens, baseline=BASELINE)
     by_category = tables_by_category(rows, ec.greedy, baseline=BASELINE)
     histogram = accepted_length_histogram(rows)
+    times = step_times(rows)
     write_json(out / SUMMARY_FILE, summary)
     write_json(out / DETAILS_FILE, {"by_category": by_category,
                                     "accepted_length_histogram": {n: {str(k): v for k, v in h.items()}
-                                                                  for n, h in histogram.items()}})
-    text = summary_markdown(summary, by_category, command, environment.get("git_commit"))
+                                                                  for n, h in histogram.items()},
+                                    "step_times": times})
+    text = summary_markdown(summary, by_category, command, environment.get("git_commit"), times)
     (out / SUMMARY_MD).write_text(text)
     if ec.plots:
         head_accuracy = read_tree_files(export_dir).get("head_accuracy") if export_dir else None

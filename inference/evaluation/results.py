@@ -6,9 +6,10 @@ A row::
     {"prompt_id": str, "category": str, "turn": int (1-based), "decoder": str, "prompt_tokens": int,
      "new_tokens": int, "wall_time_s": float, "prefill_time_s": float, "forward_passes": int,
      "accepted_lengths": [int], "mean_accepted_tokens": float | null, "tokens_per_second": float,
-     "stop_reason": str, "tokens": [int], "text": str}
+     "stop_reason": str, "tokens": [int], "text": str, "draft_time_s": float | null, "verify_time_s": float | null}
 
-``forward_passes`` and ``accepted_lengths`` follow :mod:`inference.decoders.base`'s convention (prefill apart).
+``forward_passes`` and ``accepted_lengths`` follow :mod:`inference.decoders.base`'s convention (prefill apart);
+``draft_time_s`` and ``verify_time_s`` are the tree decoders' drafting and verification seconds (null for others).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def make_row(prompt_id: str, category: str, turn: int, decoder: str, result: Dec
         "forward_passes": result.forward_passes, "accepted_lengths": list(result.accepted_lengths),
         "mean_accepted_tokens": None if math.isnan(tau) else tau, "tokens_per_second": result.tokens_per_second,
         "stop_reason": result.stop_reason, "tokens": list(result.tokens), "text": text,
+        "draft_time_s": result.draft_time_s, "verify_time_s": result.verify_time_s,
     }
 
 
@@ -50,7 +52,8 @@ def row_result(row: dict[str, Any]) -> DecodeResult:
     return DecodeResult(tokens=list(row["tokens"]), accepted_lengths=list(row["accepted_lengths"]),
                         forward_passes=int(row["forward_passes"]), wall_time_s=float(row["wall_time_s"]),
                         prefill_time_s=float(row["prefill_time_s"]), stop_reason=str(row["stop_reason"]),
-                        prompt_tokens=int(row["prompt_tokens"]), text=row.get("text"))
+                        prompt_tokens=int(row["prompt_tokens"]), text=row.get("text"),
+                        draft_time_s=row.get("draft_time_s"), verify_time_s=row.get("verify_time_s"))
 
 
 def read_rows(path: str | Path, repair: bool = False) -> list[dict[str, Any]]:

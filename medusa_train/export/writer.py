@@ -12,6 +12,13 @@ export/
   vllm/model.safetensors       "blocks.{h}.layers.{l}.weight|bias", "lm_heads.{h}.weight" (+ "token_map")
 ```
 
+Hydra heads (:mod:`medusa_train.hydra_heads`) have no engine layout: their folder holds ``config.json`` (``head_type:
+"hydra"``, see :mod:`~medusa_train.export.configs`), ``hydra_heads.safetensors`` (the module's own parameter names:
+``heads.{k}.residual.weight``, ``heads.{k}.layers.{l}.weight|bias``, ``lm_head_weight [K, V', H]``) and
+``token_map.safetensors`` with a reduced vocabulary; ``vllm=True`` is refused (vLLM's Medusa would read them as
+Medusa heads), and Medusa files left by an earlier export into the folder are removed (and the reverse), so no
+loader finds heads of the other kind there.
+
 With ``share_lm_head`` the FasterDecoding file holds the residual blocks only: FasterDecoding's own loader then
 needs the base lm_head copied into each head (TGI does that itself for one-layer heads; :func:`load_heads` handles
 any). vLLM's Medusa cannot reach the target model's lm_head, so ``vllm/`` stores the base lm_head once as
@@ -36,19 +43,22 @@ from transformers import PreTrainedModel
 from medusa_train.export.configs import export_config, vllm_config
 from medusa_train.export.files import write_json, write_safetensors
 from medusa_train.export.layouts import FASTERDECODING, VLLM, split_heads
+from medusa_train.head_types import DraftHeads
 from medusa_train.heads import MedusaHeads
+from medusa_train.hydra_heads import HydraHeads
 from medusa_train.model import check_heads_match_base
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
 LEGACY_WEIGHTS_FILE = "medusa_lm_head.pt"
 TOKEN_MAP_FILE = "token_map.safetensors"
+HYDRA_WEIGHTS_FILE = "hydra_heads.safetensors"
 VLLM_DIR = "vllm"
 VLLM_WEIGHTS_FILE = "model.safetensors"
 
 
 def save_export(
-    heads: MedusaHeads,
+    heads: DraftHeads,
     out_dir: str | os.PathLike[str],
     base_model_name_or_path: str,
     extra_config: dict[str, Any] | None = None,
@@ -63,7 +73,8 @@ def save_export(
 
     Args:
         heads: the trained heads (``block_weight [K, L, H, H]``, ``block_bias [K, L, H]``, ``lm_head_weight
-            [K, V', H]`` or none with ``share_lm_head``, ``token_map [V']`` with a reduced vocabulary).
+            [K, V', H]`` or none with ``share_lm_head``, ``token_map [V']`` with a reduced vocabulary), or
+            :class:`~medusa_train.hydra_heads.HydraHeads` (see the module docstring).
         out_dir: the export folder.
         base_model_name_or_path: Hub id or path of the base model, recorded for loaders (FasterDecoding, TGI).
         extra_config: more JSON-serialisable fields for config.json (never one of the fields written here).
@@ -76,16 +87,21 @@ def save_export(
 
     Raises:
         ValueError: ``extra_config`` clashes with a written field or is not JSON-serialisable; ``share_lm_head`` and
-            ``vllm`` without ``base_model``; ``base_model`` does not match the heads (field named).
+            ``vllm`` without ``base_model``; ``vllm`` with Hydra heads; ``base_model`` does not match the heads
+            (field named).
     """
     spec = heads.spec
     out = Path(out_dir)
+    hydra = isinstance(heads, HydraHeads)
+    if hydra and vllm:
+        raise ValueError("vllm=True: vLLM's Medusa loader reads Medusa heads only and these are Hydra heads "
+                         "(head_type 'hydra'); pass vllm=False (export_vllm=false)")
     if spec.share_lm_head and vllm and base_model is None:
         raise ValueError("share_lm_head=True: vLLM's Medusa cannot use the target model's lm_head, so vllm/ must "
                          "hold a copy; pass base_model=... to save_export, or vllm=False to skip vllm/")
     if base_model is not None:
         check_heads_match_base(spec, base_model)
-    dtype = heads.block_weight.dtype
+    dtype = heads.dtype if hydra else heads.block_weight.dtype
     config = export_config(
         spec, base_model_name_or_path, dtype,
         base_model_class=None if base_model is None else type(base_model).__name__,
@@ -100,7 +116,12 @@ def save_export(
         raise ValueError(f"export folder {out} exists and is not a folder")
 
     out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / WEIGHTS_FILE, split_heads(heads, FASTERDECODING))
+    if hydra:
+        state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in heads.state_dict().items()
+                 if k != "token_map"}
+        write_safetensors(out / HYDRA_WEIGHTS_FILE, state)
+    else:
+        write_safetensors(out / WEIGHTS_FILE, split_heads(heads, FASTERDECODING))
     token_map = None if heads.token_map is None else heads.token_map.detach().to("cpu", copy=True).contiguous()
     if token_map is not None:
         write_safetensors(out / TOKEN_MAP_FILE, {"token_map": token_map})
@@ -112,6 +133,9 @@ def save_export(
     else:
         _remove_vllm(out / VLLM_DIR)
     write_json(out / CONFIG_FILE, config)
+    # Heads of the other kind from an earlier export, removed once config.json names the new ones: a killed export
+    # leaves the old heads readable or the new ones, never a config without its weights.
+    (out / (WEIGHTS_FILE if hydra else HYDRA_WEIGHTS_FILE)).unlink(missing_ok=True)
     return out
 
 
