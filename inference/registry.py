@@ -289,7 +289,8 @@ def register_decoder(entry: DecoderEntry) -> None:
 for _entry in (
     DecoderEntry("vanilla", VanillaSettings, _build_vanilla, "plain decoding, one target pass per token"),
     DecoderEntry("medusa", MedusaSettings, _build_medusa,
-                 "the export's heads (Medusa or Hydra) draft a tree, one target pass verifies it", _check_medusa_request),
+                 "the export's heads (Medusa or Hydra) draft a tree, one target pass verifies it",
+                 _check_medusa_request),
     DecoderEntry("draft", DraftSettings, _build_draft, "a draft model proposes K tokens, one target pass verifies"),
     DecoderEntry("lookahead", LookaheadSettings, _build_lookahead, "Jacobi n-gram pool, no draft model (greedy)",
                  _greedy_only("lookahead")),

@@ -39,6 +39,13 @@ _OWN_KEYS = ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size
              "hydra_combine")
 
 
+def export_head_type(config: dict[str, Any]) -> Any:
+    """The head type an export's ``config.json`` records: its ``head_type``, ``"medusa"`` when absent (every export
+    written before Hydra heads, and every Medusa export: FasterDecoding's layout has no such key). Not checked here
+    (see :func:`medusa_train.head_types.check_head_type`)."""
+    return config.get(HEAD_TYPE_KEY, "medusa")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

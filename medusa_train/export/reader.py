@@ -17,8 +17,8 @@ import torch
 from transformers import PreTrainedModel
 
 from medusa_train.export.configs import (
-    HEAD_TYPE_KEY,
     check_version,
+    export_head_type,
     read_vllm_config,
     spec_from_hydra_config,
     spec_from_medusa_config,
@@ -97,7 +97,7 @@ def load_heads(
     if head_type is not None:
         check_head_type(head_type, "load_heads(head_type=...)")
     raw = read_json(config_path) if config_path.is_file() else {}
-    found = check_head_type(raw.get(HEAD_TYPE_KEY, "medusa"), str(config_path))
+    found = check_head_type(export_head_type(raw), str(config_path))
     expect_head_type(found, head_type, str(folder))
     if found == "hydra":
         check_version(raw, str(folder))

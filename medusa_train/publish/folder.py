@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from medusa_train.export import BASE_DIR, load_heads, read_export_config
-from medusa_train.export.configs import HEAD_TYPE_KEY
+from medusa_train.export.configs import export_head_type
 from medusa_train.export.writer import (
     CONFIG_FILE,
     LEGACY_WEIGHTS_FILE,
@@ -104,7 +104,7 @@ def collect_export(
     """
     folder = Path(export_dir)
     config = read_export_config(folder)  # FileNotFoundError / ValueError naming the folder
-    head_type = config.get(HEAD_TYPE_KEY, "medusa")
+    head_type = export_head_type(config)
     if head_type != "medusa":
         raise ValueError(f"{folder} holds {head_type} heads (head_type {head_type!r}): medusa-publish publishes Medusa "
                          "heads in the FasterDecoding, TGI and vLLM layouts, which have no form for these")

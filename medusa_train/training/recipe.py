@@ -31,7 +31,7 @@ from transformers import TrainerCallback, set_seed
 from medusa_train.config import TrainConfig, as_dataclass
 from medusa_train.data import Collator
 from medusa_train.export import BASE_DIR, load_heads, save_base_model, save_export
-from medusa_train.export.configs import HEAD_TYPE_KEY
+from medusa_train.export.configs import export_head_type
 from medusa_train.head_types import DRAFT_HEADS, DraftHeads, expect_head_type, heads_from_spec
 from medusa_train.heads import MedusaHeads, build_token_map
 from medusa_train.loading.base import load_base_model
@@ -160,7 +160,7 @@ class TrainRecipe:
         hc = self.cfg.heads
         if hc.init_from:
             config = check_export_base(hc.init_from, self.cfg.model, "heads.init_from")
-            expect_head_type(config.get(HEAD_TYPE_KEY, "medusa"), "medusa", f"heads.init_from={hc.init_from}")
+            expect_head_type(export_head_type(config), "medusa", f"heads.init_from={hc.init_from}")
         zero3 = ds_config is not None and ds_config["zero_optimization"]["stage"] == 3
         if zero3 and hc.share_lm_head:
             raise ValueError("heads.share_lm_head=true with heads.mode=medusa2 under ZeRO-3: the heads would read the "

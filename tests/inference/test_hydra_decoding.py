@@ -99,7 +99,7 @@ def test_tree_drafter_follows_the_head_type():
     assert isinstance(tree_drafter(MedusaModel(base, new_heads_for(base, 2, head_type="hydra"))), HydraTreeDrafter)
 
 
-# --- greedy = plain greedy ---------------------------------------------------------------------------------------------
+# --- greedy = plain greedy --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_hydra_greedy_equals_vanilla_greedy_random_heads(family):
@@ -153,7 +153,7 @@ def test_draft_and_verification_time_are_reported_for_tree_decoding():
         assert result.prefill_time_s + result.draft_time_s + result.verify_time_s <= result.wall_time_s
 
 
-# --- other acceptance rules ----------------------------------------------------------------------------------------------
+# --- other acceptance rules -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("acceptance", ["typical", "speculative"])
 def test_hydra_sampling_rules_are_greedy_at_temperature_zero(acceptance):

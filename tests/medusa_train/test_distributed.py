@@ -98,7 +98,7 @@ def test_killed_deepspeed_zero2_run_resumes_to_the_same_heads(reference):
     assert_same_heads(single, exported_heads(out / "export"))
 
 
-# ---- Hydra heads: the same pipeline with per-head MLPs that read the path's embeddings --------------------------------
+# ---- Hydra heads: the same pipeline with per-head MLPs that read the path's embeddings -------------------------------
 
 HYDRA = {"heads": "hydra", "heads.medusa_num_layers": 2}
 
