@@ -39,9 +39,10 @@ import medusa_train  # noqa: F401  (registers schemas and resolvers)
 from inference.decoders.base import DecodeConfig
 from inference.decoders.batching import additive_mask
 from inference.decoders.choices import resolve_medusa_choices
-from inference.decoders.medusa import make_verifier, medusa_candidates, medusa_step, medusa_tree
+from inference.decoders.medusa import make_verifier, medusa_step, medusa_tree
 from inference.decoders.vanilla import VanillaDecoder
 from inference.kv_cache import preallocated_cache
+from inference.proposers.heads import tree_drafter
 from medusa_train.config import ModelConfig, as_dataclass
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.cpu_kernels import apply_cpu_kernels, choose_cpu_kernels
@@ -108,7 +109,8 @@ class OverheadProbe:
         x = torch.tensor([ids], device=device)
         hidden, _ = model.hidden(x, cache=self.cache, use_cache=True)
         self.root = model.lm_head(hidden[:, -1]).argmax(-1)
-        self.head_logits = model.head_logits(hidden[:, -1], self.tree.num_heads)
+        self.last_hidden = hidden[:, -1]  # [1, H]
+        self.drafter = tree_drafter(model)
         self.past_valid = torch.ones(1, len(ids), dtype=torch.bool, device=device)
         self.position = torch.tensor([len(ids)], device=device)
         self.step_s: list[float] = []
@@ -119,7 +121,7 @@ class OverheadProbe:
     def run_one(self) -> None:
         model, tree = self.model, self.tree
         n, past = tree.num_nodes, self.past_valid.shape[1]
-        tokens = medusa_candidates(model, tree, self.root, self.head_logits)
+        tokens = self.drafter.draft(self.last_hidden, self.root, tree)
         mask = additive_mask(self.past_valid, tree.attn_mask, model.base.dtype)
         positions = self.position[:, None] + tree.position_ids[None, :]
         start = time.perf_counter()
@@ -129,12 +131,12 @@ class OverheadProbe:
         self.bare_s.append(time.perf_counter() - start)
         self.cache.crop(-n)
         start = time.perf_counter()
-        step = medusa_step(model, self.cache, tree, self.root, self.head_logits, self.past_valid, self.position,
-                           self.verify)
+        step = medusa_step(model, self.cache, tree, self.root, self.last_hidden, self.past_valid, self.position,
+                           self.verify, drafter=self.drafter)
         self.step_s.append(time.perf_counter() - start)
         self.accepted += len(step.tokens[0]) - 1
         assert self.cache.get_seq_length() == past + len(step.tokens[0])
-        self.root, self.head_logits = step.root, step.head_logits
+        self.root, self.last_hidden = step.root, step.last_hidden
         self.past_valid, self.position = step.past_valid, step.next_position
 
     def summary(self) -> dict[str, float]:

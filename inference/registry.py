@@ -74,7 +74,8 @@ class VanillaSettings:
 
 @dataclass
 class MedusaSettings:
-    """Medusa tree decoding (:class:`~inference.decoders.medusa.MedusaDecoder`).
+    """Tree decoding with the export's draft heads (:class:`~inference.decoders.medusa.MedusaDecoder`): Medusa heads,
+    or Hydra heads drafting level by level (the export's ``head_type``; the run record names it).
 
     Attributes:
         acceptance: ``greedy``, ``typical`` or ``speculative`` (typical and speculative are greedy at temperature 0).
@@ -206,8 +207,8 @@ def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
     decoder = MedusaDecoder(ctx.model, choices, topk=settings.topk, acceptance=settings.acceptance,
                             posterior_threshold=settings.posterior_threshold,
                             posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer)
-    return BuiltDecoder(decoder, {"medusa_choices": [list(p) for p in choices], "tree_source": source,
-                                  "tree_nodes": len(choices) + 1})
+    return BuiltDecoder(decoder, {"head_type": ctx.model.head_type, "medusa_choices": [list(p) for p in choices],
+                                  "tree_source": source, "tree_nodes": len(choices) + 1})
 
 
 def _check_tuned_for(profile: Optional[dict[str, Any]], ctx: BuildContext) -> None:
@@ -335,7 +336,8 @@ def register_decoder(entry: DecoderEntry) -> None:
 
 for _entry in (
     DecoderEntry("vanilla", VanillaSettings, _build_vanilla, "plain decoding, one target pass per token"),
-    DecoderEntry("medusa", MedusaSettings, _build_medusa, "Medusa heads draft a tree, one target pass verifies it",
+    DecoderEntry("medusa", MedusaSettings, _build_medusa,
+                 "the export's heads (Medusa or Hydra) draft a tree, one target pass verifies it",
                  _check_medusa_request, uses_heads=True),
     DecoderEntry("draft", DraftSettings, _build_draft, "a draft model proposes K tokens, one target pass verifies"),
     DecoderEntry("lookahead", LookaheadSettings, _build_lookahead, "Jacobi n-gram pool, no draft model (greedy)",

@@ -13,6 +13,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from medusa_train.head_types import HEAD_TYPES
+from medusa_train.hydra_heads import COMBINES
 from medusa_train.precision import check_dtype_name
 
 MODEL_FORMATS = ("auto", "hf", "gguf", "llama2c")
@@ -96,10 +98,14 @@ class LoraSettings:
 
 @dataclass
 class HeadsConfig:
-    """Medusa heads and the way they are trained (config group ``heads/``).
+    """Draft heads and the way they are trained (config group ``heads/``: ``medusa1``, ``medusa2``, ``hydra``).
 
     Attributes:
-        medusa_num_heads: K heads; head k predicts token t+k+2.
+        head_type: ``medusa`` (head k reads the hidden state at t) or ``hydra`` (it also reads the base model's
+            input embeddings of the path tokens t+1 .. t+k+1: Ankner et al. 2024, arXiv:2402.05109, Sec. 3;
+            :mod:`medusa_train.hydra_heads`). Hydra heads train on a frozen base (``mode=medusa1``).
+        combine: Hydra only: ``concat`` (hidden state and path embeddings concatenated, the paper's) or ``sum``.
+        medusa_num_heads: K heads (Medusa or Hydra); head k predicts token t+k+2.
         medusa_num_layers: residual blocks per head.
         share_lm_head: all heads project with the base lm_head (vLLM's ``original_lm_head``): much smaller.
         head_vocab_size: reduced head vocabulary of the most frequent training tokens (vLLM's
@@ -132,6 +138,8 @@ class HeadsConfig:
         init_from: start the joint stage from the heads of this export folder (made for the same base model).
     """
 
+    head_type: str = "medusa"
+    combine: str = "concat"
     medusa_num_heads: int = 4
     medusa_num_layers: int = 1
     share_lm_head: bool = False
@@ -158,6 +166,16 @@ class HeadsConfig:
             raise ValueError(f"heads.medusa_num_layers must be >= 1, got {self.medusa_num_layers}")
         if self.mode not in ("medusa1", "medusa2"):
             raise ValueError(f"heads.mode must be medusa1 or medusa2, got {self.mode!r}")
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"heads.head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        if self.combine not in COMBINES:
+            raise ValueError(f"heads.combine must be one of {COMBINES}, got {self.combine!r}")
+        if self.head_type == "medusa" and self.combine != "concat":
+            raise ValueError(f"heads.combine={self.combine} is for Hydra heads (they combine the hidden state with the "
+                             "path's embeddings): set heads=hydra (heads.head_type=hydra) or drop heads.combine")
+        if self.head_type == "hydra" and self.mode != "medusa1":
+            raise ValueError("heads.head_type=hydra trains the heads on a frozen base (heads.mode=medusa1); joint "
+                             "fine-tuning (medusa2) is for Medusa heads")
         if not 0.0 < self.loss_decay <= 1.0:
             raise ValueError(f"heads.loss_decay must be in (0, 1], got {self.loss_decay}")
         if self.target not in ("labels", "base_argmax", "soft"):
@@ -369,7 +387,8 @@ class TrainConfig:
         hidden_cache: compute the frozen base model's last hidden states once and train the heads from them.
         hidden_cache_dir: where the cache goes; None: ``${output_dir}/hidden_cache``.
         export: write ``${output_dir}/export`` at the end.
-        export_vllm: also write the vLLM layout under ``export/vllm``.
+        export_vllm: also write the vLLM layout under ``export/vllm`` (Medusa heads; with Hydra heads it is skipped
+            with a warning: vLLM's Medusa loader reads Medusa heads only).
         push_to_hub: publish the export at the end of training (rank 0), see ``medusa-publish``.
         hub_repo_id, hub_private, hub_revision: the Hub repository (``namespace/name``), visibility and branch.
     """
@@ -405,6 +424,9 @@ class TrainConfig:
             raise ValueError("push_to_hub=true needs hub_repo_id=namespace/name")
         if self.push_to_hub and not self.export:
             raise ValueError("push_to_hub=true needs export=true (the export is what is published)")
+        if self.push_to_hub and self.heads.head_type == "hydra":
+            raise ValueError("push_to_hub=true: medusa-publish publishes Medusa heads (FasterDecoding, TGI and vLLM "
+                             "layouts); Hydra heads have no engine layout yet. Set push_to_hub=false")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         if self.resume and self.overwrite:

@@ -56,6 +56,12 @@ class HeadsSpec:
         """V', the number of logits each head produces."""
         return self.head_vocab_size or self.vocab_size
 
+    @property
+    def head_type(self) -> str:
+        """``"medusa"``: each head reads the hidden state alone (:class:`~medusa_train.hydra_heads.HydraSpec`:
+        ``"hydra"``)."""
+        return "medusa"
+
 
 class MedusaHeads(nn.Module):
     """K Medusa heads with stacked parameters.
@@ -77,15 +83,7 @@ class MedusaHeads(nn.Module):
             self.register_parameter("lm_head_weight", None)
         else:
             self.lm_head_weight = nn.Parameter(torch.zeros(K, spec.out_size, H))
-        if spec.head_vocab_size is not None:
-            if token_map is None or token_map.shape != (spec.head_vocab_size,):
-                raise ValueError(
-                    f"token_map must be a [{spec.head_vocab_size}] long tensor when head_vocab_size is set, "
-                    f"got {None if token_map is None else tuple(token_map.shape)}"
-                )
-            self.register_buffer("token_map", token_map.to(torch.long).clone())
-        else:
-            self.token_map = None
+        register_token_map(self, spec, token_map)
 
     @torch.no_grad()
     def init_from_lm_head(self, base_lm_head_weight: torch.Tensor) -> None:
@@ -94,10 +92,7 @@ class MedusaHeads(nn.Module):
         Medusa initialises each head's projection from the base lm_head so a fresh head predicts what the base predicts
         for t+1, a far better start than random (Medusa paper, Sec. 2.1.1).
         """
-        if self.lm_head_weight is None:
-            return
-        weight = base_lm_head_weight if self.token_map is None else base_lm_head_weight[self.token_map]
-        self.lm_head_weight.copy_(weight.to(self.lm_head_weight.dtype).unsqueeze(0).expand_as(self.lm_head_weight))
+        copy_lm_head(self.lm_head_weight, self.token_map, base_lm_head_weight)
 
     def _count(self, num_heads: int | None) -> int:
         if num_heads is None:
@@ -127,7 +122,7 @@ class MedusaHeads(nn.Module):
         return x.reshape(K, *lead, H)
 
     def project(self, features: torch.Tensor, base_lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Project head features to logits.
+        """Project head features to logits (:func:`project_features` with these heads' projections).
 
         Args:
             features: ``[K', ..., H]`` from :meth:`transform` (the first K' <= K heads); cast to the projection's
@@ -140,18 +135,9 @@ class MedusaHeads(nn.Module):
         Raises:
             ValueError: ``share_lm_head`` and no base lm_head weight given.
         """
-        K, H = self._count(features.shape[0]), self.spec.hidden_size
-        lead = features.shape[1:-1]
-        flat = features.reshape(K, -1, H)
-        if self.lm_head_weight is not None:
-            weight = self.lm_head_weight[:K]
-            logits = torch.bmm(flat.to(weight.dtype), weight.transpose(1, 2))  # [K, M, V']
-        else:
-            if base_lm_head_weight is None:
-                raise ValueError("share_lm_head=True: pass the base model's lm_head weight [V, H] to project()")
-            weight = base_lm_head_weight if self.token_map is None else base_lm_head_weight[self.token_map]
-            logits = (flat.reshape(-1, H).to(weight.dtype) @ weight.T).reshape(K, flat.shape[1], -1)
-        return logits.reshape(K, *lead, logits.shape[-1])
+        K = self._count(features.shape[0])
+        weight = self.lm_head_weight[:K] if self.lm_head_weight is not None else None
+        return project_features(features, weight, self.token_map, base_lm_head_weight)
 
     def forward(self, hidden: torch.Tensor, base_lm_head_weight: torch.Tensor | None = None,
                 num_heads: int | None = None) -> torch.Tensor:
@@ -162,6 +148,68 @@ class MedusaHeads(nn.Module):
     def to_base_tokens(self, head_token_ids: torch.Tensor) -> torch.Tensor:
         """Map head-vocabulary indices (any shape, long) to base token ids; the identity without a token map."""
         return head_token_ids if self.token_map is None else self.token_map[head_token_ids]
+
+
+def register_token_map(module: nn.Module, spec: HeadsSpec, token_map: torch.Tensor | None) -> None:
+    """Give ``module`` its ``token_map`` buffer ``[V']`` long (a reduced head vocabulary), or ``token_map = None``.
+
+    Raises:
+        ValueError: ``spec.head_vocab_size`` is set and ``token_map`` is missing or not ``[head_vocab_size]``.
+    """
+    if spec.head_vocab_size is None:
+        module.token_map = None
+        return
+    if token_map is None or token_map.shape != (spec.head_vocab_size,):
+        raise ValueError(
+            f"token_map must be a [{spec.head_vocab_size}] long tensor when head_vocab_size is set, "
+            f"got {None if token_map is None else tuple(token_map.shape)}"
+        )
+    module.register_buffer("token_map", token_map.to(torch.long).clone())
+
+
+@torch.no_grad()
+def copy_lm_head(
+    lm_head_weight: torch.Tensor | None, token_map: torch.Tensor | None, base_lm_head_weight: torch.Tensor
+) -> None:
+    """Fill every head's projection ``[K, V', H]`` with the base lm_head ``[V, H]`` (its ``token_map`` rows); a no-op
+    for heads that project with the base lm_head itself (``lm_head_weight`` None)."""
+    if lm_head_weight is None:
+        return
+    weight = base_lm_head_weight if token_map is None else base_lm_head_weight[token_map]
+    lm_head_weight.copy_(weight.to(lm_head_weight.dtype).unsqueeze(0).expand_as(lm_head_weight))
+
+
+def project_features(
+    features: torch.Tensor,
+    lm_head_weight: torch.Tensor | None,
+    token_map: torch.Tensor | None,
+    base_lm_head_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Project the features of K heads to logits over the head vocabulary, all heads in one batched product.
+
+    Args:
+        features: ``[K, ..., H]``; cast to the projection's dtype.
+        lm_head_weight: ``[K, V', H]`` per-head projections, or None to project with the base lm_head.
+        token_map: ``[V']`` long rows of the base lm_head to use when projecting with it (None: all V).
+        base_lm_head_weight: ``[V, H]``, required when ``lm_head_weight`` is None.
+
+    Returns:
+        ``[K, ..., V']`` logits.
+
+    Raises:
+        ValueError: no projection given (``share_lm_head`` without the base lm_head weight).
+    """
+    K, H = features.shape[0], features.shape[-1]
+    lead = features.shape[1:-1]
+    flat = features.reshape(K, -1, H)
+    if lm_head_weight is not None:
+        logits = torch.bmm(flat.to(lm_head_weight.dtype), lm_head_weight.transpose(1, 2))  # [K, M, V']
+    else:
+        if base_lm_head_weight is None:
+            raise ValueError("share_lm_head=True: pass the base model's lm_head weight [V, H] to project()")
+        weight = base_lm_head_weight if token_map is None else base_lm_head_weight[token_map]
+        logits = (flat.reshape(-1, H).to(weight.dtype) @ weight.T).reshape(K, flat.shape[1], -1)
+    return logits.reshape(K, *lead, logits.shape[-1])
 
 
 def build_token_map(token_counts: torch.Tensor, head_vocab_size: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The Medusa model: a Hugging Face causal LM plus Medusa heads, sharing one backbone pass.
+"""The Medusa model: a Hugging Face causal LM plus draft heads (Medusa or Hydra), sharing one backbone pass.
 
 The base model is used through transformers' public surface only: ``base.base_model`` (the backbone, whose
 ``last_hidden_state`` is taken after the final norm), ``get_output_embeddings()`` (the lm_head) and the usual
@@ -16,7 +16,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.head_types import DraftHeads, heads_from_spec
+from medusa_train.heads import HeadsSpec
+from medusa_train.hydra_heads import HydraHeads, HydraSpec, shifted_path_tokens
 
 # config attributes that change logits after the lm_head; we compute logits as lm_head(hidden) and must refuse these.
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
@@ -42,7 +44,8 @@ class MedusaOutput:
 
     Attributes:
         logits: ``[B, T, V]`` base-model logits.
-        head_logits: ``[K, B, T, V']`` Medusa-head logits (None when not asked for).
+        head_logits: ``[K, B, T, V']`` head logits (None when not asked for; Hydra heads teacher forced on
+            ``input_ids``, see :meth:`MedusaModel.forward`).
         hidden_states: ``[B, T, H]`` last hidden states after the final norm.
         past_key_values: the updated cache, when one was passed or ``use_cache``.
     """
@@ -54,7 +57,8 @@ class MedusaOutput:
 
 
 class MedusaModel(nn.Module):
-    """Base causal LM + :class:`MedusaHeads`.
+    """Base causal LM + draft heads: :class:`~medusa_train.heads.MedusaHeads` or
+    :class:`~medusa_train.hydra_heads.HydraHeads` (which also read the base's input embeddings of the path tokens).
 
     Args:
         base: any supported ``*ForCausalLM``.
@@ -64,7 +68,7 @@ class MedusaModel(nn.Module):
         ValueError: hidden size or vocabulary mismatch, or an unsupported architecture.
     """
 
-    def __init__(self, base: PreTrainedModel, heads: MedusaHeads) -> None:
+    def __init__(self, base: PreTrainedModel, heads: DraftHeads) -> None:
         super().__init__()
         check_supported(base)
         check_heads_match_base(heads.spec, base)
@@ -89,16 +93,59 @@ class MedusaModel(nn.Module):
         cache = out.get("cache", None)
         return out.last_hidden_state, cache if cache is not None else out.get("past_key_values", None)
 
-    def head_logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
-        """``[..., H]`` -> ``[K, ..., V']`` logits of all heads (one batched product per layer, see heads.py), or of
-        the first ``num_heads`` (``[K', ..., V']``: what a tree of depth K' reads)."""
-        weight = self.lm_head.weight if self.heads.spec.share_lm_head else None
-        return self.heads(hidden, weight, num_heads)
+    @property
+    def head_type(self) -> str:
+        """``"medusa"`` or ``"hydra"``."""
+        return self.heads.spec.head_type
+
+    def _shared_weight(self) -> torch.Tensor | None:
+        return self.lm_head.weight if self.heads.spec.share_lm_head else None
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The base model's input embeddings of ``tokens [...]`` long: ``[..., H]`` (what Hydra heads read)."""
+        return self.base.get_input_embeddings()(tokens)
+
+    def head_logits(self, hidden: torch.Tensor, path_tokens: torch.Tensor | None = None,
+                    num_heads: int | None = None) -> torch.Tensor:
+        """``[..., H]`` -> ``[K, ..., V']`` logits of all heads (one batched product per layer, see heads.py).
+
+        Args:
+            hidden: ``[..., H]`` last hidden states at positions t.
+            path_tokens: Hydra heads only, ``[..., K]`` long, the tokens t+1 .. t+K (head k reads the first k + 1).
+            num_heads: Medusa heads only, K' <= K: the first K' heads' logits ``[K', ..., V']`` (what a tree of
+                depth K' reads); None: all.
+
+        Raises:
+            ValueError: Hydra heads without ``path_tokens``, or Medusa heads given some.
+        """
+        if isinstance(self.heads, HydraHeads):
+            if path_tokens is None:
+                raise ValueError("Hydra heads read the path tokens t+1 .. t+k+1: pass path_tokens [..., K], or "
+                                 "draft level by level with head_logits_at()")
+            return self.heads(hidden, self.embed(path_tokens), self._shared_weight())
+        if path_tokens is not None:
+            raise ValueError("Medusa heads read the hidden state alone: path_tokens is for Hydra heads")
+        return self.heads(hidden, self._shared_weight(), num_heads)
+
+    def head_logits_at(self, k: int, hidden: torch.Tensor, path_tokens: torch.Tensor) -> torch.Tensor:
+        """Hydra head k alone: ``hidden [..., H]`` and ``path_tokens [..., k + 1]`` long (tokens t+1 .. t+k+1) ->
+        ``[..., V']``.
+
+        Raises:
+            TypeError: the heads are Medusa heads (they have no path input).
+        """
+        if not isinstance(self.heads, HydraHeads):
+            raise TypeError("head_logits_at drafts one level of Hydra heads; these are Medusa heads: use head_logits")
+        return self.heads.head_logits(k, hidden, self.embed(path_tokens), self._shared_weight())
 
     def forward(
         self, input_ids: torch.Tensor, with_heads: bool = True, **kwargs: Any
     ) -> MedusaOutput:
         """One backbone pass; base logits and (optionally) head logits from the same hidden states.
+
+        Hydra heads are teacher forced: head k at position t reads ``input_ids[t+1 .. t+k+1]`` as its path (the true
+        tokens), so ``head_logits`` is meaningful where that path lies inside ``input_ids`` (t + k + 1 < T); later
+        positions read padding (token 0).
 
         Args:
             input_ids: ``[B, T]`` long.
@@ -107,7 +154,10 @@ class MedusaModel(nn.Module):
         """
         hidden, cache = self.hidden(input_ids, **kwargs)
         logits = self.lm_head(hidden)
-        heads = self.head_logits(hidden) if with_heads else None
+        heads = None
+        if with_heads:
+            path = shifted_path_tokens(input_ids, self.heads.spec.num_heads) if self.head_type == "hydra" else None
+            heads = self.head_logits(hidden, path)
         return MedusaOutput(logits=logits, head_logits=heads, hidden_states=hidden, past_key_values=cache)
 
 
@@ -121,14 +171,15 @@ def check_heads_match_base(spec: HeadsSpec, base: PreTrainedModel) -> None:
     """Raise ``ValueError`` naming the field when heads were built for another base model."""
     hidden_size, vocab_size = base_sizes(base)
     name = getattr(base.config, "_name_or_path", "") or type(base).__name__
+    kind = spec.head_type.capitalize()
     if spec.hidden_size != hidden_size:
         raise ValueError(
-            f"Medusa heads have hidden_size={spec.hidden_size} but the base model {name!r} has {hidden_size}: "
+            f"{kind} heads have hidden_size={spec.hidden_size} but the base model {name!r} has {hidden_size}: "
             "these heads were trained for another base model (check base_model_name_or_path in the export's config.json)"
         )
     if spec.vocab_size != vocab_size:
         raise ValueError(
-            f"Medusa heads have vocab_size={spec.vocab_size} but the base model {name!r} has {vocab_size}: "
+            f"{kind} heads have vocab_size={spec.vocab_size} but the base model {name!r} has {vocab_size}: "
             "these heads were trained for another base model (check base_model_name_or_path in the export's config.json)"
         )
 
@@ -140,22 +191,30 @@ def new_heads_for(
     share_lm_head: bool = False,
     token_map: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
-) -> MedusaHeads:
+    head_type: str = "medusa",
+    combine: str = "concat",
+) -> DraftHeads:
     """Fresh heads for ``base``: zero blocks (identity), projections copied from the base lm_head.
 
+    Args:
+        head_type: ``medusa`` (:class:`~medusa_train.heads.MedusaHeads`) or ``hydra``
+            (:class:`~medusa_train.hydra_heads.HydraHeads`, with ``combine`` one of ``concat``, ``sum``).
+
     Raises:
-        ValueError: ``num_heads < 1`` or ``num_layers < 1`` (field named ``medusa_num_heads``/``medusa_num_layers``).
+        ValueError: ``num_heads < 1`` or ``num_layers < 1`` (field named ``medusa_num_heads``/``medusa_num_layers``),
+            an unknown ``head_type`` or ``combine``.
     """
     hidden_size, vocab_size = base_sizes(base)
-    spec = HeadsSpec(
-        num_heads=num_heads,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        vocab_size=vocab_size,
-        share_lm_head=share_lm_head,
-        head_vocab_size=None if token_map is None else int(token_map.numel()),
-    )
-    heads = MedusaHeads(spec, token_map=token_map)
+    fields = dict(num_heads=num_heads, num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
+                  share_lm_head=share_lm_head, head_vocab_size=None if token_map is None else int(token_map.numel()))
+    if head_type == "hydra":
+        spec: HeadsSpec = HydraSpec(**fields, combine=combine)
+    elif head_type == "medusa":
+        spec = HeadsSpec(**fields)
+    else:
+        raise ValueError(f"head_type must be medusa or hydra, got {head_type!r}")
+    heads = heads_from_spec(spec, token_map)
     heads.init_from_lm_head(base.get_output_embeddings().weight.detach().float())
     device = base.get_output_embeddings().weight.device
     return heads.to(device=device, dtype=dtype or torch.float32)
+

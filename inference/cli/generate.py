@@ -122,9 +122,13 @@ def stats_line(name: str, result: DecodeResult) -> str:
     """One line of speed and acceptance numbers for a :class:`~inference.decoders.DecodeResult`."""
     tau = result.mean_accepted_tokens
     tau_text = "n/a (no decoding pass)" if math.isnan(tau) else f"{tau:.2f}"
+    steps = ""
+    if result.draft_time_s is not None and result.verify_time_s is not None and result.forward_passes:
+        steps = (f", drafting {1000 * result.draft_time_s / result.forward_passes:.2f} ms + verification "
+                 f"{1000 * result.verify_time_s / result.forward_passes:.2f} ms per pass")
     return (f"[{name}] {len(result.tokens)} tokens in {result.wall_time_s:.2f} s "
             f"({result.tokens_per_second:.1f} tokens/s), mean accepted tokens {tau_text}, "
-            f"{result.forward_passes} decoding passes + prefill, stop: {result.stop_reason}")
+            f"{result.forward_passes} decoding passes + prefill{steps}, stop: {result.stop_reason}")
 
 
 def run(cfg: DictConfig | GenerateConfig, out: TextIO | None = None) -> DecodeResult:

@@ -99,6 +99,10 @@ class DecodeResult:
         top2_gaps: when the decoder records them (plain decoding, ``record_top2_gaps``): for each token, the gap
             between the largest and second-largest logit it was chosen from (logit units; computed after the clock
             stopped). What a divergence of another decoder from this reply is measured against.
+        draft_time_s: tree decoders: seconds spent drafting (the heads filling the tree), summed over the
+            decoding passes; None for decoders that do not time it (:mod:`inference.decoders.timing`).
+        verify_time_s: tree decoders: seconds of the rest of each step (tree pass, acceptance, cache compaction),
+            summed; None likewise. Batched decoding reports the whole batch's, as ``wall_time_s``.
     """
 
     tokens: list[int]
@@ -111,6 +115,8 @@ class DecodeResult:
     prefill_passes: int = 1
     text: str | None = None
     top2_gaps: list[float] | None = None
+    draft_time_s: float | None = None
+    verify_time_s: float | None = None
 
     @property
     def new_tokens(self) -> int:

@@ -152,7 +152,8 @@ class Replies:
         self.active = [self.active[i] for i in keep]
         return torch.tensor(keep, dtype=torch.long)
 
-    def results(self, prompt_lengths: Sequence[int], wall_time_s: float, prefill_time_s: float) -> list[DecodeResult]:
+    def results(self, prompt_lengths: Sequence[int], wall_time_s: float, prefill_time_s: float,
+                draft_time_s: float | None = None, verify_time_s: float | None = None) -> list[DecodeResult]:
         """One :class:`DecodeResult` per prompt (times are the whole batch's)."""
         self.feed.end()
         return [
@@ -164,6 +165,8 @@ class Replies:
                 prefill_time_s=prefill_time_s,
                 stop_reason=str(self.reasons[i]),
                 prompt_tokens=int(prompt_lengths[i]),
+                draft_time_s=draft_time_s,
+                verify_time_s=verify_time_s,
                 text=None if self.tokenizer is None
                 else self.tokenizer.decode(self.tokens[i], skip_special_tokens=True),
             )

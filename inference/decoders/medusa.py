@@ -5,8 +5,9 @@ Sec. 2.1.2, tree attention).
 One step (:func:`medusa_step`), following the split of FasterDecoding/Medusa ``medusa/model/utils.py`` at 10a2697
 (generate candidates -> tree decoding -> evaluate posterior -> update inputs) with all state passed in and out:
 
-a. **candidates**: the top-k of each head's logits at the last committed position, mapped to base-vocabulary ids,
-   laid out as ``cat([root], head0_topk, head1_topk, ...)`` and picked per tree node with ``tree_indices``;
+a. **candidates**: the tree drafter fills every node (:mod:`inference.proposers.heads`): Medusa heads' top-k at the
+   last committed position, laid out as ``cat([root], head0_topk, head1_topk, ...)`` and picked per tree node with
+   ``tree_indices``; Hydra heads (Ankner et al. 2024, which also read the node's path) level by level down the tree;
 b. **tree pass**: ONE backbone pass over the N node tokens on top of the KV cache, with a 4-D additive mask
    ``[B, 1, N, L + N]`` (0 where a node may attend: every committed cache slot and its tree ancestors-or-self; the
    dtype's minimum elsewhere) and ``position_ids = committed length + depth``. transformers 5 passes a prepared 4-D mask through
@@ -15,9 +16,9 @@ c. **verification**: base logits of every node (lm_head over the N hidden states
    paths and handed to the acceptance rule (:mod:`inference.acceptance`);
 d. **cache compaction**: the cache keeps the past and the accepted nodes only (:mod:`inference.kv_cache`: a cache
    preallocated for the request, written in place, compacted by an index copy);
-e. **next heads**: the heads read the hidden state of the last accepted node (one position, no second pass); only
-   the first D heads, D the tree's depth (:func:`medusa_tree`). The recovered or bonus token becomes the next step's
-   root. Its KV entry is written by the next tree pass.
+e. **next step**: the drafter reads the hidden state of the last accepted node (one position, no second pass) and
+   computes only the first D heads, D the tree's depth (:func:`medusa_tree`); the recovered or bonus token becomes
+   the next step's root. Its KV entry is written by the next tree pass.
 
 A step validates nothing (the request is checked once, before the prefill) and reads the host once; see
 ``docs/speed.md`` for what that saves and how the decoder overhead is measured.
@@ -61,16 +62,11 @@ from inference.decoders.base import (
     max_positions,
 )
 from inference.decoders.batching import Replies, additive_mask, left_pad, positions, prefill_mask, sliding_window
+from inference.decoders.timing import StepTimes
 from inference.kv_cache import check_compactable, compact, preallocated_cache, select_rows, truncate
+from inference.proposers.heads import TreeDrafter, tree_drafter
 from inference.sampling import greedy_tokens, logits_to_probs
-from inference.tree import (
-    MC_SIM_7B_63,
-    TreeBuffers,
-    build_tree_buffers,
-    gather_node_tokens,
-    gather_paths,
-    validate_medusa_choices,
-)
+from inference.tree import MC_SIM_7B_63, TreeBuffers, build_tree_buffers, gather_paths, validate_medusa_choices
 
 ACCEPTANCE_RULES = ("greedy", "typical", "speculative")
 # Medusa's typical-acceptance defaults (epsilon = 0.09, delta = sqrt(epsilon) = 0.3; FasterDecoding/Medusa
@@ -184,8 +180,8 @@ class MedusaStep:
     Attributes:
         tokens: per row, the accepted drafted tokens then the recovered or bonus token (A_b + 1 tokens).
         root: long ``[B]``, each row's last token: the next step's root (not yet in the cache).
-        head_logits: ``[D, B, V']``, the first D heads (``tree.num_heads``) at each row's last accepted node, for the
-            next step's candidates.
+        last_hidden: ``[B, H]``, the last hidden state of each row's last accepted node: what the next step drafts
+            from.
         past_valid: bool ``[B, L']``, the cache slots that hold each row's sequence after compaction
             (``L' = L + max_b(A_b + 1)``; a row that accepted fewer leaves masked slots).
         next_position: long ``[B]``, the position of each row's new root.
@@ -193,19 +189,9 @@ class MedusaStep:
 
     tokens: list[list[int]]
     root: Tensor
-    head_logits: Tensor
+    last_hidden: Tensor
     past_valid: Tensor
     next_position: Tensor
-
-
-def medusa_candidates(model: Any, tree: TreeBuffers, root: Tensor, head_logits: Tensor) -> Tensor:
-    """Step (a): each tree node's token, long ``[B, N]``, from the roots ``[B]`` and the heads' logits
-    ``[D, B, V']`` (D = ``tree.num_heads``): each head's top-k (head-vocabulary indices mapped to base ids), laid
-    out as ``cat([root], head0_topk, head1_topk, ...)`` and picked per node by ``tree.tree_indices``."""
-    batch = root.shape[0]
-    drafts = model.heads.to_base_tokens(head_logits.topk(tree.topk, dim=-1).indices)  # [D, B, topk]
-    flat = torch.cat([root[:, None], drafts.permute(1, 0, 2).reshape(batch, -1)], dim=1)  # [B, 1 + D * topk]
-    return gather_node_tokens(flat, tree)
 
 
 def tree_pass(model: Any, cache: DynamicCache, tree: TreeBuffers, node_tokens: Tensor, past_valid: Tensor,
@@ -226,11 +212,12 @@ def medusa_step(
     cache: DynamicCache,
     tree: TreeBuffers,
     root: Tensor,
-    head_logits: Tensor,
+    last_hidden: Tensor,
     past_valid: Tensor,
     next_position: Tensor,
     verify: Verifier,
     position_limit: int | None = None,
+    drafter: TreeDrafter | None = None,
 ) -> MedusaStep:
     """One Medusa decoding step: candidates, one tree pass, verification, cache compaction, next heads.
 
@@ -239,25 +226,26 @@ def medusa_step(
     once, to read the accept lengths and emitted tokens together.
 
     Args:
-        model: a :class:`~medusa_train.model.MedusaModel` (``hidden``, ``lm_head``, ``head_logits``, ``heads``).
+        model: a :class:`~medusa_train.model.MedusaModel` (``hidden``, ``lm_head``, ``heads``).
         cache: KV cache of L slots (``L = past_valid.shape[1]``), compactable (:func:`inference.kv_cache.
             check_compactable`); updated in place.
         tree: buffers on the model's device (:func:`medusa_tree`: built for the D heads it reads, ``tree.num_heads``).
         root: long ``[B]``, each row's token after its committed sequence (already emitted, not yet in the cache).
-        head_logits: ``[D, B, V']``, the first D heads' logits at each row's last committed position.
+        last_hidden: ``[B, H]``, the last hidden state at each row's last committed position.
         past_valid: bool ``[B, L]``, the cache slots of each row's sequence (all True for one prompt).
         next_position: long ``[B]``, the position of each root (its row's committed length).
         verify: the acceptance rule (:func:`make_verifier`).
         position_limit: the model's number of positions; node positions beyond it are clamped. Such nodes lie
             past ``max_new_tokens`` (checked by the caller), so neither they nor their descendants are kept.
+        drafter: fills the tree (:func:`~inference.proposers.heads.tree_drafter` of ``model`` when None).
 
     Returns:
         :class:`MedusaStep`.
     """
     batch, past_length = past_valid.shape
     rows = torch.arange(batch, device=root.device)
-    # (a) candidates [B, N]
-    node_tokens = medusa_candidates(model, tree, root, head_logits)
+    # (a) candidates: the token of every tree node [B, N], base ids, root first.
+    node_tokens = (drafter or tree_drafter(model)).draft(last_hidden, root, tree)
     # (b) tree pass: hidden states of every node [B, N, H]
     hidden = tree_pass(model, cache, tree, node_tokens, past_valid, next_position, position_limit)
     # (c) verification on the base logits of every node [B, N, V]: accepted nodes below the root [B, D] (-1 after
@@ -285,17 +273,17 @@ def medusa_step(
         path = torch.where(kept, path, last[:, None])
         compact(cache, past_length, path[0] if batch == 1 else path)
 
-    # (e) the D heads at each row's last accepted node: [B, H] -> [D, B, V'].
-    next_heads = model.head_logits(hidden[rows, last], tree.num_heads)
-    return MedusaStep(tokens=tokens, root=next_token, head_logits=next_heads,
+    # (e) what the next step drafts from: each row's last accepted node, [B, H].
+    return MedusaStep(tokens=tokens, root=next_token, last_hidden=hidden[rows, last],
                       past_valid=torch.cat([past_valid, kept], dim=1), next_position=next_position + length + 1)
 
 
 class MedusaDecoder:
-    """Medusa tree decoding (see the module docstring).
+    """Tree decoding with draft heads (see the module docstring): Medusa heads, or Hydra heads drafting level by
+    level (``model.head_type``); the verification, acceptance rules and cache handling are the same.
 
     Args:
-        model: a :class:`~medusa_train.model.MedusaModel`.
+        model: a :class:`~medusa_train.model.MedusaModel` (Medusa or Hydra heads).
         medusa_choices: the tree, a prefix-closed list of rank paths (e.g. ``[[0], [0, 0], [1]]``).
         topk: candidates taken from each head (every rank in ``medusa_choices`` must be below it).
         acceptance: ``greedy``, ``typical`` or ``speculative``.
@@ -339,6 +327,7 @@ class MedusaDecoder:
         self.model = model
         self.device = model.lm_head.weight.device
         self.tree = medusa_tree(medusa_choices, spec.num_heads, topk, device=self.device)
+        self.drafter = tree_drafter(model)
         self.acceptance = acceptance
         self.posterior_threshold = posterior_threshold
         self.posterior_alpha = posterior_alpha
@@ -407,11 +396,13 @@ class MedusaDecoder:
         hidden, _ = model.hidden(ids, attention_mask=prefill_mask(valid, model.base.dtype),
                                  position_ids=positions(valid), cache=cache, use_cache=True)  # [B, T, H]
         root = choose_token(model.lm_head(hidden[:, -1]), config, generator)  # [B]
-        head_logits = model.head_logits(hidden[:, -1], tree.num_heads)  # [D, B, V'], the heads the tree reads
+        last_hidden = hidden[:, -1]  # [B, H]
         replies.first(root.tolist())
         prefill_time = time.perf_counter() - start
         check_compactable(cache)  # once per request: the step compacts without checking
         past_valid, next_position = valid, lengths
+        times = StepTimes(self.device)
+        drafter = times.timed(self.drafter)
         while True:
             keep = replies.prune()
             if not replies.active:
@@ -419,10 +410,12 @@ class MedusaDecoder:
             if keep is not None:
                 keep = keep.to(self.device)
                 select_rows(cache, keep)
-                root, head_logits = root[keep], head_logits[:, keep]
+                root, last_hidden = root[keep], last_hidden[keep]
                 past_valid, next_position = past_valid[keep], next_position[keep]
-            step = medusa_step(model, cache, tree, root, head_logits, past_valid, next_position, verify, limit)
+            step = medusa_step(model, cache, tree, root, last_hidden, past_valid, next_position, verify, limit,
+                               drafter)
+            times.step_done()
             replies.step(step.tokens)
-            root, head_logits = step.root, step.head_logits
+            root, last_hidden = step.root, step.last_hidden
             past_valid, next_position = step.past_valid, step.next_position
-        return replies.results(lengths.tolist(), time.perf_counter() - start, prefill_time)
+        return replies.results(lengths.tolist(), time.perf_counter() - start, prefill_time, **times.totals())

@@ -43,6 +43,7 @@ from inference.evaluation.runner import conversation_messages, evaluate_prompts
 from inference.evaluation.summary import (
     accepted_length_histogram,
     complete_units,
+    step_times,
     summarize,
     summary_markdown,
     tables_by_category,
@@ -312,11 +313,13 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, mod
         summary["skipped_prompts"] = skipped
     by_category = tables_by_category(rows, ec.greedy, baseline=BASELINE)
     histogram = accepted_length_histogram(rows)
+    times = step_times(rows)
     write_json(out / SUMMARY_FILE, summary)
     write_json(out / DETAILS_FILE, {"by_category": by_category,
                                     "accepted_length_histogram": {n: {str(k): v for k, v in h.items()}
-                                                                  for n, h in histogram.items()}})
-    text = summary_markdown(summary, by_category, command, environment.get("git_commit"))
+                                                                  for n, h in histogram.items()},
+                                    "step_times": times})
+    text = summary_markdown(summary, by_category, command, environment.get("git_commit"), times)
     (out / SUMMARY_MD).write_text(text)
     if ec.plots:
         head_accuracy = read_tree_files(export_dir).get("head_accuracy") if export_dir else None

@@ -6,11 +6,13 @@ A row::
     {"prompt_id": str, "category": str, "turn": int (1-based), "decoder": str, "prompt_tokens": int,
      "new_tokens": int, "wall_time_s": float, "prefill_time_s": float, "forward_passes": int,
      "accepted_lengths": [int], "mean_accepted_tokens": float | null, "tokens_per_second": float,
-     "stop_reason": str, "tokens": [int], "text": str, "measured_with": str}
+     "stop_reason": str, "tokens": [int], "text": str, "measured_with": str, "draft_time_s": float | null,
+     "verify_time_s": float | null}
 
 plus ``"top2_gaps": [float]`` on the rows of a decoder that records them (vanilla: each token's top-2 logit gap).
 
-``forward_passes`` and ``accepted_lengths`` follow :mod:`inference.decoders.base`'s convention (prefill apart).
+``forward_passes`` and ``accepted_lengths`` follow :mod:`inference.decoders.base`'s convention (prefill apart);
+``draft_time_s`` and ``verify_time_s`` are the tree decoders' drafting and verification seconds (null for others).
 ``measured_with`` is the fingerprint of what the decoder measured with (:mod:`inference.evaluation.provenance`;
 ``run.json`` describes it). Rows superseded by a rerun with another tree, other heads or settings are moved to
 ``results_superseded.jsonl`` with a ``superseded_because`` field, never deleted.
@@ -52,6 +54,7 @@ def make_row(prompt_id: str, category: str, turn: int, decoder: str, result: Dec
         "stop_reason": result.stop_reason, "tokens": list(result.tokens), "text": text,
         "measured_with": measured_with,
         **({"top2_gaps": list(result.top2_gaps)} if result.top2_gaps is not None else {}),
+        "draft_time_s": result.draft_time_s, "verify_time_s": result.verify_time_s,
     }
 
 
@@ -60,7 +63,8 @@ def row_result(row: dict[str, Any]) -> DecodeResult:
     return DecodeResult(tokens=list(row["tokens"]), accepted_lengths=list(row["accepted_lengths"]),
                         forward_passes=int(row["forward_passes"]), wall_time_s=float(row["wall_time_s"]),
                         prefill_time_s=float(row["prefill_time_s"]), stop_reason=str(row["stop_reason"]),
-                        prompt_tokens=int(row["prompt_tokens"]), text=row.get("text"))
+                        prompt_tokens=int(row["prompt_tokens"]), text=row.get("text"),
+                        draft_time_s=row.get("draft_time_s"), verify_time_s=row.get("verify_time_s"))
 
 
 def read_rows(path: str | Path, repair: bool = False) -> list[dict[str, Any]]:

@@ -12,6 +12,10 @@ Definitions (DESIGN.md "Terms"), over the (prompt, turn) pairs every decoder of 
   is greedy (``temperature == 0``), None otherwise.
 
 Values that cannot be computed (no decoding pass, no wall time) are None in JSON.
+
+Tree decoders (``medusa``, with Medusa or Hydra heads) also report where a step's time goes
+(:func:`step_times`, in ``summary_details.json`` and ``summary.md``): drafting (the heads filling the tree) and
+verification (the tree pass, acceptance and cache compaction), each in milliseconds per decoding pass.
 """
 
 from __future__ import annotations
@@ -101,6 +105,36 @@ def tables_by_category(
     return out
 
 
+def step_times(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """``{decoder: {"draft_time_s", "verify_time_s", "draft_ms_per_step", "verify_ms_per_step"}}`` over the
+    complete pairs, for the decoders whose every row times its drafting (rows without the fields are left out)."""
+    rows_by: dict[str, list[dict[str, Any]]] = {}
+    for unit in complete_units(rows).values():
+        for name, r in unit.items():
+            rows_by.setdefault(name, []).append(r)
+    out: dict[str, dict[str, float]] = {}
+    for name, mine in rows_by.items():
+        if any(r.get("draft_time_s") is None or r.get("verify_time_s") is None for r in mine):
+            continue
+        draft = sum(float(r["draft_time_s"]) for r in mine)
+        verify = sum(float(r["verify_time_s"]) for r in mine)
+        passes = sum(int(r["forward_passes"]) for r in mine)
+        out[name] = {"draft_time_s": draft, "verify_time_s": verify,
+                     "draft_ms_per_step": 1000.0 * draft / passes if passes else None,
+                     "verify_ms_per_step": 1000.0 * verify / passes if passes else None}
+    return out
+
+
+def step_times_markdown(times: dict[str, dict[str, float]]) -> str:
+    """A Markdown table of :func:`step_times`: a row per tree decoder."""
+    lines = ["| decoder | draft ms/step | verify ms/step | draft (s) | verify (s) |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for name, t in times.items():
+        lines.append(f"| {name} | {_fmt(t['draft_ms_per_step'], '.2f')} | {_fmt(t['verify_ms_per_step'], '.2f')} | "
+                     f"{t['draft_time_s']:.2f} | {t['verify_time_s']:.2f} |")
+    return "\n".join(lines)
+
+
 def accepted_length_histogram(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, int]]:
     """{decoder: {tokens kept by one decoding pass: number of passes}} over the complete pairs."""
     hist: dict[str, Counter] = {}
@@ -178,8 +212,10 @@ def divergence_lines(divergences: dict[str, Any] | None) -> list[str]:
 
 
 def summary_markdown(summary: dict[str, Any], by_category: dict[str, dict[str, dict[str, Any]]],
-                     command: str | None = None, commit: str | None = None) -> str:
-    """``summary.md``: the run's header, the overall table, then one table per category."""
+                     command: str | None = None, commit: str | None = None,
+                     times: dict[str, dict[str, float]] | None = None) -> str:
+    """``summary.md``: the run's header, the overall table, the tree decoders' step times (when given), then one
+    table per category."""
     precision, kernels = summary.get("precision"), summary.get("cpu_kernels")
     head = [f"# medusa-eval: {summary['model']}", "",
             f"{summary['prompts']} prompts, max_new_tokens {summary['max_new_tokens']}, {summary['dtype']} on "
@@ -201,6 +237,8 @@ def summary_markdown(summary: dict[str, Any], by_category: dict[str, dict[str, d
     if command:
         head += ["", f"Command: `{command}`"]
     parts = ["\n".join(head), f"## {OVERALL}\n\n{markdown_table(by_category.get(OVERALL, {}))}"]
+    if times:
+        parts.append(f"## drafting and verification\n\n{step_times_markdown(times)}")
     parts += [f"## {cat}\n\n{markdown_table(m)}" for cat, m in by_category.items() if cat != OVERALL]
     return "\n\n".join(parts) + "\n"
 
@@ -214,6 +252,8 @@ __all__ = [
     "decoder_order",
     "divergence_lines",
     "markdown_table",
+    "step_times",
+    "step_times_markdown",
     "summarize",
     "summary_markdown",
     "tables_by_category",

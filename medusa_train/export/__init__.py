@@ -1,4 +1,5 @@
-"""Export Medusa heads in the layouts engines read (FasterDecoding / TGI, vLLM) and load them back.
+"""Export Medusa heads in the layouts engines read (FasterDecoding / TGI, vLLM), or Hydra heads in their own, and load
+them back.
 
 - :func:`save_export`: heads -> export folder (``writer.py`` documents the layout and atomicity).
 - :func:`load_heads`: our export, a FasterDecoding folder or a vLLM Medusa folder -> heads (``reader.py``).

@@ -1,4 +1,5 @@
-"""The two config.json files of an export: ours (FasterDecoding's fields plus sizes) and vLLM's ``MedusaConfig``.
+"""The config.json files of an export: ours (FasterDecoding's fields plus sizes) and vLLM's ``MedusaConfig``, or a
+Hydra export's own.
 
 Ours keeps FasterDecoding's ``MedusaConfig`` names (``medusa_num_heads``, ``medusa_num_layers``,
 ``base_model_name_or_path``) so FasterDecoding and Text Generation Inference read the folder as one of theirs; TGI
@@ -9,6 +10,11 @@ vLLM's (``vllm/transformers_utils/configs/medusa.py`` at 0531c22): ``model_type 
 ["MedusaModel"]``, ``hidden_size``, ``vocab_size``, ``num_heads``, ``num_hidden_layers``, ``max_paths``, ``topk``,
 ``truncated_vocab_size`` (V' < V with a ``token_map``), plus attributes its model reads: ``original_lm_head`` (one
 lm_head for every head) and ``medusa_fc_bias`` (biases in the residual blocks; False when absent).
+
+Hydra heads (:mod:`medusa_train.hydra_heads`) have no engine layout. Their config.json says ``head_type: "hydra"`` and
+names its counts ``hydra_num_heads`` / ``hydra_num_layers`` / ``hydra_combine``, never ``medusa_num_heads``, so that
+FasterDecoding's and TGI's Medusa loaders do not take the folder for theirs. A config.json without ``head_type`` holds
+Medusa heads (every export written before Hydra heads existed).
 """
 
 from __future__ import annotations
@@ -21,13 +27,23 @@ import torch
 from medusa_train import __version__
 from medusa_train.export.layouts import FASTERDECODING
 from medusa_train.heads import HeadsSpec
+from medusa_train.hydra_heads import HydraSpec
 
 EXPORT_VERSION = 1  # bump when the export layout changes incompatibly; readers refuse newer versions
+HEAD_TYPE_KEY = "head_type"  # absent: Medusa heads
 
 # Keys save_export writes itself; extra_config may not override them.
 _OWN_KEYS = ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size", "base_model_name_or_path",
              "share_lm_head", "version", "head_vocab_size", "torch_dtype", "medusa_train_version",
-             "base_model_class", "base_model_type")
+             "base_model_class", "base_model_type", HEAD_TYPE_KEY, "hydra_num_heads", "hydra_num_layers",
+             "hydra_combine")
+
+
+def export_head_type(config: dict[str, Any]) -> Any:
+    """The head type an export's ``config.json`` records: its ``head_type``, ``"medusa"`` when absent (every export
+    written before Hydra heads, and every Medusa export: FasterDecoding's layout has no such key). Not checked here
+    (see :func:`medusa_train.head_types.check_head_type`)."""
+    return config.get(HEAD_TYPE_KEY, "medusa")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -42,21 +58,25 @@ def export_config(
     base_model_type: str | None = None,
     extra_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Our ``config.json``.
+    """Our ``config.json`` (Hydra heads: ``head_type``, ``hydra_num_heads``, ``hydra_num_layers``,
+    ``hydra_combine`` in place of the Medusa counts).
 
     Raises:
         ValueError: ``extra_config`` sets a key written from the heads, or ``architectures`` (TGI would then not
             take the folder for a Medusa speculator).
     """
-    config: dict[str, Any] = {
-        "medusa_num_heads": spec.num_heads,
-        "medusa_num_layers": spec.num_layers,
+    if isinstance(spec, HydraSpec):
+        config: dict[str, Any] = {HEAD_TYPE_KEY: "hydra", "hydra_num_heads": spec.num_heads,
+                                  "hydra_num_layers": spec.num_layers, "hydra_combine": spec.combine}
+    else:
+        config = {"medusa_num_heads": spec.num_heads, "medusa_num_layers": spec.num_layers}
+    config.update({
         "hidden_size": spec.hidden_size,
         "vocab_size": spec.vocab_size,
         "base_model_name_or_path": base_model_name_or_path,
         "share_lm_head": spec.share_lm_head,
         "version": EXPORT_VERSION,
-    }
+    })
     if spec.head_vocab_size is not None:
         config["head_vocab_size"] = spec.head_vocab_size
     config["torch_dtype"] = dtype_name(dtype)
@@ -163,6 +183,33 @@ def spec_from_medusa_config(
         share_lm_head=share,
         head_vocab_size=head_vocab_size,
     )
+
+
+def spec_from_hydra_config(config: dict[str, Any], source: str) -> HydraSpec:
+    """:class:`~medusa_train.hydra_heads.HydraSpec` from a Hydra export's ``config.json``.
+
+    Raises:
+        ValueError: a field missing or of the wrong type (named), or an invalid value.
+    """
+    fields = {"hydra_num_heads": int, "hydra_num_layers": int, "hydra_combine": str, "hidden_size": int,
+              "vocab_size": int, "share_lm_head": bool}
+    missing = [k for k in fields if k not in config]
+    if missing:
+        raise ValueError(f"{source}/config.json (head_type hydra) is missing {missing}")
+    wrong = [f"{k}={config[k]!r}" for k, kind in fields.items()
+             if not isinstance(config[k], kind) or (kind is int and isinstance(config[k], bool))]
+    head_vocab_size = config.get("head_vocab_size")
+    if head_vocab_size is not None and not isinstance(head_vocab_size, int):
+        wrong.append(f"head_vocab_size={head_vocab_size!r}")
+    if wrong:
+        raise ValueError(f"{source}/config.json: wrong types for {', '.join(wrong)}")
+    try:
+        return HydraSpec(num_heads=config["hydra_num_heads"], num_layers=config["hydra_num_layers"],
+                         hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
+                         share_lm_head=config["share_lm_head"], head_vocab_size=head_vocab_size,
+                         combine=config["hydra_combine"])
+    except ValueError as e:
+        raise ValueError(f"{source}/config.json: {e}") from e
 
 
 def read_vllm_config(raw: dict[str, Any], source: str) -> tuple[HeadsSpec, bool]:

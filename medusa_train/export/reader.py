@@ -1,8 +1,11 @@
-"""Load Medusa heads from our export folder, a FasterDecoding folder, or a vLLM Medusa folder, strictly.
+"""Load draft heads from our export folder (Medusa or Hydra heads), a FasterDecoding folder, or a vLLM Medusa
+folder, strictly.
 
 Every key is accounted for (missing and unexpected keys are listed in one error), every shape is checked against
 the config and every weight is checked finite before anything is copied into :class:`~medusa_train.heads.MedusaHeads`;
-with a base model, the heads' hidden size and vocabulary are checked against it first.
+with a base model, the heads' hidden size and vocabulary are checked against it first. The head type comes from
+config.json (``head_type``, absent for Medusa heads); a type this reader does not know, or one other than the caller
+asked for, is refused by name.
 """
 
 from __future__ import annotations
@@ -14,7 +17,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from medusa_train.export.configs import check_version, read_vllm_config, spec_from_medusa_config
+from medusa_train.export.configs import (
+    check_version,
+    export_head_type,
+    read_vllm_config,
+    spec_from_hydra_config,
+    spec_from_medusa_config,
+)
 from medusa_train.export.files import read_json, read_tensors, sha256_files
 from medusa_train.export.layouts import (
     FASTERDECODING,
@@ -24,8 +33,16 @@ from medusa_train.export.layouts import (
     expected_shapes,
     stack_heads,
 )
-from medusa_train.export.writer import CONFIG_FILE, LEGACY_WEIGHTS_FILE, TOKEN_MAP_FILE, WEIGHTS_FILE
+from medusa_train.export.writer import (
+    CONFIG_FILE,
+    HYDRA_WEIGHTS_FILE,
+    LEGACY_WEIGHTS_FILE,
+    TOKEN_MAP_FILE,
+    WEIGHTS_FILE,
+)
+from medusa_train.head_types import DraftHeads, check_head_type, expect_head_type, heads_from_spec
 from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.hydra_heads import HydraHeads
 from medusa_train.model import base_sizes, check_heads_match_base
 
 
@@ -41,14 +58,15 @@ def read_export_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def heads_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The files :func:`load_heads` reads the heads' weights from: the weights file it picks (safetensors before
-    ``.pt``) and ``token_map.safetensors`` when present, or a vLLM folder's ``*.safetensors``.
+    """The files :func:`load_heads` reads the heads' weights from: the weights file it picks (Hydra's, else
+    safetensors before ``.pt``) and ``token_map.safetensors`` when present, or a vLLM folder's ``*.safetensors``.
 
     Raises:
         FileNotFoundError: the folder does not exist or holds no heads (as :func:`load_heads`).
     """
     folder = _folder(path)
-    weights = _weights_file(folder)
+    hydra = folder / HYDRA_WEIGHTS_FILE
+    weights = hydra if hydra.is_file() else _weights_file(folder)
     if weights is not None:
         token_map = folder / TOKEN_MAP_FILE
         return [weights, token_map] if token_map.is_file() else [weights]
@@ -104,7 +122,8 @@ def load_heads(
     base_model: PreTrainedModel | None = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
-) -> tuple[MedusaHeads, dict[str, Any]]:
+    head_type: str | None = None,
+) -> tuple[DraftHeads, dict[str, Any]]:
     """Load heads from a folder written by :func:`save_export`, by FasterDecoding, or the ``vllm/`` folder.
 
     Formats, by the files present:
@@ -117,36 +136,47 @@ def load_heads(
       rules (``medusa_heads.`` prefix dropped, biases only with ``medusa_fc_bias``, ``token_map`` with
       ``truncated_vocab_size < vocab_size``, projections of V rows cut to the token map). ``original_lm_head``
       loads as ``share_lm_head=True``; its stored lm_head is checked against ``base_model``'s when one is given.
+    - Hydra heads: ``config.json`` with ``head_type: "hydra"`` and ``hydra_heads.safetensors`` (+ the token map).
 
     Args:
         path: the folder.
         base_model: the base ``*ForCausalLM``; when given, its sizes are checked against the heads' before loading.
         dtype: dtype of the returned heads; default: that of the stored residual-block weights.
         device: device of the returned heads; default CPU.
+        head_type: ``medusa`` or ``hydra`` to refuse heads of the other type (None: either).
 
     Returns:
         ``(heads, config)``: heads with ``block_weight [K, L, H, H]``, ``block_bias [K, L, H]``, ``lm_head_weight
         [K, V', H]`` (absent when shared), ``token_map [V']`` long (reduced vocabulary only); config is the folder's
         config.json with the normalised fields ``medusa_num_heads``, ``medusa_num_layers``, ``hidden_size``,
         ``vocab_size``, ``share_lm_head``, ``head_vocab_size`` (None for the full vocabulary), and ``source_format``
-        (``medusa-train``, ``fasterdecoding`` or ``vllm``).
+        (``medusa-train``, ``fasterdecoding`` or ``vllm``). Hydra heads: :class:`~medusa_train.hydra_heads.HydraHeads`,
+        config.json as written with ``head_vocab_size`` normalised and ``source_format`` ``medusa-train``.
 
     Raises:
         FileNotFoundError: the folder, its weights, config.json or token_map.safetensors is missing (named).
         ValueError: damaged file (path named, chained), missing/unexpected keys (listed), wrong shapes, bad token map,
-            NaN or Inf weights (tensor and head named), or heads for another base model (``hidden_size`` /
-            ``vocab_size`` named).
+            NaN or Inf weights (tensor and head named), heads for another base model (``hidden_size`` /
+            ``vocab_size`` named), a ``head_type`` this reader does not know, or heads of another type than
+            ``head_type`` (both named).
     """
     folder = _folder(path)
     base_hv = None if base_model is None else base_sizes(base_model)
     config_path = folder / CONFIG_FILE
+    if head_type is not None:
+        check_head_type(head_type, "load_heads(head_type=...)")
+    raw = read_json(config_path) if config_path.is_file() else {}
+    found = check_head_type(export_head_type(raw), str(config_path))
+    expect_head_type(found, head_type, str(folder))
+    if found == "hydra":
+        check_version(raw, str(folder))
+        return _read_hydra(folder, raw, base_model, dtype, device)
     weights = _weights_file(folder)
     if weights is not None:
         raw = read_json(config_path)
         check_version(raw, str(folder))
         spec, stacked, token_map, fmt = _read_medusa(folder, weights, raw, base_model, base_hv)
     else:
-        raw = read_json(config_path) if config_path.is_file() else {}
         if raw.get("model_type") != "medusa":
             raise FileNotFoundError(
                 f"no {WEIGHTS_FILE} or {LEGACY_WEIGHTS_FILE} in {folder}: is this an export folder?")
@@ -172,6 +202,50 @@ def load_heads(
     return heads, config
 
 
+def _read_hydra(
+    folder: Path, raw: dict[str, Any], base_model: PreTrainedModel | None, dtype: torch.dtype | None,
+    device: torch.device | str | None,
+) -> tuple[HydraHeads, dict[str, Any]]:
+    """A Hydra export -> (heads, config), every key and shape checked against the config before copying."""
+    spec = spec_from_hydra_config(raw, str(folder))
+    if base_model is not None:
+        check_heads_match_base(spec, base_model)
+    weights = folder / HYDRA_WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} not found: {folder}/config.json says head_type 'hydra'")
+    state = read_tensors(weights)
+    token_map = _read_token_map(folder, spec)
+    with torch.device("meta"):
+        heads = heads_from_spec(spec, None if token_map is None else torch.empty_like(token_map, device="meta"))
+    expected = {k: tuple(v.shape) for k, v in heads.state_dict().items() if k != "token_map"}
+    check_keys_and_shapes(state, expected, str(weights))
+    check_finite(state, str(weights))
+    stored_dtype = state["heads.0.layers.0.weight"].dtype
+    if token_map is not None:
+        state["token_map"] = token_map
+    heads.load_state_dict(state, strict=True, assign=True)
+    heads = heads.to(device=device or "cpu", dtype=dtype or stored_dtype)
+    return heads, {**raw, "head_vocab_size": spec.head_vocab_size, "source_format": "medusa-train"}
+
+
+def _read_token_map(folder: Path, spec: HeadsSpec) -> torch.Tensor | None:
+    """The checked ``[V']`` token map of ``token_map.safetensors`` when ``spec`` has a reduced vocabulary, else None.
+
+    Raises:
+        FileNotFoundError: the file is missing. ValueError: it holds other tensors or a bad map (named).
+    """
+    if spec.head_vocab_size is None:
+        return None
+    tm_path = folder / TOKEN_MAP_FILE
+    if not tm_path.is_file():
+        raise FileNotFoundError(f"{tm_path} not found: config.json has head_vocab_size={spec.head_vocab_size}, "
+                                "which needs the token map")
+    tm_state = read_tensors(tm_path)
+    if set(tm_state) != {"token_map"}:
+        raise ValueError(f"{tm_path} must hold exactly one tensor 'token_map', got keys {sorted(tm_state)}")
+    return _checked_token_map(tm_state["token_map"], spec, str(tm_path))
+
+
 def _folder(path: str | os.PathLike[str]) -> Path:
     folder = Path(path)
     if not folder.exists():
@@ -190,16 +264,7 @@ def _read_medusa(
     spec = spec_from_medusa_config(raw, {k: tuple(v.shape) for k, v in state.items()}, base_hv, str(folder))
     if base_model is not None:
         check_heads_match_base(spec, base_model)
-    token_map = None
-    if spec.head_vocab_size is not None:
-        tm_path = folder / TOKEN_MAP_FILE
-        if not tm_path.is_file():
-            raise FileNotFoundError(f"{tm_path} not found: config.json has head_vocab_size={spec.head_vocab_size}, "
-                                    "which needs the token map")
-        tm_state = read_tensors(tm_path)
-        if set(tm_state) != {"token_map"}:
-            raise ValueError(f"{tm_path} must hold exactly one tensor 'token_map', got keys {sorted(tm_state)}")
-        token_map = _checked_token_map(tm_state["token_map"], spec, str(tm_path))
+    token_map = _read_token_map(folder, spec)
     expected = expected_shapes(FASTERDECODING, spec, projections=0 if spec.share_lm_head else spec.num_heads)
     hint = ("if these heads project with the base model's lm_head, set share_lm_head: true in config.json"
             if not spec.share_lm_head else "")

@@ -23,6 +23,13 @@ its GitHub head leaves a missing one randomly initialised. The ``.safetensors`` 
 base lm_head once as ``lm_heads.0.weight`` with ``original_lm_head: true``. Both are why ``share_lm_head`` needs
 ``base_model``.
 
+Hydra heads (:mod:`medusa_train.hydra_heads`) have no engine layout: their folder holds ``config.json`` (``head_type:
+"hydra"``, see :mod:`~medusa_train.export.configs`), ``hydra_heads.safetensors`` (the module's own parameter names:
+``heads.{k}.residual.weight``, ``heads.{k}.layers.{l}.weight|bias``, ``lm_head_weight [K, V', H]``) and
+``token_map.safetensors`` with a reduced vocabulary; ``vllm=True`` is refused (vLLM's Medusa would read them as
+Medusa heads), and Medusa files left by an earlier export into the folder are removed (and the reverse), so no
+loader finds heads of the other kind there.
+
 Heads holding NaN or Inf are refused before anything is written.
 
 Files are replaced one by one (temporary sibling + ``os.replace``) rather than the folder as a whole, because
@@ -45,7 +52,9 @@ from transformers import PreTrainedModel
 from medusa_train.export.configs import export_config, vllm_config
 from medusa_train.export.files import write_json, write_safetensors, write_torch
 from medusa_train.export.layouts import FASTERDECODING, VLLM, check_finite, fasterdecoding_limitation, split_heads
+from medusa_train.head_types import DraftHeads
 from medusa_train.heads import MedusaHeads
+from medusa_train.hydra_heads import HydraHeads
 from medusa_train.model import check_heads_match_base
 
 log = logging.getLogger(__name__)
@@ -54,12 +63,13 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
 LEGACY_WEIGHTS_FILE = "medusa_lm_head.pt"
 TOKEN_MAP_FILE = "token_map.safetensors"
+HYDRA_WEIGHTS_FILE = "hydra_heads.safetensors"
 VLLM_DIR = "vllm"
 VLLM_WEIGHTS_FILE = "model.safetensors"
 
 
 def save_export(
-    heads: MedusaHeads,
+    heads: DraftHeads,
     out_dir: str | os.PathLike[str],
     base_model_name_or_path: str,
     extra_config: dict[str, Any] | None = None,
@@ -75,7 +85,8 @@ def save_export(
 
     Args:
         heads: the trained heads (``block_weight [K, L, H, H]``, ``block_bias [K, L, H]``, ``lm_head_weight
-            [K, V', H]`` or none with ``share_lm_head``, ``token_map [V']`` with a reduced vocabulary).
+            [K, V', H]`` or none with ``share_lm_head``, ``token_map [V']`` with a reduced vocabulary), or
+            :class:`~medusa_train.hydra_heads.HydraHeads` (see the module docstring).
         out_dir: the export folder.
         base_model_name_or_path: Hub id or path of the base model, recorded for loaders (FasterDecoding, TGI).
         extra_config: more JSON-serialisable fields for config.json (never one of the fields written here).
@@ -91,20 +102,30 @@ def save_export(
     Raises:
         ValueError: heads holding NaN or Inf (tensor and head named); ``extra_config`` clashes with a written field
             or is not JSON-serialisable; ``share_lm_head`` with ``vllm`` or ``medusa_lm_head.pt`` but without
-            ``base_model``; ``base_model`` does not match the heads (field named). All before anything is written.
+            ``base_model``; ``vllm`` with Hydra heads; ``base_model`` does not match the heads (field named). All
+            before anything is written.
     """
     spec = heads.spec
     out = Path(out_dir)
-    tensors = split_heads(heads, FASTERDECODING)
+    hydra = isinstance(heads, HydraHeads)
+    if hydra and vllm:
+        raise ValueError("vllm=True: vLLM's Medusa loader reads Medusa heads only and these are Hydra heads "
+                         "(head_type 'hydra'); pass vllm=False (export_vllm=false)")
+    if hydra:
+        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in heads.state_dict().items()
+                   if k != "token_map"}
+        fd_reason = "Hydra heads have no FasterDecoding form"
+    else:
+        tensors = split_heads(heads, FASTERDECODING)
+        fd_reason = fasterdecoding_limitation(spec) if fasterdecoding else "fasterdecoding=False"
     check_finite(tensors, f"refusing to export to {out}")
-    fd_reason = fasterdecoding_limitation(spec) if fasterdecoding else "fasterdecoding=False"
     if spec.share_lm_head and base_model is None and (vllm or fd_reason is None):
         raise ValueError("share_lm_head=True: vLLM's Medusa and FasterDecoding's loader cannot use the target "
                          "model's lm_head, so vllm/ and medusa_lm_head.pt hold a copy; pass base_model=... to "
                          "save_export, or vllm=False and fasterdecoding=False to write neither")
     if base_model is not None:
         check_heads_match_base(spec, base_model)
-    dtype = heads.block_weight.dtype
+    dtype = heads.dtype if hydra else heads.block_weight.dtype
     config = export_config(
         spec, base_model_name_or_path, dtype,
         base_model_class=None if base_model is None else type(base_model).__name__,
@@ -119,7 +140,7 @@ def save_export(
         raise ValueError(f"export folder {out} exists and is not a folder")
 
     out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / WEIGHTS_FILE, tensors)
+    write_safetensors(out / (HYDRA_WEIGHTS_FILE if hydra else WEIGHTS_FILE), tensors)
     if fd_reason is None:
         write_torch(out / LEGACY_WEIGHTS_FILE, _fasterdecoding_state(heads, tensors, base_model))
     else:
@@ -138,6 +159,9 @@ def save_export(
     else:
         _remove_vllm(out / VLLM_DIR)
     write_json(out / CONFIG_FILE, config)
+    # Heads of the other kind from an earlier export, removed once config.json names the new ones: a killed export
+    # leaves the old heads readable or the new ones, never a config without its weights.
+    (out / (WEIGHTS_FILE if hydra else HYDRA_WEIGHTS_FILE)).unlink(missing_ok=True)
     return out
 
 

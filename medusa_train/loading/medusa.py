@@ -122,44 +122,30 @@ def check_export_base(export_dir: str | os.PathLike[str], model_cfg: ModelConfig
     return config
 
 
-def export_base_config(
-    export_dir: str, export_config: dict[str, Any], model: Any = None, dtype: str | None = None,
-    device: str | None = None,
-) -> ModelConfig:
-    """The ``model/`` config the base of ``export_dir`` loads with: ``model`` (an override) or the one recorded in
-    the export (a relative base path found inside the folder), with ``dtype`` / ``device`` overrides applied."""
-    cfg = model_config_for_export(export_config, model)
-    if model is None:
-        cfg = resolve_export_base(export_dir, cfg)  # a Medusa-2 export's fine-tuned base, inside the folder
-    if dtype is not None:
-        cfg = dataclasses.replace(cfg, dtype=dtype)
-    if device is not None:
-        cfg = dataclasses.replace(cfg, device=device)
-    return cfg
-
-
 def load_medusa(
-    export_dir: str, model: Any = None, dtype: str | None = None, device: str | None = None
+    export_dir: str, model: Any = None, dtype: str | None = None, device: str | None = None,
+    head_type: str | None = None,
 ) -> tuple[MedusaModel, PreTrainedTokenizerBase, dict[str, Any]]:
-    """Base model + heads from an export folder.
+    """Base model + heads (Medusa or Hydra) from an export folder.
 
     Args:
-        export_dir: the export folder (``config.json`` + ``medusa_lm_head.safetensors``); a recorded base path
-            relative to it (Medusa-2's ``base``) is found inside it.
+        export_dir: the export folder (``config.json`` + ``medusa_lm_head.safetensors``, or Hydra's
+            ``hydra_heads.safetensors``); a recorded base path relative to it (Medusa-2's ``base``) is found inside it.
         model: optional ``model/`` config overriding the base recorded in the export.
         dtype, device: optional overrides of the model config's ``dtype`` (``auto`` included) / ``device``; the
             heads follow.
+        head_type: ``medusa`` or ``hydra`` to refuse heads of the other type (None: either).
 
     Returns:
         ``(MedusaModel, tokenizer, export_config)``.
 
     Raises:
         FileNotFoundError: no export there (checked before the base model is loaded).
-        ValueError: config.json names no base model (and ``model`` is None), or the heads do not fit the base model
-            (hidden size or vocabulary named).
+        ValueError: config.json names no base model (and ``model`` is None), the heads do not fit the base model
+            (hidden size or vocabulary named), or are not of ``head_type`` (both types named).
     """
     # Heads first: a folder without heads or with a broken file fails in a second, before the base model loads.
-    heads, export_config = load_heads(export_dir)
+    heads, export_config = load_heads(export_dir, head_type=head_type)
     base, tokenizer = load_base_model(export_base_config(export_dir, export_config, model, dtype, device))
     check_heads_match_base(heads.spec, base)
     weight = base.get_output_embeddings().weight

@@ -166,7 +166,8 @@ def build_hidden_cache(
 class CachedHiddenDataset(torch.utils.data.Dataset):
     """Rows of a tokenized dataset with their cached hidden states, in the dataset's order.
 
-    Item i: ``{"hidden": [T_i, H], "base_argmax": [T_i] long, "labels": [T_i] long}``.
+    Item i: ``{"hidden": [T_i, H], "base_argmax": [T_i] long, "labels": [T_i] long, "input_ids": [T_i] long}``
+    (the token ids are the path Hydra heads read).
 
     Raises:
         FileNotFoundError: a shard of ``world_size`` is missing, was built for other data (fingerprint) or has
@@ -206,11 +207,13 @@ class CachedHiddenDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         s, j = self.where[int(i)]
         handle = self._open(s)
+        row = self.dataset[int(i)]
         start, stop = int(self._offsets[s][j]), int(self._offsets[s][j + 1])
         return {
             "hidden": handle.get_slice("hidden")[start:stop],
             "base_argmax": handle.get_slice("base_argmax")[start:stop],
-            "labels": torch.as_tensor(self.dataset[int(i)]["labels"], dtype=torch.long),
+            "labels": torch.as_tensor(row["labels"], dtype=torch.long),
+            "input_ids": torch.as_tensor(row["input_ids"], dtype=torch.long),
         }
 
     def __getstate__(self) -> dict[str, Any]:  # file handles do not pickle (DataLoader workers)
@@ -221,8 +224,8 @@ class CachedHiddenDataset(torch.utils.data.Dataset):
 
 @dataclass
 class HiddenCollator:
-    """Right-pad cached rows into ``hidden [B, T, H]``, ``base_argmax [B, T]``, ``labels [B, T]`` (-100 padding) and
-    ``attention_mask [B, T]``."""
+    """Right-pad cached rows into ``hidden [B, T, H]``, ``base_argmax [B, T]``, ``labels [B, T]`` (-100 padding),
+    ``input_ids [B, T]`` (0 padding) and ``attention_mask [B, T]``."""
 
     def __call__(self, features: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         if not features:
@@ -233,11 +236,14 @@ class HiddenCollator:
         hidden = torch.zeros(B, width, H, dtype=features[0]["hidden"].dtype)
         argmax = torch.zeros(B, width, dtype=torch.long)
         labels = torch.full((B, width), -100, dtype=torch.long)
+        input_ids = torch.zeros(B, width, dtype=torch.long)
         mask = torch.zeros(B, width, dtype=torch.long)
         for b, f in enumerate(features):
             n = int(f["hidden"].shape[0])
             hidden[b, :n] = f["hidden"]
             argmax[b, :n] = f["base_argmax"]
             labels[b, :n] = f["labels"]
+            input_ids[b, :n] = f["input_ids"]
             mask[b, :n] = 1
-        return {"hidden": hidden, "base_argmax": argmax, "labels": labels, "attention_mask": mask}
+        return {"hidden": hidden, "base_argmax": argmax, "labels": labels, "input_ids": input_ids,
+                "attention_mask": mask}

@@ -36,6 +36,8 @@ from transformers import TrainerCallback, set_seed
 from medusa_train.config import TrainConfig, as_dataclass
 from medusa_train.data import Collator
 from medusa_train.export import BASE_DIR, load_heads, save_base_model, save_export
+from medusa_train.export.configs import export_head_type
+from medusa_train.head_types import DRAFT_HEADS, DraftHeads, expect_head_type, heads_from_spec
 from medusa_train.heads import MedusaHeads, build_token_map
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, check_export_base, export_extra_config
@@ -99,7 +101,7 @@ def gather_trainable_state(trainer: MedusaTrainer) -> dict[str, torch.Tensor]:
     model = trainer.model
     buffers = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, MedusaHeads):
+        if isinstance(module, DRAFT_HEADS):
             for name, buf in module.named_buffers():
                 buffers[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu().clone()
     if trainer.is_deepspeed_enabled:
@@ -151,6 +153,9 @@ class TrainRecipe:
             check_deepspeed_batch(ds_config, cfg.trainer, self.env.world_size)
         check_data_source(cfg.data)
         check_output_dir(self.paths, self.resolved, cfg.resume, cfg.overwrite, self.env.world_size)
+        if cfg.export and cfg.export_vllm and cfg.heads.head_type == "hydra" and self.env.is_main:
+            log.warning("export_vllm=true is skipped for Hydra heads: vLLM's Medusa loader reads Medusa heads only "
+                        "(set export_vllm=false to silence this)")
         if self.joint:
             self._check_joint(ds_config)
         if cfg.push_to_hub:
@@ -163,7 +168,8 @@ class TrainRecipe:
         """Medusa-2 checks that need no model: heads to start from (``heads.init_from``) made for this base."""
         hc = self.cfg.heads
         if hc.init_from:
-            check_export_base(hc.init_from, self.cfg.model, "heads.init_from")
+            config = check_export_base(hc.init_from, self.cfg.model, "heads.init_from")
+            expect_head_type(export_head_type(config), "medusa", f"heads.init_from={hc.init_from}")
         zero3 = ds_config is not None and ds_config["zero_optimization"]["stage"] == 3
         if zero3 and hc.share_lm_head:
             raise ValueError("heads.share_lm_head=true with heads.mode=medusa2 under ZeRO-3: the heads would read the "
@@ -236,7 +242,8 @@ class TrainRecipe:
         self.loss_spec = LossSpec(target=cfg.heads.target, decay=cfg.heads.loss_decay,
                                   share_lm_head=cfg.heads.share_lm_head, vocab_size=vocab_size,
                                   num_heads=heads.spec.num_heads,
-                                  token_map=None if heads.token_map is None else heads.token_map.to(device))
+                                  token_map=None if heads.token_map is None else heads.token_map.to(device),
+                                  head_type=heads.spec.head_type)
         self.frozen_base = None if self.joint else FrozenBase.of(base)
         self.collator: Any = Collator.from_tokenizer(tokenizer)
         train_set, eval_set = data.train, data.eval
@@ -274,7 +281,7 @@ class TrainRecipe:
         """
         hc = self.cfg.heads
         source = self.init_heads_from
-        heads, _ = load_heads(source, base_model=base)
+        heads, _ = load_heads(source, base_model=base, head_type="medusa")
         check_heads_match_base(heads.spec, base)
         asked = {"medusa_num_heads": hc.medusa_num_heads, "medusa_num_layers": hc.medusa_num_layers,
                  "share_lm_head": hc.share_lm_head, "head_vocab_size": hc.head_vocab_size}
@@ -287,7 +294,7 @@ class TrainRecipe:
         log.info("joint stage starts from the heads in %s", source)
         return heads.to(device=base.get_output_embeddings().weight.device, dtype=torch.float32)
 
-    def _new_heads(self, base: Any, data: PreparedData) -> MedusaHeads:
+    def _new_heads(self, base: Any, data: PreparedData) -> DraftHeads:
         hc = self.cfg.heads
         token_map = None
         if hc.head_vocab_size is not None:
@@ -297,7 +304,8 @@ class TrainRecipe:
                 ids = torch.as_tensor(labels, dtype=torch.long)
                 counts += torch.bincount(ids[ids >= 0], minlength=vocab_size)
             token_map = build_token_map(counts, hc.head_vocab_size)
-        return new_heads_for(base, hc.medusa_num_heads, hc.medusa_num_layers, hc.share_lm_head, token_map)
+        return new_heads_for(base, hc.medusa_num_heads, hc.medusa_num_layers, hc.share_lm_head, token_map,
+                             head_type=hc.head_type, combine=hc.combine)
 
     def _cached_datasets(self, data: PreparedData, device: torch.device, batch_size: int) -> tuple[Any, Any]:
         """Build this rank's cache shards, wait for all ranks, and read every shard back; drop the backbone."""
@@ -356,7 +364,7 @@ class TrainRecipe:
                     {k.removeprefix("base."): v for k, v in state.items() if k.startswith("base.")})
                 frozen_base = FrozenBase.of(self.trained_base)
             token_map = heads_state.get("token_map")
-            heads = MedusaHeads(spec, token_map=token_map)
+            heads = heads_from_spec(spec, token_map=token_map)
             heads.load_state_dict(heads_state, strict=True)
             device = self.trainer.args.device
             heads.to(device)
@@ -395,7 +403,7 @@ class TrainRecipe:
         merged = trainable.merge_and_unload() if trainable is not causal_lm(trainable) else trainable
         return merged.eval().requires_grad_(False)
 
-    def _export(self, heads: MedusaHeads, table: dict[str, Any] | None) -> Path:
+    def _export(self, heads: DraftHeads, table: dict[str, Any] | None) -> Path:
         cfg = self.cfg
         training = {"target": cfg.heads.target, "loss_decay": cfg.heads.loss_decay, "data_source": cfg.data.source,
                     "self_distill": cfg.data.self_distill, "max_length": cfg.max_length,
@@ -417,8 +425,8 @@ class TrainRecipe:
                 extra_base = {ORIGINAL_BASE_KEY: cfg.model.name_or_path}
         # The model/ config is recorded so tune-tree, eval and generate rebuild a GGUF or llama2.c base exactly.
         extra = {"training": training, **export_extra_config(model_cfg), **extra_base}
-        out = save_export(heads, self.paths.export, base_name, extra_config=extra,
-                          vllm=cfg.export_vllm, base_model=base_model)
+        vllm = cfg.export_vllm and heads.spec.head_type == "medusa"  # Hydra: warned about in check()
+        out = save_export(heads, self.paths.export, base_name, extra_config=extra, vllm=vllm, base_model=base_model)
         if table is not None:
             record = {"split": "eval", "conversations": len(self.eval_set), "target": cfg.heads.target, **table}
             tmp = out / f".{ACCURACY_FILE}.tmp"

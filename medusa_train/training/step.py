@@ -1,8 +1,10 @@
 """One batch through the frozen base and the heads: the single code path shared by training and evaluation.
 
 A batch either holds token ids (``input_ids``, ``attention_mask``, ``labels``: the base model runs here, under
-``no_grad``) or cached base outputs (``hidden``, ``base_argmax``, ``labels`` from :mod:`hidden_cache`: the base never
-runs). Either way the heads see the same last hidden states, and the targets come from the same frozen lm_head.
+``no_grad``) or cached base outputs (``hidden``, ``base_argmax``, ``labels`` and ``input_ids`` from
+:mod:`hidden_cache`: the base never runs). Either way the heads see the same last hidden states, and the targets come
+from the same frozen lm_head. Hydra heads also read the path tokens t+1 .. t+k+1, teacher forced: the batch's own
+tokens (on self-distilled data, the base model's own greedy tokens), through the base's frozen input embeddings.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from medusa_train.hydra_heads import shifted_path_tokens
 from medusa_train.training.losses import (
     IGNORE_INDEX,
     HeadLossOutput,
@@ -33,14 +36,28 @@ class FrozenBase:
             the hidden-state cache.
         lm_head: ``base.get_output_embeddings()``, weight ``[V, H]``; base logits are ``lm_head(hidden)`` (the model
             wrapper refuses architectures where they are not, see ``medusa_train.model.check_supported``).
+        embed: ``base.get_input_embeddings()`` (Hydra heads read the path tokens through it), or None.
     """
 
     backbone: nn.Module | None
     lm_head: nn.Module
+    embed: nn.Module | None = None
 
     @classmethod
     def of(cls, base: PreTrainedModel, keep_backbone: bool = True) -> FrozenBase:
-        return cls(backbone=base.base_model if keep_backbone else None, lm_head=base.get_output_embeddings())
+        return cls(backbone=base.base_model if keep_backbone else None, lm_head=base.get_output_embeddings(),
+                   embed=base.get_input_embeddings())
+
+    @torch.no_grad()
+    def path_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens [...]`` long -> the base's input embeddings ``[..., H]`` (frozen).
+
+        Raises:
+            RuntimeError: built without the input embeddings.
+        """
+        if self.embed is None:
+            raise RuntimeError("this FrozenBase has no input embeddings (embed): Hydra heads need them")
+        return self.embed(tokens)
 
     @torch.no_grad()
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,6 +98,7 @@ class LossSpec:
         vocab_size: V of the base model.
         num_heads: K.
         token_map: ``[V']`` long reduced head vocabulary, or None.
+        head_type: ``medusa`` (the heads read the hidden state) or ``hydra`` (also the path tokens' embeddings).
     """
 
     target: str
@@ -89,6 +107,7 @@ class LossSpec:
     vocab_size: int
     num_heads: int
     token_map: torch.Tensor | None = None
+    head_type: str = "medusa"
 
 
 def heads_on_batch(
@@ -106,10 +125,11 @@ def heads_on_batch(
     whose distributions are targets, onto the head vocabulary only.
 
     Args:
-        heads: ``MedusaHeads`` or its DDP/DeepSpeed wrapper; called as ``heads(hidden, base_lm_head_weight)``.
+        heads: ``MedusaHeads`` or ``HydraHeads`` or its DDP/DeepSpeed wrapper; called as ``heads(hidden,
+            base_lm_head_weight)`` (Hydra: ``heads(hidden, path_embeds, base_lm_head_weight)``).
         base: the frozen base.
         batch: ``labels [B, T]`` and either ``input_ids [B, T]`` (+ ``attention_mask``) or ``hidden [B, T, H]``
-            (+ ``base_argmax [B, T]``).
+            (+ ``base_argmax [B, T]``; Hydra heads need ``input_ids [B, T]`` too, the path tokens).
         spec: loss settings.
         normalizer: see :func:`medusa_head_loss`.
 
@@ -128,7 +148,11 @@ def heads_on_batch(
     targets = head_targets(labels, spec.num_heads, target=spec.target, base_argmax=base_argmax)  # [K, B, T]
     b, t = (targets != IGNORE_INDEX).any(0).nonzero(as_tuple=True)  # [M] positions some head counts
     targets = targets[:, b, t]  # [K, M]
-    head_logits = heads(hidden[b, t], lm_weight)  # [K, M, V']
+    if spec.head_type == "hydra":
+        path = shifted_path_tokens(batch["input_ids"], spec.num_heads)[b, t]  # [M, K]: tokens t+1 .. t+K
+        head_logits = heads(hidden[b, t], base.path_embeddings(path), lm_weight)  # [K, M, V']
+    else:
+        head_logits = heads(hidden[b, t], lm_weight)  # [K, M, V']
     base_next = None
     if spec.target == "soft":
         k, m = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # the counted rows, head-major

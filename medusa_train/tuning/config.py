@@ -10,7 +10,7 @@ from omegaconf import MISSING
 
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
-from medusa_train.tuning.latency import DEFAULT_SIZES
+from medusa_train.tuning.latency import DEFAULT_SIZES, read_latency_profile
 
 
 @dataclass
@@ -44,6 +44,9 @@ class TuneTreeConfig:
         latency_sizes: tree sizes (tokens incl. root) whose verification latency is measured.
         context_length: KV-cache length during the latency measurement.
         repeats: timed repeats per size (median reported).
+        latency_from: reuse the ``latency_profile.json`` of this export folder (made for the same base, measured on
+            the same device and dtype) instead of measuring: trees for several exports of one base are then chosen
+            against one profile, whose timing noise no longer differs between them.
     """
 
     export_dir: str = MISSING
@@ -59,6 +62,7 @@ class TuneTreeConfig:
     latency_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES[:9]))
     context_length: int = 256
     repeats: int = 5
+    latency_from: Optional[str] = None
 
     def validate(self) -> None:
         check_dtype_name(self.dtype)
@@ -73,6 +77,8 @@ class TuneTreeConfig:
             raise ValueError(f"max_new_tokens must be >= 4 to measure the heads, got {self.max_new_tokens}")
         if not self.latency_sizes or min(self.latency_sizes) < 1 or len(self.latency_sizes) < 2:
             raise ValueError(f"latency_sizes must hold at least two sizes >= 1, got {self.latency_sizes}")
+        if self.latency_from is not None:
+            read_latency_profile(self.latency_from)
 
 
 ConfigStore.instance().store(name="tune_tree_schema", node=TuneTreeConfig)

@@ -7,8 +7,10 @@ dtype that will decode, and the tree size is chosen from it (:func:`medusa_train
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -106,3 +108,38 @@ def measure_verification_latency(
     results = {n: min(ts) for n, ts in times.items()}
     return {"device": str(timer.device), "dtype": str(timer.dtype).replace("torch.", ""),
             "context_length": context_length, "repeats": repeats, "latency_ms": results}
+
+
+PROFILE_FILE = "latency_profile.json"
+
+
+def read_latency_profile(export_dir: str | Path) -> dict:
+    """The verification latency profile another tuning run wrote into ``export_dir`` (its ``latency_profile.json``),
+    as :func:`measure_verification_latency` returns it (``latency_ms`` keyed by int).
+
+    Raises:
+        FileNotFoundError: no profile there.
+        ValueError: not valid JSON, or without ``latency_ms``, ``device`` or ``dtype``.
+    """
+    path = Path(export_dir) / PROFILE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"latency_from={export_dir}: {path} not found; tune that export first")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"latency_from={export_dir}: {path} is not valid JSON: {e}") from e
+    missing = [k for k in ("latency_ms", "device", "dtype") if k not in raw]
+    if missing:
+        raise ValueError(f"latency_from={export_dir}: {path} has no {missing}")
+    profile = {k: raw[k] for k in ("device", "dtype", "context_length", "repeats") if k in raw}
+    return {**profile, "latency_ms": {int(n): float(ms) for n, ms in raw["latency_ms"].items()}}
+
+
+def check_profile_device(profile: dict, base: PreTrainedModel, source: str) -> None:
+    """Refuse a profile measured on another device or dtype than ``base`` decodes on (both named)."""
+    weight = base.get_output_embeddings().weight
+    here = (str(weight.device), str(weight.dtype).replace("torch.", ""))
+    if (profile["device"], profile["dtype"]) != here:
+        raise ValueError(f"latency_from={source}: that profile was measured on {profile['device']} in "
+                         f"{profile['dtype']}, but these heads decode on {here[0]} in {here[1]}; measure it here "
+                         "(latency_from=null)")

@@ -13,14 +13,19 @@ from medusa_train.model import MedusaModel
 from medusa_train.prompts import Prompt, encode_prompt
 from medusa_train.tuning.accuracy import measure_head_accuracy
 from medusa_train.tuning.config import TuneTreeConfig
-from medusa_train.tuning.latency import measure_verification_latency
+from medusa_train.tuning.latency import (
+    PROFILE_FILE,
+    check_profile_device,
+    measure_verification_latency,
+    read_latency_profile,
+)
 from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length
 
 log = logging.getLogger(__name__)
 
 CHOICES_FILE = "medusa_choices.json"
 ACCURACY_FILE = "head_accuracy.json"
-LATENCY_FILE = "latency_profile.json"
+LATENCY_FILE = PROFILE_FILE
 
 
 def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: TuneTreeConfig,
@@ -42,8 +47,13 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
                                      eos_token_id=tokenizer.eos_token_id, batch_size=cfg.generation_batch_size,
                                      pad_token_id=pad_token_id_of(tokenizer))
     check_accuracy_table(accuracy["acc"], num_heads=model.heads.spec.num_heads)
-    latency = measure_verification_latency(model.base, sizes=cfg.latency_sizes, context_length=cfg.context_length,
-                                           repeats=cfg.repeats)
+    if cfg.latency_from is not None:
+        latency = read_latency_profile(cfg.latency_from)
+        check_profile_device(latency, model.base, cfg.latency_from)
+        latency["measured_for"] = str(cfg.latency_from)
+    else:
+        latency = measure_verification_latency(model.base, sizes=cfg.latency_sizes,
+                                               context_length=cfg.context_length, repeats=cfg.repeats)
     choices, rates = best_tree_for_latency(accuracy["acc"], latency["latency_ms"], max_nodes=cfg.max_nodes,
                                            target_ranks=accuracy["target_ranks"])
     expected = expected_accept_length(accuracy["acc"], choices)

@@ -537,3 +537,36 @@ def test_the_context_error_advises_what_fits():
     with pytest.raises(ValueError, match=r"the prompt alone leaves no room for a reply: shorten it to fewer than 128 "
                                          r"tokens or leave it out"):
         check_context(130, 64, 128)
+def test_the_medusa_decoder_runs_hydra_exports_and_every_tree_decoder_reports_its_step_times(export, prompts,
+                                                                                            tmp_path):
+    """One decoder entry for tree decoding with draft heads: a Hydra export is decoded level by level (lossless), the
+    run record names the head type, and summary.md / summary_details.json give drafting and verification per step
+    for the tree decoder and nothing for vanilla."""
+    base_dir = export.parent / "base"
+    base = transformers_model(base_dir)
+    hydra = tmp_path / "hydra_export"
+    heads = new_heads_for(base, num_heads=2, head_type="hydra")
+    with torch.no_grad():
+        for layer in (m for head in heads.heads for m in head.layers):
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=torch.Generator().manual_seed(0)))
+    save_export(heads, hydra, str(base_dir), vllm=False,
+                extra_config=export_extra_config(ModelConfig(name_or_path=str(base_dir))))
+    (hydra / "medusa_choices.json").write_text(json.dumps(TREE))
+    out = tmp_path / "run"
+    summary = evaluate(config(hydra, prompts, out))
+    assert summary["decoders"]["medusa"]["exact_match_vs_greedy"] == 1.0
+    assert json.loads((out / "run.json").read_text())["decoders"]["medusa"]["head_type"] == "hydra"
+    rows = read_rows(out / "results.jsonl")
+    assert all((r["draft_time_s"] is None) == (r["decoder"] == "vanilla") for r in rows)
+    times = json.loads((out / "summary_details.json").read_text())["step_times"]
+    assert list(times) == ["medusa"]
+    passes = sum(r["forward_passes"] for r in rows if r["decoder"] == "medusa")
+    draft = sum(r["draft_time_s"] for r in rows if r["decoder"] == "medusa")
+    assert times["medusa"]["draft_ms_per_step"] == pytest.approx(1000 * draft / passes)
+    assert "| medusa |" in (out / "summary.md").read_text().split("## drafting and verification")[1]
+
+
+def transformers_model(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder).eval()

@@ -1,4 +1,4 @@
-"""Medusa greedy decoding on a real model (stories260K) with heads trained by medusa-train: identical to plain
+"""Tree decoding on a real model (stories260K) with Medusa and Hydra heads trained by medusa-train: identical to plain
 greedy decoding, the trained heads make it accept more than one token per forward pass, and the tree tuner's replay
 predicts the decoder's counts."""
 
@@ -48,3 +48,31 @@ def test_trained_stories260k_heads_decode_exactly_greedy_and_accept_more(tmp_pat
     batched = measure_head_accuracy(model, [tokenizer(text)["input_ids"] for text in PROMPTS], max_new_tokens=64,
                                     topk=4, eos_token_id=None, batch_size=len(PROMPTS))
     assert batched["target_ranks"] == recorded["target_ranks"]
+
+
+@pytest.mark.slow
+def test_trained_stories260k_hydra_heads_decode_exactly_greedy_and_the_replay_gives_the_decoders_counts(tmp_path):
+    """Hydra heads' accuracy depends on the path they are given; on the path greedy verification accepts (the base's
+    own tokens) that is the teacher-forced rank the tuner records, so its replay is the decoder's count."""
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[f"output_dir={tmp_path / 'run'}", "heads=hydra", "trainer.max_steps=60",
+                                          "export_vllm=false", "trainer.disable_tqdm=true"])
+    summary = TrainRecipe(cfg).run()
+    model, tokenizer, config = load_medusa(summary["export_dir"], head_type="hydra")
+    assert config["head_type"] == "hydra"
+    vanilla = VanillaDecoder(model.base)
+    tree = chain_choices(model.heads.spec.num_heads) + [[1], [0, 1], [1, 0], [0, 0, 1]]
+    hydra = MedusaDecoder(model, tree, topk=4)
+    config = DecodeConfig(max_new_tokens=64)
+    passes = tokens = 0
+    for text in PROMPTS:
+        ids = tokenizer(text)["input_ids"]
+        result = hydra.generate(ids, config)
+        assert result.tokens == vanilla.generate(ids, config).tokens, text
+        assert result.draft_time_s > 0 and result.verify_time_s > 0
+        passes += result.forward_passes
+        tokens += sum(result.accepted_lengths)
+    assert tokens / passes > 1.5
+    recorded = measure_head_accuracy(model, [tokenizer(text)["input_ids"] for text in PROMPTS], max_new_tokens=64,
+                                     topk=4, eos_token_id=None)
+    assert replay_counts(recorded["target_ranks"], tree) == (tokens, passes)

@@ -98,3 +98,32 @@ def test_killed_deepspeed_zero2_run_resumes_to_the_same_heads(reference):
     assert "hidden cache: reusing" in resumed.stderr + resumed.stdout
     assert "taking over the lock left by pid" in resumed.stderr + resumed.stdout  # the killed rank 0's
     assert_same_heads(single, exported_heads(out / "export"))
+
+
+# ---- Hydra heads: the same pipeline with per-head MLPs that read the path's embeddings -------------------------------
+
+HYDRA = {"heads": "hydra", "heads.medusa_num_layers": 2}
+
+
+@pytest.fixture(scope="module")
+def hydra_reference(reference):
+    root, model_dir, data, _ = reference
+    TrainRecipe(compose_train(tiny_overrides(model_dir, data, root / "hydra_single", **HYDRA))).run()
+    return root, model_dir, data, exported_heads(root / "hydra_single" / "export")
+
+
+def test_ddp_two_ranks_train_the_same_hydra_heads_as_one_process(hydra_reference):
+    root, model_dir, data, single = hydra_reference
+    out = root / "hydra_ddp"
+    check_ok(launch(["trainer=ddp", *tiny_overrides(model_dir, data, out, hidden_cache="true", **HYDRA,
+                                                    **RANK_BATCH)]))
+    assert "heads.0.residual.weight" in single
+    assert_same_heads(single, exported_heads(out / "export"))
+
+
+def test_deepspeed_zero3_two_ranks_train_the_same_hydra_heads_as_one_process(hydra_reference):
+    """Every head's MLP and the stacked projections are sharded over the ranks and gathered at export."""
+    root, model_dir, data, single = hydra_reference
+    out = root / "hydra_zero3"
+    check_ok(launch(["trainer=deepspeed_zero3", *tiny_overrides(model_dir, data, out, **HYDRA, **RANK_BATCH)]))
+    assert_same_heads(single, exported_heads(out / "export"))

@@ -83,7 +83,9 @@ def compose_train(overrides: list[str]):
 
 
 def exported_heads(export_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(export_dir / "medusa_lm_head.safetensors"))
+    """The exported head weights as stored (Medusa's FasterDecoding file, or Hydra's)."""
+    hydra = export_dir / "hydra_heads.safetensors"
+    return load_file(str(hydra if hydra.is_file() else export_dir / "medusa_lm_head.safetensors"))
 
 
 def assert_same_heads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-5) -> None:

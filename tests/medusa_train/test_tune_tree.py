@@ -69,3 +69,35 @@ def test_tune_tree_rejects_bad_budget_before_loading(tiny_export):
         run(cfg)
     with pytest.raises(ValueError, match="generation_batch_size must be >= 1"):
         run(no_batch)
+
+
+def test_a_second_export_of_the_base_is_tuned_against_the_first_ones_latency_profile(tiny_export, tmp_path):
+    """``latency_from``: one profile for several exports of one base (no new measurement, the same numbers), refused
+    when missing or measured on another dtype."""
+    from medusa_train.cli.tune_tree import run
+
+    export, prompts = tiny_export
+    common = ["prompts.source=jsonl", f"prompts.path={prompts}", "max_new_tokens=12", "topk=4",
+              "latency_sizes=[1,4,8]", "context_length=16", "repeats=1", "max_nodes=7"]
+    second = tmp_path / "second"
+    base = make_tiny_model("llama")
+    save_export(new_heads_for(base, num_heads=3, head_type="hydra"), second, str(tmp_path / "base"), vllm=False,
+                extra_config=export_extra_config(ModelConfig(name_or_path=str(tmp_path / "base"))))
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        with pytest.raises(FileNotFoundError, match="latency_profile.json not found; tune that export first"):
+            compose_and_validate(["export_dir=" + str(second), f"latency_from={export}", *common])
+        run(compose("tune_tree", overrides=[f"export_dir={export}", *common]))
+        run(compose("tune_tree", overrides=[f"export_dir={second}", f"latency_from={export}", *common]))
+        first = json.loads((export / "latency_profile.json").read_text())
+        reused = json.loads((second / "latency_profile.json").read_text())
+        assert reused["latency_ms"] == first["latency_ms"] and reused["measured_for"] == str(export)
+        with pytest.raises(ValueError, match="measured on cpu in float32, but these heads decode on cpu in bfloat16"):
+            run(compose("tune_tree", overrides=[f"export_dir={second}", f"latency_from={export}", "dtype=bfloat16",
+                                                *common]))
+
+
+def compose_and_validate(overrides):
+    from medusa_train.config import as_dataclass
+    from medusa_train.tuning.config import TuneTreeConfig
+
+    return as_dataclass(TuneTreeConfig, compose("tune_tree", overrides=overrides))

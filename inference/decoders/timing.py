@@ -1,0 +1,84 @@
+"""Drafting and verification time of tree decoding, summed over the steps of one decode.
+
+A step's **drafting** time is its tree drafter's call (:mod:`inference.proposers.heads`); its **verification** time
+runs from the end of drafting to the end of the step: the tree pass, the acceptance rule, cache compaction and the
+step's bookkeeping. Together they are the decode's time after the prefill. On CUDA the marks are events, read once
+at the end, so timing adds no host synchronisation to a step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from inference.proposers.heads import TreeDrafter
+from inference.tree import TreeBuffers
+
+
+class StepTimes:
+    """Marks around the drafter (through :meth:`timed`) and at each step's end (:meth:`step_done`).
+
+    Args:
+        device: where the decode runs (CUDA: events; otherwise ``time.perf_counter``).
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.steps: list[tuple[Any, Any, Any]] = []  # (drafting starts, drafting ends, step ends)
+        self._drafted: tuple[Any, Any] | None = None
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def timed(self, drafter: TreeDrafter) -> TreeDrafter:
+        """``drafter`` with its calls timed."""
+        return _TimedDrafter(drafter, self)
+
+    def drafted(self, start: Any, end: Any) -> None:
+        self._drafted = (start, end)
+
+    def step_done(self) -> None:
+        """Close the step whose drafting was timed last.
+
+        Raises:
+            RuntimeError: no drafting was timed since the last step.
+        """
+        if self._drafted is None:
+            raise RuntimeError("step_done() without a timed draft: draft through StepTimes.timed(drafter)")
+        self.steps.append((*self._drafted, self.mark()))
+        self._drafted = None
+
+    def totals(self) -> dict[str, float]:
+        """``{"draft_time_s": float, "verify_time_s": float}`` over the closed steps."""
+        if self.cuda:
+            torch.cuda.synchronize()
+
+            def seconds(a: Any, b: Any) -> float:
+                return a.elapsed_time(b) / 1000.0
+        else:
+            def seconds(a: Any, b: Any) -> float:
+                return b - a
+        return {"draft_time_s": sum(seconds(s, d) for s, d, _ in self.steps),
+                "verify_time_s": sum(seconds(d, e) for _, d, e in self.steps)}
+
+
+class _TimedDrafter:
+    def __init__(self, drafter: TreeDrafter, times: StepTimes) -> None:
+        self.drafter = drafter
+        self.times = times
+
+    def draft(self, hidden: Tensor, root: Tensor, tree: TreeBuffers) -> Tensor:
+        start = self.times.mark()
+        tokens = self.drafter.draft(hidden, root, tree)
+        self.times.drafted(start, self.times.mark())
+        return tokens
+
+
+__all__ = ["StepTimes"]
