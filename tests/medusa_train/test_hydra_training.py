@@ -125,7 +125,7 @@ def test_reexport_of_the_other_head_type_leaves_no_heads_of_the_first(tmp_path):
                                                           "medusa_choices.json"]
     save_export(random_heads(), tmp_path, "tiny-llama", vllm=False, base_model=base)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "medusa_choices.json",
-                                                          "medusa_lm_head.safetensors"]
+                                                          "medusa_lm_head.pt", "medusa_lm_head.safetensors"]
     assert "head_type" not in read_export_config(tmp_path)  # Medusa exports stay as FasterDecoding reads them
 
 

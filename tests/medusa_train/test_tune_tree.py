@@ -78,7 +78,7 @@ def test_a_second_export_of_the_base_is_tuned_against_the_first_ones_latency_pro
 
     export, prompts = tiny_export
     common = ["prompts.source=jsonl", f"prompts.path={prompts}", "max_new_tokens=12", "topk=4",
-              "latency_sizes=[1,4,8]", "context_length=16", "repeats=1", "max_nodes=7"]
+              "latency_sizes=[1,4,8]", "context_length=16", "repeats=1", "max_nodes=7", "dtype=float32"]
     second = tmp_path / "second"
     base = make_tiny_model("llama")
     save_export(new_heads_for(base, num_heads=3, head_type="hydra"), second, str(tmp_path / "base"), vllm=False,
@@ -92,8 +92,8 @@ def test_a_second_export_of_the_base_is_tuned_against_the_first_ones_latency_pro
         reused = json.loads((second / "latency_profile.json").read_text())
         assert reused["latency_ms"] == first["latency_ms"] and reused["measured_for"] == str(export)
         with pytest.raises(ValueError, match="measured on cpu in float32, but these heads decode on cpu in bfloat16"):
-            run(compose("tune_tree", overrides=[f"export_dir={second}", f"latency_from={export}", "dtype=bfloat16",
-                                                *common]))
+            run(compose("tune_tree", overrides=[f"export_dir={second}", f"latency_from={export}", *common,
+                                                "dtype=bfloat16"]))
 
 
 def compose_and_validate(overrides):
