@@ -34,7 +34,7 @@ from inference.evaluation.sweep import RUN_FILE, SUMMARY_FILE
 from inference.registry import BuildContext, build_decoder
 from medusa_train.config import as_dataclass
 from medusa_train.export.files import write_json
-from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, load_medusa, model_config_for_export
+from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, export_base_config, load_medusa, model_config_for_export
 from medusa_train.prompts import PROMPT_SOURCES, Prompt, load_prompts
 from medusa_train.tuning.tune import read_tree_files
 
@@ -156,8 +156,24 @@ def evaluate(cfg: DictConfig | EvaluateConfig, output_dir: str | Path | None = N
     if ec.threads is not None:
         torch.set_num_threads(ec.threads)
     model, tokenizer, export_config = load_medusa(ec.export_dir, model=ec.model, dtype=ec.dtype, device=ec.device)
-    ctx = BuildContext(model=model, tokenizer=tokenizer, export_dir=ec.export_dir, dtype=ec.dtype, device=ec.device)
-    built = {name: build_decoder(name, settings[name], ctx) for name in order}
+    ctx = BuildContext(model=model, tokenizer=tokenizer, export_dir=ec.export_dir, dtype=ec.dtype, device=ec.device,
+                       model_config=export_base_config(ec.export_dir, export_config, ec.model, ec.dtype, ec.device))
+    built: dict[str, Any] = {}
+    try:
+        for name in order:
+            built[name] = build_decoder(name, settings[name], ctx)
+        return _run(ec, out, overrides, prompts, config, results, model, tokenizer, export_config, built)
+    finally:
+        for b in built.values():  # engines in other processes (vLLM) stop with the run
+            close = getattr(b.decoder, "close", None)
+            if close is not None:
+                close()
+
+
+def _run(ec: EvaluateConfig, out: Path, overrides: list[str], prompts: list[Prompt], config: dict[str, Any],
+         results: ResultsLog, model: Any, tokenizer: Any, export_config: dict[str, Any], built: dict[str, Any]
+         ) -> dict[str, Any]:
+    """Measure the built decoders on ``prompts`` and write the run's files (the second half of :func:`evaluate`)."""
     environment = describe_environment(model)
     # A Medusa-2 export records its fine-tuned base as "base" (inside it): name the model it was made from.
     model_name = export_config.get(ORIGINAL_BASE_KEY, export_config.get("base_model_name_or_path")) \

@@ -8,6 +8,7 @@ later loads skip dequantization (about 20 s for SmolLM2-135M, NOTES.md).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -123,6 +124,23 @@ def _converted(cfg: ModelConfig, fmt: str) -> str | tuple[PreTrainedModel, PreTr
         model, tokenizer = convert(cfg)
         _save_atomically(model, tokenizer, target)
     return str(target)
+
+
+def engine_model_path(cfg: ModelConfig) -> str:
+    """What another engine (vLLM) loads for this base model: ``name_or_path`` for an HF folder or Hub id; for a GGUF
+    or llama2.c checkpoint, the HF folder it is converted into under the cache (converted now if needed, whatever
+    ``cache_converted`` says).
+
+    Raises:
+        FileNotFoundError: a local checkpoint or tokenizer file is missing.
+    """
+    cfg.validate()
+    fmt = detect_format(cfg)
+    if fmt == "hf":
+        return cfg.name_or_path
+    path = _converted(dataclasses.replace(cfg, cache_converted=True), fmt)
+    assert isinstance(path, str)
+    return path
 
 
 def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -92,6 +92,22 @@ def check_export_base(export_dir: str | os.PathLike[str], model_cfg: ModelConfig
     return config
 
 
+def export_base_config(
+    export_dir: str | os.PathLike[str], export_config: dict[str, Any], model: Any = None, dtype: str | None = None,
+    device: str | None = None,
+) -> ModelConfig:
+    """The ``model/`` config of an export's base, as :func:`load_medusa` loads it: ``model`` when given, else the
+    recorded one (a Medusa-2 export's ``base`` found inside the folder), with the ``dtype`` / ``device`` overrides."""
+    cfg = model_config_for_export(export_config, model)
+    if model is None:
+        cfg = resolve_export_base(export_dir, cfg)  # a Medusa-2 export's fine-tuned base, inside the folder
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, dtype=dtype)
+    if device is not None:
+        cfg = dataclasses.replace(cfg, device=device)
+    return cfg
+
+
 def load_medusa(
     export_dir: str, model: Any = None, dtype: str | None = None, device: str | None = None
 ) -> tuple[MedusaModel, PreTrainedTokenizerBase, dict[str, Any]]:
@@ -112,13 +128,7 @@ def load_medusa(
     """
     # Heads first: a folder without heads or with a broken file fails in a second, before the base model loads.
     heads, export_config = load_heads(export_dir)
-    cfg = model_config_for_export(export_config, model)
-    if model is None:
-        cfg = resolve_export_base(export_dir, cfg)  # a Medusa-2 export's fine-tuned base, inside the folder
-    if dtype is not None:
-        cfg = dataclasses.replace(cfg, dtype=dtype)
-    if device is not None:
-        cfg = dataclasses.replace(cfg, device=device)
+    cfg = export_base_config(export_dir, export_config, model, dtype, device)
     base, tokenizer = load_base_model(cfg)
     check_heads_match_base(heads.spec, base)
     weight = base.get_output_embeddings().weight

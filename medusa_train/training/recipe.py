@@ -187,7 +187,7 @@ class TrainRecipe:
             data = prepare_data(
                 cfg.data, tokenizer=tokenizer, model=base, max_length=cfg.max_length, seed=cfg.seed,
                 self_distill_dir=Path(cfg.data.self_distill_dir or self.paths.self_distill),
-                rank=self.env.rank, world_size=self.env.world_size, barrier=self.barrier,
+                rank=self.env.rank, world_size=self.env.world_size, barrier=self.barrier, model_config=cfg.model,
             )
         heads = self._initial_heads(base) if self.init_heads_from else self._new_heads(base, data)
         vocab_size = int(base.get_output_embeddings().weight.shape[0])
