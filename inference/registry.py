@@ -315,8 +315,8 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
     from medusa_train.loading.base import engine_model_path
 
     if ctx.model_config is None:
-        raise ValueError(f"decoder {name!r} needs the target's model config (BuildContext.model_config); "
-                         "medusa-eval passes it")
+        raise ValueError(f"decoder {name!r} runs in medusa-eval and benchmarks/serve_vllm.py (it needs the target's "
+                         "model config, BuildContext.model_config, and does not stream)")
     spec = None
     if isinstance(settings, VllmMedusaSettings):
         spec = speculative_config(ctx.export_dir, settings.num_speculative_tokens)

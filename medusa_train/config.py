@@ -455,6 +455,13 @@ class TrainConfig:
                              "use heads.stage1_hidden_cache=true for the heads-only first stage")
         for part in (self.model, self.heads, self.data, self.trainer, self.logger):
             part.validate()
+        if self.export and self.export_vllm:
+            from medusa_train.export.writer import vllm_problem
+
+            problem = vllm_problem(self.heads.head_vocab_size)
+            if problem is not None:
+                raise ValueError(f"export_vllm=true, but {problem}; set export_vllm=false or another "
+                                 "heads.head_vocab_size")
         if self.heads.mode == "medusa2" and self.heads.finetune == "full" and self.base_loss == "kl":
             raise ValueError("data.self_distill=true makes heads.base_loss default to kl, which with "
                              "heads.finetune=full would need a second, frozen copy of the base model; set "

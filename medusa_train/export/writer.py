@@ -25,8 +25,9 @@ initialized from checkpoint: {'token_map'}": it becomes a parameter only inside 
 vocabulary (V' < V, ``token_map``) is therefore written as full-vocabulary projections (:func:`vllm_projections`):
 the V' rows of the token map hold the head's own rows, and every other row holds the mean of those V' rows. That
 token's logit is then the mean of the head's V' logits, never above their maximum (equal only when all V' logits
-are equal), so vLLM's argmax over V tokens is the head's own top-1 over V': exactly our draft, in any dtype (the
-V' rows are stored unchanged). Zero rows instead give logit 0, which beats every in-map token wherever the head's
+are equal), so vLLM's argmax over V tokens is the head's own top-1 over V': exactly our draft (the V' rows are
+stored unchanged; vLLM running in a lower dtype than the export's rounds the mean row too, which can matter only
+where the head's V' logits all lie within rounding of each other). Zero rows instead give logit 0, which beats every in-map token wherever the head's
 V' logits are all negative; rows from the base lm_head compete with the head's own rows. ``docs/vllm.md`` has both
 measured. The cost is size: K x V x H instead of K x V' x H (SmolLM2-135M, K = 4, V' = 4,096, fp32: 458 MB
 instead of 43 MB; one V x H matrix with ``share_lm_head``). :func:`vllm_problem` names the layouts vLLM cannot
@@ -51,7 +52,7 @@ from transformers import PreTrainedModel
 from medusa_train.export.configs import VLLM_TOKEN_MAP, export_config, vllm_config
 from medusa_train.export.files import write_json, write_safetensors
 from medusa_train.export.layouts import FASTERDECODING, VLLM, split_heads
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.heads import MedusaHeads
 from medusa_train.model import check_heads_match_base
 
 CONFIG_FILE = "config.json"
@@ -99,7 +100,7 @@ def save_export(
     if spec.share_lm_head and vllm and base_model is None:
         raise ValueError("share_lm_head=True: vLLM's Medusa cannot use the target model's lm_head, so vllm/ must "
                          "hold a copy; pass base_model=... to save_export, or vllm=False to skip vllm/")
-    problem = vllm_problem(spec) if vllm else None
+    problem = vllm_problem(spec.head_vocab_size) if vllm else None
     if problem is not None:
         raise ValueError(f"cannot write vllm/ for these heads: {problem}; export with vllm=False (export_vllm=false) "
                          "to skip it")
@@ -135,14 +136,15 @@ def save_export(
     return out
 
 
-def vllm_problem(spec: HeadsSpec) -> str | None:
-    """Why vLLM's Medusa cannot reproduce heads of ``spec`` (None: it can; see the module docstring).
+def vllm_problem(head_vocab_size: int | None) -> str | None:
+    """Why vLLM's Medusa cannot reproduce heads with this head vocabulary (None: it can; see the module docstring).
 
     vLLM drafts each head's top-1 token with one projection per head (or one shared), no bias, over all V tokens.
     Heads whose top-1 no such projection reproduces are refused: a one-token head vocabulary (every other token
-    ties with it, and vLLM's argmax takes the lowest id).
+    ties with it, and vLLM's argmax takes the lowest id). Checked by :func:`save_export` and, before training, by
+    ``TrainConfig.validate``.
     """
-    if spec.head_vocab_size == 1:
+    if head_vocab_size == 1:
         return ("head_vocab_size=1: vLLM projects onto all V tokens, and the one token of the head vocabulary ties "
                 "with every other (their rows can only copy its row), so vLLM would draft the lowest token id")
     return None

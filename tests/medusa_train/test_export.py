@@ -243,6 +243,16 @@ def test_export_refuses_a_head_layout_vllm_cannot_reproduce(tmp_path, base):
     assert not (tmp_path / "refused").exists()  # refused before writing anything
     save_export(heads, tmp_path / "kept", "tiny-llama", vllm=False, base_model=base)
     assert not (tmp_path / "kept" / "vllm").exists()
+    # and medusa-train refuses it before loading anything
+    from medusa_train.config import DataConfig, HeadsConfig, LoggerConfig, ModelConfig, TrainConfig, TrainerConfig
+
+    def train_config(**kwargs) -> TrainConfig:
+        return TrainConfig(model=ModelConfig(name_or_path="tiny-llama"), heads=HeadsConfig(head_vocab_size=1),
+                           data=DataConfig(), trainer=TrainerConfig(), logger=LoggerConfig(), output_dir="x", **kwargs)
+
+    with pytest.raises(ValueError, match="export_vllm=true, but head_vocab_size=1.*set export_vllm=false"):
+        train_config().validate()
+    train_config(export_vllm=False).validate()
 
 
 # ---------------------------------------------------------------- errors
