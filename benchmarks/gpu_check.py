@@ -22,11 +22,11 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout
 def base_folder(export: str) -> str:
     """The HF folder (or Hub id) of the base model recorded in ``export`` (a GGUF base converted once)."""
     from medusa_train.export import read_export_config
-    from medusa_train.loading.base import hf_folder
+    from medusa_train.loading.base import engine_model_path
     from medusa_train.loading.medusa import model_config_for_export, resolve_export_base
 
     cfg = resolve_export_base(export, model_config_for_export(read_export_config(export)))
-    return hf_folder(cfg)
+    return engine_model_path(cfg)
 
 
 def _fmt(value: object, spec: str) -> str:

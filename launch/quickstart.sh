@@ -7,13 +7,19 @@
 #      top-1 of 0.16 on the model's greedy continuations, 12k self-distilled tokens 0.21. Prompts of at most 128
 #      tokens, 192-token replies and 128 rows per generate call make about 6x the tokens per minute of 16 rows;
 #   3. medusa-tune-tree: head accuracy on held-out ShareGPT prompts + this CPU's verification latency -> the tree;
-#   4. medusa-eval: every decoder on MT-Bench first turns (one per category), the summary table printed at the end.
+#   4. medusa-eval: every decoder on MT-Bench first turns (one per category), the summary table printed at the end;
+#   5. with vLLM's environment (bash launch/install_vllm.sh): plain vLLM against vLLM with these heads, batch 1 and 8.
+# Self-distillation runs in vLLM when its environment is installed (bf16 where the CPU has bf16 units or on a GPU:
+# docs/vllm.md measures it against HF generate), else with HF generate on the training model; the log says which.
 # Every step resumes: re-running after a kill continues where it stopped. Knobs (environment variables):
 #   QUICKSTART_OUT (runs/quickstart), QUICKSTART_CONVERSATIONS (ShareGPT conversations read, 700: about 520 have a
 #   first turn of at most 128 tokens), QUICKSTART_EPOCHS (5), QUICKSTART_DTYPE (auto: the dtype the tree is tuned on
 #   and every decoder runs in, bf16 on CPUs with bf16 instructions (AVX-512 BF16 / AMX) and on GPUs, fp32 elsewhere;
 #   training stays fp32), QUICKSTART_HEAD_VOCAB (4096), QUICKSTART_TUNE_PROMPTS (64: head accuracy varies widely
-#   between prompts), QUICKSTART_EVAL (true; false stops after the tree, as launch/recipe_long.sh does), QUICKSTART_EVAL_TOKENS (64).
+#   between prompts), QUICKSTART_EVAL (true; false stops after the tree, as launch/recipe_long.sh does),
+#   QUICKSTART_EVAL_TOKENS (64), QUICKSTART_DISTILL_ENGINE (auto: vllm when its environment is installed, else hf),
+#   QUICKSTART_DISTILL_DTYPE (auto: vLLM generates in bf16 where the hardware multiplies bf16 natively; hf generates
+#   with the fp32 training model).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -30,9 +36,19 @@ head_vocab="${QUICKSTART_HEAD_VOCAB:-4096}"
 tune_prompts="${QUICKSTART_TUNE_PROMPTS:-64}"
 resume=false
 [[ -d "$out/checkpoints" || -d "$out/export" || -d "$out/self_distill" ]] && resume=true
+vllm_venv="${MEDUSA_VLLM_VENV:-$root/.venv-vllm}"
+vllm_ready=false
+[[ -f "$vllm_venv/.medusa-vllm-installed" ]] && vllm_ready=true
+engine="${QUICKSTART_DISTILL_ENGINE:-auto}"
+[[ "$engine" == auto ]] && { engine=hf; [[ "$vllm_ready" == true ]] && engine=vllm; }
+distill_dtype="${QUICKSTART_DISTILL_DTYPE:-auto}"
+distill=(data.self_distill_engine="$engine")
+[[ "$engine" == vllm ]] && distill+=(data.self_distill_dtype="$distill_dtype")
+echo "== self-distillation engine: $engine ($([[ "$engine" == vllm ]] && echo "dtype $distill_dtype" || echo "the fp32 training model"))" \
+  "$([[ "$vllm_ready" == true ]] || echo "- vLLM's environment is not installed: bash launch/install_vllm.sh makes it")"
 
 echo "== 1/3 medusa-train: SmolLM2-135M-Instruct, replies self-distilled for the short first turns of $conversations ShareGPT conversations -> $out/export"
-medusa-train model=smollm2_135m model.dtype=float32 data=sharegpt data.self_distill=true \
+medusa-train model=smollm2_135m model.dtype=float32 data=sharegpt data.self_distill=true "${distill[@]}" \
   data.max_conversations="$conversations" data.max_prompt_tokens=128 data.max_new_tokens=192 \
   data.generation_batch_size=128 data.eval_fraction=0.03 max_length=320 hidden_cache=true heads.head_vocab_size="$head_vocab" \
   trainer=cpu trainer.precision=fp32 trainer.learning_rate=2e-3 \
@@ -52,3 +68,9 @@ medusa-eval export_dir="$out/export" output_dir="$out/eval" prompts=mt_bench per
   max_new_tokens="$eval_tokens" dtype="$dtype"
 echo
 cat "$out/eval/summary.md"
+if [[ "$vllm_ready" == true ]]; then
+  echo
+  echo "== vLLM: plain against these heads (vllm/), MT-Bench first turns, batch 1 and 8 -> $out/vllm_serve.json"
+  "$venv/bin/python" benchmarks/serve_vllm.py --export "$out/export" --num-prompts 8 \
+    --max-new-tokens "$eval_tokens" --batch-sizes 1 8 --dtype "$dtype" --output "$out/vllm_serve.json"
+fi

@@ -212,6 +212,7 @@ class HeadsConfig:
 
 
 DATA_SOURCES = ("sharegpt", "json", "hf_disk", "prompts")
+DISTILL_ENGINES = ("hf", "vllm", "server")
 PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("single", "ddp", "deepspeed")
 
@@ -236,9 +237,22 @@ class DataConfig:
         self_distill: regenerate every assistant turn with the base model (greedy) before training (Medusa paper,
             Sec. 2.3.2); cached as JSONL in ``self_distill_dir`` and resumed from there.
         self_distill_dir: where the regenerated conversations go; None: ``${output_dir}/self_distill``.
+        self_distill_engine: who writes the replies: ``hf`` (HF ``generate`` on the training model), ``vllm``
+            (vLLM in its own environment, ``bash launch/install_vllm.sh``: an engine per rank, started and stopped
+            here) or ``server`` (the OpenAI-compatible server at ``server_url``). None: ``server`` when
+            ``server_url`` is set, else ``hf``. Every engine gets our chat template's prompt ids and writes the same
+            records; docs/vllm.md compares their speed and replies.
+        server_url: base URL of an OpenAI-compatible completions server already running (e.g. ``vllm serve``),
+            e.g. ``http://127.0.0.1:8000``; prompts go to ``/v1/completions`` as token ids.
+        server_model: the model name the server knows; None: the first of ``GET /v1/models``.
+        self_distill_dtype: the dtype vLLM generates in (``vllm`` only; None: the training model's; ``auto``: bf16
+            where the hardware multiplies bf16 natively, as ``dtype=auto`` decides for decoding). bf16 on a CPU
+            with bf16 units makes about 1.7x fp32's tokens (docs/vllm.md); the heads still train on the model's
+            own dtype.
         max_new_tokens: longest regenerated reply.
-        generation_batch_size: conversations generated at once per rank. On a CPU larger batches pay: SmolLM2-135M
-            greedy decoding made 52 tokens/s at 16 rows and 170-230 at 64-128 rows on the 2-core test machine.
+        generation_batch_size: conversations generated at once per rank (with vLLM: sent per request, and vLLM's
+            ``max_num_seqs``). On a CPU larger batches pay: SmolLM2-135M greedy decoding made 52 tokens/s at 16
+            rows and 170-230 at 64-128 rows on the 2-core test machine.
         max_prompt_tokens: self-distillation skips (and counts) prompts longer than this; None: ``max_length - 1``.
             ShareGPT's first turns run to thousands of tokens and a left-padded batch is as long as its longest
             prompt, so a cap well below ``max_length`` buys more replies for the same time.
@@ -253,6 +267,10 @@ class DataConfig:
     prompts: list[str] = field(default_factory=list)
     self_distill: bool = False
     self_distill_dir: Optional[str] = None
+    self_distill_engine: Optional[str] = None
+    server_url: Optional[str] = None
+    server_model: Optional[str] = None
+    self_distill_dtype: Optional[str] = None
     max_new_tokens: int = 256
     generation_batch_size: int = 16
     max_prompt_tokens: Optional[int] = None
@@ -278,6 +296,28 @@ class DataConfig:
             raise ValueError("data.max_new_tokens and data.generation_batch_size must be >= 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
+        engine = self.distill_engine
+        if engine not in DISTILL_ENGINES:
+            raise ValueError(f"data.self_distill_engine must be one of {DISTILL_ENGINES} or null, got {engine!r}")
+        if engine == "server" and not self.server_url:
+            raise ValueError("data.self_distill_engine=server needs data.server_url (e.g. http://127.0.0.1:8000)")
+        if engine != "server" and (self.server_url or self.server_model):
+            raise ValueError(f"data.server_url / data.server_model are for data.self_distill_engine=server, "
+                             f"got engine {engine}: drop them or set the engine to server")
+        if self.server_url and not self.server_url.startswith(("http://", "https://")):
+            raise ValueError(f"data.server_url must start with http:// or https://, got {self.server_url!r}")
+        if self.self_distill_dtype is not None:
+            if engine != "vllm":
+                raise ValueError("data.self_distill_dtype is for data.self_distill_engine=vllm (hf generates with "
+                                 "the training model as loaded; a server has its own dtype)")
+            check_dtype_name(self.self_distill_dtype, "data.self_distill_dtype")
+
+    @property
+    def distill_engine(self) -> str:
+        """``self_distill_engine``, its default resolved: ``server`` when ``server_url`` is set, else ``hf``."""
+        if self.self_distill_engine is not None:
+            return self.self_distill_engine
+        return "server" if self.server_url else "hf"
 
 
 @dataclass
@@ -436,6 +476,13 @@ class TrainConfig:
                              "use heads.stage1_hidden_cache=true for the heads-only first stage")
         for part in (self.model, self.heads, self.data, self.trainer, self.logger):
             part.validate()
+        if self.export and self.export_vllm:
+            from medusa_train.export.writer import vllm_problem
+
+            problem = vllm_problem(self.heads.head_vocab_size)
+            if problem is not None:
+                raise ValueError(f"export_vllm=true, but {problem}; set export_vllm=false or another "
+                                 "heads.head_vocab_size")
         if self.heads.mode == "medusa2" and self.heads.finetune == "full" and self.base_loss == "kl":
             raise ValueError("data.self_distill=true makes heads.base_loss default to kl, which with "
                              "heads.finetune=full would need a second, frozen copy of the base model; set "

@@ -41,6 +41,20 @@ def make_tiny_model(family: str = "llama", seed: int = 0, vocab_size: int = VOCA
     return model.eval()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``vllm`` run only where vLLM's environment is installed; elsewhere they skip and say how to get it."""
+    from inference.engines.vllm_env import VllmUnavailable, vllm_python
+
+    try:
+        vllm_python()
+        return
+    except VllmUnavailable as e:
+        skip = pytest.mark.skip(reason=str(e))
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for the test: tiny models run faster on one, and much faster when other processes share the

@@ -10,7 +10,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from inference.decoders.base import DecodeConfig
-from inference.registry import REGISTRY, check_decoder_names, check_request, decoder_names, decoder_settings
+from inference.registry import REGISTRY, check_decoder_names, check_request, decoder_settings, default_decoder_names
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
 from medusa_train.prompts import PROMPT_SOURCES
@@ -39,9 +39,10 @@ class EvaluateConfig:
         max_turns: user turns answered per prompt (MT-Bench has 2); None: all. A later turn follows the baseline's
             own answer to the earlier one, so every decoder sees the same conversation.
         output_dir: results.jsonl, summary.json, summary.md, plots (in a multirun: one numbered subfolder per run).
-        decoders: decoder names, run in turn on every prompt (all registered ones by default). ``vanilla`` is the
-            baseline of speedup and exact match and writes the answers later turns follow: it always runs, first,
-            and is added when missing.
+        decoders: decoder names, run in turn on every prompt (by default every registered one except the vLLM
+            engines ``vllm`` and ``vllm_medusa``, which need ``bash launch/install_vllm.sh`` and run when listed).
+            ``vanilla`` is the baseline of speedup and exact match and writes the answers later turns follow: it
+            always runs, first, and is added when missing.
         decoder: settings per decoder name (``conf/decoder/<name>.yaml``).
         model: optional ``model/`` config overriding the base model recorded in the export.
         dtype: ``auto`` (bf16 where the hardware multiplies bf16 natively, fp32 elsewhere; see
@@ -70,7 +71,7 @@ class EvaluateConfig:
     prompt_offset: Optional[int] = None
     max_turns: Optional[int] = None
     output_dir: str = MISSING
-    decoders: list[str] = field(default_factory=lambda: list(decoder_names()))
+    decoders: list[str] = field(default_factory=lambda: list(default_decoder_names()))
     decoder: dict[str, Any] = field(default_factory=dict)
     model: Optional[Any] = None
     dtype: Optional[str] = DEFAULT_DTYPE

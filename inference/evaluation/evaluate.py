@@ -22,6 +22,7 @@ loads, naming what changed (``overwrite=true`` starts over). The summary covers 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -49,12 +50,12 @@ from inference.evaluation.summary import (
     tables_by_category,
 )
 from inference.evaluation.sweep import RUN_FILE, SUMMARY_FILE
-from inference.registry import REGISTRY, BuildContext, BuiltDecoder, build_decoders
+from inference.registry import REGISTRY, BuildContext, BuiltDecoder, build_decoders, close_decoders
 from medusa_train.config import as_dataclass
 from medusa_train.export.files import write_json
 from medusa_train.export.reader import heads_checksum
-from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, model_config_for_export
-from medusa_train.loading.runtime import load_for_inference
+from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, export_base_config, model_config_for_export
+from medusa_train.loading.runtime import InferenceRuntime, load_for_inference
 from medusa_train.prompts import PROMPT_SOURCES, Prompt, encode_prompt, load_prompts
 from medusa_train.tuning.tune import read_tree_files
 
@@ -238,9 +239,22 @@ def evaluate(cfg: DictConfig | EvaluateConfig, output_dir: str | Path | None = N
         torch.set_num_threads(ec.threads)
     model, tokenizer, export_config, runtime = load_for_inference(ec.export_dir, model=ec.model, dtype=ec.dtype,
                                                                   device=ec.device, cpu_kernels=ec.cpu_kernels)
+    target = dataclasses.replace(export_base_config(ec.export_dir, export_config, ec.model, ec.dtype, ec.device),
+                                 dtype=runtime.dtype.name)
     ctx = BuildContext(model=model, tokenizer=tokenizer, export_dir=ec.export_dir, dtype=runtime.dtype.name,
-                       device=ec.device, kernels=runtime.kernels)
+                       device=ec.device, kernels=runtime.kernels, model_config=target)
     built = build_decoders(settings, ctx)
+    try:
+        return _run(ec, out, overrides, prompts, config, results, identity, model, tokenizer, export_config,
+                    runtime, built)
+    finally:
+        close_decoders(built)  # engines in other processes (vLLM) stop with the run
+
+
+def _run(ec: EvaluateConfig, out: Path, overrides: list[str], prompts: list[Prompt], config: dict[str, Any],
+         results: ResultsLog, identity: dict[str, Any], model: Any, tokenizer: Any, export_config: dict[str, Any],
+         runtime: InferenceRuntime, built: dict[str, BuiltDecoder]) -> dict[str, Any]:
+    """Measure the built decoders on ``prompts`` and write the run's files (the second half of :func:`evaluate`)."""
     identities = decoder_identities(built, config, identity["heads_sha256"])
     fingerprints = {name: fingerprint(i) for name, i in identities.items()}
     remeasured = supersede_stale_rows(out, results, identities, fingerprints)

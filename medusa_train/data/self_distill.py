@@ -8,6 +8,9 @@ the model; the records written are ShareGPT-like and :func:`load_conversations` 
 
 Batches are left-padded with prompts sorted by length (about twice the throughput of unsorted batches on CPU,
 see NOTES.md); work is sharded across ranks and resumable (finished records are appended and flushed per batch).
+The replies come from HF ``generate`` on the training model, or from another engine through ``generate``
+(:mod:`medusa_train.data.distill_engines`: vLLM, an OpenAI-compatible server): same prompts (our chat template's
+ids), same records, same resume.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,9 @@ from medusa_train.generation import greedy_generate, length_batches
 logger = logging.getLogger(__name__)
 
 CHECKSUM_KEY = "sha256"  # of the record's other fields, see record_checksum
+# (prompts as token ids, max_new_tokens, stop ids) -> per prompt (new tokens, whether a stop id ended it); a finished
+# reply's tokens end with its stop id where the engine returns it (HF generate does).
+GenerateFn = Callable[[list[list[int]], int, set[int]], list[tuple[list[int], bool]]]
 
 
 @dataclass
@@ -154,6 +161,7 @@ def self_distill(
     chat_template: str | None = None,
     show_progress: bool = True,
     max_prompt_tokens: int | None = None,
+    generate: GenerateFn | None = None,
 ) -> SelfDistillStats:
     """Answer each conversation's first user turn with ``model`` (greedy) and append the records to a JSONL file.
 
@@ -175,6 +183,8 @@ def self_distill(
         show_progress: a tqdm bar, on rank 0 only.
         max_prompt_tokens: skip (and count) prompts longer than this: ShareGPT's first turns reach thousands of
             tokens, and one such prompt makes its whole left-padded batch that long. None keeps every prompt.
+        generate: the engine answering each batch (see :data:`GenerateFn`); None: greedy HF ``generate`` on
+            ``model``. ``model`` still gives the stop ids (its ``generation_config`` EOS).
 
     Returns:
         :class:`SelfDistillStats` for this rank.
@@ -214,6 +224,10 @@ def self_distill(
             continue
         pending.append((i, rid, prompt, ids))
 
+    if generate is None:
+        def generate(prompts: list[list[int]], n: int, stops: set[int]) -> list[tuple[list[int], bool]]:
+            return greedy_generate(model, prompts, n, pad_id, stops)
+
     bar = tqdm(total=len(pending), desc="self-distill", disable=rank != 0 or not show_progress)
     was_training = model.training
     model.eval()
@@ -221,8 +235,8 @@ def self_distill(
         with path.open("a", encoding="utf-8") as out:
             for chunk in length_batches([len(item[3]) for item in pending], batch_size):
                 batch = [pending[j] for j in chunk]
-                replies = [(tokens[:-1] if finished else tokens, finished) for tokens, finished in
-                           greedy_generate(model, [item[3] for item in batch], max_new_tokens, pad_id, stop_ids)]
+                replies = [(tokens[:-1] if finished and tokens and tokens[-1] in stop_ids else tokens, finished)
+                           for tokens, finished in generate([item[3] for item in batch], max_new_tokens, stop_ids)]
                 for (index, rid, prompt, _), (reply, finished) in zip(batch, replies):
                     text = tokenizer.decode(reply, skip_special_tokens=True).strip()
                     out.write(json.dumps(_record(index, rid, prompt, text, len(reply), finished), ensure_ascii=False))

@@ -6,10 +6,12 @@ Ours keeps FasterDecoding's ``MedusaConfig`` names (``medusa_num_heads``, ``medu
 takes a config with ``medusa_num_heads`` as a Medusa speculator, and one with ``architectures`` as something else,
 so that key is never written there.
 
-vLLM's (``vllm/transformers_utils/configs/medusa.py`` at 0531c22): ``model_type "medusa"``, ``architectures
+vLLM's (``vllm/transformers_utils/configs/medusa.py``, vLLM 0.32): ``model_type "medusa"``, ``architectures
 ["MedusaModel"]``, ``hidden_size``, ``vocab_size``, ``num_heads``, ``num_hidden_layers``, ``max_paths``, ``topk``,
-``truncated_vocab_size`` (V' < V with a ``token_map``), plus attributes its model reads: ``original_lm_head`` (one
-lm_head for every head) and ``medusa_fc_bias`` (biases in the residual blocks; False when absent).
+``truncated_vocab_size``, plus attributes its model reads: ``original_lm_head`` (one lm_head for every head) and
+``medusa_fc_bias`` (biases in the residual blocks; False when absent). vLLM 0.32 cannot load a ``token_map``
+(``writer.py`` explains), so ``truncated_vocab_size`` is always V and a reduced head vocabulary is recorded for our
+own reader only: ``medusa_train_head_vocab_size`` here and the ``medusa_train.token_map`` tensor (vLLM ignores both).
 
 Hydra heads (:mod:`medusa_train.hydra_heads`) have no engine layout. Their config.json says ``head_type: "hydra"`` and
 names its counts ``hydra_num_heads`` / ``hydra_num_layers`` / ``hydra_combine``, never ``medusa_num_heads``, so that
@@ -28,6 +30,10 @@ from medusa_train import __version__
 from medusa_train.export.layouts import FASTERDECODING
 from medusa_train.heads import HeadsSpec
 from medusa_train.hydra_heads import HydraSpec
+
+# vllm/: the reduced head vocabulary of heads written with full-vocabulary projections (ignored by vLLM).
+VLLM_HEAD_VOCAB_KEY = "medusa_train_head_vocab_size"
+VLLM_TOKEN_MAP = "medusa_train.token_map"
 
 EXPORT_VERSION = 1  # bump when the export layout changes incompatibly; readers refuse newer versions
 HEAD_TYPE_KEY = "head_type"  # absent: Medusa heads
@@ -97,12 +103,12 @@ def export_config(
 
 
 def vllm_config(spec: HeadsSpec, dtype: torch.dtype) -> dict[str, Any]:
-    """``vllm/config.json`` for vLLM's ``MedusaConfig``.
+    """``vllm/config.json`` for vLLM's ``MedusaConfig``: projections over all V tokens (see ``writer.py``).
 
     vLLM renames every key holding ``num`` and ``heads`` to ``num_heads`` (``layers``: ``num_hidden_layers``) in
     ``MedusaConfig.from_pretrained``, so no other such key may appear here.
     """
-    return {
+    config = {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
         "hidden_size": spec.hidden_size,
@@ -111,11 +117,14 @@ def vllm_config(spec: HeadsSpec, dtype: torch.dtype) -> dict[str, Any]:
         "num_hidden_layers": spec.num_layers,
         "max_paths": 64,
         "topk": 10,
-        "truncated_vocab_size": spec.out_size,
+        "truncated_vocab_size": spec.vocab_size,
         "original_lm_head": spec.share_lm_head,
         "medusa_fc_bias": True,
         "torch_dtype": dtype_name(dtype),
     }
+    if spec.head_vocab_size is not None:
+        config[VLLM_HEAD_VOCAB_KEY] = spec.head_vocab_size
+    return config
 
 
 def check_version(config: dict[str, Any], source: str) -> None:
@@ -218,7 +227,9 @@ def read_vllm_config(raw: dict[str, Any], source: str) -> tuple[HeadsSpec, bool]
     Applies ``MedusaConfig.from_pretrained``'s renaming (keys with ``num`` + ``heads`` -> ``num_heads``, ``num`` +
     ``layers`` -> ``num_hidden_layers``) and its defaults for ``num_hidden_layers`` (1) and ``truncated_vocab_size``
     (``vocab_size``); ``original_lm_head`` maps to ``share_lm_head``. ``hidden_size``, ``vocab_size`` and
-    ``num_heads`` are required here (vLLM would silently use Vicuna-7B's sizes).
+    ``num_heads`` are required here (vLLM would silently use Vicuna-7B's sizes). A reduced head vocabulary is
+    ``truncated_vocab_size < vocab_size`` (a ``token_map`` tensor, older vLLM versions) or our
+    ``medusa_train_head_vocab_size`` (full-vocabulary projections plus ``medusa_train.token_map``).
 
     Raises:
         ValueError: ``model_type`` is not ``medusa`` or a required field is missing.
@@ -238,6 +249,8 @@ def read_vllm_config(raw: dict[str, Any], source: str) -> tuple[HeadsSpec, bool]
     vocab_size = config["vocab_size"]
     truncated = config.get("truncated_vocab_size")
     truncated = vocab_size if truncated is None else truncated
+    if truncated == vocab_size and config.get(VLLM_HEAD_VOCAB_KEY) is not None:
+        truncated = config[VLLM_HEAD_VOCAB_KEY]
     spec = HeadsSpec(
         num_heads=config["num_heads"],
         num_layers=config.get("num_hidden_layers", 1),

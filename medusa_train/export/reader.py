@@ -18,6 +18,8 @@ import torch
 from transformers import PreTrainedModel
 
 from medusa_train.export.configs import (
+    VLLM_HEAD_VOCAB_KEY,
+    VLLM_TOKEN_MAP,
     check_version,
     export_head_type,
     read_vllm_config,
@@ -134,7 +136,8 @@ def load_heads(
       config.json must say ``share_lm_head: true``.
     - a vLLM Medusa folder: ``config.json`` with ``model_type: "medusa"`` and ``*.safetensors`` read by vLLM's
       rules (``medusa_heads.`` prefix dropped, biases only with ``medusa_fc_bias``, ``token_map`` with
-      ``truncated_vocab_size < vocab_size``, projections of V rows cut to the token map). ``original_lm_head``
+      ``truncated_vocab_size < vocab_size``, projections of V rows cut to the token map); ours records a reduced
+      head vocabulary as ``medusa_train_head_vocab_size`` + ``medusa_train.token_map`` beside V-row projections. ``original_lm_head``
       loads as ``share_lm_head=True``; its stored lm_head is checked against ``base_model``'s when one is given.
     - Hydra heads: ``config.json`` with ``head_type: "hydra"`` and ``hydra_heads.safetensors`` (+ the token map).
 
@@ -295,10 +298,11 @@ def _read_vllm(
     source = f"{folder} ({', '.join(f.name for f in files)})"
     token_map = None
     if spec.head_vocab_size is not None:
-        if "token_map" not in state:
-            raise ValueError(f"{source}: truncated_vocab_size={spec.head_vocab_size} < vocab_size="
-                             f"{spec.vocab_size} needs a 'token_map' tensor, which is missing")
-        token_map = _checked_token_map(state.pop("token_map"), spec, source)
+        name = VLLM_TOKEN_MAP if raw.get(VLLM_HEAD_VOCAB_KEY) is not None else "token_map"
+        if name not in state:
+            raise ValueError(f"{source}: a head vocabulary of {spec.head_vocab_size} < vocab_size="
+                             f"{spec.vocab_size} tokens needs a {name!r} tensor, which is missing")
+        token_map = _checked_token_map(state.pop(name), spec, source)
     if spec.share_lm_head and "lm_head.weight" in state and "lm_heads.0.weight" not in state:
         state["lm_heads.0.weight"] = state.pop("lm_head.weight")  # vLLM's own parameter name, also accepted
     projections = 1 if spec.share_lm_head else spec.num_heads

@@ -10,7 +10,8 @@ export/
   medusa_lm_head.pt            the same keys, torch.save of a plain dict: what FasterDecoding's loader reads
   token_map.safetensors        "token_map" [V'] int64, only with a reduced head vocabulary
   vllm/config.json             vLLM MedusaConfig (model_type "medusa", medusa_fc_bias true)
-  vllm/model.safetensors       "blocks.{h}.layers.{l}.weight|bias", "lm_heads.{h}.weight" (+ "token_map")
+  vllm/model.safetensors       "blocks.{h}.layers.{l}.weight|bias", "lm_heads.{h}.weight" [V, H]
+                               (+ "medusa_train.token_map" with a reduced head vocabulary; vLLM ignores it)
 ```
 
 ``medusa_lm_head.pt`` is for FasterDecoding's ``MedusaModel.from_pretrained`` (v0.1 and its GitHub head read only
@@ -32,6 +33,21 @@ loader finds heads of the other kind there.
 
 Heads holding NaN or Inf are refused before anything is written.
 
+``vllm/`` is what vLLM 0.32 loads (``vllm/model_executor/models/medusa.py``), whose Medusa proposes each head's
+top-1 token over the full vocabulary: its per-head ``lm_heads`` must have all V rows (a V'-row head asserts in
+``ParallelLMHead.weight_loader``), and a ``token_map`` tensor stops the load ("Following weights were not
+initialized from checkpoint: {'token_map'}": it becomes a parameter only inside ``load_weights``). A reduced head
+vocabulary (V' < V, ``token_map``) is therefore written as full-vocabulary projections (:func:`vllm_projections`):
+the V' rows of the token map hold the head's own rows, and every other row holds the mean of those V' rows. That
+token's logit is then the mean of the head's V' logits, never above their maximum (equal only when all V' logits
+are equal), so vLLM's argmax over V tokens is the head's own top-1 over V': exactly our draft (the V' rows are
+stored unchanged; vLLM running in a lower dtype than the export's rounds the mean row too, which can matter only
+where the head's V' logits all lie within rounding of each other). Zero rows instead give logit 0, which beats every in-map token wherever the head's
+V' logits are all negative; rows from the base lm_head compete with the head's own rows. ``docs/vllm.md`` has both
+measured. The cost is size: K x V x H instead of K x V' x H (SmolLM2-135M, K = 4, V' = 4,096, fp32: 458 MB
+instead of 43 MB; one V x H matrix with ``share_lm_head``). :func:`vllm_problem` names the layouts vLLM cannot
+reproduce; :func:`save_export` refuses them before writing anything.
+
 Files are replaced one by one (temporary sibling + ``os.replace``) rather than the folder as a whole, because
 other tools write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json`` and ``README.md`` into
 the same folder and a re-export must keep them. ``config.json`` is written last. Files of ours that the new export
@@ -49,7 +65,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from medusa_train.export.configs import export_config, vllm_config
+from medusa_train.export.configs import VLLM_TOKEN_MAP, export_config, vllm_config
 from medusa_train.export.files import write_json, write_safetensors, write_torch
 from medusa_train.export.layouts import FASTERDECODING, VLLM, check_finite, fasterdecoding_limitation, split_heads
 from medusa_train.head_types import DraftHeads
@@ -102,8 +118,8 @@ def save_export(
     Raises:
         ValueError: heads holding NaN or Inf (tensor and head named); ``extra_config`` clashes with a written field
             or is not JSON-serialisable; ``share_lm_head`` with ``vllm`` or ``medusa_lm_head.pt`` but without
-            ``base_model``; ``vllm`` with Hydra heads; ``base_model`` does not match the heads (field named). All
-            before anything is written.
+            ``base_model``; ``vllm`` with Hydra heads, or for heads vLLM cannot reproduce (:func:`vllm_problem`, the
+            reason given); ``base_model`` does not match the heads (field named). All before anything is written.
     """
     spec = heads.spec
     out = Path(out_dir)
@@ -111,6 +127,10 @@ def save_export(
     if hydra and vllm:
         raise ValueError("vllm=True: vLLM's Medusa loader reads Medusa heads only and these are Hydra heads "
                          "(head_type 'hydra'); pass vllm=False (export_vllm=false)")
+    problem = vllm_problem(spec.head_vocab_size) if vllm else None
+    if problem is not None:
+        raise ValueError(f"cannot write vllm/ for these heads: {problem}; export with vllm=False (export_vllm=false) "
+                         "to skip it")
     if hydra:
         tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in heads.state_dict().items()
                    if k != "token_map"}
@@ -175,24 +195,60 @@ def _fasterdecoding_state(
     weight = base_model.get_output_embeddings().weight.detach().to("cpu", heads.block_weight.dtype, copy=True)
     L = heads.spec.num_layers
     return {**tensors, **{FASTERDECODING.projection.format(h=h, L=L): weight for h in range(heads.spec.num_heads)}}
+def vllm_problem(head_vocab_size: int | None) -> str | None:
+    """Why vLLM's Medusa cannot reproduce heads with this head vocabulary (None: it can; see the module docstring).
+
+    vLLM drafts each head's top-1 token with one projection per head (or one shared), no bias, over all V tokens.
+    Heads whose top-1 no such projection reproduces are refused: a one-token head vocabulary (every other token
+    ties with it, and vLLM's argmax takes the lowest id). Checked by :func:`save_export` and, before training, by
+    ``TrainConfig.validate``.
+    """
+    if head_vocab_size == 1:
+        return ("head_vocab_size=1: vLLM projects onto all V tokens, and the one token of the head vocabulary ties "
+                "with every other (their rows can only copy its row), so vLLM would draft the lowest token id")
+    return None
+
+
+def vllm_projections(weight: torch.Tensor, token_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Projections vLLM's Medusa reads (``lm_heads.{h}.weight``, all V rows) for heads projecting onto V' tokens.
+
+    Args:
+        weight: ``[P, V', H]``, P projections (K heads, or 1 shared lm_head).
+        token_map: ``[V']`` base token ids of the head vocabulary, or None (V' = V: returned unchanged).
+        vocab_size: V.
+
+    Returns:
+        ``[P, V, H]`` in ``weight``'s dtype: row ``token_map[i]`` is ``weight[:, i]``, every other row the mean of the
+        V' rows (accumulated in fp32), so no other token's logit exceeds the head's best one.
+    """
+    if token_map is None:
+        return weight
+    P, _, H = weight.shape
+    mean = weight.float().mean(dim=1, keepdim=True).to(weight.dtype)  # [P, 1, H]
+    full = mean.expand(P, vocab_size, H).clone()  # [P, V, H]
+    full[:, token_map.to(weight.device)] = weight
+    return full
 
 
 def _write_vllm(
     heads: MedusaHeads, folder: Path, token_map: torch.Tensor | None, base_lm_head: torch.Tensor | None
 ) -> None:
     """``vllm/``; ``base_lm_head [V, H]`` (given exactly when ``share_lm_head``) becomes ``lm_heads.0.weight``."""
-    projections = None
+    spec = heads.spec
     if base_lm_head is not None:
         weight = base_lm_head.detach()  # [V, H]
         if heads.token_map is not None:
             weight = weight[heads.token_map.to(weight.device)]  # [V', H]
         projections = weight.to(heads.block_weight.dtype).unsqueeze(0)  # [1, V', H] -> lm_heads.0.weight
+    else:
+        projections = heads.lm_head_weight.detach()  # [K, V', H]
+    projections = vllm_projections(projections, token_map, spec.vocab_size)  # [P, V, H]
     tensors = split_heads(heads, VLLM, projections)
     if token_map is not None:
-        tensors["token_map"] = token_map.clone()
+        tensors[VLLM_TOKEN_MAP] = token_map.clone()
     folder.mkdir(exist_ok=True)
     write_safetensors(folder / VLLM_WEIGHTS_FILE, tensors)
-    write_json(folder / CONFIG_FILE, vllm_config(heads.spec, heads.block_weight.dtype))
+    write_json(folder / CONFIG_FILE, vllm_config(spec, heads.block_weight.dtype))
 
 
 def _remove_vllm(folder: Path) -> None:

@@ -8,6 +8,7 @@ later loads skip dequantization (about 20 s for SmolLM2-135M, NOTES.md).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -126,21 +127,21 @@ def _converted(cfg: ModelConfig, fmt: str) -> str | tuple[PreTrainedModel, PreTr
     return str(target)
 
 
-def hf_folder(cfg: ModelConfig) -> str:
-    """What another engine (vLLM, TGI) loads for this base: the name or folder itself for an HF model, else the HF
-    folder a GGUF or llama2.c checkpoint is converted into under the cache (converting it once, now, if needed).
+def engine_model_path(cfg: ModelConfig) -> str:
+    """What another engine (vLLM, TGI) loads for this base model: ``name_or_path`` for an HF folder or Hub id; for a
+    GGUF or llama2.c checkpoint, the HF folder it is converted into under the cache (converted now if needed,
+    whatever ``cache_converted`` says).
 
     Raises:
-        ValueError: ``cache_converted`` is off for a converted format (there is no folder to point at).
-        FileNotFoundError: the checkpoint is missing.
+        FileNotFoundError: a local checkpoint or tokenizer file is missing.
     """
     cfg.validate()
     fmt = detect_format(cfg)
     if fmt == "hf":
         return cfg.name_or_path
-    if not cfg.cache_converted:
-        raise ValueError(f"model.cache_converted=false: the {fmt} checkpoint has no HF folder; set it to true")
-    return str(_converted(cfg, fmt))
+    path = _converted(dataclasses.replace(cfg, cache_converted=True), fmt)
+    assert isinstance(path, str)
+    return path
 
 
 def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

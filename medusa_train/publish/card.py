@@ -303,9 +303,17 @@ def _usage(contents: ExportContents, repo: str) -> str:
             "```\n")
     if contents.has_vllm:
         spec = json.dumps({"method": "medusa", "model": f"{local}/vllm", "num_speculative_tokens": k})
+        layout = ""
+        if c.get("head_vocab_size"):
+            layout = (f"The heads project onto {c['head_vocab_size']:,} of the {c.get('vocab_size', 0):,} tokens; "
+                      "vLLM (0.32) loads no token map, so `vllm/` holds full-vocabulary projections whose rows "
+                      "outside the head vocabulary are the mean of the head's own rows: vLLM's argmax is then "
+                      "exactly the head's top-1 (measured in the medusa-train repository's docs/vllm.md), at the "
+                      "cost of a larger file (one vocabulary-sized matrix per projection). ")
         text += ("\n### vLLM\n\n"
                  "`vllm/` holds the heads in vLLM's Medusa layout (`model_type: medusa`). vLLM drafts one chain, "
-                 f"each head's top-1 token, so `num_speculative_tokens` is the number of heads ({k}).\n\n"
+                 f"each head's top-1 token, so `num_speculative_tokens` is the number of heads ({k}). "
+                 f"{layout}\n\n"
                  "```bash\n"
                  f'hf download {repo} --include "vllm/*" --local-dir {local}\n'
                  f"vllm serve {base} --speculative-config '{spec}'\n"

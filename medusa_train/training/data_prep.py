@@ -3,7 +3,8 @@
 Steps, each failing before training with a message that names the setting to change:
 
 1. conversations from the source (``sharegpt``, ``json``, ``hf_disk``) or from ``prompts`` (one user turn each);
-2. with ``self_distill``: the base model answers each first user turn (greedy); rank r answers conversations
+2. with ``self_distill``: the base model answers each first user turn (greedy), through the engine
+   ``self_distill_engine`` names (HF generate, vLLM, a server); rank r answers conversations
    ``r, r + world_size, ...`` into its own JSONL shard under ``self_distill_dir``, reused and completed on resume;
    after a barrier every rank reads all shards back in the original order;
 3. tokenization with assistant-only labels, truncation at ``max_length`` (counted and reported), held-out split.
@@ -12,12 +13,13 @@ Steps, each failing before training with a message that names the setting to cha
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from medusa_train.config import DataConfig, TrainerConfig
+from medusa_train.config import DataConfig, ModelConfig, TrainerConfig
 from medusa_train.data import (
     BuildStats,
     Conversation,
@@ -28,6 +30,7 @@ from medusa_train.data import (
     self_distill,
 )
 from medusa_train.data.conversations import normalize_record
+from medusa_train.data.distill_engines import distill_engine
 from medusa_train.data.self_distill import distill_prompt, prompt_key, read_records, record_id, shard_path
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET
@@ -178,12 +181,17 @@ def prepare_data(
     rank: int,
     world_size: int,
     barrier: Callable[[], None],
+    model_config: ModelConfig | None = None,
 ) -> PreparedData:
     """Run steps 1-3 of the module docstring on every rank (collective: ``barrier`` is called by all).
+
+    ``model_config`` is the base model's ``model/`` config, which ``self_distill_engine=vllm`` loads in vLLM.
 
     Raises:
         ValueError: no usable conversation, a file without records, every conversation skipped by tokenization.
         FileNotFoundError: a missing data file or package.
+        VllmUnavailable / ServerError: the self-distillation engine is missing or unreachable (named), with every
+            record written so far kept.
     """
     conversations, load = source_conversations(data, seed)
     no_reply = 0
@@ -191,9 +199,12 @@ def prepare_data(
         output_path = self_distill_dir / DISTILLED_FILE
         # a prompt of max_length tokens or more leaves no room for a labelled reply: do not generate one
         max_prompt = min(max_length - 1, data.max_prompt_tokens or max_length)
-        stats = self_distill(model, tokenizer, conversations, data.max_new_tokens, data.generation_batch_size,
-                             output_path, rank, world_size, max_prompt_tokens=max_prompt)
-        log.info("self-distillation (rank %d): %s", rank, stats)
+        started = time.perf_counter()
+        with distill_engine(data, model, tokenizer, model_config, max_prompt) as (generate, engine):
+            stats = self_distill(model, tokenizer, conversations, data.max_new_tokens, data.generation_batch_size,
+                                 output_path, rank, world_size, max_prompt_tokens=max_prompt, generate=generate)
+        log.info("self-distillation (rank %d) by %s in %.0f s: %s", rank, engine, time.perf_counter() - started,
+                 stats)
         barrier()
         prompts = len(conversations)
         conversations = read_distilled(conversations, output_path, world_size)

@@ -234,7 +234,7 @@ class TrainRecipe:
             data = prepare_data(
                 cfg.data, tokenizer=tokenizer, model=base, max_length=cfg.max_length, seed=cfg.seed,
                 self_distill_dir=Path(cfg.data.self_distill_dir or self.paths.self_distill),
-                rank=self.env.rank, world_size=self.env.world_size, barrier=self.barrier,
+                rank=self.env.rank, world_size=self.env.world_size, barrier=self.barrier, model_config=cfg.model,
             )
         check_enough_data(data, cfg.heads.medusa_num_heads, cfg.trainer, self.env.world_size)
         heads = self._initial_heads(base) if self.init_heads_from else self._new_heads(base, data)

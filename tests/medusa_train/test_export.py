@@ -13,7 +13,6 @@ from torch import nn
 from medusa_train.export import load_heads, read_export_config, save_export
 from medusa_train.heads import HeadsSpec, MedusaHeads
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model
-from tests.vllm_rules import vllm_load
 
 TOKEN_MAP = torch.tensor([0, 2, 5, 11, 17, 40, 41, 96])  # V' = 8 of V = 97
 
@@ -100,8 +99,18 @@ def test_fasterdecoding_keys_vllm_keys_and_configs(tmp_path, base):
 
     vllm = load_file(tmp_path / "vllm" / "model.safetensors")
     assert sorted(vllm) == ["blocks.0.layers.0.bias", "blocks.0.layers.0.weight", "blocks.1.layers.0.bias",
-                            "blocks.1.layers.0.weight", "lm_heads.0.weight", "lm_heads.1.weight", "token_map"]
+                            "blocks.1.layers.0.weight", "lm_heads.0.weight", "lm_heads.1.weight",
+                            "medusa_train.token_map"]
     assert torch.equal(vllm["blocks.1.layers.0.weight"], heads.block_weight[1, 0])
+    assert torch.equal(vllm["medusa_train.token_map"], TOKEN_MAP)
+    # vLLM 0.32 needs all V rows and cannot load a token map: the head's rows at the token map, their mean elsewhere.
+    off = torch.ones(VOCAB, dtype=torch.bool)
+    off[TOKEN_MAP] = False
+    for h in range(2):
+        assert vllm[f"lm_heads.{h}.weight"].shape == (VOCAB, HIDDEN)
+        assert torch.equal(vllm[f"lm_heads.{h}.weight"][TOKEN_MAP], heads.lm_head_weight[h])
+        mean = heads.lm_head_weight[h].mean(dim=0)
+        assert torch.equal(vllm[f"lm_heads.{h}.weight"][off], mean.expand(VOCAB - 8, HIDDEN))
 
     assert read_export_config(tmp_path) == {
         "medusa_num_heads": 2, "medusa_num_layers": 1, "hidden_size": HIDDEN, "vocab_size": VOCAB,
@@ -111,8 +120,9 @@ def test_fasterdecoding_keys_vllm_keys_and_configs(tmp_path, base):
     }
     assert json.loads((tmp_path / "vllm" / "config.json").read_text()) == {
         "model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": HIDDEN, "vocab_size": VOCAB,
-        "num_heads": 2, "num_hidden_layers": 1, "max_paths": 64, "topk": 10, "truncated_vocab_size": 8,
+        "num_heads": 2, "num_hidden_layers": 1, "max_paths": 64, "topk": 10, "truncated_vocab_size": VOCAB,
         "original_lm_head": False, "medusa_fc_bias": True, "torch_dtype": "float32",
+        "medusa_train_head_vocab_size": 8,
     }
 
 
@@ -204,51 +214,45 @@ def test_fasterdecoding_module_loads_our_export(tmp_path, num_layers):
         torch.testing.assert_close(torch.stack([head(x) for head in fd]), heads(x), rtol=1e-5, atol=1e-5)
 
 
-# ---------------------------------------------------------------- vLLM's loading rules (tests/vllm_rules.py)
+# ---------------------------------------------------------------- the vllm/ folder's projections
+# (tests/engines/test_vllm_export.py loads it in the real vLLM)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("token_map", [None, TOKEN_MAP], ids=["full_vocab", "token_map"])
-@pytest.mark.parametrize("num_layers", [1, 2])
 @pytest.mark.parametrize("share", [False, True])
-def test_vllm_export_loads_under_vllm_rules(tmp_path, base, share, num_layers, token_map, dtype):
-    heads = random_heads(3, num_layers, share, token_map, dtype)
+def test_vllm_projections_keep_the_heads_top1_over_the_full_vocabulary(tmp_path, base, share, dtype):
+    """Out-of-map rows hold the mean of the head's rows, so a V-way argmax of the stored projection is the head's
+    own V'-way top-1, even where every head logit is negative (which a zero row would beat)."""
+    heads = random_heads(3, 1, share, TOKEN_MAP, dtype)
     save_export(heads, tmp_path, "tiny-llama", base_model=base)
-    model, ignored = vllm_load(tmp_path / "vllm")
-    assert ignored == []
-    x = hidden_states(dtype)
-    ours = heads(x, base.lm_head.weight.to(dtype))  # vLLM runs the whole draft model in one dtype
-    theirs = model.compute_logits(x)
-    assert len(theirs) == 3
+    stored = load_file(tmp_path / "vllm" / "model.safetensors")
+    x = torch.randn(400, HIDDEN, generator=torch.Generator().manual_seed(3)).to(dtype)
+    features = heads.transform(x)  # [K, N, H]
+    ours = heads.project(features, base.lm_head.weight.to(dtype))  # [K, N, V']
+    assert (ours.amax(dim=-1) < 0).any()  # positions where zero rows would win exist
     for k in range(3):
-        assert theirs[k].shape == (2, 5, VOCAB)
-        if token_map is None:
-            torch.testing.assert_close(theirs[k], ours[k])
-        else:
-            torch.testing.assert_close(theirs[k][..., token_map], ours[k])
-            off = torch.ones(VOCAB, dtype=torch.bool)
-            off[token_map] = False
-            assert torch.isneginf(theirs[k][..., off]).all()
+        weight = stored["lm_heads.0.weight" if share else f"lm_heads.{k}.weight"]  # [V, H]
+        full = features[k] @ weight.T  # [N, V]
+        assert torch.equal(full.argmax(dim=-1), TOKEN_MAP[ours[k].argmax(dim=-1)])
 
 
-def test_vllm_reference_enforces_vllm_rules(tmp_path):
-    save_export(random_heads(2, 1, token_map=TOKEN_MAP), tmp_path, "tiny-llama")
-    folder = tmp_path / "vllm"
-    config = json.loads((folder / "config.json").read_text())
+def test_export_refuses_a_head_layout_vllm_cannot_reproduce(tmp_path, base):
+    heads = random_heads(2, 1, token_map=torch.tensor([5]))
+    with pytest.raises(ValueError, match="head_vocab_size=1: vLLM projects onto all V tokens.*vllm=False"):
+        save_export(heads, tmp_path / "refused", "tiny-llama", base_model=base)
+    assert not (tmp_path / "refused").exists()  # refused before writing anything
+    save_export(heads, tmp_path / "kept", "tiny-llama", vllm=False, base_model=base)
+    assert not (tmp_path / "kept" / "vllm").exists()
+    # and medusa-train refuses it before loading anything
+    from medusa_train.config import DataConfig, HeadsConfig, LoggerConfig, ModelConfig, TrainConfig, TrainerConfig
 
-    # Without medusa_fc_bias vLLM builds bias-free blocks and silently drops the biases: why we write it true.
-    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "medusa_fc_bias"}))
-    _, ignored = vllm_load(folder)
-    assert sorted(ignored) == ["blocks.0.layers.0.bias", "blocks.1.layers.0.bias"]
-    (folder / "config.json").write_text(json.dumps(config))
+    def train_config(**kwargs) -> TrainConfig:
+        return TrainConfig(model=ModelConfig(name_or_path="tiny-llama"), heads=HeadsConfig(head_vocab_size=1),
+                           data=DataConfig(), trainer=TrainerConfig(), logger=LoggerConfig(), output_dir="x", **kwargs)
 
-    rewrite(folder / "model.safetensors", lambda s: s.pop("lm_heads.1.weight"))
-    with pytest.raises(ValueError, match="not initialized from checkpoint: {'lm_heads.1.weight'}"):
-        vllm_load(folder)
-    rewrite(folder / "model.safetensors", lambda s: s.update({"lm_heads.1.weight": torch.zeros(8, HIDDEN)}))
-    rewrite(folder / "model.safetensors", lambda s: s.pop("token_map"))
-    with pytest.raises(AssertionError):  # truncated_vocab_size < vocab_size needs the token map
-        vllm_load(folder)
+    with pytest.raises(ValueError, match="export_vllm=true, but head_vocab_size=1.*set export_vllm=false"):
+        train_config().validate()
+    train_config(export_vllm=False).validate()
 
 
 # ---------------------------------------------------------------- errors

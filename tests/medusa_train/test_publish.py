@@ -1,5 +1,5 @@
 """Publishing to the Hub against a local Hub server (tests/hub_server.py): byte-for-byte round trips, the model card's
-metadata, resuming after a network failure, tokens never shown, and loading back (heads, vLLM rules, decoder)."""
+metadata, resuming after a network failure, tokens never shown, and loading back (heads, the vllm/ folder, decoder)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ from medusa_train.publish import (
 )
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model, make_tiny_tokenizer
 from tests.hub_server import HubServer, readme_metadata
-from tests.vllm_rules import vllm_load
 
 TOKEN = "hf_TestTokenAlice0123456789"
 REPO = "alice/tiny-medusa"
@@ -145,15 +144,14 @@ def test_publish_then_read_back_every_file_bit_for_bit(hub, export, heads, base,
     downloaded = tree_of(folder)
     assert {p: c for p, c in downloaded.items() if p != ".gitattributes"} == tree_of(preview.folder)
 
-    # The downloaded heads give the original logits, read by our loader and by vLLM's rules.
+    # The downloaded heads give the original logits, from the top level and from vllm/ (tests/inference/test_vllm.py
+    # loads vllm/ in the real vLLM).
     x = torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(1))
     expected = heads(x, base.lm_head.weight)
     loaded, config = load_heads(folder)
     assert config["base_model_name_or_path"] == BASE and torch.equal(loaded(x, base.lm_head.weight), expected)
-    model, ignored = vllm_load(folder / "vllm")
-    assert ignored == []
-    for k, logits in enumerate(model.compute_logits(x)):
-        torch.testing.assert_close(logits[..., TOKEN_MAP], expected[k])
+    from_vllm, _ = load_heads(folder / "vllm")
+    assert torch.equal(from_vllm.token_map, TOKEN_MAP) and torch.equal(from_vllm(x, base.lm_head.weight), expected)
 
 
 def test_model_card_metadata_is_valid_yaml_with_base_library_tags_and_eval(hub, export):
@@ -178,6 +176,7 @@ def test_model_card_metadata_is_valid_yaml_with_base_library_tags_and_eval(hub, 
     assert "| head | predicts | top-1 | top-3 |" in card and "| 1 | token t+3 | 0.300 | 0.600 |" in card
     assert ('--speculative-config \'{"method": "medusa", "model": "tiny-medusa/vllm", "num_speculative_tokens": 3}\''
             in card)
+    assert "The heads project onto 8 of the 97 tokens; vLLM (0.32) loads no token map" in card
     assert f'MedusaDecoder.from_pretrained("{REPO}")' in card
     assert "`apache-2.0` (from the alice/tiny-base model card)" in card
     assert "What is missing" not in card
@@ -440,17 +439,18 @@ def test_decoder_arguments_from_the_hub(hub, export, heads, base, tmp_path):
 # ---------------------------------------------------------------- the vLLM script (GPU only)
 
 
-def test_vllm_script_exits_clearly_without_vllm_and_builds_the_speculative_config(export):
+def test_vllm_script_needs_vllms_environment_and_uses_the_exports_heads(export, monkeypatch, tmp_path):
+    from inference.engines.vllm_env import VllmUnavailable, speculative_config
+
     spec = importlib.util.spec_from_file_location("serve_vllm", Path(__file__).parents[2] / "benchmarks" /
                                                   "serve_vllm.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.speculative_config(export) == {"method": "medusa", "model": str((export / "vllm").resolve()),
-                                                 "num_speculative_tokens": 3}
-    assert script.base_model(export, None) == BASE
-    if importlib.util.find_spec("vllm") is None:
-        with pytest.raises(SystemExit, match="vLLM is not installed.*pip install vllm"):
-            script.main(["--export", str(export)])
+    assert speculative_config(export) == {"method": "medusa", "model": str((export / "vllm").resolve()),
+                                          "num_speculative_tokens": 3}
+    monkeypatch.setenv("MEDUSA_VLLM_VENV", str(tmp_path / "no-venv"))
+    with pytest.raises(VllmUnavailable, match="run `bash launch/install_vllm.sh`"):
+        script.main(["--export", str(export)])
 
 
 # ---------------------------------------------------------------- medusa-train push_to_hub=true

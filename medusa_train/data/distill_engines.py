@@ -1,0 +1,105 @@
+"""Where self-distillation's replies come from (``data.self_distill_engine``): a
+:data:`~medusa_train.data.self_distill.GenerateFn` per engine, all fed our chat template's prompt ids.
+
+- ``hf``: ``generate`` on the training model (:func:`medusa_train.generation.greedy_generate`), left-padded batches.
+- ``vllm``: vLLM in its own environment (:class:`inference.engines.vllm_env.VllmWorker`), one engine per rank,
+  started here and stopped when self-distillation ends; prompts go as token ids (``generation_batch_size`` per
+  request, so records are flushed as often as with ``hf``), greedy, EOS exactly our stop ids.
+- ``server``: an OpenAI-compatible completions server a user already runs (``data.server_url``), prompts as token
+  ids. Servers that send the reply's token ids back (vLLM: ``return_token_ids``) give the same records as ``vllm``;
+  for the others the reply's text is re-encoded, so ``new_tokens`` can differ by a token or two.
+
+A server that is down or answers garbage raises :class:`~inference.engines.openai_client.ServerError` naming the URL;
+records written before stay (each batch is flushed), so a rerun resumes after them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from medusa_train.config import DataConfig, ModelConfig
+from medusa_train.data.self_distill import GenerateFn
+from medusa_train.precision import AUTO, choose_dtype
+
+log = logging.getLogger(__name__)
+
+
+def vllm_generate(worker: Any) -> GenerateFn:
+    """Greedy replies from a started :class:`~inference.engines.vllm_env.VllmWorker`."""
+
+    def generate(prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[tuple[list[int], bool]]:
+        reply = worker.generate(prompts, max_new_tokens, sorted(stop_ids))
+        return [(list(o["token_ids"]), o["finish_reason"] == "stop") for o in reply["outputs"]]
+
+    return generate
+
+
+def server_generate(url: str, model: str, tokenizer: Any) -> GenerateFn:
+    """Greedy replies from the OpenAI-compatible server at ``url`` serving ``model``."""
+    from inference.engines.openai_client import complete
+
+    def generate(prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[tuple[list[int], bool]]:
+        replies = []
+        for c in complete(url, model, prompts, max_new_tokens, sorted(stop_ids)):
+            ids = c.token_ids if c.token_ids is not None else list(
+                tokenizer(c.text, add_special_tokens=False).input_ids)
+            replies.append((ids, c.finished))
+        return replies
+
+    return generate
+
+
+@contextmanager
+def distill_engine(data: DataConfig, model: Any, tokenizer: Any, model_config: ModelConfig | None,
+                   max_prompt_tokens: int) -> Iterator[tuple[GenerateFn | None, str]]:
+    """The engine ``data`` asks for, for the length of a ``with`` block: ``(generate, description)``; ``generate``
+    is None for ``hf`` (self-distillation's own default).
+
+    Args:
+        data: the ``data/`` config (``self_distill_engine``, ``server_url``, ``self_distill_dtype``, ...).
+        model: the loaded training model (its dtype is vLLM's unless ``self_distill_dtype`` says otherwise).
+        tokenizer: its tokenizer (re-encodes a text-only server's replies).
+        model_config: the ``model/`` config vLLM loads the same base from (required for ``vllm``).
+        max_prompt_tokens: the longest prompt sent (vLLM reserves it + ``max_new_tokens`` per sequence).
+
+    Raises:
+        VllmUnavailable: ``vllm`` without vLLM's environment (the install command named), before anything starts.
+        ServerError: ``server`` and the server is unreachable or serves no model (URL named).
+        VllmError: vLLM failed to start (its error and log named).
+    """
+    engine = data.distill_engine
+    if engine == "hf":
+        yield None, f"hf generate ({str(model.dtype).removeprefix('torch.')})"
+        return
+    if engine == "server":
+        from inference.engines.openai_client import served_model
+
+        name = data.server_model or served_model(data.server_url)
+        yield server_generate(data.server_url, name, tokenizer), f"server {data.server_url} ({name})"
+        return
+    from inference.engines.vllm_env import VllmWorker, vllm_python
+    from medusa_train.loading.base import engine_model_path
+
+    vllm_python()  # fail with the install command before converting or starting anything
+    if model_config is None:
+        raise ValueError("data.self_distill_engine=vllm needs the base model's config to start vLLM")
+    dtype = data.self_distill_dtype or str(model.dtype).removeprefix("torch.")
+    if dtype == AUTO:  # bf16 where the hardware multiplies it natively (a GPU, a CPU with AVX-512 BF16 / AMX)
+        dtype = choose_dtype(AUTO, "cuda" if torch.cuda.is_available() else "cpu").name
+    path = engine_model_path(model_config)
+    worker = VllmWorker(path, dtype=dtype, max_num_seqs=data.generation_batch_size,
+                        max_model_len=max_prompt_tokens + data.max_new_tokens)
+    try:
+        log.info("self-distillation through vllm %s (%s, %s); its log: %s", worker.vllm_version, path, dtype,
+                 worker.log_path)
+        yield vllm_generate(worker), f"vllm {worker.vllm_version} ({dtype})"
+    finally:
+        worker.close()
+
+
+__all__ = ["distill_engine", "server_generate", "vllm_generate"]
