@@ -63,7 +63,7 @@ from medusa_train.training.recipe import TrainRecipe
 from medusa_train.tuning.accuracy import measure_head_accuracy
 from medusa_train.tuning.replay import replayed_accept_length
 from medusa_train.tuning.search import greedy_tree
-from medusa_train.tuning.tune import read_tree_files
+from medusa_train.export.tree_files import read_tree_files
 
 STORIES_HELDOUT = REPO_ROOT / "data" / "stories260k_heldout.jsonl"
 HEADS = {"medusa1": "medusa1", "hydra": "hydra"}  # result name -> heads/ config group option

@@ -31,7 +31,7 @@ from medusa_train.loading.runtime import load_for_inference
 from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, load_prompts, sharegpt_prompts
 from medusa_train.tuning.replay import replayed_accept_length
 from medusa_train.tuning.search import expected_accept_length
-from medusa_train.tuning.tune import read_tree_files
+from medusa_train.export.tree_files import read_tree_files
 
 
 def predicted_tau(export: Path, tree: list[list[int]]) -> dict[str, float]:

@@ -145,7 +145,7 @@ def serve(export: Path, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
     from inference.engines.vllm_env import VllmWorker, speculative_config, vllm_python
-    from medusa_train.publish.hub import download_export
+    from medusa_train.loading.hub import download_export
 
     vllm_python()  # the install command named, before anything is downloaded or converted
     args.dtype = resolve_dtype(args.dtype)

@@ -103,6 +103,18 @@ def greedy_accept_tokens(candidates: Tensor, target_tokens: Tensor, valid: Tenso
     return best_path, accept_length, next_token
 
 
+def check_posterior(posterior_threshold: float, posterior_alpha: float) -> None:
+    """The one range check of typical acceptance's epsilon (``posterior_threshold``, in (0, 1]) and delta
+    (``posterior_alpha``, > 0 and finite), Medusa paper Sec. 2.3.1; ``ValueError`` naming the setting otherwise."""
+    for name, value, upper, bound in (
+        ("posterior_threshold", posterior_threshold, 1.0, "(0, 1]"),
+        ("posterior_alpha", posterior_alpha, math.inf, "> 0 and finite"),
+    ):
+        number = not isinstance(value, bool) and isinstance(value, (int, float))
+        if not number or not math.isfinite(value) or not 0 < value <= upper:
+            raise ValueError(f"{name} must be {bound}, got {value!r}")
+
+
 def typical_accept(
     candidates: Tensor,
     target_logits_at_paths: Tensor,
@@ -135,13 +147,7 @@ def typical_accept(
         ValueError: bad shapes, temperature < 0, or epsilon/delta out of range (the message names
             ``posterior_threshold`` or ``posterior_alpha``).
     """
-    for name, value, upper, bound in (
-        ("posterior_threshold", posterior_threshold, 1.0, "(0, 1]"),
-        ("posterior_alpha", posterior_alpha, math.inf, "> 0 and finite"),
-    ):
-        number = not isinstance(value, bool) and isinstance(value, (int, float))
-        if not number or not math.isfinite(value) or not 0 < value <= upper:
-            raise ValueError(f"{name} must be {bound}, got {value!r}")
+    check_posterior(posterior_threshold, posterior_alpha)
     _check_path_inputs(candidates, target_logits_at_paths, valid)
     if is_greedy(temperature):
         return greedy_accept(candidates, target_logits_at_paths, valid)

@@ -5,7 +5,7 @@ missing required settings) by :func:`decoder_settings` before any model is loade
 them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model.
 
 Names: ``vanilla``, ``medusa``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the real engine
-``vllm`` / ``vllm_medusa`` (DESIGN.md). The two vLLM decoders run in vLLM's own environment (``bash
+``vllm`` / ``vllm_medusa``. The two vLLM decoders run in vLLM's own environment (``bash
 launch/install_vllm.sh``) and only when listed in ``decoders``: they are left out of the default list.
 """
 
@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from inference.decoders.base import DecodeConfig, Decoder
-from inference.decoders.medusa import ACCEPTANCE_RULES, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
+from inference.acceptance import check_posterior
+from inference.decoders.medusa import ACCEPTANCE, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, check_acceptance
+from inference.tree import TOPK
 from inference.draft_model import DraftConfig
 from inference.proposers.lookahead import check_lookahead_settings
 
@@ -90,20 +92,17 @@ class MedusaSettings:
             ``medusa_choices.json`` when present, else Medusa's default tree cut to the heads and ``topk``.
     """
 
-    acceptance: str = "typical"
+    acceptance: str = ACCEPTANCE
     posterior_threshold: float = POSTERIOR_THRESHOLD
     posterior_alpha: float = POSTERIOR_ALPHA
-    topk: int = 10
+    topk: int = TOPK
     medusa_choices: Optional[Any] = None
 
     def validate(self) -> None:
-        if self.acceptance not in ACCEPTANCE_RULES:
-            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
+        check_acceptance(self.acceptance, DecodeConfig(max_new_tokens=1), "acceptance")
         if self.topk < 1:
             raise ValueError(f"topk must be >= 1, got {self.topk}")
-        if not 0.0 <= self.posterior_threshold <= 1.0 or not 0.0 <= self.posterior_alpha <= 1.0:
-            raise ValueError("posterior_threshold and posterior_alpha must be in [0, 1], got "
-                             f"{self.posterior_threshold} and {self.posterior_alpha}")
+        check_posterior(self.posterior_threshold, self.posterior_alpha)
 
 
 @dataclass
@@ -220,9 +219,7 @@ def _greedy_only(name: str) -> Callable[[Any, DecodeConfig], None]:
 
 
 def _check_medusa_request(settings: MedusaSettings, request: DecodeConfig) -> None:
-    if settings.acceptance == "greedy" and not request.greedy:
-        raise ValueError(f"decoder.medusa.acceptance=greedy needs temperature=0 (got {request.temperature}); set "
-                         "decoder.medusa.acceptance=speculative (lossless) or typical to sample")
+    check_acceptance(settings.acceptance, request, "decoder.medusa.acceptance")
 
 
 def _check_vllm_request(settings: VllmSettings, request: DecodeConfig) -> None:
@@ -246,7 +243,7 @@ def _build_vanilla(settings: VanillaSettings, ctx: BuildContext) -> BuiltDecoder
 def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
     from inference.decoders.choices import resolve_medusa_choices
     from inference.decoders.medusa import MedusaDecoder
-    from medusa_train.tuning.tune import read_tree_files
+    from medusa_train.export.tree_files import read_tree_files
 
     spec = ctx.model.heads.spec
     choices = resolve_medusa_choices(settings.medusa_choices, ctx.export_dir, spec.num_heads, settings.topk)

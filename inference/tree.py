@@ -24,6 +24,8 @@ from torch import Tensor
 
 Path = tuple[int, ...]
 
+TOPK = 10  # candidates per head: Medusa's default, and the ranks its trees (mc_sim_7b_63: ranks 0-9) are built from
+
 # Medusa's mc_sim_7b_63 tree (FasterDecoding/Medusa, medusa/model/medusa_choices.py at 11af0aa), tuned for
 # Vicuna-7B heads with topk=10: 63 paths, 64 nodes, depth 4. The list is in the order the greedy tree search
 # added nodes (estimated acceptance, best first), so every prefix of it is itself prefix-closed.
@@ -35,6 +37,12 @@ MC_SIM_7B_63: tuple[Path, ...] = (
     (1, 4), (7, 0), (0, 1, 2), (2, 0, 0), (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1),
     (9, 0), (0, 6, 0), (0, 0, 0, 1), (1, 6), (0, 7, 0),
 )
+
+
+def default_medusa_choices(num_heads: int, topk: int) -> list[list[int]]:
+    """Medusa's ``mc_sim_7b_63`` tree cut to ``num_heads`` levels and ranks below ``topk`` (still prefix-closed)."""
+    return [list(p) for p in MC_SIM_7B_63 if len(p) <= num_heads and max(p) < topk]
+
 
 # A small tree for CPU verification: the first 15 paths of MC_SIM_7B_63 (16 nodes, depth 3, ranks < 6). On a
 # 2-thread CPU a 16-token forward pass of a ~100M-500M Llama costs about 1.0-1.8x a 1-token one.

@@ -2,8 +2,9 @@
 
 from medusa_train.config import register_configs
 from medusa_train.resolvers import register_resolvers
+from medusa_train.version import __version__
 
 register_resolvers()
 register_configs()
 
-__version__ = "0.1.0"
+__all__ = ["__version__"]

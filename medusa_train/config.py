@@ -327,7 +327,7 @@ class TrainerConfig:
     Attributes:
         strategy: ``single`` (one process), ``ddp`` (torchrun; gloo on CPU, nccl on GPU) or ``deepspeed``.
         deepspeed: DeepSpeed JSON config, absolute or relative to ``conf/`` (``deepspeed`` strategy only).
-        use_cpu: train on the CPU even when CUDA is present (DeepSpeed on CPU needs it, NOTES.md).
+        use_cpu: train on the CPU even when CUDA is present (DeepSpeed on CPU needs it).
         ddp_backend: ``gloo``, ``nccl`` or null (gloo on CPU, nccl on GPU).
         per_device_train_batch_size, per_device_eval_batch_size, gradient_accumulation_steps: micro batches;
             the global batch is micro * accumulation * world size.

@@ -6,7 +6,7 @@ hidden state at position t and predicts the token at t + k + 2 (the base lm_head
 
 Parameters are stored stacked over heads so that all K heads run in one batched matrix product per residual layer and
 one for the projection, instead of K small ones: with a 49k vocabulary the projection dominates, and one stacked
-product of ``[K·T, H] x [H, V]`` is about four times faster than K separate ones on a CPU (see NOTES.md). The
+product of ``[K·T, H] x [H, V]`` is about four times faster than K separate ones on a CPU (``benchmarks/head_step.py``). The
 FasterDecoding key layout (``{h}.{l}.linear.weight``) is produced on export by :mod:`medusa_train.export`.
 """
 
@@ -177,6 +177,17 @@ def copy_lm_head(
         return
     weight = base_lm_head_weight if token_map is None else base_lm_head_weight[token_map]
     lm_head_weight.copy_(weight.to(lm_head_weight.dtype).unsqueeze(0).expand_as(lm_head_weight))
+
+
+def to_head_vocab(token_ids: torch.Tensor, token_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Base token ids (any shape, long) -> head-vocabulary indices, the inverse of ``token_map`` (``[V']`` long, the
+    base id of each head-vocabulary index); -1 for tokens outside a reduced head vocabulary. ``token_ids`` is
+    returned as is without a map (V' = V)."""
+    if token_map is None:
+        return token_ids
+    inverse = torch.full((vocab_size,), -1, dtype=torch.long, device=token_ids.device)
+    inverse[token_map.to(token_ids.device)] = torch.arange(token_map.numel(), device=token_ids.device)
+    return inverse[token_ids]
 
 
 def project_features(

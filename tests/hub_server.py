@@ -4,7 +4,7 @@ Tests start it on 127.0.0.1 with an ephemeral port and point ``HF_ENDPOINT`` (or
 :attr:`HubServer.url`.
 It keeps every repository in memory (revision -> path -> bytes), so a test can compare what arrived byte for byte.
 
-Endpoints (as ``huggingface_hub`` 2.4 calls them; see ``../shared/NOTES.md``, "Logging and the Hub"):
+Endpoints (as ``huggingface_hub`` 2.4 calls them, read from its client code):
 
 - ``POST /api/repos/create``: ``{"name", "organization", "type", "visibility"}``; 409 when the repository exists.
 - ``POST /api/validate-yaml``: ``{"content", "repoType"}``; checks a README's metadata block.

@@ -2,7 +2,7 @@
 :class:`Decoder` protocol, and the checks and token choice each decoder runs before and during decoding.
 
 Counting convention (mean accepted tokens τ as Spec-Bench reports it, Xia et al. 2024, "Unlocking Efficiency in
-Large Language Model Inference: A Comprehensive Survey of Speculative Decoding"; DESIGN.md "Terms"):
+Large Language Model Inference: A Comprehensive Survey of Speculative Decoding"):
 
 - The **prefill** pass reads the prompt and produces the first new token. It is counted apart
   (``prefill_passes``, always 1) and its token is not part of ``accepted_lengths``.

@@ -8,8 +8,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from inference.decoders.medusa import default_medusa_choices
-from medusa_train.tuning.tune import read_tree_files
+from inference.tree import default_medusa_choices
+from medusa_train.export.tree_files import read_tree_files
 
 
 def resolve_medusa_choices(setting: Any, export_dir: str, num_heads: int, topk: int) -> list[list[int]]:
@@ -20,7 +20,7 @@ def resolve_medusa_choices(setting: Any, export_dir: str, num_heads: int, topk: 
         export_dir: the export folder, searched for ``medusa_choices.json`` (written by ``medusa-tune-tree``) when
             ``setting`` is None.
         num_heads, topk: cut Medusa's default tree to these when neither gives a tree
-            (:func:`~inference.decoders.medusa.default_medusa_choices`).
+            (:func:`~inference.tree.default_medusa_choices`).
 
     Returns:
         The paths (validated later, by the decoder's tree buffers).

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from inference.acceptance import greedy_accept_tokens, tree_speculative_sample_batch, typical_accept
+from inference.acceptance import check_posterior, greedy_accept_tokens, tree_speculative_sample_batch, typical_accept
 from inference.decoders.base import (
     DecodeConfig,
     DecodeResult,
@@ -66,11 +66,20 @@ from inference.decoders.timing import StepTimes
 from inference.kv_cache import check_compactable, compact, preallocated_cache, select_rows, truncate
 from inference.proposers.heads import TreeDrafter, tree_drafter
 from inference.sampling import greedy_tokens, logits_to_probs
-from inference.tree import MC_SIM_7B_63, TreeBuffers, build_tree_buffers, gather_paths, validate_medusa_choices
+from inference.tree import (
+    TOPK,
+    TreeBuffers,
+    build_tree_buffers,
+    default_medusa_choices,
+    gather_paths,
+    validate_medusa_choices,
+)
 
 ACCEPTANCE_RULES = ("greedy", "typical", "speculative")
-# Medusa's typical-acceptance defaults (epsilon = 0.09, delta = sqrt(epsilon) = 0.3; FasterDecoding/Medusa
-# medusa/model/medusa_model.py at 10a2697, MedusaModel.medusa_generate). Defined here only.
+# The defaults of every Medusa setting, defined here only (the decoder, MedusaSettings and medusa-tune-tree read
+# them): Medusa's own (FasterDecoding/Medusa medusa/model/medusa_model.py at 10a2697, MedusaModel.medusa_generate):
+# typical acceptance (greedy at temperature 0) with epsilon = 0.09 and delta = sqrt(epsilon) = 0.3.
+ACCEPTANCE = "typical"
 POSTERIOR_THRESHOLD = 0.09
 POSTERIOR_ALPHA = 0.3
 _FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
@@ -79,11 +88,6 @@ _FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
 #   (accepted nodes below the root long [B, D], -1 after each row's accept length; accept lengths long [B];
 #    next tokens long [B])
 Verifier = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
-
-
-def default_medusa_choices(num_heads: int, topk: int) -> list[list[int]]:
-    """Medusa's ``mc_sim_7b_63`` tree cut to ``num_heads`` levels and ranks below ``topk`` (still prefix-closed)."""
-    return [list(p) for p in MC_SIM_7B_63 if len(p) <= num_heads and max(p) < topk]
 
 
 def medusa_tree(medusa_choices: Sequence[Sequence[int]], num_heads: int, topk: int,
@@ -124,6 +128,30 @@ def _path_nodes(tree: TreeBuffers, best_path: Tensor, accept_length: Tensor) -> 
     return torch.where(depth < accept_length[:, None], nodes, -1)
 
 
+def check_acceptance(acceptance: str, config: DecodeConfig, key: str | None = None) -> None:
+    """The one check that an acceptance rule can serve a request (the decoder runs it per request, ``medusa-eval``
+    and ``medusa-generate`` before any model loads).
+
+    Args:
+        acceptance: ``greedy``, ``typical`` or ``speculative``.
+        config: the request (temperature, top-k, top-p).
+        key: the setting's name in the message (e.g. ``decoder.medusa.acceptance``); None: the decoder's argument.
+
+    Raises:
+        ValueError: an unknown rule; ``greedy`` with temperature > 0; ``typical`` with top-k/top-p (it applies
+            temperature only, Medusa paper Sec. 2.3.1).
+    """
+    shown = f"acceptance={acceptance!r}" if key is None else f"{key}={acceptance}"
+    field = "acceptance" if key is None else key
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"{field} must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+    if acceptance == "greedy" and not config.greedy:
+        raise ValueError(f"{shown} needs temperature=0 (got {config.temperature}); set {field}=speculative "
+                         "(lossless) or typical to sample")
+    if acceptance == "typical" and not config.greedy and (config.top_k or config.top_p < 1):
+        raise ValueError(f"{shown} applies temperature only; set top_k=0 and top_p=1.0, or {field}=speculative")
+
+
 def make_verifier(
     acceptance: str,
     tree: TreeBuffers,
@@ -135,18 +163,9 @@ def make_verifier(
     """The acceptance rule as a :data:`Verifier` for one request (greedy whenever ``config.temperature == 0``).
 
     Raises:
-        ValueError: an unknown rule, ``greedy`` with temperature > 0, or ``typical`` with top-k/top-p.
+        ValueError: as :func:`check_acceptance`.
     """
-    if acceptance not in ACCEPTANCE_RULES:
-        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
-    if acceptance == "greedy" and not config.greedy:
-        raise ValueError(
-            f"acceptance='greedy' needs temperature=0 (got {config.temperature}); use acceptance='speculative' "
-            "(lossless) or 'typical' to sample"
-        )
-    if acceptance == "typical" and not config.greedy and (config.top_k or config.top_p < 1):
-        raise ValueError("acceptance='typical' applies temperature only; set top_k=0 and top_p=1.0, or use "
-                         "acceptance='speculative'")
+    check_acceptance(acceptance, config)
 
     valid = tree.retrieve_valid
 
@@ -303,8 +322,8 @@ class MedusaDecoder:
         self,
         model: Any,
         medusa_choices: Sequence[Sequence[int]],
-        topk: int = 10,
-        acceptance: str = "greedy",
+        topk: int = TOPK,
+        acceptance: str = ACCEPTANCE,
         posterior_threshold: float = POSTERIOR_THRESHOLD,
         posterior_alpha: float = POSTERIOR_ALPHA,
         tokenizer: Any = None,
@@ -312,8 +331,8 @@ class MedusaDecoder:
         for attr in ("hidden", "head_logits", "heads", "base"):
             if not hasattr(model, attr):
                 raise TypeError(f"MedusaDecoder needs a MedusaModel (missing .{attr}), got {type(model).__name__}")
-        if acceptance not in ACCEPTANCE_RULES:
-            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+        check_acceptance(acceptance, DecodeConfig(max_new_tokens=1))
+        check_posterior(posterior_threshold, posterior_alpha)
         spec = model.heads.spec
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= spec.out_size:
             raise ValueError(f"topk must be an int in [1, {spec.out_size}] (the heads' vocabulary), got {topk!r}")
@@ -339,9 +358,10 @@ class MedusaDecoder:
         ``base_model_name_or_path`` (downloaded when the machine reaches the Hub).
 
         ``kwargs``: ``model`` (a ``model/`` config overriding the recorded base), ``dtype``, ``device``, and any
-        decoder argument (``topk``, ``acceptance``, ...). See :func:`medusa_train.publish.hub.pretrained_decoder_kwargs`.
+        decoder argument (``topk``, ``acceptance``, ...). See
+        :func:`inference.decoders.pretrained.pretrained_decoder_kwargs`.
         """
-        from medusa_train.publish.hub import pretrained_decoder_kwargs
+        from inference.decoders.pretrained import pretrained_decoder_kwargs
 
         return cls(**pretrained_decoder_kwargs(repo_or_dir, revision, **kwargs))
 

@@ -4,7 +4,7 @@
 - :mod:`~inference.evaluation.runner`: every decoder on every prompt and turn -> ``results.jsonl`` rows.
 - :mod:`~inference.evaluation.results`: the rows file, appended row by row and resumed.
 - :mod:`~inference.evaluation.provenance`: what the rows were measured with, compared on resume.
-- :mod:`~inference.evaluation.summary`: ``summary.json`` (DESIGN.md's fields) and ``summary.md``.
+- :mod:`~inference.evaluation.summary`: ``summary.json`` (the fields :func:`~inference.evaluation.summary.summarize` documents) and ``summary.md``.
 - :mod:`~inference.evaluation.plots`: PNG plots.
 - :mod:`~inference.evaluation.environment`: device, dtype, threads, versions, git commit of a run.
 - :mod:`~inference.evaluation.sweep`: many runs (a Hydra multirun) in one table.

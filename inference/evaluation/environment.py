@@ -64,6 +64,6 @@ def describe_environment(model: Any) -> dict[str, Any]:
 
 
 def _package_version() -> str:
-    import medusa_train
+    from medusa_train.version import __version__
 
-    return medusa_train.__version__
+    return __version__

@@ -8,7 +8,7 @@ Files in the output folder:
   each decoder's settings, resolved tree and heads' checksum, and each one's fingerprint, which its rows carry).
 - ``results.jsonl``: one row per (prompt, turn, decoder) (:mod:`inference.evaluation.results`);
   ``results_superseded.jsonl``: rows a rerun measured again (see below).
-- ``summary.json`` (DESIGN.md's fields, plus ``skipped_prompts`` when some prompt turns did not fit the context),
+- ``summary.json`` (:func:`~inference.evaluation.summary.summarize`'s fields, plus ``skipped_prompts`` when some prompt turns did not fit the context),
   ``summary.md`` (a table per category and overall), ``summary_details.json`` (the same tables by category and the
   accepted-length histogram), PNG plots.
 
@@ -57,7 +57,7 @@ from medusa_train.export.reader import heads_checksum
 from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, export_base_config, model_config_for_export
 from medusa_train.loading.runtime import InferenceRuntime, load_for_inference
 from medusa_train.prompts import PROMPT_SOURCES, Prompt, encode_prompt, load_prompts
-from medusa_train.tuning.tune import read_tree_files
+from medusa_train.export.tree_files import read_tree_files
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""Numbers from ``results.jsonl`` rows: ``summary.json`` (DESIGN.md's fields) and ``summary.md`` (a table per category
+"""Numbers from ``results.jsonl`` rows: ``summary.json`` (fields below) and ``summary.md`` (a table per category
 and overall).
 
-Definitions (DESIGN.md "Terms"), over the (prompt, turn) pairs every decoder of the run answered:
+Definitions, over the (prompt, turn) pairs every decoder of the run answered:
 
 - tokens_per_second: all new tokens / all wall time (prefill included) of the decoder.
 - speedup: its tokens_per_second / the baseline's (``vanilla``) over the same pairs, same run.
@@ -54,7 +54,7 @@ def _none_if_nan(x: float) -> float | None:
 def decoder_metrics(
     units: Sequence[dict[str, dict[str, Any]]], greedy: bool, baseline: str = "vanilla"
 ) -> dict[str, dict[str, Any]]:
-    """DESIGN.md's per-decoder fields over ``units`` (each {decoder: row} for one prompt turn).
+    """The per-decoder fields of ``summary.json`` over ``units`` (each {decoder: row} for one prompt turn).
 
     Args:
         units: complete pairs (every decoder present).
@@ -148,7 +148,7 @@ def summarize(
     rows: Sequence[dict[str, Any]], greedy: bool, model: str, device: str, dtype: str, max_new_tokens: int,
     baseline: str = "vanilla", runtime: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``summary.json``: DESIGN.md's fields::
+    """``summary.json``'s fields::
 
         {"model", "device", "dtype", "prompts", "max_new_tokens",
          "decoders": {name: {"tokens_per_second", "speedup", "mean_accepted_tokens", "exact_match_vs_greedy",

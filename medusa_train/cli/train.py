@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
+from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -65,11 +67,47 @@ class CheckOutputDir(Callback):
 
 @hydra_app("train", example='medusa-train model=stories260k output_dir=runs/stories')
 def _main(cfg: DictConfig) -> None:
-    from medusa_train.training.recipe import TrainRecipe
-
     if int(os.environ.get("RANK", "0")) > 0:  # one voice in the console: other ranks log warnings only
         logging.getLogger().setLevel(logging.WARNING)
-    TrainRecipe(cfg).run()
+    train(cfg)
+
+
+def train(cfg: Any) -> dict[str, Any]:
+    """One ``medusa-train`` run: the recipe (:class:`~medusa_train.training.recipe.TrainRecipe`), then with
+    ``push_to_hub=true`` the upload of its export (rank 0), the repository and token checked before any model loads.
+
+    Returns:
+        The recipe's summary, with ``hub_url`` when the export was published.
+
+    Raises:
+        ValueError: invalid settings. PublishError: ``push_to_hub=true`` without a usable token or repository (before
+            training), or a failed upload (the export is kept; the message gives the ``medusa-publish`` command).
+    """
+    from medusa_train.publish import check_publish_ready
+    from medusa_train.training.recipe import TrainRecipe
+
+    recipe = TrainRecipe(cfg)  # every setting checked
+    hub = recipe.cfg.push_to_hub
+    if hub:
+        check_publish_ready(recipe.cfg.hub_repo_id)  # repo name, offline mode and token
+    summary = recipe.run()
+    if hub and recipe.env.is_main and summary.get("export_dir"):
+        summary["hub_url"] = publish(Path(summary["export_dir"]), recipe.cfg.hub_repo_id, recipe.cfg.hub_private,
+                                     recipe.cfg.hub_revision)
+    return summary
+
+
+def publish(export_dir: Path, repo_id: str, private: bool, revision: str | None) -> str:
+    """Upload the finished export; returns its URL. A failure keeps the export and says how to retry."""
+    from medusa_train.publish import PublishError, publish_export
+
+    try:
+        result = publish_export(export_dir, repo_id, private=private, revision=revision)
+    except PublishError as e:
+        raise PublishError(f"{e}\nThe export is saved in {export_dir}; retry with "
+                           f"`medusa-publish export_dir={export_dir} repo_id={repo_id}`") from None
+    print(f"published {export_dir} to {result.url}", flush=True)
+    return result.url
 
 
 def main() -> None:

@@ -6,8 +6,7 @@ original training data is unavailable or differs from the model's distribution: 
 actually says. For each conversation the first user turn (with the system turn, if any) is answered greedily by
 the model; the records written are ShareGPT-like and :func:`load_conversations` ("json") reads them back.
 
-Batches are left-padded with prompts sorted by length (about twice the throughput of unsorted batches on CPU,
-see NOTES.md); work is sharded across ranks and resumable (finished records are appended and flushed per batch).
+Batches are left-padded with prompts sorted by length (about twice the throughput of unsorted batches on CPU); work is sharded across ranks and resumable (finished records are appended and flushed per batch).
 The replies come from HF ``generate`` on the training model, or from another engine through ``generate``
 (:mod:`medusa_train.data.distill_engines`: vLLM, an OpenAI-compatible server): same prompts (our chat template's
 ids), same records, same resume.

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from medusa_train import __version__
+from medusa_train.version import __version__
 from medusa_train.export.layouts import FASTERDECODING
 from medusa_train.heads import HeadsSpec
 from medusa_train.hydra_heads import HydraSpec

@@ -1,6 +1,6 @@
 """Write trained heads as an export folder that FasterDecoding, Text Generation Inference and vLLM read.
 
-Layout (DESIGN.md, "Export folder"):
+Layout:
 
 ```
 export/

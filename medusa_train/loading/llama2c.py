@@ -263,7 +263,7 @@ def load_llama2c_model(checkpoint: str | Path, dtype: torch.dtype = torch.float3
     state["lm_head.weight"] = t["token_embedding"] if header.shared_classifier else t["wcls"]
 
     model = LlamaForCausalLM(llama2c_config(header))
-    # strict: every parameter of the HF model gets a value and nothing is left over (STYLE.md, habit 9)
+    # strict: every parameter of the HF model gets a value and nothing is left over
     model.load_state_dict(state, strict=True)
     if header.shared_classifier and model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
         model.tie_weights()

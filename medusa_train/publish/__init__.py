@@ -3,15 +3,15 @@
 - :func:`publish_export`: export folder -> Hub repository (model card, heads, ``vllm/``, tree, evaluation).
 - :func:`prepare_repo_folder`: the same repository folder written locally (``medusa-publish dry_run=true``).
 - :func:`check_publish_ready`: repository name, offline mode and token, without a request (before training).
-- :func:`download_export`: Hub id or folder -> local export folder.
-- :func:`pretrained_decoder_kwargs`: Hub id or folder -> ``MedusaDecoder(**kwargs)`` (``from_pretrained``).
+
+Reading an export back from the Hub is not here: :func:`medusa_train.loading.hub.download_export` (Hub id or
+folder -> local folder) and :func:`inference.decoders.pretrained.pretrained_decoder_kwargs`
+(``MedusaDecoder.from_pretrained``).
 """
 
 from __future__ import annotations
 
-from medusa_train.publish.hub import download_export, pretrained_decoder_kwargs
 from medusa_train.publish.pipeline import PublishResult, prepare_repo_folder, publish_export
 from medusa_train.publish.upload import PublishError, check_publish_ready
 
-__all__ = ["PublishError", "PublishResult", "check_publish_ready", "download_export", "prepare_repo_folder",
-           "pretrained_decoder_kwargs", "publish_export"]
+__all__ = ["PublishError", "PublishResult", "check_publish_ready", "prepare_repo_folder", "publish_export"]

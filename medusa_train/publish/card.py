@@ -24,7 +24,8 @@ from medusa_train.export.layouts import fasterdecoding_limitation, tgi_limitatio
 from medusa_train.export.writer import LEGACY_WEIGHTS_FILE, TOKEN_MAP_FILE
 from medusa_train.loading.medusa import ORIGINAL_BASE_KEY
 from medusa_train.publish.folder import ExportContents
-from medusa_train.publish.hub import LicenseInfo, is_hub_id
+from medusa_train.loading.hub import is_hub_id
+from medusa_train.publish.hub import LicenseInfo
 from medusa_train.publish.local_paths import public_name
 
 LIBRARY_NAME = "medusa-train"

@@ -1,6 +1,6 @@
 """Assemble the Hub repository folder of an export: the files engines load, the tree, the evaluation, the card.
 
-Repository layout (the export layout of ``DESIGN.md`` plus the evaluation):
+Repository layout (the export layout of :mod:`medusa_train.export.writer` plus the tree and the evaluation):
 
 ```
 config.json                  FasterDecoding / TGI config (base_model_name_or_path may be replaced, see below)
@@ -45,7 +45,7 @@ from medusa_train.export.writer import (
 from medusa_train.heads import HeadsSpec
 from medusa_train.loading.medusa import EXPORT_MODEL_KEY, ORIGINAL_BASE_KEY
 from medusa_train.publish.local_paths import published_base, scrub, scrub_text
-from medusa_train.tuning.tune import ACCURACY_FILE, CHOICES_FILE, LATENCY_FILE, read_tree_files
+from medusa_train.export.tree_files import ACCURACY_FILE, CHOICES_FILE, LATENCY_FILE, read_tree_files
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class ExportContents:
             was fine-tuned from), maybe a local path: never published; the license lookup reads a local base's
             card from it.
         files: repository path -> local file, README excluded.
-        tree: :func:`~medusa_train.tuning.tune.read_tree_files` of the export.
+        tree: :func:`~medusa_train.export.tree_files.read_tree_files` of the export.
         spec: the heads' shape (from the strict load).
         base_is_hub_id: whether the published base (``hub_base``) is a Hub id; False: a local file or folder's name.
         eval_summary: ``summary.json`` of the evaluation as published, or None.

@@ -14,7 +14,7 @@ import re
 from pathlib import PurePosixPath
 from typing import Any
 
-from medusa_train.publish.hub import is_hub_id
+from medusa_train.loading.hub import is_hub_id
 
 # An absolute POSIX path (or ~/...) standing on its own: not the second half of a relative path ("vllm/config.json"),
 # of a URL ("https://huggingface.co/..."), of a ratio ("tokens/s") or an HTML tag ("</details>").

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 
-from medusa_train import __version__
-from medusa_train.publish.hub import hub_endpoint
+from medusa_train.version import __version__
+from medusa_train.loading.hub import hub_endpoint
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from medusa_train.heads import to_head_vocab
+
 IGNORE_INDEX = -100
 TARGETS = ("labels", "base_argmax", "soft")
 
@@ -66,15 +68,6 @@ def valid_mask(labels: torch.Tensor, num_heads: int) -> torch.Tensor:
 def labelled_tokens(labels: torch.Tensor) -> torch.Tensor:
     """The default loss normaliser: assistant (labelled, ``!= -100``) tokens in ``labels``, at least 1."""
     return (labels != IGNORE_INDEX).sum().clamp_min(1)
-
-
-def to_head_vocab(token_ids: torch.Tensor, token_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """Base token ids (any shape, long) -> head-vocabulary indices; -1 for tokens outside a reduced head vocabulary."""
-    if token_map is None:
-        return token_ids
-    inverse = torch.full((vocab_size,), -1, dtype=torch.long, device=token_ids.device)
-    inverse[token_map.to(token_ids.device)] = torch.arange(token_map.numel(), device=token_ids.device)
-    return inverse[token_ids]
 
 
 def head_targets(

@@ -158,10 +158,6 @@ class TrainRecipe:
                         "(set export_vllm=false to silence this)")
         if self.joint:
             self._check_joint(ds_config)
-        if cfg.push_to_hub:
-            from medusa_train.publish import check_publish_ready
-
-            check_publish_ready(cfg.hub_repo_id)  # repo name, offline mode and token, before any model loads
         return ds_config
 
     def _check_joint(self, ds_config: dict[str, Any] | None) -> None:
@@ -380,8 +376,6 @@ class TrainRecipe:
             if self.cfg.export:
                 export_dir = self._export(heads.cpu(), table)
                 self.summary["export_dir"] = str(export_dir)
-                if self.cfg.push_to_hub:
-                    self._publish(export_dir)
         self.barrier()
         return export_dir
 
@@ -434,18 +428,6 @@ class TrainRecipe:
             os.replace(tmp, out / ACCURACY_FILE)
         log.info("exported heads to %s", out)
         return out
-
-    def _publish(self, export_dir: Path) -> None:
-        """Upload the export (main process only); a failure keeps the export and says how to retry."""
-        from medusa_train.publish import PublishError, publish_export
-
-        cfg = self.cfg
-        try:
-            result = publish_export(export_dir, cfg.hub_repo_id, private=cfg.hub_private, revision=cfg.hub_revision)
-        except PublishError as e:
-            raise PublishError(f"{e}\nThe export is saved in {export_dir}; retry with "
-                               f"`medusa-publish export_dir={export_dir} repo_id={cfg.hub_repo_id}`") from None
-        self.summary["hub_url"] = result.url
 
     # ---- Medusa-2 stage 1 ------------------------------------------------------------------------------------------
 

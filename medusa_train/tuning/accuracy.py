@@ -11,9 +11,10 @@ from collections.abc import Sequence
 
 import torch
 
+from inference.tree import TOPK
 from medusa_train.generation import greedy_generate, length_batches
+from medusa_train.heads import to_head_vocab
 from medusa_train.model import MedusaModel
-from medusa_train.training.losses import to_head_vocab as token_ids_to_head_vocab
 
 
 def target_ranks(head_logits: torch.Tensor, tokens: torch.Tensor, topk: int) -> torch.Tensor:
@@ -68,17 +69,12 @@ def count_rank_hits(ranks: torch.Tensor, valid: torch.Tensor, topk: int) -> tupl
     return hits, totals
 
 
-def to_head_vocab(model: MedusaModel, tokens: torch.Tensor) -> torch.Tensor:
-    """Base token ids ``[...]`` -> head-vocabulary indices (-1 for tokens outside a reduced vocabulary)."""
-    return token_ids_to_head_vocab(tokens, model.heads.token_map, model.heads.spec.vocab_size)
-
-
 @torch.no_grad()
 def measure_head_accuracy(
     model: MedusaModel,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int = 128,
-    topk: int = 10,
+    topk: int = TOPK,
     eos_token_id: int | None = None,
     batch_size: int = 1,
     pad_token_id: int | None = None,
@@ -135,7 +131,7 @@ def measure_head_accuracy(
         heads = model(out, with_heads=True).head_logits  # [K, 1, T, V']
         valid = torch.zeros_like(out, dtype=torch.bool)
         valid[:, len(prompt) - 1 :] = True
-        ranks = target_ranks(heads, to_head_vocab(model, out), hits.shape[1])  # [K, 1, T]
+        ranks = target_ranks(heads, to_head_vocab(out, model.heads.token_map, model.heads.spec.vocab_size), hits.shape[1])  # [K, 1, T]
         h, t = count_rank_hits(ranks, valid, hits.shape[1])
         hits += h
         totals += t

@@ -8,9 +8,11 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from inference.tree import TOPK
+from medusa_train.export.tree_files import read_latency_profile
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
-from medusa_train.tuning.latency import DEFAULT_SIZES, read_latency_profile
+from medusa_train.tuning.latency import DEFAULT_SIZES
 
 
 @dataclass
@@ -57,7 +59,7 @@ class TuneTreeConfig:
     prompts: PromptSetConfig = field(default_factory=PromptSetConfig)
     max_new_tokens: int = 96
     generation_batch_size: int = 16
-    topk: int = 10
+    topk: int = TOPK
     max_nodes: int = 63
     latency_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES[:9]))
     context_length: int = 256

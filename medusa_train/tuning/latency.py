@@ -1,16 +1,15 @@
 """Verification latency: one target forward pass over n tree tokens on top of a KV cache, by n.
 
 The tree's width is paid for in this latency (Medusa paper, Sec. 2.3.3; Sequoia, Sec. 4): on a GPU a pass over 64
-tokens costs about what one does, on this CPU 2.7 times as much (NOTES.md). The profile is measured on the device and
+tokens costs about what one does, on a 2-core CPU in fp32 2.7 times as much (``benchmarks/speed.py`` prints t(k)/t(1);
+docs/speed.md has the figures). The profile is measured on the device and
 dtype that will decode, and the tree size is chosen from it (:func:`medusa_train.tuning.search.best_tree_for_latency`).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -108,31 +107,6 @@ def measure_verification_latency(
     results = {n: min(ts) for n, ts in times.items()}
     return {"device": str(timer.device), "dtype": str(timer.dtype).replace("torch.", ""),
             "context_length": context_length, "repeats": repeats, "latency_ms": results}
-
-
-PROFILE_FILE = "latency_profile.json"
-
-
-def read_latency_profile(export_dir: str | Path) -> dict:
-    """The verification latency profile another tuning run wrote into ``export_dir`` (its ``latency_profile.json``),
-    as :func:`measure_verification_latency` returns it (``latency_ms`` keyed by int).
-
-    Raises:
-        FileNotFoundError: no profile there.
-        ValueError: not valid JSON, or without ``latency_ms``, ``device`` or ``dtype``.
-    """
-    path = Path(export_dir) / PROFILE_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"latency_from={export_dir}: {path} not found; tune that export first")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"latency_from={export_dir}: {path} is not valid JSON: {e}") from e
-    missing = [k for k in ("latency_ms", "device", "dtype") if k not in raw]
-    if missing:
-        raise ValueError(f"latency_from={export_dir}: {path} has no {missing}")
-    profile = {k: raw[k] for k in ("device", "dtype", "context_length", "repeats") if k in raw}
-    return {**profile, "latency_ms": {int(n): float(ms) for n, ms in raw["latency_ms"].items()}}
 
 
 def check_profile_device(profile: dict, base: PreTrainedModel, source: str) -> None:

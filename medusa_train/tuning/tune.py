@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -13,20 +12,11 @@ from medusa_train.model import MedusaModel
 from medusa_train.prompts import Prompt, encode_prompt
 from medusa_train.tuning.accuracy import measure_head_accuracy
 from medusa_train.tuning.config import TuneTreeConfig
-from medusa_train.tuning.latency import (
-    PROFILE_FILE,
-    check_profile_device,
-    measure_verification_latency,
-    read_latency_profile,
-)
+from medusa_train.export.tree_files import ACCURACY_FILE, CHOICES_FILE, LATENCY_FILE, read_latency_profile
+from medusa_train.tuning.latency import check_profile_device, measure_verification_latency
 from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length
 
 log = logging.getLogger(__name__)
-
-CHOICES_FILE = "medusa_choices.json"
-ACCURACY_FILE = "head_accuracy.json"
-LATENCY_FILE = PROFILE_FILE
-
 
 def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: TuneTreeConfig,
               runtime: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -70,16 +60,3 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
             "head_accuracy": accuracy,
             "latency_profile": latency, "rates": rates}
 
-
-def read_tree_files(export_dir: str | Path) -> dict[str, Any]:
-    """The tuned files of an export that exist: ``{"medusa_choices": ..., "head_accuracy": ..., ...}``."""
-    out: dict[str, Any] = {}
-    for key, name in (("medusa_choices", CHOICES_FILE), ("head_accuracy", ACCURACY_FILE),
-                      ("latency_profile", LATENCY_FILE)):
-        path = Path(export_dir) / name
-        if path.is_file():
-            try:
-                out[key] = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} is not valid JSON: {e}") from e
-    return out

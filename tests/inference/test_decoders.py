@@ -342,7 +342,8 @@ def test_invalid_trees_and_settings_are_named():
     with pytest.raises(ValueError, match="acceptance must be one of"):
         MedusaDecoder(model, [[0]], acceptance="optimistic")
     with pytest.raises(ValueError, match="acceptance='greedy' needs temperature=0"):
-        MedusaDecoder(model, [[0]]).generate(PROMPTS[0], DecodeConfig(max_new_tokens=3, temperature=0.7))
+        MedusaDecoder(model, [[0]], acceptance="greedy").generate(PROMPTS[0], DecodeConfig(max_new_tokens=3,
+                                                                                         temperature=0.7))
     with pytest.raises(ValueError, match="typical"):
         MedusaDecoder(model, [[0]], acceptance="typical").generate(
             PROMPTS[0], DecodeConfig(max_new_tokens=3, temperature=0.7, top_p=0.9))

@@ -104,7 +104,7 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
     assert [(r["prompt_id"], r["turn"], r["decoder"]) for r in rows] == [
         (str(q["question_id"]), t, d) for q in QUESTIONS for t in (1, 2) for d in ("vanilla", "medusa")]
     assert json.loads((out / "summary.json").read_text()) == summary
-    # DESIGN.md's fields, then how the run chose its dtype and kernels and why replies left vanilla's (none here)
+    # summarize()'s fields, then how the run chose its dtype and kernels and why replies left vanilla's (none here)
     assert set(summary) == {"model", "device", "dtype", "prompts", "max_new_tokens", "decoders", "precision",
                             "cpu_kernels", "divergences"}
     assert summary["prompts"] == 3 and summary["max_new_tokens"] == 10 and summary["dtype"] == "float32"

@@ -17,17 +17,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from inference.decoders.pretrained import pretrained_decoder_kwargs
 from medusa_train.export import load_heads, save_base_model, save_export
 from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.loading.hub import download_export
 from medusa_train.paths import CONF_DIR
-from medusa_train.publish import (
-    PublishError,
-    check_publish_ready,
-    download_export,
-    prepare_repo_folder,
-    pretrained_decoder_kwargs,
-    publish_export,
-)
+from medusa_train.publish import PublishError, check_publish_ready, prepare_repo_folder, publish_export
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model, make_tiny_tokenizer
 from tests.hub_server import HubServer, readme_metadata
 
@@ -457,12 +452,12 @@ def test_vllm_script_needs_vllms_environment_and_uses_the_exports_heads(export, 
 
 
 def test_training_with_push_to_hub_publishes_the_export(hub, tmp_path):
-    from medusa_train.training.recipe import TrainRecipe
+    from medusa_train.cli.train import train
     from tests.medusa_train.test_training import compose_train, tiny_overrides, write_tiny_inputs
 
     model_dir, data = write_tiny_inputs(tmp_path / "inputs", conversations=10)
     overrides = tiny_overrides(model_dir, data, tmp_path / "run", **{"trainer.max_steps": 2})
-    summary = TrainRecipe(compose_train(overrides + ["push_to_hub=true", f"hub_repo_id={REPO}"])).run()
+    summary = train(compose_train(overrides + ["push_to_hub=true", f"hub_repo_id={REPO}"]))
     export = Path(summary["export_dir"])
     stored = hub.files(REPO)
     assert summary["hub_url"] == f"{hub.url}/{REPO}"
@@ -483,9 +478,11 @@ def test_push_to_hub_without_repo_or_token_fails_before_training(hub, tmp_path, 
     with pytest.raises(ValueError, match="hub_repo_id"):
         TrainRecipe(compose_train(overrides + ["push_to_hub=true"]))
     monkeypatch.delenv("HF_TOKEN")
-    recipe = TrainRecipe(compose_train(overrides + ["push_to_hub=true", f"hub_repo_id={REPO}"]))
+    from medusa_train.cli.train import train
+
+    monkeypatch.setattr(TrainRecipe, "run", lambda self: pytest.fail("trained before checking the token"))
     with pytest.raises(PublishError, match="hf auth login"):
-        recipe.check()
+        train(compose_train(overrides + ["push_to_hub=true", f"hub_repo_id={REPO}"]))
 
 
 # ---------------------------------------------------------------- what a published repository must not hold or claim

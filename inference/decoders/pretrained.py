@@ -1,0 +1,73 @@
+"""A :class:`~inference.decoders.medusa.MedusaDecoder` from a published export (Hub id) or a local export folder.
+
+What ``MedusaDecoder.from_pretrained`` runs: the heads and tree downloaded (:func:`medusa_train.loading.hub.
+download_export`), the base model loaded as the export records it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from inference.tree import default_medusa_choices
+from inference.tree import TOPK
+from medusa_train.export.tree_files import read_tree_files
+from medusa_train.loading.hub import DECODER_FILES, FASTERDECODING_WEIGHTS, download_export
+from medusa_train.loading.medusa import load_medusa
+
+log = logging.getLogger(__name__)
+
+
+def pretrained_decoder_kwargs(
+    repo_or_dir: str | os.PathLike[str],
+    revision: str | None = None,
+    *,
+    model: Any = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    endpoint: str | None = None,
+    **decoder_kwargs: Any,
+) -> dict[str, Any]:
+    """Keyword arguments of ``MedusaDecoder(...)`` for a published export or a local one.
+
+    Downloads the heads (``config.json``, weights, token map, ``medusa_choices.json``: not ``vllm/`` nor
+    ``eval/``), then loads the base model named by the export (its recorded ``model/`` config, else
+    ``base_model_name_or_path``, from the Hub when it is an id) with :func:`~medusa_train.loading.medusa.load_medusa`.
+
+    Args:
+        repo_or_dir: Hub id or local export folder.
+        revision: Hub branch, tag or commit.
+        model: optional ``model/`` config overriding the base model recorded in the export.
+        dtype, device: overrides of the base model's dtype and device; the heads follow.
+        cache_dir, endpoint: see :func:`~medusa_train.loading.hub.download_export`.
+        decoder_kwargs: further ``MedusaDecoder`` arguments (``topk``, ``acceptance``, ``medusa_choices``, ...).
+
+    Returns:
+        ``{"model": MedusaModel, "tokenizer": ..., "medusa_choices": [[int]], **decoder_kwargs}``; the tree is the
+        export's ``medusa_choices.json``, else the decoder's default tree (a warning).
+
+    Raises:
+        FileNotFoundError: see :func:`~medusa_train.loading.hub.download_export`. ValueError: heads that do not
+            fit the base model.
+    """
+    folder = download_export(repo_or_dir, revision, allow_patterns=DECODER_FILES, cache_dir=cache_dir,
+                             endpoint=endpoint)
+    if not any((folder / name).is_file() for name in DECODER_FILES[1:3]):
+        folder = download_export(repo_or_dir, revision, allow_patterns=DECODER_FILES + [FASTERDECODING_WEIGHTS],
+                                 cache_dir=cache_dir, endpoint=endpoint)
+    medusa_model, tokenizer, _ = load_medusa(str(folder), model=model, dtype=dtype, device=device)
+    if decoder_kwargs.get("medusa_choices") is None:
+        choices = read_tree_files(folder).get("medusa_choices")
+        if choices is None:
+            topk = decoder_kwargs.get("topk") or TOPK
+            choices = default_medusa_choices(medusa_model.heads.spec.num_heads, topk)
+            log.warning("%s has no medusa_choices.json: using the default tree of %d nodes", repo_or_dir,
+                        len(choices))
+        decoder_kwargs["medusa_choices"] = choices
+    decoder_kwargs.setdefault("tokenizer", tokenizer)
+    return {"model": medusa_model, **decoder_kwargs}
+
+
+__all__ = ["pretrained_decoder_kwargs"]

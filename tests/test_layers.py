@@ -1,0 +1,141 @@
+"""The dependency rules of the code base, checked on the source (every import, including those inside functions).
+
+- no import cycle among the modules of ``medusa_train`` and ``inference``;
+- ``inference`` imports nothing from ``medusa_train``'s training, tuning, publish or data packages;
+- training imports nothing from publish; only entry points (``medusa_train.cli``, ``inference.cli``, ``benchmarks``)
+  and publish itself import publish;
+- no file cites a document outside the repository (a clone has none of them).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("medusa_train", "inference")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def import_graph(known: dict[str, Path], roots: tuple[str, ...] = PACKAGES,
+                 files: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """module -> the known modules it imports (a name resolves to its longest known prefix)."""
+    edges: dict[str, set[str]] = defaultdict(set)
+    for name, path in (files or known).items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target.split(".")[0] not in roots:
+                    continue
+                parts = target.split(".")
+                while parts and ".".join(parts) not in known:
+                    parts.pop()
+                if parts and ".".join(parts) != name:
+                    edges[name].add(".".join(parts))
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def edges_between(edges: dict[str, set[str]], source: str, targets: tuple[str, ...]) -> list[str]:
+    def within(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    return sorted(f"{a} -> {b}" for a, bs in edges.items() if within(a, source) for b in bs
+                  if any(within(b, t) for t in targets))
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph(modules())) == []
+
+
+def test_inference_imports_no_training_tuning_publish_or_data():
+    forbidden = tuple(f"medusa_train.{p}" for p in ("training", "tuning", "publish", "data"))
+    assert edges_between(import_graph(modules()), "inference", forbidden) == []
+
+
+def test_only_entry_points_import_publish():
+    known = modules()
+    scripts = {f"benchmarks.{p.stem}": p for p in (ROOT / "benchmarks").glob("*.py")}
+    edges = import_graph(known, files={**known, **scripts})
+    importers = {a.split(" -> ")[0] for a in edges_between(edges, "", ("medusa_train.publish",))}
+    entry = ("medusa_train.cli.", "inference.cli.", "benchmarks.", "medusa_train.publish")
+    assert sorted(m for m in importers if not m.startswith(entry)) == []
+    assert edges_between(edges, "medusa_train.training", ("medusa_train.publish",)) == []
+
+
+def test_the_graph_sees_imports_inside_functions(tmp_path):
+    """The rules above would pass vacuously if lazy imports were missed: a function-level import is an edge."""
+    (tmp_path / "a.py").write_text("def f():\n    from medusa_train.publish import hub\n")
+    edges = import_graph(modules(), files={"medusa_train.fake": tmp_path / "a.py"})
+    assert edges["medusa_train.fake"] == {"medusa_train.publish", "medusa_train.publish.hub"}
+    assert cycles({"x": {"y"}, "y": {"x"}, "z": {"x"}}) == [["x", "y"]]
+
+
+OUTSIDE_DOCS = re.compile(r"\b(DESIGN|NOTES|STYLE|DEVELOPERS)\.md\b|\.\./shared/(?!assets\b)")
+
+
+def test_no_file_cites_a_document_outside_the_repository():
+    suffixes = {".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".txt", ".cfg"}
+    skip = {".git", ".venv", ".venv-vllm", ".venv-fasterdecoding", "runs", "__pycache__"}
+    cited = []
+    for path in ROOT.rglob("*"):
+        if path.suffix not in suffixes or skip & set(path.relative_to(ROOT).parts) or path == Path(__file__):
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if OUTSIDE_DOCS.search(line):
+                cited.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert cited == []
