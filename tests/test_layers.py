@@ -139,3 +139,16 @@ def test_no_file_cites_a_document_outside_the_repository():
             if OUTSIDE_DOCS.search(line):
                 cited.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert cited == []
+
+
+def test_no_module_defines_a_top_level_name_twice():
+    """A second ``def`` of the same name silently replaces the first (a merge can leave one behind)."""
+    twice = []
+    for name, path in modules().items():
+        seen: set[str] = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if node.name in seen:
+                    twice.append(f"{name}.{node.name}")
+                seen.add(node.name)
+    assert twice == []

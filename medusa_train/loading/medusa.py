@@ -122,22 +122,6 @@ def check_export_base(export_dir: str | os.PathLike[str], model_cfg: ModelConfig
     return config
 
 
-def export_base_config(
-    export_dir: str | os.PathLike[str], export_config: dict[str, Any], model: Any = None, dtype: str | None = None,
-    device: str | None = None,
-) -> ModelConfig:
-    """The ``model/`` config of an export's base, as :func:`load_medusa` loads it: ``model`` when given, else the
-    recorded one (a Medusa-2 export's ``base`` found inside the folder), with the ``dtype`` / ``device`` overrides."""
-    cfg = model_config_for_export(export_config, model)
-    if model is None:
-        cfg = resolve_export_base(export_dir, cfg)  # a Medusa-2 export's fine-tuned base, inside the folder
-    if dtype is not None:
-        cfg = dataclasses.replace(cfg, dtype=dtype)
-    if device is not None:
-        cfg = dataclasses.replace(cfg, device=device)
-    return cfg
-
-
 def load_medusa(
     export_dir: str, model: Any = None, dtype: str | None = None, device: str | None = None,
     head_type: str | None = None,

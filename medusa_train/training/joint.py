@@ -120,7 +120,8 @@ class JointOutput:
 
     Attributes:
         logits: ``[B, T, V]`` base logits (with gradient when the base trains), in the lm_head's dtype.
-        head_logits: ``[K, B, T, V']`` head logits of the same hidden states.
+        head_logits: ``[K, B, T, V']`` head logits of the same hidden states, or ``[K, M, V']`` at the M
+            ``positions`` given to :meth:`JointMedusaModel.forward`.
         reference_logits: ``[B, T, V]`` logits of the original model (adapters disabled, no gradient), or None.
     """
 
@@ -156,18 +157,23 @@ class JointMedusaModel(nn.Module):
         return lm.get_output_embeddings()(hidden), hidden
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                with_reference: bool = False) -> JointOutput:
+                with_reference: bool = False,
+                positions: tuple[torch.Tensor, torch.Tensor] | None = None) -> JointOutput:
         """One backbone pass: ``input_ids [B, T]`` long (+ ``attention_mask [B, T]``) -> :class:`JointOutput`.
 
         ``with_reference``: also the original model's logits (a second pass with the adapters disabled, under
         ``no_grad``); without adapters (``frozen``) these are the logits themselves, detached.
+        ``positions``: ``(b, t)``, each ``[M]`` long: run the heads only there (the positions some head is trained
+        on, :func:`~medusa_train.training.step.counted_positions`), as Medusa-1 training does; None: everywhere.
 
         Raises:
             ValueError: ``with_reference`` on a fully fine-tuned base (no original to switch back to).
         """
         logits, hidden = self._logits_and_hidden(input_ids, attention_mask)
         lm_weight = causal_lm(self.base).get_output_embeddings().weight if self.heads.spec.share_lm_head else None
-        head_logits = self.heads(hidden, lm_weight)  # [K, B, T, V']
+        if positions is not None:
+            hidden = hidden[positions[0], positions[1]]  # [M, H]
+        head_logits = self.heads(hidden, lm_weight)  # [K, B, T, V'] or [K, M, V']
         reference = None
         if with_reference:
             if is_peft(self.base):

@@ -6,7 +6,8 @@ accumulation steps, atomic checkpoints and rotation are kept):
 - ``compute_loss``: ``L_base / N + lambda_0 * s(t) * sum_k decay^k L_k / N`` (Medusa paper, arXiv:2401.10774,
   Sec. 2.2.2), with N the optimizer step's labelled tokens, ``L_base`` the LM or KL loss
   (:mod:`medusa_train.training.joint_loss`) and the heads' targets taken from the *current* base logits (the heads
-  must predict what the fine-tuned base, the one exported, will say).
+  must predict what the fine-tuned base, the one exported, will say). The heads run only at the positions some head
+  is trained on, through the same packed loss as Medusa-1 (:func:`~medusa_train.training.step.packed_loss`).
 - ``create_optimizer``: the stock optimizer (``trainer.optim``) over two learning rates: ``learning_rate`` for the
   base's trainable weights (LoRA adapters or all), ``learning_rate * heads_lr_multiplier`` for the heads; weight
   decay as the Trainer decides per parameter. The scheduler scales both groups alike.
@@ -27,7 +28,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from medusa_train.training.joint_loss import base_loss_sum, ramp
-from medusa_train.training.step import head_loss
+from medusa_train.training.losses import head_targets
+from medusa_train.training.step import counted_positions, packed_loss
 from medusa_train.training.trainer import MedusaTrainer
 
 TRAINABLE_FILE = "trainable.safetensors"
@@ -77,6 +79,11 @@ def load_trainable_state(model: nn.Module, state: dict[str, torch.Tensor], sourc
             p.copy_(state[name])
 
 
+def over_vocab(logits: torch.Tensor, token_map: torch.Tensor | None) -> torch.Tensor:
+    """``[R, V]`` base logits -> ``[R, V']`` float32 over the head vocabulary (``token_map [V']``; None: all V)."""
+    return (logits if token_map is None else logits[:, token_map]).float()
+
+
 class JointTrainer(MedusaTrainer):
     """``MedusaTrainer`` for a :class:`~medusa_train.training.joint.JointMedusaModel` (Medusa-2).
 
@@ -111,12 +118,18 @@ class JointTrainer(MedusaTrainer):
     ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Medusa-2 loss of one micro-batch (see the module docstring)."""
         labels = inputs["labels"]
+        spec = self.loss_spec
+        b, t = counted_positions(labels, spec.num_heads)  # the heads run only where some head is trained
         out = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
-                    with_reference=self.joint_spec.base_loss == "kl")
+                    with_reference=self.joint_spec.base_loss == "kl", positions=(b, t))
         base_sum, base_count = base_loss_sum(self.joint_spec.base_loss, out.logits, labels, out.reference_logits)
         normalizer = num_items_in_batch if num_items_in_batch is not None else base_count.clamp_min(1)
-        heads_out = head_loss(out.head_logits, labels, self.loss_spec, base_logits=out.logits,
-                              normalizer=normalizer)
+        base_logits = out.logits.detach()  # targets are constants
+        base_argmax = base_logits.argmax(-1) if spec.target != "labels" else None
+        targets = head_targets(labels, spec.num_heads, target=spec.target, base_argmax=base_argmax)[:, b, t]
+        token_map = None if spec.token_map is None else spec.token_map.to(base_logits.device)
+        heads_out = packed_loss(out.head_logits, targets, b, t, spec, normalizer,
+                                lambda rows, cols: over_vocab(base_logits[rows, cols], token_map))
         loss = self._record_and_scale(base_sum / normalizer + self.medusa_weight() * heads_out.loss, heads_out,
                                       model, inputs, num_items_in_batch)
         phase = self.phase(model)

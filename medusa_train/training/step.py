@@ -9,6 +9,7 @@ tokens (on self-distilled data, the base model's own greedy tokens), through the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +23,8 @@ from medusa_train.training.losses import (
     HeadLossOutput,
     head_targets,
     labelled_tokens,
-    medusa_head_loss,
     packed_head_loss,
+    valid_mask,
 )
 
 
@@ -131,7 +132,7 @@ def heads_on_batch(
         batch: ``labels [B, T]`` and either ``input_ids [B, T]`` (+ ``attention_mask``) or ``hidden [B, T, H]``
             (+ ``base_argmax [B, T]``; Hydra heads need ``input_ids [B, T]`` too, the path tokens).
         spec: loss settings.
-        normalizer: see :func:`medusa_head_loss`.
+        normalizer: see :func:`~medusa_train.training.losses.medusa_head_loss`.
 
     Returns:
         ``(loss output, head logits)``: head logits ``[K, M, V']`` at the M counted positions.
@@ -146,54 +147,57 @@ def heads_on_batch(
             base_argmax = base.logits(hidden).argmax(-1)
     lm_weight = base.lm_head.weight if spec.share_lm_head else None
     targets = head_targets(labels, spec.num_heads, target=spec.target, base_argmax=base_argmax)  # [K, B, T]
-    b, t = (targets != IGNORE_INDEX).any(0).nonzero(as_tuple=True)  # [M] positions some head counts
+    b, t = counted_positions(labels, spec.num_heads)  # [M] positions some head counts
     targets = targets[:, b, t]  # [K, M]
     if spec.head_type == "hydra":
         path = shifted_path_tokens(batch["input_ids"], spec.num_heads)[b, t]  # [M, K]: tokens t+1 .. t+K
         head_logits = heads(hidden[b, t], base.path_embeddings(path), lm_weight)  # [K, M, V']
     else:
         head_logits = heads(hidden[b, t], lm_weight)  # [K, M, V']
-    base_next = None
-    if spec.target == "soft":
-        k, m = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # the counted rows, head-major
-        base_next = base.logits_at(hidden, b[m], t[m] + k + 1, spec.token_map)  # [R, V']
     if normalizer is None:
         normalizer = labelled_tokens(labels)
-    out = packed_head_loss(head_logits, targets, decay=spec.decay, normalizer=normalizer,
-                           token_map=spec.token_map, vocab_size=spec.vocab_size, base_next=base_next)
+    out = packed_loss(head_logits, targets, b, t, spec, normalizer,
+                      lambda rows, cols: base.logits_at(hidden, rows, cols, spec.token_map))
     return out, head_logits
 
 
-def head_loss(
+def packed_loss(
     head_logits: torch.Tensor,
-    labels: torch.Tensor,
+    targets: torch.Tensor,
+    b: torch.Tensor,
+    t: torch.Tensor,
     spec: LossSpec,
-    *,
-    base_logits: torch.Tensor | None = None,
-    base_argmax: torch.Tensor | None = None,
-    normalizer: torch.Tensor | float | None = None,
+    normalizer: torch.Tensor | float,
+    base_logits_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> HeadLossOutput:
-    """:func:`medusa_head_loss` with the targets of ``spec.target`` taken from the base outputs given.
+    """The heads' loss at the M positions some head counts, for Medusa-1 and Medusa-2 alike.
 
     Args:
-        head_logits: ``[K, B, T, V']``; labels: ``[B, T]`` long.
-        base_logits: ``[B, T, V]`` base logits, treated as constants (needed for ``soft``; ``base_argmax`` is taken
-            from them when not given).
-        base_argmax: ``[B, T]`` long, when already known (hidden-state cache).
-        normalizer: see :func:`medusa_head_loss`.
+        head_logits: ``[K, M, V']`` head logits at positions ``(b[m], t[m])``.
+        targets: ``[K, M]`` long base ids there (:func:`~medusa_train.training.losses.head_targets`; -100: not
+            counted).
+        b, t: ``[M]`` long, the positions' batch rows and time steps.
+        spec: loss settings.
+        normalizer: the labelled tokens to divide by (see :func:`~medusa_train.training.losses.medusa_head_loss`).
+        base_logits_at: ``(rows [R], cols [R]) -> [R, V']`` base logits there over the head vocabulary, constants
+            (read only for ``soft`` targets: the base's distribution for token t + k + 2 is its logits at t + k + 1).
 
-    Raises:
-        ValueError: as :func:`medusa_head_loss`.
+    Returns:
+        :class:`~medusa_train.training.losses.HeadLossOutput`, equal to the dense loss on the same batch.
     """
-    if base_logits is not None:
-        base_logits = base_logits.detach()
-        if base_argmax is None and spec.target != "labels":
-            base_argmax = base_logits.argmax(-1)
-    return medusa_head_loss(
-        head_logits, labels, target=spec.target, decay=spec.decay, base_argmax=base_argmax,
-        base_logits=base_logits if spec.target == "soft" else None, token_map=spec.token_map,
-        vocab_size=spec.vocab_size, normalizer=normalizer,
-    )
+    base_next = None
+    if spec.target == "soft":
+        k, m = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # the counted rows, head-major
+        base_next = base_logits_at(b[m], t[m] + k + 1)  # [R, V']
+    return packed_head_loss(head_logits, targets, decay=spec.decay, normalizer=normalizer,
+                            token_map=spec.token_map, vocab_size=spec.vocab_size, base_next=base_next)
+
+
+def counted_positions(labels: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``labels [B, T]`` -> ``(b, t)``, each ``[M]`` long: the positions some head is trained on (whatever the
+    target: which heads count at t depends on the labels only, :func:`~medusa_train.training.losses.valid_mask`)."""
+    b, t = valid_mask(labels, num_heads).any(0).nonzero(as_tuple=True)
+    return b, t
 
 
 def real_tokens(batch: dict[str, Any]) -> torch.Tensor | int:
