@@ -41,6 +41,19 @@ def make_tiny_model(family: str = "llama", seed: int = 0, vocab_size: int = VOCA
     return model.eval()
 
 
+def chi_square(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, float, int]:
+    """Pearson's chi-square goodness of fit of ``observed`` counts against ``expected`` ones (same shape, any):
+    cells expected below 5 are pooled into one. Returns ``(p_value, chi2, degrees of freedom)``."""
+    expected, observed = expected.flatten().double(), observed.flatten().double()
+    big = expected >= 5
+    expected = torch.cat([expected[big], expected[~big].sum().view(1)])
+    observed = torch.cat([observed[big], observed[~big].sum().view(1)])
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    dof = expected.numel() - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(chi2 / 2)))
+    return p_value, chi2, dof
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``vllm`` run only where vLLM's environment is installed; elsewhere they skip and say how to get it."""
     from inference.engines.vllm_env import VllmUnavailable, vllm_python

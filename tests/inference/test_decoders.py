@@ -23,7 +23,7 @@ from inference.decoders.chat import chat_prompt_ids, eos_ids
 from inference.decoders.medusa import tree_attention_mask
 from inference.tree import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
 from medusa_train.model import MedusaModel, new_heads_for
-from tests.conftest import FAMILIES, make_tiny_model
+from tests.conftest import FAMILIES, chi_square, make_tiny_model
 
 PROMPTS = ([1, 5, 9, 33, 20], [1, 70], [1, 44, 12, 90, 3, 3, 61, 8, 17])
 SMALL_TREE = [list(p) for p in SMALL_TREE_15]  # depth 3, 16 nodes, ranks < 6
@@ -418,17 +418,28 @@ def test_batched_speculative_sampling_is_reproducible():
 
 # --- other acceptance rules -----------------------------------------------------------------------------------------
 
+def random_heads(head_type: str, base: torch.nn.Module) -> MedusaModel:
+    """Random Medusa or Hydra heads on ``base`` (every rule of the decoder serves both)."""
+    if head_type == "hydra":
+        from tests.inference.test_hydra_decoding import random_hydra  # it imports this module
+
+        return random_hydra(base)
+    return random_medusa(base)
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 @pytest.mark.parametrize("acceptance", ["typical", "speculative"])
-def test_sampling_rules_are_greedy_at_temperature_zero(acceptance):
+def test_sampling_rules_are_greedy_at_temperature_zero(acceptance, head_type):
     base = make_tiny_model("llama")
-    decoder = MedusaDecoder(random_medusa(base), SMALL_TREE, topk=10, acceptance=acceptance)
+    decoder = MedusaDecoder(random_heads(head_type, base), SMALL_TREE, topk=10, acceptance=acceptance)
     assert decoder.generate(PROMPTS[2], DecodeConfig(max_new_tokens=30)).tokens == greedy(base, PROMPTS[2], 30)
 
 
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 @pytest.mark.parametrize("acceptance", ["typical", "speculative"])
-def test_sampling_rules_are_reproducible_by_seed(acceptance):
+def test_sampling_rules_are_reproducible_by_seed(acceptance, head_type):
     base = make_tiny_model("llama")
-    decoder = MedusaDecoder(random_medusa(base), SMALL_TREE, topk=10, acceptance=acceptance)
+    decoder = MedusaDecoder(random_heads(head_type, base), SMALL_TREE, topk=10, acceptance=acceptance)
     runs = [decoder.generate(PROMPTS[0], DecodeConfig(max_new_tokens=20, temperature=0.8, seed=s)) for s in (3, 3, 4)]
     assert runs[0].tokens == runs[1].tokens != runs[2].tokens
     for r in runs:
@@ -473,13 +484,7 @@ def test_speculative_sampling_keeps_the_target_distribution_of_the_first_two_tok
     for seed in range(samples):
         tokens = decoder.generate(prompt, DecodeConfig(max_new_tokens=2, temperature=1.0, seed=seed)).tokens
         counts[tokens[0], tokens[1]] += 1
-    expected, observed = joint.flatten() * samples, counts.flatten()
-    big = expected >= 5  # pool the rare cells so every bin expects at least 5
-    expected = torch.cat([expected[big], expected[~big].sum().view(1)])
-    observed = torch.cat([observed[big], observed[~big].sum().view(1)])
-    chi2 = float(((observed - expected) ** 2 / expected).sum())
-    dof = expected.numel() - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(chi2 / 2)))
+    p_value, chi2, dof = chi_square(counts, joint * samples)
     assert p_value > 1e-3, (chi2, dof)
 
 

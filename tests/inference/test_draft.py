@@ -16,7 +16,7 @@ from inference.draft_model import DraftConfig, check_draft_compatible, load_draf
 from inference.proposers import AuxBranch, DraftModelProposer, Proposal, Proposer, empty_proposal
 from medusa_train.config import ModelConfig
 from medusa_train.paths import CONF_DIR, assets_dir
-from tests.conftest import make_tiny_model, make_tiny_tokenizer
+from tests.conftest import chi_square, make_tiny_model, make_tiny_tokenizer
 
 PROMPTS = ([1, 5, 9, 33, 20], [1, 70], [1, 44, 12, 90, 3, 3, 61, 8, 17])
 STORY_PROMPTS = ("Once upon a time", "Lily and Tom went to the park", "The dog")
@@ -223,13 +223,7 @@ def test_speculative_sampling_keeps_the_target_distribution():
     for seed in range(samples):
         tokens = decoder.generate(prompt, DecodeConfig(max_new_tokens=3, temperature=1.0, seed=seed)).tokens
         counts[tokens[1], tokens[2]] += 1
-    expected, observed = expected_joint.flatten() * samples, counts.flatten()
-    big = expected >= 5
-    expected = torch.cat([expected[big], expected[~big].sum().view(1)])
-    observed = torch.cat([observed[big], observed[~big].sum().view(1)])
-    chi2 = float(((observed - expected) ** 2 / expected).sum())
-    dof = expected.numel() - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(chi2 / 2)))
+    p_value, chi2, dof = chi_square(counts, expected_joint * samples)
     assert p_value > 1e-3, (chi2, dof)
 
 
