@@ -55,7 +55,9 @@ from inference.evaluation.runner import evaluate_prompts
 from inference.evaluation.summary import decoder_metrics, complete_units, step_times
 from inference.decoders.base import DecodeConfig
 from medusa_train.export import load_heads
+from medusa_train.loading.cpu_kernels import apply_cpu_kernels
 from medusa_train.loading.medusa import check_export_base, load_medusa, model_config_for_export
+from medusa_train.loading.runtime import decide_runtime
 from medusa_train.model import MedusaModel
 from medusa_train.paths import CONF_DIR, REPO_ROOT
 from medusa_train.prompts import encode_prompt, load_prompts
@@ -146,6 +148,9 @@ def main() -> None:
     model, tokenizer, config = load_medusa(str(exports["medusa1"]), dtype=args.dtype, head_type="medusa")
     check_export_base(exports["hydra"], model_config_for_export(config), "--hydra")
     weight = model.lm_head.weight
+    # the kernels medusa-eval and medusa-tune-tree decode on (cpu_kernels=auto), shared by all three decoders
+    _, kernels = decide_runtime(str(weight.dtype).removeprefix("torch."), weight.device, "auto")
+    apply_cpu_kernels(model.base, kernels)
     hydra_heads, _ = load_heads(exports["hydra"], base_model=model.base, head_type="hydra")
     models = {"medusa1": model, "hydra": MedusaModel(model.base, hydra_heads.to(weight.device, weight.dtype).eval())}
     trees = {name: resolve_medusa_choices(None, str(exports[name]), m.heads.spec.num_heads, args.topk)
@@ -178,6 +183,7 @@ def main() -> None:
                       for n in args.budgets} for name in models}
     report: dict[str, Any] = {"prompts": len(prompts), "prompt_source": args.prompts, "prompt_offset": offset,
                               "max_new_tokens": args.max_new_tokens, "dtype": str(weight.dtype),
+                              "cpu_kernels": kernels.record(),
                               "threads": torch.get_num_threads(), "exports": {k: str(v) for k, v in exports.items()},
                               "trees": trees, "decoders": {}}
     K = max(m.heads.spec.num_heads for m in models.values())

@@ -92,14 +92,22 @@ def distill_engine(data: DataConfig, model: Any, tokenizer: Any, model_config: M
     if dtype == AUTO:  # bf16 where the hardware multiplies it natively (a GPU, a CPU with AVX-512 BF16 / AMX)
         dtype = choose_dtype(AUTO, "cuda" if torch.cuda.is_available() else "cpu").name
     path = engine_model_path(model_config)
-    worker = VllmWorker(path, dtype=dtype, max_num_seqs=data.generation_batch_size,
-                        max_model_len=max_prompt_tokens + data.max_new_tokens)
+    started: list[Any] = []  # the engine, once the first batch needs it
+
+    def generate(prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[tuple[list[int], bool]]:
+        # Started at the first batch to answer: a resumed run whose replies are all written starts no engine.
+        if not started:
+            started.append(VllmWorker(path, dtype=dtype, max_num_seqs=data.generation_batch_size,
+                                      max_model_len=max_prompt_tokens + data.max_new_tokens))
+            log.info("self-distillation through vllm %s (%s, %s); its log: %s", started[0].vllm_version, path,
+                     dtype, started[0].log_path)
+        return vllm_generate(started[0])(prompts, max_new_tokens, stop_ids)
+
     try:
-        log.info("self-distillation through vllm %s (%s, %s); its log: %s", worker.vllm_version, path, dtype,
-                 worker.log_path)
-        yield vllm_generate(worker), f"vllm {worker.vllm_version} ({dtype})"
+        yield generate, f"vllm ({dtype})"
     finally:
-        worker.close()
+        for worker in started:
+            worker.close()
 
 
 __all__ = ["distill_engine", "server_generate", "vllm_generate"]

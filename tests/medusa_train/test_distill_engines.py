@@ -211,3 +211,35 @@ def test_vllm_engine_replies_like_hf_generate_in_fp32(tmp_path):
     same = sum(records["hf"][k]["conversations"] == records["vllm"][k]["conversations"] for k in records["hf"])
     assert same >= 5, {k: (records["hf"][k]["conversations"][-1], records["vllm"][k]["conversations"][-1])
                        for k in records["hf"]}
+
+
+def test_vllm_starts_only_when_a_reply_is_missing_and_stops_with_the_step(tiny, tok, tmp_path, monkeypatch):
+    """A resumed data step whose replies are all written starts no engine (vLLM takes minutes to start); otherwise
+    one engine serves every batch and is closed when the step ends. vLLM itself is replaced by a recorder here."""
+    import inference.engines.vllm_env as vllm_env
+    import medusa_train.loading.base as loading
+
+    events = []
+
+    class Worker:
+        vllm_version, log_path = "fake", "fake.log"
+
+        def __init__(self, path, **kwargs):
+            events.append("start")
+
+        def generate(self, prompts, max_new_tokens, stop_ids):
+            return {"outputs": [{"token_ids": reply_ids(p), "finish_reason": "stop"} for p in prompts]}
+
+        def close(self):
+            events.append("close")
+
+    monkeypatch.setattr(vllm_env, "vllm_python", lambda: Path("python"))
+    monkeypatch.setattr(vllm_env, "VllmWorker", Worker)
+    monkeypatch.setattr(loading, "engine_model_path", lambda cfg: "model")
+    data = DataConfig(self_distill_engine="vllm", max_new_tokens=8, generation_batch_size=4)
+    out = tmp_path / "distill.jsonl"
+    for _ in range(2):
+        with distill_engine(data, tiny, tok, ModelConfig(name_or_path="model"), 200) as (generate, engine):
+            stats = self_distill(tiny, tok, conversations(), 8, 4, out, generate=generate, show_progress=False)
+    assert events == ["start", "close"]  # the second, resumed step had nothing to generate
+    assert stats.generated == 0 and len(read_lines(out)) == len(PROMPTS)
