@@ -169,7 +169,7 @@ def main() -> None:
     results_file = out / "results.jsonl"
     results_file.unlink(missing_ok=True)
     rows = evaluate_prompts(decoders, tokenizer, prompts, request, ResultsLog(results_file), max_turns=1,
-                            progress=False)
+                            progress=False).rows
     units = list(complete_units(rows).values())
     metrics, times = decoder_metrics(units, greedy=True), step_times(rows)
 
