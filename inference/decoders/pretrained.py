@@ -10,10 +10,10 @@ import logging
 import os
 from typing import Any
 
-from inference.tree import default_medusa_choices
+from inference.decoders.choices import resolve_medusa_choices
 from inference.tree import TOPK
-from medusa_train.export.tree_files import read_tree_files
-from medusa_train.loading.hub import DECODER_FILES, FASTERDECODING_WEIGHTS, download_export
+from medusa_train.export.tree_files import CHOICES_FILE
+from medusa_train.loading.hub import DECODER_FILES, FASTERDECODING_WEIGHTS, HEAD_WEIGHTS, download_export
 from medusa_train.loading.medusa import load_medusa
 
 log = logging.getLogger(__name__)
@@ -54,15 +54,14 @@ def pretrained_decoder_kwargs(
     """
     folder = download_export(repo_or_dir, revision, allow_patterns=DECODER_FILES, cache_dir=cache_dir,
                              endpoint=endpoint)
-    if not any((folder / name).is_file() for name in DECODER_FILES[1:3]):
+    if not any((folder / name).is_file() for name in HEAD_WEIGHTS):
         folder = download_export(repo_or_dir, revision, allow_patterns=DECODER_FILES + [FASTERDECODING_WEIGHTS],
                                  cache_dir=cache_dir, endpoint=endpoint)
     medusa_model, tokenizer, _ = load_medusa(str(folder), model=model, dtype=dtype, device=device)
     if decoder_kwargs.get("medusa_choices") is None:
-        choices = read_tree_files(folder).get("medusa_choices")
-        if choices is None:
-            topk = decoder_kwargs.get("topk") or TOPK
-            choices = default_medusa_choices(medusa_model.heads.spec.num_heads, topk)
+        choices = resolve_medusa_choices(None, str(folder), medusa_model.heads.spec.num_heads,
+                                         decoder_kwargs.get("topk") or TOPK)
+        if not (folder / CHOICES_FILE).is_file():
             log.warning("%s has no medusa_choices.json: using the default tree of %d nodes", repo_or_dir,
                         len(choices))
         decoder_kwargs["medusa_choices"] = choices

@@ -20,7 +20,8 @@ from medusa_train.export.writer import (
 
 # What a decoder needs from a published export (vllm/ and eval/ are not downloaded for it); FasterDecoding's .pt only
 # when a repository has neither safetensors file (a FasterDecoding repository of its own).
-DECODER_FILES = [CONFIG_FILE, WEIGHTS_FILE, HYDRA_WEIGHTS_FILE, TOKEN_MAP_FILE, CHOICES_FILE]
+HEAD_WEIGHTS = [WEIGHTS_FILE, HYDRA_WEIGHTS_FILE]  # our weights files, Medusa's and Hydra's
+DECODER_FILES = [CONFIG_FILE, *HEAD_WEIGHTS, TOKEN_MAP_FILE, CHOICES_FILE]
 FASTERDECODING_WEIGHTS = LEGACY_WEIGHTS_FILE
 
 
@@ -108,4 +109,4 @@ def download_export(
     return folder
 
 
-__all__ = ["DECODER_FILES", "FASTERDECODING_WEIGHTS", "download_export", "hub_endpoint", "is_hub_id"]
+__all__ = ["DECODER_FILES", "FASTERDECODING_WEIGHTS", "HEAD_WEIGHTS", "download_export", "hub_endpoint", "is_hub_id"]

@@ -140,16 +140,17 @@ def test_vanilla_sampling_is_reproducible_by_seed():
 
 # --- Medusa greedy = plain greedy -----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_medusa_greedy_equals_vanilla_greedy_random_heads(family):
+def test_medusa_greedy_equals_vanilla_greedy_random_heads(family, head_type):
     base = make_tiny_model(family)
-    model = random_medusa(base)
+    model = random_heads(head_type, base)
     decoder = MedusaDecoder(model, SMALL_TREE, topk=10)
     calls = count_backbone_calls(model)
     for prompt in PROMPTS:
         before = len(calls)
         result = decoder.generate(prompt, DecodeConfig(max_new_tokens=40))
-        assert len(calls) - before == 1 + result.forward_passes
+        assert len(calls) - before == 1 + result.forward_passes  # drafting never runs the backbone
         assert result.tokens == greedy(base, prompt, 40), (family, prompt)
         check_counts(result)
         assert result.stop_reason == "max_new_tokens"

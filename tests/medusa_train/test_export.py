@@ -26,7 +26,11 @@ def random_heads(num_heads: int = 2, num_layers: int = 1, share: bool = False, t
                  dtype: torch.dtype = torch.float32, seed: int = 0) -> MedusaHeads:
     spec = HeadsSpec(num_heads, num_layers, HIDDEN, VOCAB, share_lm_head=share,
                      head_vocab_size=None if token_map is None else token_map.numel())
-    heads = MedusaHeads(spec, token_map=token_map)
+    return randomized(MedusaHeads(spec, token_map=token_map), seed, dtype)
+
+
+def randomized(heads: torch.nn.Module, seed: int, dtype: torch.dtype) -> torch.nn.Module:
+    """``heads`` with every parameter drawn from N(0, 0.3^2) (seeded), in ``dtype``."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():

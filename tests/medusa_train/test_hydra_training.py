@@ -18,7 +18,7 @@ from medusa_train.publish.folder import collect_export
 from medusa_train.training.losses import medusa_head_loss
 from medusa_train.training.recipe import TrainRecipe
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model
-from tests.medusa_train.test_export import TOKEN_MAP, hidden_states, random_heads
+from tests.medusa_train.test_export import TOKEN_MAP, hidden_states, random_heads, randomized
 from tests.medusa_train.test_training import (
     CrashAtStep,
     assert_same_heads,
@@ -40,12 +40,7 @@ def random_hydra(num_heads: int = 2, num_layers: int = 1, share: bool = False, t
                  combine: str = "concat", dtype: torch.dtype = torch.float32, seed: int = 0) -> HydraHeads:
     spec = HydraSpec(num_heads, num_layers, HIDDEN, VOCAB, share_lm_head=share, combine=combine,
                      head_vocab_size=None if token_map is None else token_map.numel())
-    heads = HydraHeads(spec, token_map=token_map)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return heads.to(dtype)
+    return randomized(HydraHeads(spec, token_map=token_map), seed, dtype)
 
 
 # ---- export and load ----------------------------------------------------------------------------------------------
