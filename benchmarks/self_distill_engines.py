@@ -74,7 +74,7 @@ def first_turns(tokenizer: Any, count: int, max_prompt_tokens: int) -> list[Any]
 def run(engine: str, dtype: str, args: argparse.Namespace, prompts: list[Any], tmp: Path) -> dict[str, Any]:
     from medusa_train.config import DataConfig
     from medusa_train.data import self_distill
-    from medusa_train.data.distill_engines import distill_engine
+    from medusa_train.data.distill_engines import distill_engine, request_size
     from medusa_train.loading.base import load_base_model
 
     cfg = model_config(args.model, dtype)
@@ -85,7 +85,7 @@ def run(engine: str, dtype: str, args: argparse.Namespace, prompts: list[Any], t
     started = time.perf_counter()
     with distill_engine(data, model, tokenizer, cfg, args.max_prompt_tokens) as (generate, name):
         ready = time.perf_counter()
-        stats = self_distill(model, tokenizer, prompts, args.max_new_tokens, args.batch_size, out, generate=generate,
+        stats = self_distill(model, tokenizer, prompts, args.max_new_tokens, request_size(data), out, generate=generate,
                              max_prompt_tokens=args.max_prompt_tokens, show_progress=False)
         wall = time.perf_counter() - ready
     records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]

@@ -250,8 +250,8 @@ class DataConfig:
             with bf16 units makes about 1.7x fp32's tokens (docs/vllm.md); the heads still train on the model's
             own dtype.
         max_new_tokens: longest regenerated reply.
-        generation_batch_size: conversations generated at once per rank (with vLLM: sent per request, and vLLM's
-            ``max_num_seqs``). On a CPU larger batches pay: SmolLM2-135M greedy decoding made 52 tokens/s at 16
+        generation_batch_size: conversations generated at once per rank (with vLLM: its ``max_num_seqs``, with
+            four times as many prompts queued per request: ``distill_engines.request_size``). On a CPU larger batches pay: SmolLM2-135M greedy decoding made 52 tokens/s at 16
             rows and 170-230 at 64-128 rows on the 2-core test machine.
         max_prompt_tokens: self-distillation skips (and counts) prompts longer than this; None: ``max_length - 1``.
             ShareGPT's first turns run to thousands of tokens and a left-padded batch is as long as its longest

@@ -30,7 +30,7 @@ from medusa_train.data import (
     self_distill,
 )
 from medusa_train.data.conversations import normalize_record
-from medusa_train.data.distill_engines import distill_engine
+from medusa_train.data.distill_engines import distill_engine, request_size
 from medusa_train.data.self_distill import distill_prompt, prompt_key, read_records, record_id, shard_path
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET
@@ -201,7 +201,7 @@ def prepare_data(
         max_prompt = min(max_length - 1, data.max_prompt_tokens or max_length)
         started = time.perf_counter()
         with distill_engine(data, model, tokenizer, model_config, max_prompt) as (generate, engine):
-            stats = self_distill(model, tokenizer, conversations, data.max_new_tokens, data.generation_batch_size,
+            stats = self_distill(model, tokenizer, conversations, data.max_new_tokens, request_size(data),
                                  output_path, rank, world_size, max_prompt_tokens=max_prompt, generate=generate)
         log.info("self-distillation (rank %d) by %s in %.0f s: %s", rank, engine, time.perf_counter() - started,
                  stats)

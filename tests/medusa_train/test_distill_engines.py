@@ -134,11 +134,11 @@ def test_server_engine_writes_the_same_records_and_resumes(tok, tiny, tmp_path, 
         stats, engine = run_distill(DataConfig(server_url=server.url), tiny, tok, out)
         assert engine == f"server {server.url} (tiny-model)"
         assert stats.generated == len(PROMPTS) and stats.unfinished == 0
-        # our chat template's ids went to the server, in batches of 4, with our stop ids
+        # our chat template's ids went to the server, in even batches of at most 4, with our stop ids
         sent = [p for r in server.requests for p in r["prompt"]]
         assert sorted(map(tuple, sent)) == sorted(
             tuple(encode_prompt(tok, c)) for c in conversations())
-        assert [len(r["prompt"]) for r in server.requests] == [4, 2]
+        assert [len(r["prompt"]) for r in server.requests] == [3, 3]
         assert all(r["stop_token_ids"] == [EOS] and r["temperature"] == 0.0 for r in server.requests)
         records = {r["id"]: r for r in read_lines(out)}
         for c in conversations():
@@ -168,11 +168,11 @@ def test_server_answering_garbage_keeps_the_records_written_and_a_rerun_resumes(
     with FakeServer(tok, "garbage_after", valid=1) as server:
         with pytest.raises(ServerError, match=f"{server.url}/v1/completions answered something that is not JSON"):
             run_distill(DataConfig(server_url=server.url), tiny, tok, out)
-        assert len(read_lines(out)) == 4  # the first batch, flushed before the second request failed
+        assert len(read_lines(out)) == 3  # the first batch (6 prompts in two of 3), flushed before the second failed
     with FakeServer(tok) as server:
         stats, _ = run_distill(DataConfig(server_url=server.url), tiny, tok, out)
-        assert (stats.already_done, stats.generated) == (4, 2)
-        assert sum(len(r["prompt"]) for r in server.requests) == 2
+        assert (stats.already_done, stats.generated) == (3, 3)
+        assert sum(len(r["prompt"]) for r in server.requests) == 3
     assert sorted(r["id"] for r in read_lines(out)) == sorted(record_id(c) for c in conversations())
 
 
@@ -243,3 +243,40 @@ def test_vllm_starts_only_when_a_reply_is_missing_and_stops_with_the_step(tiny, 
             stats = self_distill(tiny, tok, conversations(), 8, 4, out, generate=generate, show_progress=False)
     assert events == ["start", "close"]  # the second, resumed step had nothing to generate
     assert stats.generated == 0 and len(read_lines(out)) == len(PROMPTS)
+
+
+def test_vllm_gets_several_batches_per_request_and_runs_eager_on_a_cpu(tiny, tok, tmp_path, monkeypatch):
+    """vLLM decodes generation_batch_size sequences at once (max_num_seqs) and is sent QUEUED_BATCHES times as many
+    prompts per request, so a finished reply's slot is refilled at once; on a CPU it runs without torch.compile."""
+    import inference.engines.vllm_env as vllm_env
+    import medusa_train.loading.base as loading
+    from medusa_train.data.distill_engines import QUEUED_BATCHES, request_size
+
+    started, requests = [], []
+
+    class Worker:
+        vllm_version, log_path = "fake", "fake.log"
+
+        def __init__(self, path, **kwargs):
+            started.append(kwargs)
+
+        def generate(self, prompts, max_new_tokens, stop_ids):
+            requests.append(len(prompts))
+            return {"outputs": [{"token_ids": reply_ids(p), "finish_reason": "stop"} for p in prompts]}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(vllm_env, "vllm_python", lambda: Path("python"))
+    monkeypatch.setattr(vllm_env, "VllmWorker", Worker)
+    monkeypatch.setattr(loading, "engine_model_path", lambda cfg: "model")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    data = DataConfig(self_distill_engine="vllm", max_new_tokens=8, generation_batch_size=1)
+    assert QUEUED_BATCHES == 4 and request_size(data) == 4
+    assert request_size(DataConfig(self_distill_engine="hf", generation_batch_size=3)) == 3
+    with distill_engine(data, tiny, tok, ModelConfig(name_or_path="model"), 200) as (generate, engine):
+        stats = self_distill(tiny, tok, conversations(), 8, request_size(data), tmp_path / "d.jsonl",
+                             generate=generate, show_progress=False)
+    assert stats.generated == len(PROMPTS) == 6
+    assert requests == [3, 3]  # 6 prompts, at most 4 per request: two even requests, not 4 + 2
+    assert started[0]["max_num_seqs"] == 1 and started[0]["enforce_eager"] is True
