@@ -58,7 +58,7 @@ def read_latency_profile(export_dir: str | Path) -> dict[str, Any]:
     missing = [k for k in ("latency_ms", "device", "dtype") if k not in raw]
     if missing:
         raise ValueError(f"latency_from={export_dir}: {path} has no {missing}")
-    profile = {k: raw[k] for k in ("device", "dtype", "context_length", "repeats") if k in raw}
+    profile = {k: raw[k] for k in ("device", "dtype", "context_length", "repeats", "cpu_kernels") if k in raw}
     return {**profile, "latency_ms": {int(n): float(ms) for n, ms in raw["latency_ms"].items()}}
 
 

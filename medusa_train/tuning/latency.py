@@ -109,11 +109,27 @@ def measure_verification_latency(
             "context_length": context_length, "repeats": repeats, "latency_ms": results}
 
 
-def check_profile_device(profile: dict, base: PreTrainedModel, source: str) -> None:
-    """Refuse a profile measured on another device or dtype than ``base`` decodes on (both named)."""
+def check_profile_runtime(profile: dict, base: PreTrainedModel, source: str, kernels: str | None = None) -> None:
+    """Refuse a profile measured on another device, dtype or linear kernels than ``base`` decodes on (each named).
+
+    Args:
+        profile: a ``latency_profile.json`` (:func:`~medusa_train.export.tree_files.read_latency_profile`).
+        base: the model the tree will decode on.
+        source: the export folder the profile came from (named in the error).
+        kernels: the kernels ``base`` runs on (``cpu_kernels.kernels`` of the runtime record, e.g.
+            ``onednn_packed``); None, or a profile that records none, skips that comparison.
+
+    Raises:
+        ValueError: device, dtype or kernels differ: a tree tuned on another cost curve is not this machine's best.
+    """
     weight = base.get_output_embeddings().weight
     here = (str(weight.device), str(weight.dtype).replace("torch.", ""))
     if (profile["device"], profile["dtype"]) != here:
         raise ValueError(f"latency_from={source}: that profile was measured on {profile['device']} in "
                          f"{profile['dtype']}, but these heads decode on {here[0]} in {here[1]}; measure it here "
                          "(latency_from=null)")
+    measured = (profile.get("cpu_kernels") or {}).get("kernels")
+    if kernels is not None and measured is not None and measured != kernels:
+        raise ValueError(f"latency_from={source}: that profile was measured on {measured} linear kernels, but these "
+                         f"heads decode on {kernels}; measure it here (latency_from=null) or load with the same "
+                         "cpu_kernels")

@@ -13,7 +13,7 @@ from medusa_train.prompts import Prompt, encode_prompt
 from medusa_train.tuning.accuracy import measure_head_accuracy
 from medusa_train.tuning.config import TuneTreeConfig
 from medusa_train.export.tree_files import ACCURACY_FILE, CHOICES_FILE, LATENCY_FILE, read_latency_profile
-from medusa_train.tuning.latency import check_profile_device, measure_verification_latency
+from medusa_train.tuning.latency import check_profile_runtime, measure_verification_latency
 from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
     check_accuracy_table(accuracy["acc"], num_heads=model.heads.spec.num_heads)
     if cfg.latency_from is not None:
         latency = read_latency_profile(cfg.latency_from)
-        check_profile_device(latency, model.base, cfg.latency_from)
+        check_profile_runtime(latency, model.base, cfg.latency_from,
+                              kernels=((runtime or {}).get("cpu_kernels") or {}).get("kernels"))
         latency["measured_for"] = str(cfg.latency_from)
     else:
         latency = measure_verification_latency(model.base, sizes=cfg.latency_sizes,

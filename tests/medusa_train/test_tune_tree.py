@@ -73,7 +73,7 @@ def test_tune_tree_rejects_bad_budget_before_loading(tiny_export):
 
 def test_a_second_export_of_the_base_is_tuned_against_the_first_ones_latency_profile(tiny_export, tmp_path):
     """``latency_from``: one profile for several exports of one base (no new measurement, the same numbers), refused
-    when missing or measured on another dtype."""
+    when missing or measured on another dtype or other linear kernels."""
     from medusa_train.cli.tune_tree import run
 
     export, prompts = tiny_export
@@ -94,6 +94,10 @@ def test_a_second_export_of_the_base_is_tuned_against_the_first_ones_latency_pro
         with pytest.raises(ValueError, match="measured on cpu in float32, but these heads decode on cpu in bfloat16"):
             run(compose("tune_tree", overrides=[f"export_dir={second}", f"latency_from={export}", *common,
                                                 "dtype=bfloat16"]))
+        with pytest.raises(ValueError, match="measured on onednn_packed linear kernels, but these heads decode on "
+                                             "pytorch"):
+            run(compose("tune_tree", overrides=[f"export_dir={second}", f"latency_from={export}", *common,
+                                                "cpu_kernels=none"]))
 
 
 def compose_and_validate(overrides):
