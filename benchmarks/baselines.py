@@ -31,15 +31,15 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_dir
 
-import medusa_train  # noqa: F401  (registers schemas and resolvers)
 from inference.decoders.base import DecodeConfig, DecodeResult, Decoder
 from inference.decoders.chat import eos_ids
 from inference.decoders.draft import DraftDecoder
 from inference.decoders.hf_peers import HfAssistedDecoder, HfPromptLookupDecoder
 from inference.decoders.lookahead import LookaheadDecoder
 from inference.decoders.vanilla import VanillaDecoder
-from inference.draft_model import self_layer_draft
+from inference.draft_loading import self_layer_draft
 from inference.evaluation.summary import decoder_metrics, markdown_table
+from medusa_train.cli.app import register_shared_schemas
 from medusa_train.config import ModelConfig, as_dataclass
 from medusa_train.loading.base import load_base_model
 from medusa_train.paths import CONF_DIR
@@ -82,6 +82,7 @@ def summarize(results: dict[str, list[DecodeResult]]) -> dict[str, dict[str, Any
 
 
 def main() -> None:
+    register_shared_schemas()  # model/ files compose from the shared schemas and resolvers
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2_135m", help="model/ config group option")
     parser.add_argument("--dtype", default=None, help="override the model config's dtype (smollm2_135m: bfloat16)")

@@ -27,7 +27,7 @@ import time
 import torch
 from hydra import compose, initialize_config_dir
 
-import medusa_train  # noqa: F401  (registers schemas and resolvers)
+from medusa_train.cli.train import register_schemas
 from medusa_train.paths import CONF_DIR
 from medusa_train.training.joint_loss import base_loss_sum
 from medusa_train.training.losses import IGNORE_INDEX, head_targets, medusa_head_loss
@@ -83,6 +83,7 @@ def joint_steps(recipe: TrainRecipe):
 
 
 def main() -> None:
+    register_schemas()  # what conf/train.yaml composes from
     parser = training_parser(__doc__, "runs/bench_head_step")
     parser.add_argument("--batches", type=int, default=20, help="training batches timed (each both ways)")
     args = parser.parse_args()

@@ -45,8 +45,6 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_dir
 
-import medusa_train  # noqa: F401  (registers config schemas and resolvers)
-import medusa_train.tuning.config  # noqa: F401  (registers tune_tree_schema)
 from inference.decoders import MedusaDecoder, VanillaDecoder
 from inference.decoders.chat import eos_ids
 from inference.decoders.choices import resolve_medusa_choices
@@ -54,6 +52,7 @@ from inference.evaluation.results import ResultsLog
 from inference.evaluation.runner import evaluate_prompts
 from inference.evaluation.summary import decoder_metrics, complete_units, step_times
 from inference.decoders.base import DecodeConfig
+from medusa_train.cli.tune_tree import register_schemas
 from medusa_train.export import load_heads
 from medusa_train.loading.cpu_kernels import apply_cpu_kernels
 from medusa_train.loading.medusa import check_export_base, load_medusa, model_config_for_export
@@ -103,6 +102,7 @@ def prompt_overrides(key: str, source: str, offset: int | None) -> list[str]:
 
 
 def main() -> None:
+    register_schemas()  # what conf/tune_tree.yaml composes from (the shared schemas, conf/train.yaml's, included)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", type=Path, required=True)
     parser.add_argument("--medusa", type=Path, help="an existing Medusa-1 export (else trained)")

@@ -44,11 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def model_config(name: str, dtype: str) -> Any:
     from hydra import compose, initialize_config_dir
 
+    from medusa_train.cli.app import register_shared_schemas
     from medusa_train.config import ModelConfig, as_dataclass
     from medusa_train.paths import CONF_DIR
-    from medusa_train.resolvers import register_resolvers
 
-    register_resolvers()
+    register_shared_schemas()  # model/ files extend schema/model/base and use the ${medusa.*} resolvers
     with initialize_config_dir(str(CONF_DIR / "model"), version_base="1.3"):
         cfg = compose(name)
     return dataclasses.replace(as_dataclass(ModelConfig, cfg), dtype=dtype)

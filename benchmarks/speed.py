@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_dir
 
-import medusa_train  # noqa: F401  (registers schemas and resolvers)
 from inference.decoders.base import DecodeConfig
 from inference.decoders.batching import additive_mask
 from inference.decoders.choices import resolve_medusa_choices
@@ -43,6 +42,7 @@ from inference.decoders.medusa import make_verifier, medusa_step, medusa_tree
 from inference.decoders.vanilla import VanillaDecoder
 from inference.kv_cache import preallocated_cache
 from inference.proposers.heads import tree_drafter
+from medusa_train.cli.app import register_shared_schemas
 from medusa_train.config import ModelConfig, as_dataclass
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.cpu_kernels import apply_cpu_kernels, choose_cpu_kernels
@@ -163,6 +163,7 @@ def decoder_overhead(variants: dict[str, MedusaModel], tree: list[list[int]], to
 
 
 def main() -> None:
+    register_shared_schemas()  # model/ files compose from the shared schemas and resolvers
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2_135m", help="a model/ config (ignored with --export)")
     parser.add_argument("--export", default=None, help="an export folder: its base, heads and tuned tree")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_dir
 
-import medusa_train  # noqa: F401  (registers schemas and resolvers)
+from medusa_train.cli.train import register_schemas
 from medusa_train.paths import CONF_DIR
 from medusa_train.training.recipe import TrainRecipe
 
@@ -60,6 +60,7 @@ def run_once(overrides: list[str], hidden_cache: bool) -> dict[str, Any]:
 
 
 def main() -> None:
+    register_schemas()  # what conf/train.yaml composes from
     parser = training_parser(__doc__, "runs/bench_train_throughput")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
     args = parser.parse_args()

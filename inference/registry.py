@@ -21,7 +21,7 @@ from inference.decoders.base import DecodeConfig, Decoder
 from inference.acceptance import check_posterior
 from inference.decoders.medusa import ACCEPTANCE, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, check_acceptance
 from inference.tree import TOPK
-from inference.draft_model import DraftConfig
+from inference.draft_loading import DraftConfig
 from inference.proposers.lookahead import check_lookahead_settings
 
 
@@ -108,7 +108,7 @@ class MedusaSettings:
 @dataclass
 class DraftSettings(DraftConfig):
     """Speculative decoding with a draft model (:class:`~inference.decoders.draft.DraftDecoder`); the fields of
-    :class:`inference.draft_model.DraftConfig`: ``kind`` (``self_layers``: the target's first ``num_layers``
+    :class:`inference.draft_loading.DraftConfig`: ``kind`` (``self_layers``: the target's first ``num_layers``
     layers; ``model``: a separate ``model/`` config under ``model``, loaded in the run's dtype and device),
     ``num_draft_tokens`` (K) and ``schedule``."""
 
@@ -286,7 +286,7 @@ def _draft(settings: DraftConfig, ctx: BuildContext, name: str) -> tuple[Any, An
             count named), or the draft's own errors.
     """
     from medusa_train.config import ModelConfig, as_dataclass
-    from inference.draft_model import load_draft
+    from inference.draft_loading import load_draft
 
     if settings.kind == "self_layers":
         layers = getattr(ctx.model.base.config, "num_hidden_layers", None)
@@ -445,6 +445,17 @@ def default_decoder_names() -> tuple[str, ...]:
     return tuple(name for name, entry in REGISTRY.items() if entry.default)
 
 
+def register_decoder_schemas() -> None:
+    """Store each registered decoder's settings in Hydra's ConfigStore as ``schema/decoder/<name>``, which
+    ``conf/decoder/<name>.yaml`` extends (idempotent: storing again replaces a node with the same one). Entry points
+    call it before composing; importing this module stores nothing."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for name, entry in REGISTRY.items():
+        cs.store(group="schema/decoder", name=name, node=entry.settings)
+
+
 def check_decoder_names(names: Sequence[str]) -> list[str]:
     """``names`` as a list, checked.
 
@@ -567,4 +578,5 @@ __all__ = [
     "decoder_settings",
     "default_decoder_names",
     "register_decoder",
+    "register_decoder_schemas",
 ]

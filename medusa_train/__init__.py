@@ -1,10 +1,9 @@
-"""medusa-train: train, tune, export and serve Medusa heads for any Hugging Face causal LM."""
+"""medusa-train: train, tune, export and serve Medusa heads for any Hugging Face causal LM.
 
-from medusa_train.config import register_configs
-from medusa_train.resolvers import register_resolvers
+Importing the package (or any library module) registers nothing: each entry point registers the config schemas and
+resolvers it composes from (:func:`medusa_train.cli.app.register_shared_schemas` and its own) before composing.
+"""
+
 from medusa_train.version import __version__
-
-register_resolvers()
-register_configs()
 
 __all__ = ["__version__"]

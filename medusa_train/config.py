@@ -490,7 +490,10 @@ class TrainConfig:
 
 
 def register_configs() -> None:
-    """Register the schemas under ``schema/<group>`` so the YAML files can extend them via their defaults list."""
+    """Register the schemas under ``schema/<group>`` so the YAML files can extend them via their defaults list.
+
+    Idempotent (storing again replaces a node with the same one); entry points call it before composing, importing
+    this module stores nothing."""
     cs = ConfigStore.instance()
     cs.store(group="schema/model", name="base", node=ModelConfig)
     cs.store(group="schema/heads", name="base", node=HeadsConfig)

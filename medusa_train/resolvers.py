@@ -10,9 +10,11 @@ from omegaconf import OmegaConf
 
 from medusa_train.paths import assets_dir, package_file
 
+RESOLVER_NAMES = ("medusa.asset", "medusa.package")
+
 
 def register_resolvers() -> None:
-    """Register the resolvers once (idempotent)."""
+    """Register the resolvers once (idempotent). Entry points call it before composing; importing registers none."""
     if not OmegaConf.has_resolver("medusa.asset"):
         OmegaConf.register_new_resolver("medusa.asset", lambda rel="": str(assets_dir() / rel))
     if not OmegaConf.has_resolver("medusa.package"):

@@ -18,13 +18,17 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 from transformers import TextStreamer
 
-import inference.evaluation.config  # noqa: F401  (registers schema/decoder/<name>)
-import medusa_train  # noqa: F401  (registers config schemas and resolvers)
 from inference.decoders import DecodeConfig, DecodeResult
 from inference.decoders import generate as chat_generate
 from inference.decoders.choices import resolve_medusa_choices
-from inference.registry import BuildContext, build_decoder, check_decoder_names, decoder_settings
-from medusa_train.cli.app import hydra_app
+from inference.registry import (
+    BuildContext,
+    build_decoder,
+    check_decoder_names,
+    decoder_settings,
+    register_decoder_schemas,
+)
+from medusa_train.cli.app import hydra_app, register_shared_schemas
 from medusa_train.config import as_dataclass
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.loading.runtime import load_for_inference
@@ -103,7 +107,12 @@ class GenerateConfig:
                             seed=self.seed)
 
 
-ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
+def register_schemas() -> None:
+    """What ``conf/generate.yaml`` composes from: ``generate_schema`` (:class:`GenerateConfig`),
+    ``schema/decoder/<name>``, the shared schemas and resolvers (idempotent)."""
+    register_shared_schemas()
+    register_decoder_schemas()
+    ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
 
 
 class TextOut(TextStreamer):
@@ -155,7 +164,8 @@ def run(cfg: DictConfig | GenerateConfig, out: TextIO | None = None) -> DecodeRe
     return result
 
 
-@hydra_app("generate", example='medusa-generate export_dir=runs/stories/export prompt="Once upon a time"')
+@hydra_app("generate", example='medusa-generate export_dir=runs/stories/export prompt="Once upon a time"',
+           register_schemas=register_schemas)
 def main(cfg: DictConfig) -> None:
     run(cfg)
 
@@ -165,4 +175,4 @@ if __name__ == "__main__":
 
 
 # ``resolve_medusa_choices`` is re-exported for callers that import it from here (inference.registry).
-__all__ = ["GenerateConfig", "TextOut", "main", "resolve_medusa_choices", "run", "stats_line"]
+__all__ = ["GenerateConfig", "TextOut", "main", "register_schemas", "resolve_medusa_choices", "run", "stats_line"]

@@ -45,7 +45,7 @@ from inference.decoders.base import (
 from inference.decoders.medusa import tree_attention_mask
 from inference.decoders.stopping import StopCondition
 from inference.decoders.streaming import StreamFeed
-from inference.draft_model import check_draft_compatible, check_draft_length, check_schedule
+from inference.draft_loading import check_draft_compatible, check_draft_length, check_schedule
 from inference.kv_cache import crop, keep_positions
 from inference.proposers.base import Proposal, Proposer
 from inference.proposers.draft_model import (
@@ -276,7 +276,7 @@ class DraftDecoder:
     Args:
         model: the target ``*ForCausalLM`` (a :class:`~medusa_train.model.MedusaModel` is accepted: its base is used).
         draft: a ``*ForCausalLM`` with the target's vocabulary: a smaller sibling, or the target's own first layers
-            (:func:`inference.draft_model.self_layer_draft`).
+            (:func:`inference.draft_loading.self_layer_draft`).
         num_draft_tokens: K >= 1, tokens drafted per step (the first K with ``schedule="heuristic"``).
         schedule: ``constant`` or ``heuristic`` (K + 2 after a fully accepted step, else max(1, K - 1)).
         tokenizer: the target's; needed for ``stop_strings`` and ``text``, and compared with ``draft_tokenizer``.

@@ -44,7 +44,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from inference.decoders.base import DecodeConfig, DecodeResult, check_context, max_positions, prompt_tensor
 from inference.decoders.stopping import MAX_NEW_TOKENS, StopCondition
-from inference.draft_model import check_draft_compatible, check_draft_length, check_schedule
+from inference.draft_loading import check_draft_compatible, check_draft_length, check_schedule
 
 # our schedule -> transformers' num_assistant_tokens_schedule ("heuristic_transient": reset for every call, as ours)
 _HF_SCHEDULES = {"constant": "constant", "heuristic": "heuristic_transient"}
@@ -212,7 +212,7 @@ class HfAssistedDecoder:
 
     Args:
         model: the target ``*ForCausalLM``.
-        draft: the assistant, with the target's vocabulary (e.g. :func:`inference.draft_model.self_layer_draft`).
+        draft: the assistant, with the target's vocabulary (e.g. :func:`inference.draft_loading.self_layer_draft`).
         num_draft_tokens: K >= 1, transformers' ``num_assistant_tokens``.
         schedule: ``constant`` or ``heuristic`` (transformers' ``heuristic_transient``: K + 2 / K - 1, reset every
             call, as our draft decoder).

@@ -1,6 +1,6 @@
 """``medusa-eval``: decoders side by side over a prompt set, interleaved and resumable.
 
-- :mod:`~inference.evaluation.config`: the settings (``conf/evaluate.yaml``, ``conf/decoder/*.yaml``).
+- :mod:`~inference.evaluation.eval_config`: the settings (``conf/evaluate.yaml``, ``conf/decoder/*.yaml``).
 - :mod:`~inference.evaluation.runner`: every decoder on every prompt and turn -> ``results.jsonl`` rows.
 - :mod:`~inference.evaluation.results`: the rows file, appended row by row and resumed.
 - :mod:`~inference.evaluation.provenance`: what the rows were measured with, compared on resume.
@@ -8,5 +8,5 @@
 - :mod:`~inference.evaluation.plots`: PNG plots.
 - :mod:`~inference.evaluation.environment`: device, dtype, threads, versions, git commit of a run.
 - :mod:`~inference.evaluation.sweep`: many runs (a Hydra multirun) in one table.
-- :mod:`~inference.evaluation.evaluate`: the whole run, as the command line does it.
+- :mod:`~inference.evaluation.eval_run`: the whole run, as the command line does it.
 """

@@ -6,7 +6,7 @@ A resumed run keeps a row only if it would be measured the same way now. Two lev
   the ``model`` override, with the ``dtype`` / ``device`` overrides applied: name, format, revision, the dtype as
   ``dtype=auto`` resolves on this machine, ...)
   and, for a Medusa-2 export whose fine-tuned base lives inside the export, the checksum of the heads written with
-  it. Together with the settings every row shares (:func:`~inference.evaluation.evaluate.result_settings`:
+  it. Together with the settings every row shares (:func:`~inference.evaluation.eval_run.result_settings`:
   ``max_new_tokens``, temperature, the decoder list, ...) a change here invalidates every row: the rerun is refused,
   naming what changed, before any model loads (``overwrite=true`` starts over).
 - **Each decoder** (:func:`decoder_identity`): its settings (``decoder.<name>``), what its builder resolved (e.g.

@@ -31,7 +31,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from inference.decoders.base import DecodeConfig
-from inference.draft_model import check_draft_length, check_schedule
+from inference.draft_loading import check_draft_length, check_schedule
 from inference.kv_cache import crop
 from inference.proposers.base import Proposal, empty_proposal
 from inference.sampling import logits_to_probs
@@ -73,7 +73,7 @@ class DraftModelProposer:
 
     Args:
         draft: a ``*ForCausalLM`` whose logits cover the target's V ids (see
-            :func:`inference.draft_model.check_draft_compatible`).
+            :func:`inference.draft_loading.check_draft_compatible`).
         config: the request (greedy or sampled drafting, warping).
         generator: sampling generator on the draft's device (None when greedy).
         num_draft_tokens: K (the first K when adaptive), >= 1.

@@ -6,6 +6,10 @@ the config first (the same files, schemas and overrides Hydra will use) and, whe
 still missing, prints one line (``medusa-tune-tree: export_dir is required: add export_dir=... (e.g.
 medusa-tune-tree export_dir=runs/stories/export)``) and exits with status 2, before Hydra creates any folder.
 Anything else (bad keys, sweeps, ``--help``, ``--cfg``) is left to Hydra's own messages.
+
+Nothing is registered on import: each entry point passes its ``register_schemas`` to :func:`hydra_app`, which calls
+it before anything composes (the required-settings check, then ``@hydra.main``). Tests and benchmarks that compose
+``conf/`` themselves call the same function first.
 """
 
 from __future__ import annotations
@@ -18,7 +22,16 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from medusa_train.config import register_configs
 from medusa_train.paths import CONF_DIR
+from medusa_train.resolvers import register_resolvers
+
+
+def register_shared_schemas() -> None:
+    """What every ``conf/`` file may compose from: the ``${medusa.*}`` resolvers and the shared schemas
+    (``schema/model``, ``schema/heads``, ..., ``schema/train``). Idempotent."""
+    register_resolvers()
+    register_configs()
 
 
 def missing_required(config_name: str, overrides: list[str]) -> list[str] | None:
@@ -53,19 +66,24 @@ def _missing(node: Any, prefix: str) -> list[str]:
     return missing
 
 
-def hydra_app(config_name: str, example: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
-    """``@hydra.main`` over ``conf/<config_name>.yaml``, preceded by the required-settings check.
+def hydra_app(config_name: str, example: str, register_schemas: Callable[[], None]
+              ) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
+    """``@hydra.main`` over ``conf/<config_name>.yaml``, preceded by the schemas' registration and the
+    required-settings check.
 
     Args:
         config_name: the primary config (``evaluate``, ``tune_tree``, ...).
         example: a complete command line, shown when something required is missing; its first word names the
             command in the message.
+        register_schemas: registers the schemas and resolvers the config composes from (idempotent); called once per
+            run, before anything composes.
     """
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
         app = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(task)
 
         @functools.wraps(task)
         def main() -> Any:
+            register_schemas()
             missing = missing_required(config_name, sys.argv[1:])
             if missing:
                 names = " and ".join(", ".join(missing).rsplit(", ", 1))
@@ -80,4 +98,4 @@ def hydra_app(config_name: str, example: str) -> Callable[[Callable[[DictConfig]
     return decorate
 
 
-__all__ = ["hydra_app", "missing_required"]
+__all__ = ["hydra_app", "missing_required", "register_shared_schemas"]

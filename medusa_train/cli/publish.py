@@ -1,14 +1,19 @@
 """``medusa-publish export_dir=DIR repo_id=NAME``: publish an export to the Hub (``dry_run=true output_dir=OUT``:
-write the repository folder only). Settings: :class:`medusa_train.publish.config.PublishConfig`."""
+write the repository folder only). Settings: :class:`medusa_train.publish.publish_config.PublishConfig`."""
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
-import medusa_train  # noqa: F401  (registers config schemas and resolvers)
-from medusa_train.cli.app import hydra_app
+from medusa_train.cli.app import hydra_app, register_shared_schemas
 from medusa_train.config import as_dataclass
-from medusa_train.publish.config import PublishConfig
+from medusa_train.publish.publish_config import PublishConfig
+
+
+def register_schemas() -> None:
+    """What ``conf/publish.yaml`` composes from: it extends no schema (:class:`PublishConfig` checks it once composed),
+    so only the shared schemas and resolvers, as for every command (idempotent)."""
+    register_shared_schemas()
 
 
 def run(cfg: DictConfig) -> object:
@@ -31,7 +36,8 @@ def run(cfg: DictConfig) -> object:
     return result
 
 
-@hydra_app("publish", example='medusa-publish export_dir=runs/stories/export repo_id=your-name/stories-medusa')
+@hydra_app("publish", example='medusa-publish export_dir=runs/stories/export repo_id=your-name/stories-medusa',
+           register_schemas=register_schemas)
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

@@ -23,8 +23,12 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-import medusa_train  # noqa: F401  (registers the config schemas and resolvers)
-from medusa_train.cli.app import hydra_app
+from medusa_train.cli.app import hydra_app, register_shared_schemas
+
+
+def register_schemas() -> None:
+    """What ``conf/train.yaml`` composes from: the shared schemas and resolvers (idempotent)."""
+    register_shared_schemas()
 
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -65,7 +69,8 @@ class CheckOutputDir(Callback):
         self._check(config)
 
 
-@hydra_app("train", example='medusa-train model=stories260k output_dir=runs/stories')
+@hydra_app("train", example='medusa-train model=stories260k output_dir=runs/stories',
+           register_schemas=register_schemas)
 def _main(cfg: DictConfig) -> None:
     if int(os.environ.get("RANK", "0")) > 0:  # one voice in the console: other ranks log warnings only
         logging.getLogger().setLevel(logging.WARNING)

@@ -6,16 +6,22 @@ import json
 
 from omegaconf import DictConfig
 
-import medusa_train  # noqa: F401  (registers config schemas and resolvers)
-import medusa_train.tuning.config  # noqa: F401  (registers tune_tree_schema)
-from medusa_train.cli.app import hydra_app
+from medusa_train.cli.app import hydra_app, register_shared_schemas
 from medusa_train.config import as_dataclass
+from medusa_train.tuning.tune_tree_config import register_tune_tree_schema
+
+
+def register_schemas() -> None:
+    """What ``conf/tune_tree.yaml`` composes from: ``tune_tree_schema``, the shared schemas and resolvers
+    (idempotent)."""
+    register_shared_schemas()
+    register_tune_tree_schema()
 
 
 def run(cfg: DictConfig) -> dict:
     from medusa_train.loading.runtime import load_for_inference
     from medusa_train.prompts import load_prompts
-    from medusa_train.tuning.config import TuneTreeConfig
+    from medusa_train.tuning.tune_tree_config import TuneTreeConfig
     from medusa_train.tuning.tune import tune_tree
 
     tc: TuneTreeConfig = as_dataclass(TuneTreeConfig, cfg)
@@ -37,7 +43,8 @@ def run(cfg: DictConfig) -> dict:
     return result
 
 
-@hydra_app("tune_tree", example='medusa-tune-tree export_dir=runs/stories/export')
+@hydra_app("tune_tree", example='medusa-tune-tree export_dir=runs/stories/export',
+           register_schemas=register_schemas)
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

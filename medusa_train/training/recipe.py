@@ -53,7 +53,7 @@ from medusa_train.training.arguments import (
 )
 from medusa_train.training.callbacks import exit_callback_from_env
 from medusa_train.training.data_prep import PreparedData, check_data_source, check_enough_data, prepare_data
-from medusa_train.training.evaluate import head_accuracy
+from medusa_train.training.head_accuracy import head_accuracy
 from medusa_train.training.hidden_cache import (
     CachedHiddenDataset,
     HiddenCollator,

@@ -11,7 +11,7 @@ from medusa_train.export.files import write_json
 from medusa_train.model import MedusaModel
 from medusa_train.prompts import Prompt, encode_prompt
 from medusa_train.tuning.accuracy import measure_head_accuracy
-from medusa_train.tuning.config import TuneTreeConfig
+from medusa_train.tuning.tune_tree_config import TuneTreeConfig
 from medusa_train.export.tree_files import ACCURACY_FILE, CHOICES_FILE, LATENCY_FILE, read_latency_profile
 from medusa_train.tuning.latency import check_profile_runtime, measure_verification_latency
 from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length

@@ -14,7 +14,7 @@ from inference.decoders.hf_peers import HfAssistedDecoder, HfPromptLookupDecoder
 from inference.decoders.lookahead import LookaheadDecoder
 from inference.decoders.medusa import MedusaDecoder
 from inference.decoders.vanilla import VanillaDecoder
-from inference.draft_model import self_layer_draft
+from inference.draft_loading import self_layer_draft
 from medusa_train.loading.cpu_kernels import PackedLinear, onednn_available, pack_linear_layers
 from medusa_train.model import MedusaModel, new_heads_for
 from tests.conftest import make_tiny_model
@@ -57,7 +57,7 @@ def test_every_decoder_equals_plain_greedy_on_the_same_packed_kernels(family, dt
 
 def test_medusa_eval_packs_the_model_once_for_every_decoder(tmp_path, monkeypatch):
     import medusa_train.loading.runtime as runtime
-    from inference.evaluation.evaluate import evaluate
+    from inference.evaluation.eval_run import evaluate
     from medusa_train.config import ModelConfig
     from medusa_train.export import save_export
     from medusa_train.loading.medusa import export_extra_config

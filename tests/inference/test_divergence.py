@@ -80,7 +80,7 @@ def test_divergences_are_near_ties_when_vanillas_gap_is_within_the_noise():
 
 
 def test_a_bf16_eval_explains_every_divergence(tmp_path, monkeypatch):
-    from inference.evaluation.evaluate import evaluate
+    from inference.evaluation.eval_run import evaluate
     from tests.inference.test_evaluate import QUESTIONS, TREE, config
     from medusa_train.config import ModelConfig
     from medusa_train.export import save_export

@@ -11,11 +11,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import medusa_train  # noqa: F401  (schemas and resolvers)
-import inference.evaluation.config  # noqa: F401  (evaluate_schema, schema/decoder/*)
+from inference.cli.evaluate import register_schemas
 from inference.decoders.medusa import MedusaDecoder
 from inference.decoders.vanilla import VanillaDecoder
-from inference.evaluation.evaluate import evaluate
+from inference.evaluation.eval_run import evaluate
 from inference.evaluation.results import read_rows
 from inference.evaluation.sweep import find_runs, sweep_markdown, write_sweep
 from inference.registry import REGISTRY, decoder_settings, default_decoder_names
@@ -26,6 +25,8 @@ from medusa_train.model import new_heads_for
 from medusa_train.paths import CONF_DIR
 from medusa_train.prompts import encode_prompt
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
+
+register_schemas()  # what conf/evaluate.yaml composes from
 
 TREE = [[0], [0, 0], [1], [0, 1]]
 QUESTIONS = [
@@ -269,8 +270,8 @@ def test_more_prompts_extend_a_run_other_settings_are_refused(export, prompts, t
     (["per_category=2", "num_prompts=2"], ["81", "82"]),
 ])
 def test_prompt_subsets(prompts, tmp_path, extra, ids):
-    from inference.evaluation.config import EvaluateConfig
-    from inference.evaluation.evaluate import load_eval_prompts
+    from inference.evaluation.eval_config import EvaluateConfig
+    from inference.evaluation.eval_run import load_eval_prompts
     from medusa_train.config import as_dataclass
 
     ec = as_dataclass(EvaluateConfig, config(tmp_path, prompts, tmp_path, *extra))
@@ -329,7 +330,7 @@ def test_decoder_yaml_files_hold_the_schema_defaults(tmp_path):
     assert sorted(set(REGISTRY) - set(cfg.decoders)) == ["vllm", "vllm_medusa"]  # run only when listed
     for name, entry in REGISTRY.items():
         assert OmegaConf.to_object(cfg.decoder[name]) == entry.settings(), name
-    from inference.evaluation.config import EvaluateConfig
+    from inference.evaluation.eval_config import EvaluateConfig
 
     composed = OmegaConf.to_object(cfg)
     composed.decoder = {}

@@ -15,7 +15,7 @@ from inference.decoders.hf_peers import (
     accepted_lengths_from_passes,
     emitted_per_pass,
 )
-from inference.draft_model import self_layer_draft
+from inference.draft_loading import self_layer_draft
 from tests.conftest import make_tiny_model
 from tests.inference.test_draft import (  # noqa: F401  (fixtures)
     PROMPTS,

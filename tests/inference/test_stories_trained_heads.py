@@ -9,11 +9,14 @@ from hydra import compose, initialize_config_dir
 
 from inference.decoders import DecodeConfig, MedusaDecoder, VanillaDecoder
 from inference.tree import chain_choices
+from medusa_train.cli.train import register_schemas
 from medusa_train.loading.medusa import load_medusa
 from medusa_train.paths import CONF_DIR
 from medusa_train.training.recipe import TrainRecipe
 from medusa_train.tuning.accuracy import measure_head_accuracy
 from medusa_train.tuning.replay import replay_counts
+
+register_schemas()  # what conf/train.yaml composes from
 
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The cat was sad.", "Tom had a big red ball."]
 

@@ -15,11 +15,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from inference.cli.evaluate import register_schemas
 from inference.decoders.base import DecodeConfig
 from inference.decoders.vanilla import VanillaDecoder
 from inference.decoders.vllm import accepted_lengths_from_counts
 from inference.engines.vllm_env import VllmUnavailable, VllmWorker, speculative_config
-from inference.evaluation.evaluate import evaluate
+from inference.evaluation.eval_run import evaluate
 from inference.evaluation.results import read_rows
 from medusa_train.config import ModelConfig
 from medusa_train.export import save_export
@@ -28,6 +29,8 @@ from medusa_train.loading.base import engine_model_path, load_base_model
 from medusa_train.loading.medusa import export_extra_config
 from medusa_train.paths import CONF_DIR, package_file
 from medusa_train.prompts import encode_prompt, load_prompts
+
+register_schemas()  # what conf/evaluate.yaml composes from
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NUM_HEADS = 3

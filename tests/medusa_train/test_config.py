@@ -14,7 +14,6 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-import medusa_train  # noqa: F401  (registers schemas and resolvers)
 from medusa_train.config import TrainConfig, as_dataclass
 from medusa_train.paths import CONF_DIR, REPO_ROOT
 from medusa_train.training.arguments import load_deepspeed_config
@@ -27,12 +26,13 @@ TRAIN_OPTIONS = [(g, p.stem) for g in TRAIN_GROUPS for p in sorted((CONF_DIR / g
 
 @pytest.fixture(scope="module", autouse=True)
 def entry_points_registered():
-    """Import every console script's module: each registers the schemas its primary config extends."""
+    """Register, as every console script does before composing, the schemas its primary config extends (each
+    script's module has a ``register_schemas``; importing it registers nothing)."""
     scripts = tomllib.loads((Path(REPO_ROOT) / "pyproject.toml").read_text())["project"]["scripts"]
     for target in scripts.values():
         module = target.split(":")[0]
         try:
-            importlib.import_module(module)
+            importlib.import_module(module).register_schemas()
         except ModuleNotFoundError as e:
             if e.name != module:  # the script's own module may not be written yet; anything else is a real error
                 raise

@@ -172,7 +172,7 @@ def test_hydra_training_learns_and_the_cache_trains_the_same_heads(tiny_inputs, 
     plain = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "plain", export_vllm="true",
                                                      **{**HYDRA, "trainer.max_steps": 20})))
     plain.setup()
-    from medusa_train.training.evaluate import head_accuracy
+    from medusa_train.training.head_accuracy import head_accuracy
 
     before = head_accuracy(plain.trainer.model, plain.frozen_base, plain.eval_set, plain.collator, plain.loss_spec, 8,
                            "cpu")

@@ -9,6 +9,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from inference.cli.evaluate import register_schemas as register_evaluate_schemas
+from medusa_train.cli.tune_tree import register_schemas as register_tune_tree_schemas
 import medusa_train.precision as precision
 from medusa_train.config import ModelConfig
 from medusa_train.export import save_export
@@ -17,6 +19,9 @@ from medusa_train.model import new_heads_for
 from medusa_train.paths import CONF_DIR
 from medusa_train.precision import BF16_WITHOUT_INSTRUCTIONS, choose_dtype, cpu_isa
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
+
+register_evaluate_schemas()  # what conf/evaluate.yaml composes from
+register_tune_tree_schemas()  # and conf/tune_tree.yaml
 
 AVX2_ONLY = frozenset({"fpu", "sse2", "avx", "avx2", "fma"})
 ZEN4 = AVX2_ONLY | {"avx512f", "avx512_bf16"}
@@ -105,7 +110,7 @@ def _eval_config(export, prompts, out, *extra):
 
 
 def test_eval_and_tune_tree_default_to_auto_and_record_the_choice(export, tmp_path, cpu, capsys):
-    from inference.evaluation.evaluate import evaluate
+    from inference.evaluation.eval_run import evaluate
     from medusa_train.cli.tune_tree import run as tune
 
     folder, prompts = export
@@ -134,7 +139,7 @@ def test_eval_and_tune_tree_default_to_auto_and_record_the_choice(export, tmp_pa
 
 def test_eval_refuses_float16_on_a_cpu_before_loading(export, tmp_path, monkeypatch):
     import medusa_train.loading.medusa as loading
-    from inference.evaluation.evaluate import evaluate
+    from inference.evaluation.eval_run import evaluate
 
     folder, prompts = export
     monkeypatch.setattr(loading, "load_base_model", lambda cfg: pytest.fail("the base model was loaded"))
@@ -143,7 +148,7 @@ def test_eval_refuses_float16_on_a_cpu_before_loading(export, tmp_path, monkeypa
 
 
 def test_eval_with_bf16_forced_on_an_avx2_cpu_warns_and_records_it(export, tmp_path, cpu):
-    from inference.evaluation.evaluate import evaluate
+    from inference.evaluation.eval_run import evaluate
 
     folder, prompts = export
     cpu(AVX2_ONLY)

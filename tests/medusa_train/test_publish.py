@@ -18,6 +18,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from inference.decoders.pretrained import pretrained_decoder_kwargs
+from medusa_train.cli.publish import register_schemas
 from medusa_train.export import load_heads, save_base_model, save_export
 from medusa_train.heads import HeadsSpec, MedusaHeads
 from medusa_train.loading.hub import download_export
@@ -25,6 +26,8 @@ from medusa_train.paths import CONF_DIR
 from medusa_train.publish import PublishError, check_publish_ready, prepare_repo_folder, publish_export
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model, make_tiny_tokenizer
 from tests.hub_server import HubServer, readme_metadata
+
+register_schemas()  # what conf/publish.yaml composes from
 
 TOKEN = "hf_TestTokenAlice0123456789"
 REPO = "alice/tiny-medusa"

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-import medusa_train  # noqa: F401  (registers schemas and resolvers)
+from medusa_train.cli.train import register_schemas
 from medusa_train.config import TrainerConfig
 from medusa_train.export import load_heads
 from medusa_train.loading.llama2c import load_llama2c_tokenizer
@@ -28,6 +28,8 @@ from medusa_train.training.arguments import check_deepspeed_batch
 from medusa_train.training.losses import decay_weights, medusa_head_loss, packed_head_loss, valid_mask
 from medusa_train.training.recipe import TrainRecipe
 from tests.conftest import make_tiny_model
+
+register_schemas()  # what conf/train.yaml composes from (also for the tests importing compose_train)
 
 # ---- shared helpers (also used by test_distributed.py) ------------------------------------------------------------
 
@@ -276,7 +278,7 @@ def test_heads_run_only_where_counted_and_give_the_dense_loss_gradient_and_metri
 # ---- training on a tiny model -------------------------------------------------------------------------------------
 
 def test_training_reduces_head_loss_and_the_export_loads(tiny_inputs, tmp_path):
-    from medusa_train.training.evaluate import head_accuracy
+    from medusa_train.training.head_accuracy import head_accuracy
 
     model_dir, data = tiny_inputs
     recipe = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", **{"trainer.max_steps": 30})))

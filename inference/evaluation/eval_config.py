@@ -139,14 +139,10 @@ class EvaluateConfig:
         return self.temperature == 0
 
 
-def register_schemas() -> None:
-    """``evaluate_schema`` and ``schema/decoder/<name>`` for every registered decoder (idempotent)."""
-    cs = ConfigStore.instance()
-    cs.store(name="evaluate_schema", node=EvaluateConfig)
-    for name, entry in REGISTRY.items():
-        cs.store(group="schema/decoder", name=name, node=entry.settings)
+def register_evaluate_schema() -> None:
+    """Store :class:`EvaluateConfig` as ``evaluate_schema`` (``conf/evaluate.yaml`` extends it; idempotent). The
+    decoder files it includes need :func:`inference.registry.register_decoder_schemas` too."""
+    ConfigStore.instance().store(name="evaluate_schema", node=EvaluateConfig)
 
 
-register_schemas()
-
-__all__ = ["BASELINE", "EvaluateConfig", "RESUMABLE_KEYS", "register_schemas"]
+__all__ = ["BASELINE", "EvaluateConfig", "RESUMABLE_KEYS", "register_evaluate_schema"]

@@ -83,4 +83,6 @@ class TuneTreeConfig:
             read_latency_profile(self.latency_from)
 
 
-ConfigStore.instance().store(name="tune_tree_schema", node=TuneTreeConfig)
+def register_tune_tree_schema() -> None:
+    """Store :class:`TuneTreeConfig` as ``tune_tree_schema`` (``conf/tune_tree.yaml`` extends it; idempotent)."""
+    ConfigStore.instance().store(name="tune_tree_schema", node=TuneTreeConfig)

@@ -1,5 +1,6 @@
-"""Draft models for speculative decoding: a draft cut from the target's own first layers, a separate model loaded
-through a ``model/`` config, and the check that a draft speaks the target's vocabulary.
+"""Building and loading the draft model of speculative decoding: a draft cut from the target's own first layers, a
+separate model loaded through a ``model/`` config, and the check that a draft speaks the target's vocabulary. The
+proposer that drafts with it is :class:`~inference.proposers.draft_model.DraftModelProposer`.
 
 **Self-layers draft** (:func:`self_layer_draft`): the target's embeddings, its first ``n`` decoder layers, its final
 norm and its lm_head, i.e. the target exited early after layer ``n`` (the draft of self-speculative decoding:

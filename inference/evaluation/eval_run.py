@@ -13,7 +13,7 @@ Files in the output folder:
   accepted-length histogram), PNG plots.
 
 A rerun in the same folder resumes: finished rows are kept, the rest measured; more prompts or turns extend the run
-(:data:`~inference.evaluation.config.RESUMABLE_KEYS`). A decoder whose settings or resolved inputs changed (e.g. the
+(:data:`~inference.evaluation.eval_config.RESUMABLE_KEYS`). A decoder whose settings or resolved inputs changed (e.g. the
 tree ``medusa-tune-tree`` rewrote, or new heads) has its rows measured again, the old ones moved to
 ``results_superseded.jsonl``; the other decoders' rows are kept. A rerun whose shared settings (``max_new_tokens``,
 temperature, the decoder list, ...) or base model (name, dtype, device, ...) changed is refused before any model
@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from inference.decoders.base import max_positions
 from inference.decoders.chat import eos_ids
-from inference.evaluation.config import BASELINE, RESUMABLE_KEYS, EvaluateConfig
+from inference.evaluation.eval_config import BASELINE, RESUMABLE_KEYS, EvaluateConfig
 from inference.evaluation.environment import describe_environment
 from inference.evaluation.plots import write_plots
 from inference.evaluation.divergence import explain_divergences, find_divergences, rounding_noise
