@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.utils import SAFE_WEIGHTS_NAME
 
+from medusa_train.config import JointSettings
 from medusa_train.training.joint import load_trainable_state, trainable_state
 from medusa_train.training.joint_loss import base_loss_sum, ramp
 from medusa_train.training.losses import head_targets
@@ -44,7 +45,8 @@ __all__ = ["TRAINABLE_FILE", "JointSpec", "JointTrainer", "load_trainable_state"
 
 @dataclass(frozen=True)
 class JointSpec:
-    """Medusa-2 loss and optimizer settings (from ``heads/``).
+    """Medusa-2 loss and optimizer settings, as :class:`~medusa_train.config.JointSettings` gives them (its
+    defaults are the only ones), with the base loss resolved.
 
     Attributes:
         base_loss: ``lm`` or ``kl``.
@@ -55,12 +57,19 @@ class JointSpec:
         heads_lr_multiplier: heads' learning rate / base's.
     """
 
-    base_loss: str = "lm"
-    medusa_loss_weight: float = 0.2
-    loss_ramp: str = "sine"
-    ramp_steps: int | None = None
-    ramp_ratio: float = 0.1
-    heads_lr_multiplier: float = 4.0
+    base_loss: str
+    medusa_loss_weight: float
+    loss_ramp: str
+    ramp_steps: int | None
+    ramp_ratio: float
+    heads_lr_multiplier: float
+
+    @classmethod
+    def of(cls, settings: JointSettings, base_loss: str) -> JointSpec:
+        """From ``heads/`` (``settings``) and the resolved base loss (``lm`` or ``kl``, see ``TrainConfig``)."""
+        return cls(base_loss=base_loss, medusa_loss_weight=settings.medusa_loss_weight, loss_ramp=settings.loss_ramp,
+                   ramp_steps=settings.ramp_steps, ramp_ratio=settings.ramp_ratio,
+                   heads_lr_multiplier=settings.heads_lr_multiplier)
 
 
 def over_vocab(logits: torch.Tensor, token_map: torch.Tensor | None) -> torch.Tensor:

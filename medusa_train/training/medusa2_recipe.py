@@ -114,12 +114,8 @@ class Medusa2Recipe(BaseRecipe):
         self.collator: Any = Collator.from_tokenizer(self.tokenizer)
         self.eval_set = data.eval
         self.prepare_folder()
-        hc = self.cfg.heads
-        joint_spec = JointSpec(base_loss=self.cfg.base_loss, medusa_loss_weight=hc.medusa_loss_weight,
-                               loss_ramp=hc.loss_ramp, ramp_steps=hc.ramp_steps, ramp_ratio=hc.ramp_ratio,
-                               heads_lr_multiplier=hc.heads_lr_multiplier)
-        model = JointMedusaModel(prepare_base(self.base, hc), heads)
-        self.trainer = JointTrainer(model=model, joint_spec=joint_spec,
+        model = JointMedusaModel(prepare_base(self.base, self.cfg.heads), heads)
+        self.trainer = JointTrainer(model=model, joint_spec=JointSpec.of(self.cfg.heads, self.cfg.base_loss),
                                     **self.trainer_kwargs(args, data.train, data.eval))
 
     def check_base(self, base: PreTrainedModel) -> None:
