@@ -31,7 +31,7 @@ from medusa_train.cli.train import register_schemas
 from medusa_train.paths import CONF_DIR
 from medusa_train.training.joint_loss import base_loss_sum
 from medusa_train.training.losses import IGNORE_INDEX, head_targets, medusa_head_loss
-from medusa_train.training.recipe import TrainRecipe
+from medusa_train.training.recipe import Medusa1Recipe, Medusa2Recipe, TrainRecipe
 from medusa_train.training.step import heads_on_batch
 
 from training_args import training_overrides, training_parser
@@ -43,7 +43,7 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def heads_steps(recipe: TrainRecipe):
+def heads_steps(recipe: Medusa1Recipe):
     """Medusa-1 on the hidden-state cache: (dense, packed) forward + backward of the heads on one batch."""
     heads, base, spec = recipe.trainer.model, recipe.frozen_base, recipe.loss_spec
     lm_weight = base.lm_head.weight if spec.share_lm_head else None
@@ -61,7 +61,7 @@ def heads_steps(recipe: TrainRecipe):
     return dense, packed
 
 
-def joint_steps(recipe: TrainRecipe):
+def joint_steps(recipe: Medusa2Recipe):
     """Medusa-2: (dense, packed) forward + backward of the joint model (base loss + heads' loss) on one batch."""
     trainer, spec, js = recipe.trainer, recipe.loss_spec, recipe.trainer.joint_spec
 
@@ -99,7 +99,8 @@ def main() -> None:
     recipe.setup()
     spec = recipe.loss_spec
     model = recipe.trainer.model
-    dense, packed = joint_steps(recipe) if recipe.joint else heads_steps(recipe)
+    joint = isinstance(recipe, Medusa2Recipe)
+    dense, packed = joint_steps(recipe) if joint else heads_steps(recipe)
 
     times = {"dense": [], "packed": []}
     positions = {"padded": 0, "counted": 0}
@@ -117,7 +118,7 @@ def main() -> None:
 
     median = {name: statistics.median(t) for name, t in times.items()}
     share = positions["counted"] / positions["padded"]
-    flow = "Medusa-2 joint step" if recipe.joint else "Medusa-1 head step"
+    flow = "Medusa-2 joint step" if joint else "Medusa-1 head step"
     print(f"\n{flow} (forward + backward), model={args.model}, data={args.data}, {len(times['dense'])} "
           f"batches of {args.batch_size}, {torch.get_num_threads()} threads")
     print(f"positions some head counts: {positions['counted']} of {positions['padded']} padded ({share:.1%})")
@@ -126,7 +127,7 @@ def main() -> None:
         print(f"{name:<8}{median[name] * 1e3:>11.1f}{median['dense'] / median[name]:>8.2f}x")
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "head_step.json").write_text(json.dumps(
-        {"flow": "medusa2" if recipe.joint else "medusa1", "model": args.model, "data": args.data,
+        {"flow": "medusa2" if joint else "medusa1", "model": args.model, "data": args.data,
          "batch_size": args.batch_size, "threads": torch.get_num_threads(),
          "positions": positions, "median_s": median, "times_s": times}, indent=1))
 

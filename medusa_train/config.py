@@ -97,8 +97,8 @@ class LoraSettings:
 
 
 @dataclass
-class HeadsConfig:
-    """Draft heads and the way they are trained (config group ``heads/``: ``medusa1``, ``medusa2``, ``hydra``).
+class HeadShape:
+    """What the draft heads are (``heads.*``; recorded in their export).
 
     Attributes:
         head_type: ``medusa`` (head k reads the hidden state at t) or ``hydra`` (it also reads the base model's
@@ -110,14 +110,59 @@ class HeadsConfig:
         share_lm_head: all heads project with the base lm_head (vLLM's ``original_lm_head``): much smaller.
         head_vocab_size: reduced head vocabulary of the most frequent training tokens (vLLM's
             ``truncated_vocab_size``); None keeps the full vocabulary.
+    """
+
+    head_type: str = "medusa"
+    combine: str = "concat"
+    medusa_num_heads: int = 4
+    medusa_num_layers: int = 1
+    share_lm_head: bool = False
+    head_vocab_size: Optional[int] = None
+
+    def validate_shape(self) -> None:
+        if self.medusa_num_heads < 1:
+            raise ValueError(f"heads.medusa_num_heads must be >= 1, got {self.medusa_num_heads}")
+        if self.medusa_num_layers < 1:
+            raise ValueError(f"heads.medusa_num_layers must be >= 1, got {self.medusa_num_layers}")
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"heads.head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        if self.combine not in COMBINES:
+            raise ValueError(f"heads.combine must be one of {COMBINES}, got {self.combine!r}")
+        if self.head_type == "medusa" and self.combine != "concat":
+            raise ValueError(f"heads.combine={self.combine} is for Hydra heads (they combine the hidden state with the "
+                             "path's embeddings): set heads=hydra (heads.head_type=hydra) or drop heads.combine")
+
+
+@dataclass
+class HeadsTraining:
+    """How the heads are trained, in either flow (``heads.*``).
+
+    Attributes:
         mode: ``medusa1`` (base frozen, heads only) or ``medusa2`` (joint fine-tuning).
         loss_decay: weight of head k's loss is ``loss_decay ** k`` (Medusa uses 0.8).
         target: ``labels`` (the data's next tokens), ``base_argmax`` (the base model's own greedy token at each
             position: what greedy verification checks) or ``soft`` (KL to the base distribution).
+    """
 
-    Medusa-2 only (``mode=medusa2``, joint training of base and heads; Medusa paper, arXiv:2401.10774, Sec. 2.2.2
-    and 2.3.2; see :mod:`medusa_train.training.joint`):
+    mode: str = "medusa1"
+    loss_decay: float = 0.8
+    target: str = "base_argmax"
 
+    def validate_training(self) -> None:
+        if self.mode not in ("medusa1", "medusa2"):
+            raise ValueError(f"heads.mode must be medusa1 or medusa2, got {self.mode!r}")
+        if not 0.0 < self.loss_decay <= 1.0:
+            raise ValueError(f"heads.loss_decay must be in (0, 1], got {self.loss_decay}")
+        if self.target not in ("labels", "base_argmax", "soft"):
+            raise ValueError(f"heads.target must be labels, base_argmax or soft, got {self.target!r}")
+
+
+@dataclass
+class JointSettings:
+    """Medusa-2 only (``mode=medusa2``, joint training of base and heads; Medusa paper, arXiv:2401.10774, Sec. 2.2.2
+    and 2.3.2; see :mod:`medusa_train.training.joint`; ``heads.*``).
+
+    Attributes:
         medusa_loss_weight: lambda_0, the heads' weight against the base loss (``L_base + lambda_0 * s(t) *
             sum_k decay^k L_k``).
         loss_ramp: s(t): ``constant`` (1), ``linear`` (t / R) or ``sine`` (sin(pi/2 * t / R)), capped at 1 after R
@@ -132,21 +177,8 @@ class HeadsConfig:
         finetune: ``lora`` (peft adapters, merged at export), ``full`` (every base weight) or ``frozen`` (the base
             unchanged: heads only, through the joint code path).
         lora: LoRA settings (:class:`LoraSettings`).
-        stage1_epochs: > 0: first train the heads alone (Medusa-1) for this many epochs into
-            ``${output_dir}/stage1``, then train jointly from those heads; 0: no first stage.
-        stage1_hidden_cache: stage 1 trains from the hidden-state cache.
-        init_from: start the joint stage from the heads of this export folder (made for the same base model).
     """
 
-    head_type: str = "medusa"
-    combine: str = "concat"
-    medusa_num_heads: int = 4
-    medusa_num_layers: int = 1
-    share_lm_head: bool = False
-    head_vocab_size: Optional[int] = None
-    mode: str = "medusa1"
-    loss_decay: float = 0.8
-    target: str = "base_argmax"
     medusa_loss_weight: float = 0.2
     loss_ramp: str = "sine"
     ramp_steps: Optional[int] = None
@@ -155,36 +187,8 @@ class HeadsConfig:
     base_loss: Optional[str] = None
     finetune: str = "lora"
     lora: LoraSettings = field(default_factory=LoraSettings)
-    stage1_epochs: float = 0.0
-    stage1_hidden_cache: bool = False
-    init_from: Optional[str] = None
 
-    def validate(self) -> None:
-        if self.medusa_num_heads < 1:
-            raise ValueError(f"heads.medusa_num_heads must be >= 1, got {self.medusa_num_heads}")
-        if self.medusa_num_layers < 1:
-            raise ValueError(f"heads.medusa_num_layers must be >= 1, got {self.medusa_num_layers}")
-        if self.mode not in ("medusa1", "medusa2"):
-            raise ValueError(f"heads.mode must be medusa1 or medusa2, got {self.mode!r}")
-        if self.head_type not in HEAD_TYPES:
-            raise ValueError(f"heads.head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
-        if self.combine not in COMBINES:
-            raise ValueError(f"heads.combine must be one of {COMBINES}, got {self.combine!r}")
-        if self.head_type == "medusa" and self.combine != "concat":
-            raise ValueError(f"heads.combine={self.combine} is for Hydra heads (they combine the hidden state with the "
-                             "path's embeddings): set heads=hydra (heads.head_type=hydra) or drop heads.combine")
-        if self.head_type == "hydra" and self.mode != "medusa1":
-            raise ValueError("heads.head_type=hydra trains the heads on a frozen base (heads.mode=medusa1); joint "
-                             "fine-tuning (medusa2) is for Medusa heads")
-        if not 0.0 < self.loss_decay <= 1.0:
-            raise ValueError(f"heads.loss_decay must be in (0, 1], got {self.loss_decay}")
-        if self.target not in ("labels", "base_argmax", "soft"):
-            raise ValueError(f"heads.target must be labels, base_argmax or soft, got {self.target!r}")
-        if self.mode == "medusa1":
-            for name, unset in (("stage1_epochs", 0.0), ("init_from", None)):
-                if getattr(self, name) != unset:
-                    raise ValueError(f"heads.{name} is for joint training: set heads.mode=medusa2 (or heads=medusa2)")
-            return
+    def validate_joint(self) -> None:
         if self.loss_ramp not in LOSS_RAMPS:
             raise ValueError(f"heads.loss_ramp must be one of {LOSS_RAMPS}, got {self.loss_ramp!r}")
         if self.finetune not in FINETUNE_MODES:
@@ -199,16 +203,63 @@ class HeadsConfig:
             raise ValueError(f"heads.ramp_ratio must be in [0, 1], got {self.ramp_ratio}")
         if self.heads_lr_multiplier <= 0:
             raise ValueError(f"heads.heads_lr_multiplier must be > 0, got {self.heads_lr_multiplier}")
-        if self.stage1_epochs < 0:
-            raise ValueError(f"heads.stage1_epochs must be >= 0, got {self.stage1_epochs}")
-        if self.stage1_epochs > 0 and self.init_from:
-            raise ValueError("heads.stage1_epochs > 0 trains the first-stage heads, heads.init_from loads them: "
-                             "set one of the two")
         if self.base_loss == "kl" and self.finetune == "full":
             raise ValueError("heads.base_loss=kl with heads.finetune=full would need a second, frozen copy of the "
                              "base model for p_original; use heads.finetune=lora (the original is the model with its "
                              "adapters disabled) or heads.base_loss=lm")
         self.lora.validate()
+
+
+@dataclass
+class StageOneSettings:
+    """Where Medusa-2's joint stage starts (``mode=medusa2`` only; ``heads.*``).
+
+    Attributes:
+        stage1_epochs: > 0: first train the heads alone (Medusa-1) for this many epochs into
+            ``${output_dir}/stage1``, then train jointly from those heads; 0: no first stage.
+        stage1_hidden_cache: stage 1 trains from the hidden-state cache.
+        init_from: start the joint stage from the heads of this export folder (made for the same base model).
+    """
+
+    stage1_epochs: float = 0.0
+    stage1_hidden_cache: bool = False
+    init_from: Optional[str] = None
+
+    def validate_stage1(self) -> None:
+        if self.stage1_epochs < 0:
+            raise ValueError(f"heads.stage1_epochs must be >= 0, got {self.stage1_epochs}")
+        if self.stage1_epochs > 0 and self.init_from:
+            raise ValueError("heads.stage1_epochs > 0 trains the first-stage heads, heads.init_from loads them: "
+                             "set one of the two")
+
+
+@dataclass
+class HeadsConfig(StageOneSettings, JointSettings, HeadsTraining, HeadShape):
+    """Draft heads and the way they are trained (config group ``heads/``: ``medusa1``, ``medusa2``, ``hydra``).
+
+    The fields of four groups, each defined (with its default) in its group and read as ``heads.<field>`` on the
+    command line: :class:`HeadShape` (what the heads are), :class:`HeadsTraining` (either flow), and for Medusa-2
+    only :class:`JointSettings` (loss, ramp, learning rates, LoRA) and :class:`StageOneSettings` (stage 1 or heads
+    to start from).
+
+    Raises (``validate``):
+        ValueError: a value out of range, a combination no flow trains (Hydra heads with ``mode=medusa2``), or a
+            Medusa-2 setting given to ``mode=medusa1`` (the field and the fix named).
+    """
+
+    def validate(self) -> None:
+        self.validate_shape()
+        self.validate_training()
+        if self.head_type == "hydra" and self.mode != "medusa1":
+            raise ValueError("heads.head_type=hydra trains the heads on a frozen base (heads.mode=medusa1); joint "
+                             "fine-tuning (medusa2) is for Medusa heads")
+        if self.mode == "medusa1":
+            for name, unset in (("stage1_epochs", 0.0), ("init_from", None)):
+                if getattr(self, name) != unset:
+                    raise ValueError(f"heads.{name} is for joint training: set heads.mode=medusa2 (or heads=medusa2)")
+            return
+        self.validate_joint()
+        self.validate_stage1()
 
 
 DATA_SOURCES = ("sharegpt", "json", "hf_disk", "prompts")
@@ -517,6 +568,7 @@ def as_dataclass(cls: type, cfg: Any) -> Any:
 
 
 __all__ = [
-    "ModelConfig", "HeadsConfig", "LoraSettings", "DataConfig", "TrainerConfig", "LoggerConfig", "TrainConfig",
+    "ModelConfig", "HeadsConfig", "HeadShape", "HeadsTraining", "JointSettings", "StageOneSettings",
+    "LoraSettings", "DataConfig", "TrainerConfig", "LoggerConfig", "TrainConfig",
     "register_configs", "as_dataclass", "field",
 ]

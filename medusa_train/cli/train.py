@@ -78,8 +78,9 @@ def _main(cfg: DictConfig) -> None:
 
 
 def train(cfg: Any) -> dict[str, Any]:
-    """One ``medusa-train`` run: the recipe (:class:`~medusa_train.training.recipe.TrainRecipe`), then with
-    ``push_to_hub=true`` the upload of its export (rank 0), the repository and token checked before any model loads.
+    """One ``medusa-train`` run: the recipe of ``heads.mode`` (:data:`~medusa_train.training.recipe.RECIPES`:
+    Medusa-1 or Medusa-2), then with ``push_to_hub=true`` the upload of its export (rank 0), the repository and token
+    checked before any model loads.
 
     Returns:
         The recipe's summary, with ``hub_url`` when the export was published.
@@ -89,9 +90,10 @@ def train(cfg: Any) -> dict[str, Any]:
             training), or a failed upload (the export is kept; the message gives the ``medusa-publish`` command).
     """
     from medusa_train.publish import check_publish_ready
-    from medusa_train.training.recipe import TrainRecipe
+    from medusa_train.training.recipe import recipe_class, resolve_config
 
-    recipe = TrainRecipe(cfg)  # every setting checked
+    config, _ = resolve_config(cfg)  # every setting checked
+    recipe = recipe_class(config.heads.mode)(cfg)
     hub = recipe.cfg.push_to_hub
     if hub:
         check_publish_ready(recipe.cfg.hub_repo_id)  # repo name, offline mode and token

@@ -1,9 +1,11 @@
 """Medusa training on the HF Trainer: losses, the Trainer subclasses (Medusa-1 heads on a frozen base; Medusa-2 joint
-training, :mod:`~medusa_train.training.joint`), hidden-state cache, checkpoints, the recipe.
+training, :mod:`~medusa_train.training.joint`), hidden-state cache, checkpoints, one recipe per flow.
 
-Entry point: :class:`~medusa_train.training.recipe.TrainRecipe` (``setup`` -> ``train`` -> ``save`` -> ``cleanup``),
-wired to the command line by ``medusa_train.cli.train`` (``medusa-train``). ``TrainRecipe`` and ``MedusaTrainer`` are
-imported on first use, so that ``medusa_train.training.losses`` does not pull in the Trainer.
+Entry points: :class:`~medusa_train.training.medusa1_recipe.Medusa1Recipe` and
+:class:`~medusa_train.training.medusa2_recipe.Medusa2Recipe` (``setup`` -> ``train`` -> ``save`` -> ``cleanup``, on
+the shared steps of :class:`~medusa_train.training.base_recipe.BaseRecipe`); :class:`~medusa_train.training.recipe.
+TrainRecipe` picks one from ``heads.mode``, as ``medusa_train.cli.train`` (``medusa-train``) does. The recipes and
+Trainers are imported on first use, so that ``medusa_train.training.losses`` does not pull in the Trainer.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from typing import Any
 
 from medusa_train.training.losses import HeadLossOutput, decay_weights, medusa_head_loss, valid_mask
 
-_LAZY = {"TrainRecipe": "recipe", "resolve_config": "recipe", "MedusaTrainer": "trainer",
+_LAZY = {"TrainRecipe": "recipe", "BaseRecipe": "base_recipe", "Medusa1Recipe": "medusa1_recipe",
+         "Medusa2Recipe": "medusa2_recipe", "resolve_config": "base_recipe", "MedusaTrainer": "trainer",
          "JointTrainer": "joint_trainer", "JointMedusaModel": "joint"}
 
 
@@ -24,5 +27,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'medusa_train.training' has no attribute {name!r}")
 
 
-__all__ = ["HeadLossOutput", "JointMedusaModel", "JointTrainer", "MedusaTrainer", "TrainRecipe", "decay_weights",
-           "medusa_head_loss", "resolve_config", "valid_mask"]
+__all__ = ["BaseRecipe", "HeadLossOutput", "JointMedusaModel", "JointTrainer", "Medusa1Recipe", "Medusa2Recipe",
+           "MedusaTrainer", "TrainRecipe", "decay_weights", "medusa_head_loss", "resolve_config", "valid_mask"]

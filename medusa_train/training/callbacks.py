@@ -1,5 +1,10 @@
 """Trainer callbacks of medusa-train.
 
+:class:`SealCheckpoints` makes the HF Trainer's ``checkpoint-N`` folders atomic: in ``on_save`` (fired on every rank
+right after the Trainer wrote the checkpoint) it waits for every rank, marks the checkpoint complete with the sha256 of
+each file and rotates old checkpoints (:mod:`medusa_train.training.checkpoints`). ``MedusaTrainer`` installs it as the
+first callback.
+
 :class:`ExitAfterStep` stops the process abruptly (``os._exit``: no cleanup, no final save) once a given optimizer step
 has finished, to test that a killed run resumes to the same heads. ``medusa-train`` adds it when the environment
 variable ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds a step number (tests and fault-injection drills only).
@@ -11,6 +16,9 @@ import logging
 import os
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from medusa_train.training import checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -18,11 +26,42 @@ EXIT_ENV = "MEDUSA_TRAIN_EXIT_AFTER_STEP"
 EXIT_CODE = 17
 
 
+class SealCheckpoints(TrainerCallback):
+    """Seal each checkpoint once every rank wrote its part (``on_save``, every rank).
+
+    After a barrier, the main process (``args.should_save``) writes ``checkpoint-N``'s completeness marker
+    (:func:`~medusa_train.training.checkpoints.mark_complete`: sizes, sha256 and the number of ranks) and deletes
+    complete checkpoints older than the ``keep`` newest (:func:`~medusa_train.training.checkpoints.rotate`; None keeps
+    all); a second barrier holds every rank until the checkpoint is sealed. A run killed before the marker is written
+    leaves an incomplete folder that resuming skips. Other ``on_save`` callbacks must run after this one (a callback
+    that stops the process there would otherwise leave the checkpoint unsealed).
+
+    Args:
+        keep: how many complete checkpoints to keep (the Trainer's own ``save_total_limit`` stays None: it would
+            rotate before the new checkpoint is sealed).
+    """
+
+    def __init__(self, keep: int | None) -> None:
+        self.keep = keep
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        from accelerate import PartialState
+
+        processes = PartialState()
+        processes.wait_for_everyone()  # every rank's files (DeepSpeed shards, RNG states) are written
+        if args.should_save:
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            checkpoints.mark_complete(folder, state.global_step, world_size=processes.num_processes)
+            checkpoints.rotate(args.output_dir, self.keep)
+        processes.wait_for_everyone()
+
+
 class ExitAfterStep(TrainerCallback):
     """Kill this process with exit code :data:`EXIT_CODE` right after optimizer step ``step`` (and its save, if any).
 
-    ``on_step_end`` runs before the step's checkpoint is written, so the exit happens in ``on_save`` when the step is
-    a save step and in ``on_step_end`` itself otherwise; either way no step after ``step`` runs.
+    ``on_step_end`` runs before the step's checkpoint is written, so the exit happens in ``on_save`` (after
+    :class:`SealCheckpoints` sealed it) when the step is a save step and in ``on_step_end`` itself otherwise; either
+    way no step after ``step`` runs.
     """
 
     def __init__(self, step: int) -> None:

@@ -18,6 +18,7 @@ call (backbone, lm_head, heads).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,41 @@ def causal_lm(model: nn.Module) -> PreTrainedModel:
     return model.get_base_model() if is_peft(model) else model
 
 
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of the parameters that require grad (tied weights once), by name."""
+    return {name: p.detach().cpu().contiguous().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def check_trainable_names(model: nn.Module, names: Iterable[str], source: str) -> None:
+    """``names`` are exactly the trainable parameters of ``model`` (as :func:`trainable_state` names them).
+
+    Raises:
+        ValueError: missing or unexpected names (the first five of each listed, ``source`` named).
+    """
+    params = {name for name, p in model.named_parameters() if p.requires_grad}
+    given = set(names)
+    missing, unexpected = sorted(params - given), sorted(given - params)
+    if missing or unexpected:
+        raise ValueError(f"{source}: trainable weights do not match the model (missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}); was it written with other heads/finetune settings?")
+
+
+def load_trainable_state(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
+    """Copy ``state`` into the trainable parameters of ``model``, strictly.
+
+    Raises:
+        ValueError: missing or unexpected names (listed), or a shape that differs.
+    """
+    check_trainable_names(model, state, source)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            if p.shape != state[name].shape:
+                raise ValueError(f"{source}: {name} has shape {tuple(state[name].shape)}, the model {tuple(p.shape)}")
+            p.copy_(state[name])
+
+
 @dataclass
 class JointOutput:
     """One :meth:`JointMedusaModel.forward`.
@@ -137,7 +173,9 @@ class JointMedusaModel(nn.Module):
         base: the result of :func:`prepare_base`.
         heads: heads made for this base (hidden size and vocabulary checked by the caller).
 
-    Parameter names start with ``base.`` and ``heads.``; the Trainer's optimizer groups use that split.
+    Parameter names start with ``base.`` and ``heads.``; the Trainer's optimizer groups use that split. Its
+    checkpoints hold the trainable weights only (:func:`trainable_state`), which :meth:`load_state_dict` with
+    ``strict=False`` (the HF Trainer's resume) loads back.
     """
 
     def __init__(self, base: nn.Module, heads: MedusaHeads) -> None:
@@ -148,6 +186,21 @@ class JointMedusaModel(nn.Module):
     @property
     def spec(self):  # the heads' HeadsSpec, as on MedusaHeads (MedusaTrainer reads model.spec)
         return self.heads.spec
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; with ``strict=False``, a checkpoint of the trainable weights (the HF
+        Trainer resumes from one so): every trainable parameter and nothing else, checked before anything is copied;
+        the frozen weights (never saved) and the buffers are left as they are and not reported missing.
+
+        Raises:
+            ValueError: ``strict=False`` and names other than the trainable parameters' (listed).
+            RuntimeError: a shape that differs (``nn.Module``'s).
+        """
+        if strict:
+            return super().load_state_dict(state_dict, strict=True, assign=assign)
+        check_trainable_names(self, state_dict, "the checkpoint's model weights")
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        return type(result)(missing_keys=[], unexpected_keys=[])
 
     def _logits_and_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                            ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,9 +12,11 @@ accumulation steps, atomic checkpoints and rotation are kept):
   base's trainable weights (LoRA adapters or all), ``learning_rate * heads_lr_multiplier`` for the heads; weight
   decay as the Trainer decides per parameter. The scheduler scales both groups alike.
 - ``log``: ``base_loss`` (per labelled token, summed over ranks) and ``medusa_weight`` (lambda_0 * s(t)).
-- checkpoints hold the trainable weights only (``trainable.safetensors``: adapters or the full base, and the
-  heads); the frozen weights come back from the base model on resume. Under DeepSpeed the engine's own checkpoint is
-  what resumes.
+- ``save_model``: checkpoints hold the trainable weights only (:data:`TRAINABLE_FILE`, the stock
+  ``model.safetensors``: adapters or the full base, and the heads); the frozen weights come back from the base model.
+  The stock Trainer resumes from that file, loading it non-strictly, which
+  :meth:`~medusa_train.training.joint.JointMedusaModel.load_state_dict` turns into "every trainable weight, nothing
+  else". Under DeepSpeed the engine's own checkpoint (written by the Trainer beside it) is what resumes.
 """
 
 from __future__ import annotations
@@ -24,20 +26,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
+from transformers.utils import SAFE_WEIGHTS_NAME
 
+from medusa_train.config import JointSettings
+from medusa_train.training.joint import load_trainable_state, trainable_state
 from medusa_train.training.joint_loss import base_loss_sum, ramp
 from medusa_train.training.losses import head_targets
 from medusa_train.training.step import counted_positions, packed_loss
 from medusa_train.training.trainer import MedusaTrainer
 
-TRAINABLE_FILE = "trainable.safetensors"
+# The Trainer's own weights file, so that its resume finds it; here it holds the trainable weights only.
+TRAINABLE_FILE = SAFE_WEIGHTS_NAME
+
+__all__ = ["TRAINABLE_FILE", "JointSpec", "JointTrainer", "load_trainable_state", "over_vocab", "trainable_state"]
 
 
 @dataclass(frozen=True)
 class JointSpec:
-    """Medusa-2 loss and optimizer settings (from ``heads/``).
+    """Medusa-2 loss and optimizer settings, as :class:`~medusa_train.config.JointSettings` gives them (its
+    defaults are the only ones), with the base loss resolved.
 
     Attributes:
         base_loss: ``lm`` or ``kl``.
@@ -48,35 +57,19 @@ class JointSpec:
         heads_lr_multiplier: heads' learning rate / base's.
     """
 
-    base_loss: str = "lm"
-    medusa_loss_weight: float = 0.2
-    loss_ramp: str = "sine"
-    ramp_steps: int | None = None
-    ramp_ratio: float = 0.1
-    heads_lr_multiplier: float = 4.0
+    base_loss: str
+    medusa_loss_weight: float
+    loss_ramp: str
+    ramp_steps: int | None
+    ramp_ratio: float
+    heads_lr_multiplier: float
 
-
-def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Contiguous CPU copies of the parameters that require grad (tied weights once), by name."""
-    return {name: p.detach().cpu().contiguous().clone() for name, p in model.named_parameters() if p.requires_grad}
-
-
-def load_trainable_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Copy ``state`` into the trainable parameters of ``model``, strictly.
-
-    Raises:
-        ValueError: missing or unexpected names (listed), or a shape that differs.
-    """
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
-    if missing or unexpected:
-        raise ValueError(f"{source}: trainable weights do not match the model (missing {missing[:5]}, unexpected "
-                         f"{unexpected[:5]}); was it written with other heads/finetune settings?")
-    with torch.no_grad():
-        for name, p in params.items():
-            if p.shape != state[name].shape:
-                raise ValueError(f"{source}: {name} has shape {tuple(state[name].shape)}, the model {tuple(p.shape)}")
-            p.copy_(state[name])
+    @classmethod
+    def of(cls, settings: JointSettings, base_loss: str) -> JointSpec:
+        """From ``heads/`` (``settings``) and the resolved base loss (``lm`` or ``kl``, see ``TrainConfig``)."""
+        return cls(base_loss=base_loss, medusa_loss_weight=settings.medusa_loss_weight, loss_ramp=settings.loss_ramp,
+                   ramp_steps=settings.ramp_steps, ramp_ratio=settings.ramp_ratio,
+                   heads_lr_multiplier=settings.heads_lr_multiplier)
 
 
 def over_vocab(logits: torch.Tensor, token_map: torch.Tensor | None) -> torch.Tensor:
@@ -183,27 +176,26 @@ class JointTrainer(MedusaTrainer):
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Write the trainable weights (``trainable.safetensors``) on the main process; under DeepSpeed from the
-        gathered ``state_dict`` when the engine gives one (its own checkpoint is what resumes)."""
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Every rank: refuse non-finite trainable weights (as :class:`MedusaTrainer`), then write the trainable weights
+        into ``output_dir/``:data:`TRAINABLE_FILE` on the main process. Under DeepSpeed they come from the engine's
+        gathered 16-bit state (collective); ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save`` gives none,
+        and the engine checkpoint alone holds them (written here, as the stock Trainer does)."""
+        self._check_finite_weights(self.model)
+        output_dir = output_dir or self.args.output_dir
+        gathered = None
+        if self.is_deepspeed_enabled:
+            try:
+                gathered = self.accelerator.get_state_dict(self.model_wrapped)
+            except ValueError:  # ZeRO-3 without the 16-bit gather on save
+                self.model_wrapped.save_checkpoint(output_dir)
+                return
         if not self.args.should_save:
             return
-        output_dir = output_dir or self.args.output_dir
-        os.makedirs(output_dir, exist_ok=True)
-        names = [name for name, p in self.model.named_parameters() if p.requires_grad]
-        if state_dict:
-            tensors = {n: state_dict[n].detach().cpu().contiguous().clone() for n in names if n in state_dict}
-        elif self.is_deepspeed_enabled:
-            return  # ZeRO-3 without stage3_gather_16bit_weights_on_model_save: the engine checkpoint holds them
-        else:
+        if gathered is None:
             tensors = trainable_state(self.model)
+        else:
+            names = [name for name, p in self.model.named_parameters() if p.requires_grad]
+            tensors = {n: gathered[n].detach().cpu().contiguous().clone() for n in names if n in gathered}
+        os.makedirs(output_dir, exist_ok=True)
         save_file(tensors, os.path.join(output_dir, TRAINABLE_FILE), metadata={"format": "pt"})
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """Resume the trainable weights from ``trainable.safetensors`` (DeepSpeed resumes through its engine)."""
-        if self.is_deepspeed_enabled:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        path = os.path.join(resume_from_checkpoint, TRAINABLE_FILE)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} not found: {resume_from_checkpoint} is not a Medusa-2 checkpoint")
-        load_trainable_state(self.model if model is None else model, load_file(path), path)

@@ -11,8 +11,12 @@ not at all when batches come from the hidden-state cache. What changes from the 
   one global batch over ranks and accumulation steps gives the same gradient.
 - ``log``: per-head loss, top-1 and top-5 accuracy and tokens per second, summed over ranks.
 - ``evaluation_loop``: the same per-head metrics for evaluations run during training.
-- ``_save_checkpoint``: marks each checkpoint complete after every rank saved, and rotates old ones afterwards
-  (:mod:`medusa_train.training.checkpoints`).
+- ``save_model`` (the Trainer's first step of writing a checkpoint, on every rank): refuses non-finite trainable
+  weights before any file of the checkpoint is written, then saves as the stock Trainer does.
+- checkpoints are sealed by :class:`~medusa_train.training.callbacks.SealCheckpoints`, the first ``on_save``
+  callback: once every rank saved, the main process marks the checkpoint complete and rotates old ones
+  (:mod:`medusa_train.training.checkpoints`). Resuming is the stock Trainer's (a non-``PreTrainedModel``'s
+  ``model.safetensors`` is loaded non-strictly; DeepSpeed through its engine).
 - stops (:class:`TrainingStopped`, with the step and a hint) instead of training on: a non-finite loss (checked at
   every micro-batch, after its backward pass and before the optimizer step, so the weights stay as they were), a
   non-finite trainable weight (checked on every rank before each checkpoint is written, so none holds NaN), and a
@@ -23,7 +27,6 @@ not at all when batches come from the hidden-state cache. What changes from the 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,7 +34,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from medusa_train.training import checkpoints
+from medusa_train.training.callbacks import SealCheckpoints
 from medusa_train.training.metrics import HeadMetrics
 from medusa_train.training.step import FrozenBase, LossSpec, heads_on_batch, real_tokens
 
@@ -60,7 +63,7 @@ class MedusaTrainer(Trainer):
             itself, see :class:`~medusa_train.training.joint_trainer.JointTrainer`).
         loss_spec: target, decay and head-vocabulary settings.
         keep_checkpoints: how many complete checkpoints to keep (the Trainer's own ``save_total_limit`` must be None,
-            rotation happens after marking).
+            rotation happens after marking, in :class:`~medusa_train.training.callbacks.SealCheckpoints`).
         **kwargs: ``Trainer`` arguments (``model`` = the heads, ``args``, datasets, ``data_collator``, callbacks).
     """
 
@@ -78,6 +81,8 @@ class MedusaTrainer(Trainer):
         self.frozen_base = frozen_base
         self.loss_spec = loss_spec
         self.keep_checkpoints = keep_checkpoints
+        # First of all callbacks: every other on_save (ExitAfterStep, trackers, the caller's) sees a sealed checkpoint.
+        self.callback_handler.callbacks.insert(0, SealCheckpoints(keep_checkpoints))
         num_heads = self.model.spec.num_heads
         self.head_metrics = {"train": HeadMetrics(num_heads), "eval": HeadMetrics(num_heads)}
         # Ask the Trainer to count the labelled tokens of each optimizer step over all its micro-batches and ranks
@@ -171,12 +176,8 @@ class MedusaTrainer(Trainer):
         )
         return output
 
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Every rank: stop (:class:`TrainingStopped`) if any rank holds a non-finite trainable weight, before a file
+        is written; then the stock save (the Trainer calls this first when it writes a checkpoint)."""
         self._check_finite_weights(self.model)
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
-        self.accelerator.wait_for_everyone()  # every rank's files (DeepSpeed shards, RNG states) are written
-        if self.args.should_save:
-            checkpoints.mark_complete(folder, self.state.global_step, world_size=self.accelerator.num_processes)
-            checkpoints.rotate(self.args.output_dir, self.keep_checkpoints)
-        self.accelerator.wait_for_everyone()
+        super().save_model(output_dir, _internal_call)

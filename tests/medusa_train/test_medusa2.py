@@ -10,13 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from medusa_train.config import HeadsConfig, LoraSettings
 from medusa_train.export import load_heads, read_export_config, save_export
 from medusa_train.loading.medusa import load_medusa
 from medusa_train.model import new_heads_for
-from medusa_train.training.joint import JointMedusaModel, causal_lm, lora_target_modules, prepare_base
+from medusa_train.training import checkpoints
+from medusa_train.training.joint import (
+    JointMedusaModel,
+    causal_lm,
+    lora_target_modules,
+    prepare_base,
+    trainable_state,
+)
 from medusa_train.training.joint_loss import kl_loss_sum, lm_loss_sum, ramp
 from medusa_train.training.joint_trainer import TRAINABLE_FILE
 from medusa_train.training.recipe import TrainRecipe
@@ -231,6 +239,70 @@ def test_crashed_joint_run_resumes_to_the_same_heads_and_base(tiny_inputs, tmp_p
     whole = AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "export" / "base")
     again = AutoModelForCausalLM.from_pretrained(run / "export" / "base")
     torch.testing.assert_close(logits_of(whole, IDS), logits_of(again, IDS), atol=1e-5, rtol=1e-5)
+
+
+def joint_model(finetune: str = "lora") -> JointMedusaModel:
+    base = make_tiny_model("llama", seed=0, vocab_size=512)
+    config = lora_heads_config() if finetune == "lora" else HeadsConfig(mode="medusa2", finetune=finetune)
+    return JointMedusaModel(prepare_base(base, config), new_heads_for(base, 2))
+
+
+def test_the_trainers_non_strict_resume_loads_exactly_the_trainable_weights_back(tmp_path):
+    trained = joint_model()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in trained.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn_like(p))
+    save_file(trainable_state(trained), str(tmp_path / TRAINABLE_FILE))
+    saved = load_file(str(tmp_path / TRAINABLE_FILE))
+    assert TRAINABLE_FILE == "model.safetensors"  # the name the stock Trainer resumes from
+    assert {k.split(".")[0] for k in saved} == {"base", "heads"}
+    assert all("lora_" in k for k in saved if k.startswith("base."))  # no frozen weight is stored
+
+    fresh = joint_model()
+    frozen_before = {n: p.clone() for n, p in fresh.named_parameters() if not p.requires_grad}
+    result = fresh.load_state_dict(saved, False)  # what Trainer._load_from_checkpoint calls
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for name, p in fresh.named_parameters():
+        expected = dict(trained.named_parameters())[name] if p.requires_grad else frozen_before[name]
+        assert torch.equal(p, expected), name
+    with pytest.raises(RuntimeError, match="Missing key"):  # strict loading is nn.Module's
+        joint_model().load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"trainable weights do not match the model \(missing \['base\."
+                                         r".*unexpected \['base\.base_model\.model\..*lora_A"):
+        joint_model("full").load_state_dict(saved, False)  # written with other heads.finetune settings
+
+
+class CheckpointSealed(TrainerCallback):
+    """Record, at each on_save, whether the checkpoint is already complete (sealed before other callbacks run)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, str | None] = {}
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        self.seen[state.global_step] = checkpoints.incomplete_reason(folder, verify=True)
+
+
+@pytest.mark.slow
+def test_a_resumed_joint_run_checkpoints_the_same_trainable_weights_as_an_uninterrupted_one(tiny_inputs, tmp_path):
+    model_dir, data = tiny_inputs
+    sealed = CheckpointSealed()
+    whole = TrainRecipe(compose_train(joint_overrides(model_dir, data, tmp_path / "whole")), callbacks=[sealed])
+    whole.run()
+    assert sealed.seen == {4: None, 8: None}  # every on_save callback sees a sealed checkpoint
+    trainable = {n for n, p in whole.trainer.model.named_parameters() if p.requires_grad}
+    run = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        TrainRecipe(compose_train(joint_overrides(model_dir, data, run)), callbacks=[CrashAtStep(6)]).run()
+    assert set(load_file(str(run / "checkpoints" / "checkpoint-4" / TRAINABLE_FILE))) == trainable
+    TrainRecipe(compose_train(joint_overrides(model_dir, data, run, resume="true"))).run()
+    a = load_file(str(tmp_path / "whole" / "checkpoints" / "checkpoint-8" / TRAINABLE_FILE))
+    b = load_file(str(run / "checkpoints" / "checkpoint-8" / TRAINABLE_FILE))
+    assert set(a) == set(b) == trainable
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5, msg=f"{name} differs")
 
 
 # ---- bad input, before training ---------------------------------------------------------------------------------

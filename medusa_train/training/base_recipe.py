@@ -1,0 +1,384 @@
+"""The steps both training flows share (:class:`BaseRecipe`), used by
+:class:`~medusa_train.training.medusa1_recipe.Medusa1Recipe` and
+:class:`~medusa_train.training.medusa2_recipe.Medusa2Recipe`; a recipe runs ``setup`` -> ``train`` -> ``save`` ->
+``cleanup`` (torchtune's recipe interface).
+
+Everything that can be checked without a model is checked first, on every rank, reading only: config values, the
+launcher's world size against the trainer strategy, DeepSpeed batch sizes, the data files, ``output_dir`` itself
+(not empty, not a file, not someone else's folder) and whether it holds another run, or a run that ``resume=true``
+cannot continue with this config (:mod:`~medusa_train.training.run_dir`). Then the main process takes the folder's
+lock (:mod:`~medusa_train.training.run_lock`), the process group starts (through ``TrainingArguments``), the base
+model loads (converted once, main process first) and the data is prepared (self-distillation sharded over ranks) and
+refused if too little is left. Only once the flow built its model is the folder changed: an overwritten run cleared,
+unusable checkpoints dropped, ``train_config.yaml`` written. At the end every rank joins in gathering the trained
+fp32 weights (sharded under ZeRO-3) and checks them finite; the main process measures per-head accuracy on the
+held-out split, prints the table and writes ``export/`` with ``train_head_accuracy.json``. The lock is released on
+the way out, whether the run succeeded or failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, set_seed
+
+from medusa_train.config import ModelConfig, TrainConfig, as_dataclass
+from medusa_train.export import save_export
+from medusa_train.head_types import DRAFT_HEADS, DraftHeads, heads_from_spec
+from medusa_train.loading.base import load_base_model
+from medusa_train.loading.medusa import export_extra_config
+from medusa_train.heads import build_token_map
+from medusa_train.model import check_supported, new_heads_for
+from medusa_train.training import checkpoints
+from medusa_train.training.arguments import (
+    DistEnv,
+    check_deepspeed_batch,
+    check_strategy,
+    load_deepspeed_config,
+    training_arguments,
+    zero3_hidden_from_transformers,
+)
+from medusa_train.training.callbacks import exit_callback_from_env
+from medusa_train.training.data_prep import PreparedData, check_data_source, check_enough_data, prepare_data
+from medusa_train.training.head_accuracy import head_accuracy
+from medusa_train.training.metrics import format_table
+from medusa_train.training.run_dir import RunPaths, check_location, check_output_dir, prepare_output_dir
+from medusa_train.training.run_lock import RunLock, check_token
+from medusa_train.training.step import FrozenBase, LossSpec
+from medusa_train.training.trainer import MedusaTrainer, TrainingStopped, nonfinite_names
+
+log = logging.getLogger(__name__)
+
+ACCURACY_FILE = "train_head_accuracy.json"
+
+
+def resolve_config(cfg: TrainConfig | DictConfig | dict[str, Any]) -> tuple[TrainConfig, dict[str, Any]]:
+    """A validated :class:`TrainConfig` and its resolved plain-dict form (Hydra's own ``hydra`` node dropped).
+
+    Raises:
+        ValueError: a value that fails validation (the field is named).
+    """
+    if isinstance(cfg, TrainConfig):
+        node = OmegaConf.structured(cfg)
+    else:
+        given = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+        node = OmegaConf.merge(OmegaConf.structured(TrainConfig), given)
+    resolved = OmegaConf.to_container(node, resolve=True)
+    resolved.pop("hydra", None)
+    return as_dataclass(TrainConfig, resolved), resolved
+
+
+def gather_trainable_state(trainer: MedusaTrainer) -> dict[str, torch.Tensor]:
+    """Full fp32 trained weights (parameters that require grad: the heads, and Medusa-2's adapters or base) and the
+    heads' buffers, on the CPU, on every rank (collective under DeepSpeed); names as in ``trainer.model``.
+
+    Under ZeRO-3 the parameters are sharded and under ZeRO-1/2 with bf16/fp16 the module holds low-precision copies;
+    ``safe_get_full_fp32_param`` assembles the optimizer's fp32 master weights in both cases. Frozen base weights are
+    not gathered: they are the base model's, reloaded from its files where needed.
+    """
+    model = trainer.model
+    buffers = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, DRAFT_HEADS):
+            for name, buf in module.named_buffers():
+                buffers[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu().clone()
+    if trainer.is_deepspeed_enabled:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        state = {}
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                full = safe_get_full_fp32_param(param)
+                state[name] = (full if full is not None else param.data).detach().float().cpu().clone()
+        return {**state, **buffers}
+    state = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {**state, **buffers}
+
+
+class BaseRecipe:
+    """One training run: what Medusa-1 and Medusa-2 do alike. A flow's recipe writes its ``setup`` (model and
+    Trainer) and ``save_export`` (what is exported) from these steps.
+
+    Args:
+        cfg: the composed config (``TrainConfig``, Hydra ``DictConfig`` or a plain dict of the same shape).
+        callbacks: extra ``TrainerCallback`` objects (tests, custom logging).
+
+    Raises:
+        ValueError: invalid settings, found before anything is loaded.
+    """
+
+    def __init__(self, cfg: TrainConfig | DictConfig | dict[str, Any], callbacks: Sequence[TrainerCallback] = ()):
+        self.cfg, self.resolved = resolve_config(cfg)
+        self.extra_callbacks = list(callbacks)
+        self.env = DistEnv.from_environ()
+        self.paths = RunPaths(Path(self.cfg.output_dir).resolve())
+        self.trainer: MedusaTrainer | None = None
+        self.summary: dict[str, Any] = {}
+        self.lock: RunLock | None = None
+
+    # ---- checks and the folder's lock -----------------------------------------------------------------------------
+
+    def check(self) -> dict[str, Any] | None:
+        """The checks that need no model (every rank, read-only); returns the DeepSpeed config, if any."""
+        cfg = self.cfg
+        check_location(cfg.output_dir)
+        check_strategy(cfg.trainer, self.env)
+        ds_config = None
+        if cfg.trainer.strategy == "deepspeed":
+            ds_config = load_deepspeed_config(cfg.trainer.deepspeed)
+            check_deepspeed_batch(ds_config, cfg.trainer, self.env.world_size)
+        check_data_source(cfg.data)
+        check_output_dir(self.paths, self.resolved, cfg.resume, cfg.overwrite, self.env.world_size)
+        return ds_config
+
+    def hold(self) -> dict[str, Any] | None:
+        """Main process: take ``output_dir``'s lock (once the folder passes :func:`check_location`), then
+        :meth:`check` under it, so that the folder cannot change between the checks and the run; other ranks:
+        :meth:`check`. Returns the DeepSpeed config. A failed check releases the lock, leaving the folder as it was
+        (one created for the lock is removed again).
+
+        Raises:
+            LockHeldError: another run holds the folder (named), see :class:`RunLock`.
+        """
+        if self.env.is_main and self.lock is None:
+            check_location(self.cfg.output_dir)
+            self.lock = RunLock.acquire(self.paths.root)
+        try:
+            return self.check()
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Release ``output_dir``'s lock, if this process holds it (idempotent; see :meth:`RunLock.release`)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _check_lock_shared(self) -> None:
+        """Under a launcher: every rank sees the lock its main process holds (one run, one shared folder)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        token = [self.lock.holder.token if self.lock is not None else None]
+        torch.distributed.broadcast_object_list(token, src=0)
+        if not self.env.is_main:
+            check_token(self.paths.root, token[0])
+
+    # ---- setup steps -----------------------------------------------------------------------------------------------
+
+    def start(self) -> TrainingArguments:
+        """Checks and the folder's lock (:meth:`hold`), then the process group (through ``TrainingArguments``), the
+        lock seen by every rank and the seed; returns the Trainer's arguments."""
+        cfg = self.cfg
+        ds_config = self.hold()
+        args = training_arguments(cfg.trainer, cfg.logger, checkpoints_dir=self.paths.checkpoints, seed=cfg.seed,
+                                  deepspeed_config=ds_config, world_size=self.env.world_size)
+        self.device = args.device  # starts the process group under a launcher
+        from accelerate import PartialState
+
+        self.barrier = PartialState().wait_for_everyone
+        self._check_lock_shared()
+        set_seed(cfg.seed)
+        return args
+
+    def check_base(self, base: PreTrainedModel) -> None:
+        """Checks of the loaded base that must pass before the data is prepared (a flow adds its own)."""
+        check_supported(base)
+
+    def load_base_and_data(self, args: TrainingArguments) -> PreparedData:
+        """The base model and tokenizer (``self.base``, ``self.tokenizer``; on this rank's device, converted once by
+        the main process first), checked (:meth:`check_base`), then the data (self-distillation sharded over ranks),
+        refused if too little is left."""
+        cfg = self.cfg
+        with zero3_hidden_from_transformers(args):
+            with args.main_process_first(desc="load the base model"):  # converts GGUF/llama2.c once, into the cache
+                base, tokenizer = load_base_model(self.model_config_on_device())
+            self.check_base(base)
+            self.base = base
+            self.tokenizer = tokenizer
+            data = prepare_data(
+                cfg.data, tokenizer=tokenizer, model=base, max_length=cfg.max_length, seed=cfg.seed,
+                self_distill_dir=Path(cfg.data.self_distill_dir or self.paths.self_distill),
+                rank=self.env.rank, world_size=self.env.world_size, barrier=self.barrier, model_config=cfg.model,
+            )
+        check_enough_data(data, cfg.heads.medusa_num_heads, cfg.trainer, self.env.world_size)
+        self.data = data
+        return data
+
+    def model_config_on_device(self) -> ModelConfig:
+        """``model/`` with the device the Trainer uses (``cuda:LOCAL_RANK``, or the CPU)."""
+        return dataclasses.replace(self.cfg.model, device="cpu" if self.device.type == "cpu" else str(self.device))
+
+    def new_heads(self, data: PreparedData) -> DraftHeads:
+        """Fresh heads for the base (``heads/``), with the token map counted on the training labels when
+        ``heads.head_vocab_size`` is set."""
+        hc = self.cfg.heads
+        token_map = None
+        if hc.head_vocab_size is not None:
+            vocab_size = int(self.base.get_output_embeddings().weight.shape[0])
+            counts = torch.zeros(vocab_size, dtype=torch.long)
+            for labels in data.train["labels"]:
+                ids = torch.as_tensor(labels, dtype=torch.long)
+                counts += torch.bincount(ids[ids >= 0], minlength=vocab_size)
+            token_map = build_token_map(counts, hc.head_vocab_size)
+        return new_heads_for(self.base, hc.medusa_num_heads, hc.medusa_num_layers, hc.share_lm_head, token_map,
+                             head_type=hc.head_type, combine=hc.combine)
+
+    def loss_spec_for(self, heads: DraftHeads) -> LossSpec:
+        """The heads' loss settings (``heads/``), with their token map on the training device."""
+        hc = self.cfg.heads
+        vocab_size = int(self.base.get_output_embeddings().weight.shape[0])
+        return LossSpec(target=hc.target, decay=hc.loss_decay, share_lm_head=hc.share_lm_head, vocab_size=vocab_size,
+                        num_heads=heads.spec.num_heads,
+                        token_map=None if heads.token_map is None else heads.token_map.to(self.device),
+                        head_type=heads.spec.head_type)
+
+    def prepare_folder(self) -> None:
+        """The run is known to start: only now is the folder changed (main process), then every rank waits."""
+        if self.env.is_main:
+            prepare_output_dir(self.paths, self.resolved, self.cfg.overwrite, resume=self.cfg.resume)
+        self.barrier()
+
+    def trainer_kwargs(self, args: TrainingArguments, train_set: Any, eval_set: Any) -> dict[str, Any]:
+        """The :class:`MedusaTrainer` arguments both flows give: datasets, collator, callbacks (the caller's, then
+        :class:`~medusa_train.training.callbacks.ExitAfterStep` when asked for), loss settings, rotation."""
+        callbacks = [*self.extra_callbacks]
+        exit_cb = exit_callback_from_env()
+        if exit_cb is not None:
+            callbacks.append(exit_cb)
+        return dict(args=args, train_dataset=train_set, eval_dataset=eval_set if len(eval_set) else None,
+                    data_collator=self.collator, callbacks=callbacks, loss_spec=self.loss_spec,
+                    keep_checkpoints=self.cfg.trainer.save_total_limit)
+
+    # ---- train -----------------------------------------------------------------------------------------------------
+
+    def train(self) -> None:
+        """Train, from the latest complete checkpoint when ``resume=true``."""
+        resume_from = None
+        if self.cfg.resume:
+            latest = checkpoints.latest_complete(self.paths.checkpoints)
+            if latest is None:
+                log.warning("resume=true but %s holds no complete checkpoint: starting from step 0",
+                            self.paths.checkpoints)
+            else:
+                log.info("resuming from %s", latest)
+                resume_from = str(latest)
+        result = self.trainer.train(resume_from_checkpoint=resume_from)
+        self.summary.update(global_step=result.global_step, train_loss=result.training_loss,
+                            train_metrics=result.metrics, resumed_from=resume_from)
+
+    # ---- save ------------------------------------------------------------------------------------------------------
+
+    def save(self) -> Path | None:
+        """Gather the trained weights and check them finite (every rank), then the flow's :meth:`save_export` on the
+        main process. Returns ``export/`` (None on other ranks, or with ``export=false``).
+
+        Raises:
+            TrainingStopped: a trained weight is not finite (nothing is exported).
+        """
+        state = gather_trainable_state(self.trainer)
+        bad = nonfinite_names(state.items())  # every rank holds the gathered state: all stop together
+        if bad:
+            raise TrainingStopped(f"the trained weights are not finite ({', '.join(bad[:4])}): nothing is exported; "
+                                  "lower trainer.learning_rate and start again with overwrite=true")
+        export_dir = self.save_export(state) if self.env.is_main else None
+        self.barrier()
+        return export_dir
+
+    def save_export(self, state: dict[str, torch.Tensor]) -> Path | None:
+        """Main process: the flow's accuracy table and export from the gathered ``state``."""
+        raise NotImplementedError
+
+    def trained_heads(self, heads_state: dict[str, torch.Tensor]) -> DraftHeads:
+        """Heads of the trained shape holding ``heads_state`` (strictly), on the training device."""
+        heads = heads_from_spec(self.trainer.model.spec, token_map=heads_state.get("token_map"))
+        heads.load_state_dict(heads_state, strict=True)
+        return heads.to(self.trainer.args.device)
+
+    def accuracy_table(self, heads: DraftHeads, frozen_base: FrozenBase) -> dict[str, Any] | None:
+        """Per-head accuracy on the held-out split (printed, and kept in the summary); None without one."""
+        table = None
+        if len(self.eval_set):
+            table = head_accuracy(heads, frozen_base, self.eval_set, self.collator, self.loss_spec,
+                                  self.trainer.args.per_device_eval_batch_size, self.trainer.args.device)
+            print(f"per-head accuracy on the eval split ({len(self.eval_set)} conversations, "
+                  f"target {self.cfg.heads.target}):\n{format_table(table)}", flush=True)
+        else:
+            log.warning("data.eval_fraction=0: no held-out conversations, no accuracy table")
+        self.summary["accuracy"] = table
+        return table
+
+    def training_record(self) -> dict[str, Any]:
+        """The ``training`` entry of the export's config (a flow adds its settings)."""
+        cfg = self.cfg
+        return {"target": cfg.heads.target, "loss_decay": cfg.heads.loss_decay, "data_source": cfg.data.source,
+                "self_distill": cfg.data.self_distill, "max_length": cfg.max_length,
+                "global_step": self.summary.get("global_step"), "seed": cfg.seed, "mode": cfg.heads.mode}
+
+    def write_export(self, heads: DraftHeads, table: dict[str, Any] | None, *, base_name: str,
+                     model_cfg: ModelConfig, base_model: Any, extra: dict[str, Any] | None = None) -> Path:
+        """Write ``export/`` (heads on the CPU, config naming ``base_name``, the ``model/`` config ``model_cfg`` so
+        that tune-tree, eval and generate rebuild a GGUF or llama2.c base exactly, and ``extra`` entries) and
+        ``train_head_accuracy.json``; returns the folder."""
+        cfg = self.cfg
+        config = {"training": self.training_record(), **export_extra_config(model_cfg), **(extra or {})}
+        vllm = cfg.export_vllm and heads.spec.head_type == "medusa"  # Hydra: warned about in check()
+        out = save_export(heads, self.paths.export, base_name, extra_config=config, vllm=vllm, base_model=base_model)
+        if table is not None:
+            record = {"split": "eval", "conversations": len(self.eval_set), "target": cfg.heads.target, **table}
+            tmp = out / f".{ACCURACY_FILE}.tmp"
+            tmp.write_text(json.dumps(record, indent=1))
+            os.replace(tmp, out / ACCURACY_FILE)
+        log.info("exported heads to %s", out)
+        self.summary["export_dir"] = str(out)
+        return out
+
+    # ---- cleanup ---------------------------------------------------------------------------------------------------
+
+    def finish_tracker(self, failed: bool = False) -> None:
+        """Close the tracker run (wandb), if any."""
+        if "wandb" in self.cfg.logger.report_to:
+            import wandb
+
+            if wandb.run is not None:
+                wandb.finish(exit_code=1 if failed else 0)
+
+    def cleanup(self, failed: bool = False) -> None:
+        """Close the tracker run and the process group (without waiting for other ranks when this one ``failed``),
+        and release ``output_dir``'s lock."""
+        try:
+            self.finish_tracker(failed)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                if not failed:
+                    torch.distributed.barrier()
+                torch.distributed.destroy_process_group()
+        finally:
+            self.release()
+
+    def steps(self) -> None:
+        """What :meth:`run` does between its start and cleanup: setup, train, save."""
+        self.setup()
+        self.train()
+        self.save()
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def run(self) -> dict[str, Any]:
+        """:meth:`steps`, then cleanup (also when they fail); returns a summary (global_step, train_loss, accuracy,
+        export_dir, and what the flow adds)."""
+        try:
+            self.steps()
+        except BaseException:
+            self.cleanup(failed=True)
+            raise
+        self.cleanup()
+        return self.summary

@@ -1,0 +1,94 @@
+"""The Medusa-1 recipe (``heads.mode=medusa1``, Medusa and Hydra heads): new heads trained on a frozen base.
+
+setup: checks and the folder's lock, process group, base model and data (:class:`BaseRecipe`); heads built from the
+base lm_head (with a token map of the most frequent training tokens when ``heads.head_vocab_size`` is set); with
+``hidden_cache=true`` the base runs once per sequence into a cache and the backbone is dropped; then the folder is
+prepared and the HF Trainer built on the heads alone (:class:`~medusa_train.training.trainer.MedusaTrainer`, which
+stops on a non-finite loss or weight and on a diverged head). train: :meth:`BaseRecipe.train`. save: the gathered
+heads are measured against the frozen base and exported.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from medusa_train.data import Collator
+from medusa_train.training.base_recipe import BaseRecipe
+from medusa_train.training.data_prep import PreparedData
+from medusa_train.training.hidden_cache import (
+    CachedHiddenDataset,
+    HiddenCollator,
+    build_hidden_cache,
+    dataset_fingerprint,
+)
+from medusa_train.training.step import FrozenBase
+from medusa_train.training.trainer import MedusaTrainer
+
+log = logging.getLogger(__name__)
+
+
+class Medusa1Recipe(BaseRecipe):
+    """One Medusa-1 run (see the module docstring); arguments as :class:`BaseRecipe`."""
+
+    def check(self) -> dict[str, Any] | None:
+        """:meth:`BaseRecipe.check`; warns that Hydra heads get no vLLM files."""
+        ds_config = super().check()
+        cfg = self.cfg
+        if cfg.export and cfg.export_vllm and cfg.heads.head_type == "hydra" and self.env.is_main:
+            log.warning("export_vllm=true is skipped for Hydra heads: vLLM's Medusa loader reads Medusa heads only "
+                        "(set export_vllm=false to silence this)")
+        return ds_config
+
+    # ---- setup -----------------------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Checks and lock, process group, base model, data, heads, optional hidden cache, then the folder is
+        prepared and the Trainer built."""
+        args = self.start()
+        data = self.load_base_and_data(args)
+        heads = self.new_heads(data)
+        self.loss_spec = self.loss_spec_for(heads)
+        self.frozen_base = FrozenBase.of(self.base)
+        self.collator: Any = Collator.from_tokenizer(self.tokenizer)
+        train_set, eval_set = data.train, data.eval
+        if self.cfg.hidden_cache:
+            train_set, eval_set = self.cached_datasets(data, args.per_device_eval_batch_size)
+        self.eval_set = eval_set
+        self.prepare_folder()
+        self.trainer = MedusaTrainer(model=heads, frozen_base=self.frozen_base,
+                                     **self.trainer_kwargs(args, train_set, eval_set))
+
+    def cached_datasets(self, data: PreparedData, batch_size: int) -> tuple[Any, Any]:
+        """Build this rank's cache shards, wait for all ranks, and read every shard back; drop the backbone."""
+        folder = Path(self.cfg.hidden_cache_dir or self.paths.hidden_cache)
+        dtype = self.base.get_output_embeddings().weight.dtype
+        out = []
+        fingerprints = {}
+        for split, dataset in (("train", data.train), ("eval", data.eval)):
+            fingerprints[split] = dataset_fingerprint(dataset, self.cfg.model.name_or_path, dtype)
+            build_hidden_cache(self.frozen_base, dataset, folder, split=split, fingerprint=fingerprints[split],
+                               collator=self.collator, batch_size=batch_size, rank=self.env.rank,
+                               world_size=self.env.world_size, device=self.device)
+        self.barrier()
+        for split, dataset in (("train", data.train), ("eval", data.eval)):
+            out.append(CachedHiddenDataset(dataset, folder, split=split, fingerprint=fingerprints[split],
+                                           world_size=self.env.world_size))
+        self.frozen_base = FrozenBase.of(self.base, keep_backbone=False)
+        self.collator = HiddenCollator()
+        return out[0], out[1]
+
+    # ---- save ------------------------------------------------------------------------------------------------------
+
+    def save_export(self, state: dict[str, torch.Tensor]) -> Path | None:
+        """Main process: the trained heads' accuracy table on the frozen base, then ``export/`` (``export=true``)."""
+        heads = self.trained_heads(state)
+        table = self.accuracy_table(heads, self.frozen_base)
+        if not self.cfg.export:
+            return None
+        model_cfg = self.cfg.model
+        return self.write_export(heads.cpu(), table, base_name=model_cfg.name_or_path, model_cfg=model_cfg,
+                                 base_model=self.base)
