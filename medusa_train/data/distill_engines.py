@@ -7,9 +7,10 @@
   vLLM decodes ``generation_batch_size`` sequences at once and gets :data:`QUEUED_BATCHES` times as many prompts
   per request (:func:`request_size`): a finished reply's slot is refilled from the queue at once instead of idling
   until the request's longest reply ends. On a CPU the engine runs eager (``enforce_eager``; CUDA keeps its
-  compiled graphs): on the quickstart's 520 prompts (bf16, 2-core Intel Xeon with AMX) ``torch.compile`` took 85 s
-  of a 125 s engine start and then decoded 9% faster than eager (134 s against 146 s, eager start 51 s): 259 s
-  against 197 s in all; compiling pays only past about 14 minutes of generation.
+  compiled graphs) with every core computing (``reserved_cpus=0``: our process only waits for the replies). On the
+  quickstart's 520 prompts (bf16, 2-core Intel Xeon with AMX, Intel OpenMP preloaded as the worker does): the
+  compiled engine started in 125 s (85 s of them the compile), the eager one in 20 s and then decoded as fast
+  (632 tokens/s in one request, one compute core); every core computing, 746 tokens/s.
 - ``server``: an OpenAI-compatible completions server a user already runs (``data.server_url``), prompts as token
   ids. Servers that send the reply's token ids back (vLLM: ``return_token_ids``) give the same records as ``vllm``;
   for the others the reply's text is re-encoded, so ``new_tokens`` can differ by a token or two.
@@ -33,11 +34,12 @@ from medusa_train.precision import AUTO, choose_dtype
 
 log = logging.getLogger(__name__)
 
-QUEUED_BATCHES = 4
-"""Prompts per request to vLLM or a server, in ``generation_batch_size`` units. Measured on the quickstart's 520
-prompts (vLLM 0.32, bf16, eager, 128 sequences at once, 2-core Intel Xeon with AMX): 439 new tokens/s with one
-batch per request, 541 with every prompt queued. Records are written and flushed per request, so a killed step
-loses at most one request's replies."""
+QUEUED_BATCHES = 8
+"""Prompts per request to vLLM or a server, in ``generation_batch_size`` units. Every request ends in a drain (its
+last replies decode with the batch emptying): on the quickstart's 520 prompts (vLLM 0.32, bf16, eager, 128
+sequences at once, 2-core Intel Xeon with AMX) one batch per request made 439 new tokens/s, every prompt in one
+request 541, two requests of 260 about 450. Records are written and flushed per request, so a killed step loses at
+most one request's replies (1,024 prompts at ``generation_batch_size=128``: about 4 minutes of generation there)."""
 
 
 def request_size(data: DataConfig) -> int:
@@ -117,7 +119,8 @@ def distill_engine(data: DataConfig, model: Any, tokenizer: Any, model_config: M
         # Started at the first batch to answer: a resumed run whose replies are all written starts no engine.
         if not started:
             started.append(VllmWorker(path, dtype=dtype, max_num_seqs=data.generation_batch_size,
-                                      max_model_len=max_prompt_tokens + data.max_new_tokens, enforce_eager=eager))
+                                      max_model_len=max_prompt_tokens + data.max_new_tokens, enforce_eager=eager,
+                                      reserved_cpus=0 if device == "cpu" else None))
             log.info("self-distillation through vllm %s (%s, %s%s); its log: %s", started[0].vllm_version, path,
                      dtype, ", eager" if eager else "", started[0].log_path)
         return vllm_generate(started[0])(prompts, max_new_tokens, stop_ids)

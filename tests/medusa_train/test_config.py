@@ -122,3 +122,19 @@ def test_wrong_types_and_bad_values_fail_before_anything_runs(tmp_path):
     cfg = compose_in(CONF_DIR, "train", ["trainer=deepspeed_zero2", "trainer.strategy=ddp", f"output_dir={tmp_path}"])
     with pytest.raises(ValueError, match="use strategy=deepspeed"):
         as_dataclass(TrainConfig, OmegaConf.to_container(cfg, resolve=True))
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONF_DIR / "heads").glob("*.yaml")))
+def test_heads_presets_set_only_what_differs_from_the_schema(preset):
+    """Each default is defined once, in the heads schema: a preset sets its mode and the fields it changes."""
+    import dataclasses
+
+    from medusa_train.config import HeadsConfig
+
+    values = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "heads" / f"{preset}.yaml"))
+    values.pop("defaults")
+    defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                for f in dataclasses.fields(HeadsConfig)}
+    restated = {k: v for k, v in values.items() if k != "mode" and v == defaults[k]}
+    assert not restated, f"conf/heads/{preset}.yaml restates schema defaults: {restated}"
+    assert set(values) <= set(defaults)

@@ -247,7 +247,8 @@ def test_vllm_starts_only_when_a_reply_is_missing_and_stops_with_the_step(tiny, 
 
 def test_vllm_gets_several_batches_per_request_and_runs_eager_on_a_cpu(tiny, tok, tmp_path, monkeypatch):
     """vLLM decodes generation_batch_size sequences at once (max_num_seqs) and is sent QUEUED_BATCHES times as many
-    prompts per request, so a finished reply's slot is refilled at once; on a CPU it runs without torch.compile."""
+    prompts per request, so a finished reply's slot is refilled at once; on a CPU it runs without torch.compile, with
+    every core computing."""
     import inference.engines.vllm_env as vllm_env
     import medusa_train.loading.base as loading
     from medusa_train.data.distill_engines import QUEUED_BATCHES, request_size
@@ -272,7 +273,8 @@ def test_vllm_gets_several_batches_per_request_and_runs_eager_on_a_cpu(tiny, tok
     monkeypatch.setattr(loading, "engine_model_path", lambda cfg: "model")
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     data = DataConfig(self_distill_engine="vllm", max_new_tokens=8, generation_batch_size=1)
-    assert QUEUED_BATCHES == 4 and request_size(data) == 4
+    assert request_size(data) == QUEUED_BATCHES == 8
+    monkeypatch.setattr("medusa_train.data.distill_engines.QUEUED_BATCHES", 4)  # 4 here: six prompts need two
     assert request_size(DataConfig(self_distill_engine="hf", generation_batch_size=3)) == 3
     with distill_engine(data, tiny, tok, ModelConfig(name_or_path="model"), 200) as (generate, engine):
         stats = self_distill(tiny, tok, conversations(), 8, request_size(data), tmp_path / "d.jsonl",
@@ -280,3 +282,4 @@ def test_vllm_gets_several_batches_per_request_and_runs_eager_on_a_cpu(tiny, tok
     assert stats.generated == len(PROMPTS) == 6
     assert requests == [3, 3]  # 6 prompts, at most 4 per request: two even requests, not 4 + 2
     assert started[0]["max_num_seqs"] == 1 and started[0]["enforce_eager"] is True
+    assert started[0]["reserved_cpus"] == 0  # every core computes: this process only waits for the replies
