@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medusa_train.data import load_conversations, resolve_chat_template
-from medusa_train.data.json_stream import jsonl_lines
-from medusa_train.data.tokenize import encode, prompt_messages, render
+from medusa_train.chat import encode, prompt_messages, render, resolve_chat_template
+from medusa_train.conversations import load_conversations
+from medusa_train.json_stream import jsonl_lines
 from medusa_train.paths import assets_dir
 
 PROMPT_SOURCES = ("sharegpt", "mt_bench", "jsonl")

@@ -1,7 +1,8 @@
 """The dependency rules of the code base, checked on the source (every import, including those inside functions).
 
 - no import cycle among the modules of ``medusa_train`` and ``inference``;
-- ``inference`` imports nothing from ``medusa_train``'s training, tuning, publish or data packages;
+- ``inference`` imports nothing from ``medusa_train``'s training, tuning, publish or data packages, directly or
+  through any module it imports (transitively);
 - training imports nothing from publish; only entry points (``medusa_train.cli``, ``inference.cli``, ``benchmarks``)
   and publish itself import publish;
 - no file cites a document outside the repository (a clone has none of them).
@@ -105,6 +106,33 @@ def test_no_import_cycle():
 def test_inference_imports_no_training_tuning_publish_or_data():
     forbidden = tuple(f"medusa_train.{p}" for p in ("training", "tuning", "publish", "data"))
     assert edges_between(import_graph(modules()), "inference", forbidden) == []
+
+
+def reachable_paths(edges: dict[str, set[str]], known: dict[str, Path], sources: list[str]) -> dict[str, list[str]]:
+    """module -> one import path to it from ``sources`` (breadth first over ``edges``); importing ``a.b.c`` runs
+    ``a/__init__`` and ``a/b/__init__`` too, so a module's parent packages are reached with it."""
+    path_to = {s: [s] for s in sources}
+    queue = list(sources)
+    while queue:
+        module = queue.pop(0)
+        parts = module.split(".")
+        parents = {".".join(parts[:i]) for i in range(1, len(parts))} & known.keys()
+        for nxt in sorted(edges.get(module, set()) | parents):
+            if nxt not in path_to:
+                path_to[nxt] = path_to[module] + [nxt]
+                queue.append(nxt)
+    return path_to
+
+
+def test_inference_reaches_no_training_tuning_publish_or_data_transitively():
+    """Not even through a core module: every module an ``inference`` module imports, and what that imports, and so
+    on (function-level imports included), stays outside the training-side packages."""
+    known = modules()
+    forbidden = tuple(f"medusa_train.{p}" for p in ("training", "tuning", "publish", "data"))
+    reached = reachable_paths(import_graph(known), known, sorted(m for m in known if m.split(".")[0] == "inference"))
+    offending = sorted(" -> ".join(path) for module, path in reached.items()
+                       if any(module == f or module.startswith(f + ".") for f in forbidden))
+    assert offending == [], "inference reaches training-side code:\n" + "\n".join(offending)
 
 
 def test_only_entry_points_import_publish():

@@ -3,8 +3,8 @@ and regenerate replies with the base model (self-distillation). Sources and lice
 
 from __future__ import annotations
 
-from medusa_train.data.collate import Collator, pad_token_id_of
-from medusa_train.data.conversations import (
+from medusa_train.chat import PLAIN_CHAT_TEMPLATE, resolve_chat_template
+from medusa_train.conversations import (
     ROLE_MAP,
     SOURCES,
     Conversation,
@@ -14,19 +14,18 @@ from medusa_train.data.conversations import (
     normalize_role,
     resolve_data_path,
 )
+from medusa_train.data.collate import Collator, pad_token_id_of
 from medusa_train.data.dataset import BuildStats, build_dataset
-from medusa_train.data.json_stream import JsonRecordStream
 from medusa_train.data.self_distill import SelfDistillStats, self_distill, shard_path
 from medusa_train.data.split import split_indices
 from medusa_train.data.tokenize import (
     IGNORE_INDEX,
-    PLAIN_CHAT_TEMPLATE,
     ConversationSkipped,
     TemplateNotPrefixStableError,
     end_of_turn_ids,
-    resolve_chat_template,
     tokenize_conversation,
 )
+from medusa_train.json_stream import JsonRecordStream
 
 __all__ = [
     "IGNORE_INDEX",

@@ -7,13 +7,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from medusa_train.data.conversations import Conversation
+from medusa_train.chat import resolve_chat_template
+from medusa_train.conversations import Conversation
 from medusa_train.data.split import split_indices
 from medusa_train.data.tokenize import (
     IGNORE_INDEX,
     ConversationSkipped,
     end_of_turn_ids,
-    resolve_chat_template,
     tokenize_conversation,
 )
 

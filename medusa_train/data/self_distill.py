@@ -25,11 +25,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from medusa_train.chat import encode, render, resolve_chat_template
+from medusa_train.conversations import Conversation
 from medusa_train.data.collate import pad_token_id_of
-from medusa_train.data.conversations import Conversation
-from medusa_train.data.json_stream import jsonl_lines
-from medusa_train.data.tokenize import encode, end_of_turn_ids, render, resolve_chat_template
+from medusa_train.data.tokenize import end_of_turn_ids
 from medusa_train.generation import greedy_generate, length_batches
+from medusa_train.json_stream import jsonl_lines
 
 logger = logging.getLogger(__name__)
 

@@ -19,24 +19,10 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
-from medusa_train.data.conversations import Conversation
+from medusa_train.chat import encode, prompt_messages, render, resolve_chat_template
+from medusa_train.conversations import Conversation
 
 IGNORE_INDEX = -100
-
-# Used when the tokenizer has no chat template (base models): plain text turns,
-#   "System: {content}\n" / "User: {content}\n" / "Assistant: {content}{eos}\n",
-# with "Assistant:" as the generation prompt; the reply starts with a space so that the header tokenizes the same
-# alone and followed by the reply. The BOS token, when the tokenizer has one, opens the text.
-PLAIN_CHAT_TEMPLATE = (
-    "{% if bos_token %}{{ bos_token }}{% endif %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}{{ 'Assistant: ' + m['content'] }}{% if eos_token %}{{ eos_token }}{% endif %}"
-    "{{ '\\n' }}"
-    "{% elif m['role'] == 'system' %}{{ 'System: ' + m['content'] + '\\n' }}"
-    "{% else %}{{ 'User: ' + m['content'] + '\\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
-)
 
 _PROBE_REPLY = "medusa-probe-reply"
 
@@ -60,28 +46,6 @@ class ConversationSkipped(ValueError):
 
     def __reduce__(self) -> tuple:  # picklable across worker processes
         return (type(self), (self.reason, self.detail))
-
-
-def resolve_chat_template(tokenizer: Any, chat_template: str | None = None) -> str:
-    """The template to use: ``chat_template`` if given, else the tokenizer's, else :data:`PLAIN_CHAT_TEMPLATE`."""
-    if chat_template:
-        return chat_template
-    own = getattr(tokenizer, "chat_template", None)
-    if isinstance(own, dict):  # several named templates: take the default one
-        own = own.get("default")
-    return own if isinstance(own, str) and own else PLAIN_CHAT_TEMPLATE
-
-
-def render(tokenizer: Any, messages: Sequence[dict[str, str]], template: str, generation_prompt: bool) -> str:
-    """The chat template's text for ``messages`` (no tokenization)."""
-    return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=generation_prompt, chat_template=template
-    )
-
-
-def encode(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of rendered template text; the template already holds any BOS, so none is added."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def end_of_turn_ids(tokenizer: Any, chat_template: str | None = None) -> set[int]:
@@ -119,19 +83,6 @@ def _reply_end(ids: list[int], start: int, stop: int, end_ids: set[int]) -> int:
 
 def _check_prefix(shorter: Sequence[Any], longer: Sequence[Any]) -> bool:
     return len(shorter) <= len(longer) and longer[: len(shorter)] == shorter
-
-
-def prompt_messages(messages: Conversation) -> Conversation:
-    """Messages from the first user turn on, keeping a leading system turn.
-
-    Assistant turns before the first user turn have no prompt to answer (ShareGPT's split conversations start
-    with one); FastChat's preprocessing drops them too.
-    """
-    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
-    if first_user is None:
-        return []
-    system = [messages[0]] if messages[0]["role"] == "system" else []
-    return system + list(messages[first_user:])
 
 
 def tokenize_conversation(
@@ -186,7 +137,7 @@ def tokenize_conversation(
             raise TemplateNotPrefixStableError(
                 f"the chat template is not prefix-stable at message {i}: rendering messages[:{i}] with the "
                 "generation prompt must extend the rendering of the turns before and be extended by the reply; "
-                "set a prefix-stable chat_template (for example medusa_train.data.tokenize.PLAIN_CHAT_TEMPLATE)"
+                "set a prefix-stable chat_template (for example medusa_train.chat.PLAIN_CHAT_TEMPLATE)"
             )
         header_ids = encode(tokenizer, header_text)
         full_ids = encode(tokenizer, full_text)

@@ -29,7 +29,7 @@ from medusa_train.data import (
     resolve_data_path,
     self_distill,
 )
-from medusa_train.data.conversations import normalize_record
+from medusa_train.conversations import normalize_record
 from medusa_train.data.distill_engines import distill_engine, request_size
 from medusa_train.data.self_distill import distill_prompt, prompt_key, read_records, record_id, shard_path
 from medusa_train.data.tokenize import IGNORE_INDEX

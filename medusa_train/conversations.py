@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medusa_train.data.json_stream import JsonRecordStream
+from medusa_train.json_stream import JsonRecordStream
 from medusa_train.paths import package_file
 
 logger = logging.getLogger(__name__)

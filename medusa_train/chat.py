@@ -1,0 +1,62 @@
+"""Chat-template text for a conversation: which template to use, its rendering and the token ids of that text.
+
+Shared by training (label masking in :mod:`medusa_train.data.tokenize`, self-distillation) and evaluation
+(prompts in :mod:`medusa_train.prompts`), so it lives outside the training data package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from medusa_train.conversations import Conversation
+
+# Used when the tokenizer has no chat template (base models): plain text turns,
+#   "System: {content}\n" / "User: {content}\n" / "Assistant: {content}{eos}\n",
+# with "Assistant:" as the generation prompt; the reply starts with a space so that the header tokenizes the same
+# alone and followed by the reply. The BOS token, when the tokenizer has one, opens the text.
+PLAIN_CHAT_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}{{ 'Assistant: ' + m['content'] }}{% if eos_token %}{{ eos_token }}{% endif %}"
+    "{{ '\\n' }}"
+    "{% elif m['role'] == 'system' %}{{ 'System: ' + m['content'] + '\\n' }}"
+    "{% else %}{{ 'User: ' + m['content'] + '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def resolve_chat_template(tokenizer: Any, chat_template: str | None = None) -> str:
+    """The template to use: ``chat_template`` if given, else the tokenizer's, else :data:`PLAIN_CHAT_TEMPLATE`."""
+    if chat_template:
+        return chat_template
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):  # several named templates: take the default one
+        own = own.get("default")
+    return own if isinstance(own, str) and own else PLAIN_CHAT_TEMPLATE
+
+
+def render(tokenizer: Any, messages: Sequence[dict[str, str]], template: str, generation_prompt: bool) -> str:
+    """The chat template's text for ``messages`` (no tokenization)."""
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=generation_prompt, chat_template=template
+    )
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of rendered template text; the template already holds any BOS, so none is added."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_messages(messages: Conversation) -> Conversation:
+    """Messages from the first user turn on, keeping a leading system turn.
+
+    Assistant turns before the first user turn have no prompt to answer (ShareGPT's split conversations start
+    with one); FastChat's preprocessing drops them too.
+    """
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        return []
+    system = [messages[0]] if messages[0]["role"] == "system" else []
+    return system + list(messages[first_user:])
