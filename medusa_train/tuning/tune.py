@@ -32,19 +32,19 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
         (:func:`~medusa_train.tuning.replay.replayed_accept_length`, what the decoder measures on them).
     """
     cfg.validate()
+    reused = None
+    if cfg.latency_from is not None:  # refused before the head accuracy is measured, if made for another runtime
+        reused = read_latency_profile(cfg.latency_from)
+        check_profile_runtime(reused, model.base, cfg.latency_from,
+                              kernels=((runtime or {}).get("cpu_kernels") or {}).get("kernels"))
+        reused["measured_for"] = str(cfg.latency_from)
     token_prompts = [encode_prompt(tokenizer, p.first_turn_messages()) for p in prompts]
     accuracy = measure_head_accuracy(model, token_prompts, max_new_tokens=cfg.max_new_tokens, topk=cfg.topk,
                                      eos_token_id=tokenizer.eos_token_id, batch_size=cfg.generation_batch_size,
                                      pad_token_id=pad_token_id_of(tokenizer))
     check_accuracy_table(accuracy["acc"], num_heads=model.heads.spec.num_heads)
-    if cfg.latency_from is not None:
-        latency = read_latency_profile(cfg.latency_from)
-        check_profile_runtime(latency, model.base, cfg.latency_from,
-                              kernels=((runtime or {}).get("cpu_kernels") or {}).get("kernels"))
-        latency["measured_for"] = str(cfg.latency_from)
-    else:
-        latency = measure_verification_latency(model.base, sizes=cfg.latency_sizes,
-                                               context_length=cfg.context_length, repeats=cfg.repeats)
+    latency = reused if reused is not None else measure_verification_latency(
+        model.base, sizes=cfg.latency_sizes, context_length=cfg.context_length, repeats=cfg.repeats)
     choices, rates = best_tree_for_latency(accuracy["acc"], latency["latency_ms"], max_nodes=cfg.max_nodes,
                                            target_ranks=accuracy["target_ranks"])
     expected = expected_accept_length(accuracy["acc"], choices)

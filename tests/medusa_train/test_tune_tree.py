@@ -74,7 +74,8 @@ def test_tune_tree_rejects_bad_budget_before_loading(tiny_export):
         run(no_batch)
 
 
-def test_a_second_export_of_the_base_is_tuned_against_the_first_ones_latency_profile(tiny_export, tmp_path):
+def test_a_second_export_of_the_base_is_tuned_against_the_first_ones_latency_profile(tiny_export, tmp_path,
+                                                                                     monkeypatch):
     """``latency_from``: one profile for several exports of one base (no new measurement, the same numbers), refused
     when missing or measured on another dtype or other linear kernels."""
     from medusa_train.cli.tune_tree import run
@@ -97,6 +98,10 @@ def test_a_second_export_of_the_base_is_tuned_against_the_first_ones_latency_pro
         with pytest.raises(ValueError, match="measured on cpu in float32, but these heads decode on cpu in bfloat16"):
             run(compose("tune_tree", overrides=[f"export_dir={second}", f"latency_from={export}", *common,
                                                 "dtype=bfloat16"]))
+        def no_measuring(*args, **kwargs):
+            raise AssertionError("head accuracy measured before the profile was checked")
+
+        monkeypatch.setattr("medusa_train.tuning.tune.measure_head_accuracy", no_measuring)  # the check comes first
         with pytest.raises(ValueError, match="measured on onednn_packed linear kernels, but these heads decode on "
                                              "pytorch"):
             run(compose("tune_tree", overrides=[f"export_dir={second}", f"latency_from={export}", *common,
