@@ -175,7 +175,8 @@ class VllmWorker:
         self._log = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
             [str(python), str(WORKER_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            env=worker_environment(python.parent.parent, reserved_cpus), text=True, encoding="utf-8", start_new_session=True,
+            env=worker_environment(python.parent.parent, reserved_cpus), text=True, encoding="utf-8",
+            start_new_session=True,
         )
         try:
             self.info = self.request("start", model=model, dtype=dtype, speculative_config=speculative_config,

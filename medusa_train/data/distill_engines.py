@@ -111,19 +111,21 @@ def distill_engine(data: DataConfig, model: Any, tokenizer: Any, model_config: M
     dtype = data.self_distill_dtype or str(model.dtype).removeprefix("torch.")
     if dtype == AUTO:  # bf16 where the hardware multiplies it natively (a GPU, a CPU with AVX-512 BF16 / AMX)
         dtype = choose_dtype(AUTO, device).name
-    eager = device == "cpu"  # no torch.compile on a CPU: see the module docstring
+    on_cpu = device == "cpu"  # eager, every core computing: see the module docstring
     path = engine_model_path(model_config)
     started: list[Any] = []  # the engine, once the first batch needs it
+    answer: list[GenerateFn] = []
 
     def generate(prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[tuple[list[int], bool]]:
         # Started at the first batch to answer: a resumed run whose replies are all written starts no engine.
         if not started:
             started.append(VllmWorker(path, dtype=dtype, max_num_seqs=data.generation_batch_size,
-                                      max_model_len=max_prompt_tokens + data.max_new_tokens, enforce_eager=eager,
-                                      reserved_cpus=0 if device == "cpu" else None))
+                                      max_model_len=max_prompt_tokens + data.max_new_tokens, enforce_eager=on_cpu,
+                                      reserved_cpus=0 if on_cpu else None))
+            answer.append(vllm_generate(started[0]))
             log.info("self-distillation through vllm %s (%s, %s%s); its log: %s", started[0].vllm_version, path,
-                     dtype, ", eager" if eager else "", started[0].log_path)
-        return vllm_generate(started[0])(prompts, max_new_tokens, stop_ids)
+                     dtype, ", eager" if on_cpu else "", started[0].log_path)
+        return answer[0](prompts, max_new_tokens, stop_ids)
 
     try:
         yield generate, f"vllm ({dtype})"

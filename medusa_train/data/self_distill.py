@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -236,7 +237,7 @@ def self_distill(
         with path.open("a", encoding="utf-8") as out:
             # as many batches as batch_size asks for, of even size: 520 prompts in 128s go as 5 x 104, not as
             # 4 x 128 and a last batch of 8 that decodes alone
-            even = -(-len(pending) // -(-len(pending) // batch_size)) if pending else batch_size
+            even = math.ceil(len(pending) / math.ceil(len(pending) / batch_size)) if pending else batch_size
             for chunk in length_batches([len(item[3]) for item in pending], even):
                 batch = [pending[j] for j in chunk]
                 replies = [(tokens[:-1] if finished and tokens and tokens[-1] in stop_ids else tokens, finished)
