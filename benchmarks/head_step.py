@@ -31,7 +31,7 @@ from medusa_train.cli.train import register_schemas
 from medusa_train.paths import CONF_DIR
 from medusa_train.training.joint_loss import base_loss_sum
 from medusa_train.training.losses import IGNORE_INDEX, head_targets, medusa_head_loss
-from medusa_train.training.recipe import Medusa1Recipe, Medusa2Recipe, TrainRecipe
+from medusa_train.training.recipe import Medusa1Recipe, Medusa2Recipe, build_recipe
 from medusa_train.training.step import heads_on_batch
 
 from training_args import training_overrides, training_parser
@@ -95,7 +95,7 @@ def main() -> None:
                  *training_overrides(args)]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    recipe = TrainRecipe(cfg)
+    recipe = build_recipe(cfg)
     recipe.setup()
     spec = recipe.loss_spec
     model = recipe.trainer.model

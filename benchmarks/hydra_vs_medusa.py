@@ -60,7 +60,7 @@ from medusa_train.loading.runtime import decide_runtime
 from medusa_train.model import MedusaModel
 from medusa_train.paths import CONF_DIR, REPO_ROOT
 from medusa_train.prompts import encode_prompt, load_prompts
-from medusa_train.training.recipe import TrainRecipe
+from medusa_train.training.recipe import build_recipe
 from medusa_train.tuning.accuracy import measure_head_accuracy
 from medusa_train.tuning.replay import replayed_accept_length
 from medusa_train.tuning.search import greedy_tree
@@ -75,7 +75,7 @@ def train(name: str, out: Path, overrides: list[str]) -> Path:
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"heads={HEADS[name]}", f"output_dir={out / name}", *overrides])
     start = time.perf_counter()
-    summary = TrainRecipe(cfg).run()
+    summary = build_recipe(cfg).run()
     print(f"{name}: trained {summary['global_step']} steps in {time.perf_counter() - start:.0f} s", flush=True)
     return Path(summary["export_dir"])
 

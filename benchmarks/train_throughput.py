@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 
 from medusa_train.cli.train import register_schemas
 from medusa_train.paths import CONF_DIR
-from medusa_train.training.recipe import TrainRecipe
+from medusa_train.training.recipe import build_recipe
 
 from training_args import training_overrides, training_parser
 
@@ -44,7 +44,7 @@ def run_once(overrides: list[str], hidden_cache: bool) -> dict[str, Any]:
     """Set up and train one run; returns its timings and token count."""
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"hidden_cache={str(hidden_cache).lower()}"])
-    recipe = TrainRecipe(cfg)
+    recipe = build_recipe(cfg)
     start = time.perf_counter()
     recipe.setup()  # loads the model and data; builds the cache when hidden_cache=true
     setup_s = time.perf_counter() - start

@@ -96,6 +96,9 @@ class LoraSettings:
             raise ValueError("heads.lora.target_modules is empty: list module names or use null for the default")
 
 
+HEADS_MODES = ("medusa1", "medusa2")  # one training recipe each (medusa_train.training.recipe.RECIPES)
+
+
 @dataclass
 class HeadShape:
     """What the draft heads are (``heads.*``; recorded in their export).
@@ -149,8 +152,8 @@ class HeadsTraining:
     target: str = "base_argmax"
 
     def validate_training(self) -> None:
-        if self.mode not in ("medusa1", "medusa2"):
-            raise ValueError(f"heads.mode must be medusa1 or medusa2, got {self.mode!r}")
+        if self.mode not in HEADS_MODES:
+            raise ValueError(f"heads.mode must be {' or '.join(HEADS_MODES)}, got {self.mode!r}")
         if not 0.0 < self.loss_decay <= 1.0:
             raise ValueError(f"heads.loss_decay must be in (0, 1], got {self.loss_decay}")
         if self.target not in ("labels", "base_argmax", "soft"):
@@ -254,8 +257,9 @@ class HeadsConfig(StageOneSettings, JointSettings, HeadsTraining, HeadShape):
             raise ValueError("heads.head_type=hydra trains the heads on a frozen base (heads.mode=medusa1); joint "
                              "fine-tuning (medusa2) is for Medusa heads")
         if self.mode == "medusa1":
-            for name, unset in (("stage1_epochs", 0.0), ("init_from", None)):
-                if getattr(self, name) != unset:
+            unset = StageOneSettings()
+            for name in ("stage1_epochs", "init_from"):
+                if getattr(self, name) != getattr(unset, name):
                     raise ValueError(f"heads.{name} is for joint training: set heads.mode=medusa2 (or heads=medusa2)")
             return
         self.validate_joint()
@@ -568,7 +572,7 @@ def as_dataclass(cls: type, cfg: Any) -> Any:
 
 
 __all__ = [
-    "ModelConfig", "HeadsConfig", "HeadShape", "HeadsTraining", "JointSettings", "StageOneSettings",
+    "HEADS_MODES", "ModelConfig", "HeadsConfig", "HeadShape", "HeadsTraining", "JointSettings", "StageOneSettings",
     "LoraSettings", "DataConfig", "TrainerConfig", "LoggerConfig", "TrainConfig",
     "register_configs", "as_dataclass", "field",
 ]

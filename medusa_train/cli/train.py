@@ -90,10 +90,9 @@ def train(cfg: Any) -> dict[str, Any]:
             training), or a failed upload (the export is kept; the message gives the ``medusa-publish`` command).
     """
     from medusa_train.publish import check_publish_ready
-    from medusa_train.training.recipe import recipe_class, resolve_config
+    from medusa_train.training.recipe import build_recipe
 
-    config, _ = resolve_config(cfg)  # every setting checked
-    recipe = recipe_class(config.heads.mode)(cfg)
+    recipe = build_recipe(cfg)  # every setting checked
     hub = recipe.cfg.push_to_hub
     if hub:
         check_publish_ready(recipe.cfg.hub_repo_id)  # repo name, offline mode and token

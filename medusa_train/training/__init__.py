@@ -3,8 +3,8 @@ training, :mod:`~medusa_train.training.joint`), hidden-state cache, checkpoints,
 
 Entry points: :class:`~medusa_train.training.medusa1_recipe.Medusa1Recipe` and
 :class:`~medusa_train.training.medusa2_recipe.Medusa2Recipe` (``setup`` -> ``train`` -> ``save`` -> ``cleanup``, on
-the shared steps of :class:`~medusa_train.training.base_recipe.BaseRecipe`); :class:`~medusa_train.training.recipe.
-TrainRecipe` picks one from ``heads.mode``, as ``medusa_train.cli.train`` (``medusa-train``) does. The recipes and
+the shared steps of :class:`~medusa_train.training.base_recipe.BaseRecipe`); :func:`~medusa_train.training.recipe.
+build_recipe` picks one from ``heads.mode``, as ``medusa_train.cli.train`` (``medusa-train``) does. The recipes and
 Trainers are imported on first use, so that ``medusa_train.training.losses`` does not pull in the Trainer.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from medusa_train.training.losses import HeadLossOutput, decay_weights, medusa_head_loss, valid_mask
 
-_LAZY = {"TrainRecipe": "recipe", "BaseRecipe": "base_recipe", "Medusa1Recipe": "medusa1_recipe",
+_LAZY = {"build_recipe": "recipe", "BaseRecipe": "base_recipe", "Medusa1Recipe": "medusa1_recipe",
          "Medusa2Recipe": "medusa2_recipe", "resolve_config": "base_recipe", "MedusaTrainer": "trainer",
          "JointTrainer": "joint_trainer", "JointMedusaModel": "joint"}
 
@@ -28,4 +28,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["BaseRecipe", "HeadLossOutput", "JointMedusaModel", "JointTrainer", "Medusa1Recipe", "Medusa2Recipe",
-           "MedusaTrainer", "TrainRecipe", "decay_weights", "medusa_head_loss", "resolve_config", "valid_mask"]
+           "MedusaTrainer", "build_recipe", "decay_weights", "medusa_head_loss", "resolve_config", "valid_mask"]

@@ -31,7 +31,7 @@ from torch import nn
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from medusa_train.config import JointSettings
-from medusa_train.training.joint import load_trainable_state, trainable_state
+from medusa_train.training.joint import trainable_state
 from medusa_train.training.joint_loss import base_loss_sum, ramp
 from medusa_train.training.losses import head_targets
 from medusa_train.training.step import counted_positions, packed_loss
@@ -40,7 +40,7 @@ from medusa_train.training.trainer import MedusaTrainer
 # The Trainer's own weights file, so that its resume finds it; here it holds the trainable weights only.
 TRAINABLE_FILE = SAFE_WEIGHTS_NAME
 
-__all__ = ["TRAINABLE_FILE", "JointSpec", "JointTrainer", "load_trainable_state", "over_vocab", "trainable_state"]
+__all__ = ["TRAINABLE_FILE", "JointSpec", "JointTrainer", "over_vocab"]
 
 
 @dataclass(frozen=True)

@@ -92,9 +92,7 @@ class Medusa2Recipe(BaseRecipe):
         else:
             stage1 = Medusa1Recipe(stage1_config(self.resolved, folder, self.paths.self_distill))
             try:
-                stage1.setup()
-                stage1.train()
-                stage1.save()
+                stage1.steps()
                 stage1.finish_tracker()
             finally:
                 stage1.release()

@@ -22,33 +22,20 @@ from medusa_train.training.base_recipe import ACCURACY_FILE, BaseRecipe, gather_
 from medusa_train.training.medusa1_recipe import Medusa1Recipe
 from medusa_train.training.medusa2_recipe import Medusa2Recipe
 
-RECIPES: dict[str, type[BaseRecipe]] = {"medusa1": Medusa1Recipe, "medusa2": Medusa2Recipe}
+RECIPES: dict[str, type[BaseRecipe]] = {"medusa1": Medusa1Recipe, "medusa2": Medusa2Recipe}  # HEADS_MODES
 
 
-def recipe_class(mode: str) -> type[BaseRecipe]:
-    """The recipe of ``heads.mode``.
-
-    Raises:
-        ValueError: an unknown mode (the known ones listed).
-    """
-    if mode not in RECIPES:
-        raise ValueError(f"heads.mode must be one of {sorted(RECIPES)}, got {mode!r}")
-    return RECIPES[mode]
-
-
-class TrainRecipe(BaseRecipe):
-    """``TrainRecipe(cfg, callbacks)`` is the recipe of ``cfg``'s ``heads.mode``: a :class:`Medusa1Recipe` or a
-    :class:`Medusa2Recipe` (arguments as :class:`BaseRecipe`).
+def build_recipe(cfg: TrainConfig | DictConfig | dict[str, Any],
+                 callbacks: Sequence[TrainerCallback] = ()) -> BaseRecipe:
+    """The recipe of ``cfg``'s ``heads.mode``: a :class:`Medusa1Recipe` or a :class:`Medusa2Recipe` (arguments as
+    :class:`BaseRecipe`).
 
     Raises:
-        ValueError: invalid settings, found before anything is loaded.
+        ValueError: invalid settings (an unknown ``heads.mode`` among them), found before anything is loaded.
     """
-
-    def __new__(cls, cfg: TrainConfig | DictConfig | dict[str, Any],
-                callbacks: Sequence[TrainerCallback] = ()) -> BaseRecipe:  # type: ignore[misc]
-        config, _ = resolve_config(cfg)
-        return recipe_class(config.heads.mode)(cfg, callbacks)
+    config, _ = resolve_config(cfg)  # validates heads.mode against HEADS_MODES, the keys of RECIPES
+    return RECIPES[config.heads.mode](cfg, callbacks)
 
 
-__all__ = ["ACCURACY_FILE", "RECIPES", "BaseRecipe", "Medusa1Recipe", "Medusa2Recipe", "TrainRecipe",
-           "gather_trainable_state", "recipe_class", "resolve_config"]
+__all__ = ["ACCURACY_FILE", "RECIPES", "BaseRecipe", "Medusa1Recipe", "Medusa2Recipe", "build_recipe",
+           "gather_trainable_state", "resolve_config"]

@@ -80,7 +80,6 @@ class MedusaTrainer(Trainer):
                              "wait until a checkpoint is complete)")
         self.frozen_base = frozen_base
         self.loss_spec = loss_spec
-        self.keep_checkpoints = keep_checkpoints
         # First of all callbacks: every other on_save (ExitAfterStep, trackers, the caller's) sees a sealed checkpoint.
         self.callback_handler.callbacks.insert(0, SealCheckpoints(keep_checkpoints))
         num_heads = self.model.spec.num_heads

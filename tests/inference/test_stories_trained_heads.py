@@ -12,7 +12,7 @@ from inference.tree import chain_choices
 from medusa_train.cli.train import register_schemas
 from medusa_train.loading.medusa import load_medusa
 from medusa_train.paths import CONF_DIR
-from medusa_train.training.recipe import TrainRecipe
+from medusa_train.training.recipe import build_recipe
 from medusa_train.tuning.accuracy import measure_head_accuracy
 from medusa_train.tuning.replay import replay_counts
 
@@ -26,7 +26,7 @@ def test_trained_stories260k_heads_decode_exactly_greedy_and_accept_more(tmp_pat
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"output_dir={tmp_path / 'run'}", "trainer.max_steps=60", "export_vllm=false",
                                           "trainer.disable_tqdm=true"])
-    summary = TrainRecipe(cfg).run()
+    summary = build_recipe(cfg).run()
     model, tokenizer, _ = load_medusa(summary["export_dir"])
     vanilla = VanillaDecoder(model.base)
     tree = chain_choices(model.heads.spec.num_heads) + [[1], [0, 1]]
@@ -60,7 +60,7 @@ def test_trained_stories260k_hydra_heads_decode_exactly_greedy_and_the_replay_gi
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"output_dir={tmp_path / 'run'}", "heads=hydra", "trainer.max_steps=60",
                                           "export_vllm=false", "trainer.disable_tqdm=true"])
-    summary = TrainRecipe(cfg).run()
+    summary = build_recipe(cfg).run()
     model, tokenizer, config = load_medusa(summary["export_dir"], head_type="hydra")
     assert config["head_type"] == "hydra"
     vanilla = VanillaDecoder(model.base)

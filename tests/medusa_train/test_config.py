@@ -138,3 +138,11 @@ def test_heads_presets_set_only_what_differs_from_the_schema(preset):
     restated = {k: v for k, v in values.items() if k != "mode" and v == defaults[k]}
     assert not restated, f"conf/heads/{preset}.yaml restates schema defaults: {restated}"
     assert set(values) <= set(defaults)
+
+
+def test_every_heads_mode_has_its_recipe():
+    """heads.mode is checked once, by the schema; the recipes are keyed by the same modes."""
+    from medusa_train.config import HEADS_MODES
+    from medusa_train.training.recipe import RECIPES
+
+    assert tuple(RECIPES) == HEADS_MODES == ("medusa1", "medusa2")

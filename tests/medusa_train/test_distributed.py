@@ -13,7 +13,7 @@ import pytest
 from medusa_train.paths import REPO_ROOT
 from medusa_train.training import checkpoints
 from medusa_train.training.callbacks import EXIT_CODE, EXIT_ENV
-from medusa_train.training.recipe import TrainRecipe
+from medusa_train.training.recipe import build_recipe
 from tests.medusa_train.test_training import (
     assert_same_heads,
     compose_train,
@@ -52,7 +52,7 @@ def reference(tmp_path_factory):
     """The tiny inputs and the heads one process trains from them (4 rows per step, 8 steps)."""
     root = tmp_path_factory.mktemp("dist")
     model_dir, data = write_tiny_inputs(root)
-    TrainRecipe(compose_train(tiny_overrides(model_dir, data, root / "single"))).run()
+    build_recipe(compose_train(tiny_overrides(model_dir, data, root / "single"))).run()
     return root, model_dir, data, exported_heads(root / "single" / "export")
 
 
@@ -108,7 +108,7 @@ HYDRA = {"heads": "hydra", "heads.medusa_num_layers": 2}
 @pytest.fixture(scope="module")
 def hydra_reference(reference):
     root, model_dir, data, _ = reference
-    TrainRecipe(compose_train(tiny_overrides(model_dir, data, root / "hydra_single", **HYDRA))).run()
+    build_recipe(compose_train(tiny_overrides(model_dir, data, root / "hydra_single", **HYDRA))).run()
     return root, model_dir, data, exported_heads(root / "hydra_single" / "export")
 
 

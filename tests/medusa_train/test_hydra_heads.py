@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from medusa_train.heads import HeadsSpec
 from medusa_train.hydra_heads import HydraHeads, HydraSpec, shifted_path_tokens
 from medusa_train.model import MedusaModel, new_heads_for
-from medusa_train.training.recipe import TrainRecipe
+from medusa_train.training.recipe import build_recipe
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 from tests.medusa_train.test_training import compose_train, tiny_overrides
 
@@ -136,12 +136,12 @@ def test_invalid_hydra_settings_are_refused_before_any_model_loads(tmp_path, ove
     cfg = compose_train(tiny_overrides(tmp_path / "no_model", tmp_path / "no_data.jsonl", tmp_path / "run")
                         + overrides)
     with pytest.raises(ValueError, match=message):
-        TrainRecipe(cfg)
+        build_recipe(cfg)
     assert not (tmp_path / "run").exists()
 
 
 def test_heads_hydra_composes_with_the_default_recipe(tmp_path):
     cfg = compose_train([f"output_dir={tmp_path}", "heads=hydra"])
-    recipe_cfg = TrainRecipe(cfg).cfg
+    recipe_cfg = build_recipe(cfg).cfg
     assert (recipe_cfg.heads.head_type, recipe_cfg.heads.combine, recipe_cfg.heads.mode) == ("hydra", "concat",
                                                                                               "medusa1")

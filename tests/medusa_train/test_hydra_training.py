@@ -16,7 +16,7 @@ from medusa_train.loading.medusa import load_medusa
 from medusa_train.model import new_heads_for
 from medusa_train.publish.folder import collect_export
 from medusa_train.training.losses import medusa_head_loss
-from medusa_train.training.recipe import TrainRecipe
+from medusa_train.training.recipe import build_recipe
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 from tests.medusa_train.test_export import TOKEN_MAP, hidden_states, random_heads, randomized
 from tests.medusa_train.test_training import (
@@ -169,7 +169,7 @@ def test_hydra_heads_run_only_where_counted_and_give_the_teacher_forced_dense_lo
 def test_hydra_training_learns_and_the_cache_trains_the_same_heads(tiny_inputs, tmp_path, caplog):
     """Plain and hidden-cache runs give the same heads; they learn; export_vllm=true is skipped with a warning."""
     model_dir, data = tiny_inputs
-    plain = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "plain", export_vllm="true",
+    plain = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "plain", export_vllm="true",
                                                      **{**HYDRA, "trainer.max_steps": 20})))
     plain.setup()
     from medusa_train.training.head_accuracy import head_accuracy
@@ -191,7 +191,7 @@ def test_hydra_training_learns_and_the_cache_trains_the_same_heads(tiny_inputs, 
         torch.testing.assert_close(loaded.state_dict()[name], tensor)
     assert config["hydra_num_heads"] == 2 and config["training"]["global_step"] == 20
 
-    cached = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "cached", hidden_cache="true",
+    cached = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "cached", hidden_cache="true",
                                                       **{**HYDRA, "trainer.max_steps": 20})))
     cached.run()
     assert cached.frozen_base.backbone is None
@@ -200,12 +200,12 @@ def test_hydra_training_learns_and_the_cache_trains_the_same_heads(tiny_inputs, 
 
 def test_crashed_hydra_run_resumes_to_the_same_heads(tiny_inputs, tmp_path):
     model_dir, data = tiny_inputs
-    TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "whole", **HYDRA))).run()
+    build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "whole", **HYDRA))).run()
     run = tmp_path / "crashed"
     with pytest.raises(RuntimeError, match="simulated crash"):
-        TrainRecipe(compose_train(tiny_overrides(model_dir, data, run, **HYDRA)), callbacks=[CrashAtStep(6)]).run()
+        build_recipe(compose_train(tiny_overrides(model_dir, data, run, **HYDRA)), callbacks=[CrashAtStep(6)]).run()
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["checkpoint-4"]
-    resumed = TrainRecipe(compose_train(tiny_overrides(model_dir, data, run, resume="true", **HYDRA)))
+    resumed = build_recipe(compose_train(tiny_overrides(model_dir, data, run, resume="true", **HYDRA)))
     resumed.run()
     assert resumed.summary["resumed_from"] == str(run / "checkpoints" / "checkpoint-4")
     assert_same_heads(exported_heads(tmp_path / "whole" / "export"), exported_heads(run / "export"))
@@ -220,4 +220,4 @@ def test_hydra_export_cannot_start_a_medusa2_run(tiny_inputs, tmp_path):
     cfg = compose_train(tiny_overrides(model_dir, data, tmp_path / "m2", **{
         "heads": "medusa2", "heads.medusa_num_heads": 2, "heads.stage1_epochs": 0, "heads.init_from": str(export)}))
     with pytest.raises(ValueError, match=r"heads.init_from=.*holds Hydra heads \(head_type 'hydra'\), but Medusa"):
-        TrainRecipe(cfg).check()
+        build_recipe(cfg).check()

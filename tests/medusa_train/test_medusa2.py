@@ -27,7 +27,7 @@ from medusa_train.training.joint import (
 )
 from medusa_train.training.joint_loss import kl_loss_sum, lm_loss_sum, ramp
 from medusa_train.training.joint_trainer import TRAINABLE_FILE
-from medusa_train.training.recipe import TrainRecipe
+from medusa_train.training.recipe import build_recipe
 from tests.conftest import make_tiny_model
 from tests.medusa_train.test_training import (
     CrashAtStep,
@@ -63,7 +63,7 @@ def lora_run(tiny_inputs, tmp_path_factory):
     """Two stages (stage 1: 1 epoch of heads alone; joint: 8 LoRA steps with lambda_0 = 0), kept in memory."""
     model_dir, data = tiny_inputs
     out = tmp_path_factory.mktemp("lora") / "run"
-    recipe = TrainRecipe(compose_train(joint_overrides(model_dir, data, out, **{
+    recipe = build_recipe(compose_train(joint_overrides(model_dir, data, out, **{
         "heads.stage1_epochs": 1, "heads.medusa_loss_weight": 0.0})))
     recipe.run()
     return recipe, out
@@ -146,8 +146,8 @@ def test_gpt2_lora_starts_as_the_original_model():
 @pytest.mark.slow
 def test_frozen_base_unit_weight_trains_the_same_heads_as_medusa1(tiny_inputs, tmp_path):
     model_dir, data = tiny_inputs
-    TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "m1"))).run()
-    joint = TrainRecipe(compose_train(joint_overrides(model_dir, data, tmp_path / "m2", **{
+    build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "m1"))).run()
+    joint = build_recipe(compose_train(joint_overrides(model_dir, data, tmp_path / "m2", **{
         "heads.finetune": "frozen", "heads.medusa_loss_weight": 1.0, "heads.heads_lr_multiplier": 1.0})))
     joint.run()
     assert_same_heads(exported_heads(tmp_path / "m1" / "export"), exported_heads(tmp_path / "m2" / "export"))
@@ -226,13 +226,13 @@ def test_export_holds_the_merged_base_and_decodes_like_it(lora_run, tmp_path):
 @pytest.mark.slow
 def test_crashed_joint_run_resumes_to_the_same_heads_and_base(tiny_inputs, tmp_path):
     model_dir, data = tiny_inputs
-    TrainRecipe(compose_train(joint_overrides(model_dir, data, tmp_path / "whole"))).run()
+    build_recipe(compose_train(joint_overrides(model_dir, data, tmp_path / "whole"))).run()
     run = tmp_path / "crashed"
     with pytest.raises(RuntimeError, match="simulated crash"):
-        TrainRecipe(compose_train(joint_overrides(model_dir, data, run)), callbacks=[CrashAtStep(6)]).run()
+        build_recipe(compose_train(joint_overrides(model_dir, data, run)), callbacks=[CrashAtStep(6)]).run()
     saved = run / "checkpoints" / "checkpoint-4" / TRAINABLE_FILE
     assert saved.is_file()
-    resumed = TrainRecipe(compose_train(joint_overrides(model_dir, data, run, resume="true")))
+    resumed = build_recipe(compose_train(joint_overrides(model_dir, data, run, resume="true")))
     resumed.run()
     assert resumed.summary["resumed_from"] == str(run / "checkpoints" / "checkpoint-4")
     assert_same_heads(exported_heads(tmp_path / "whole" / "export"), exported_heads(run / "export"))
@@ -289,15 +289,15 @@ class CheckpointSealed(TrainerCallback):
 def test_a_resumed_joint_run_checkpoints_the_same_trainable_weights_as_an_uninterrupted_one(tiny_inputs, tmp_path):
     model_dir, data = tiny_inputs
     sealed = CheckpointSealed()
-    whole = TrainRecipe(compose_train(joint_overrides(model_dir, data, tmp_path / "whole")), callbacks=[sealed])
+    whole = build_recipe(compose_train(joint_overrides(model_dir, data, tmp_path / "whole")), callbacks=[sealed])
     whole.run()
     assert sealed.seen == {4: None, 8: None}  # every on_save callback sees a sealed checkpoint
     trainable = {n for n, p in whole.trainer.model.named_parameters() if p.requires_grad}
     run = tmp_path / "crashed"
     with pytest.raises(RuntimeError, match="simulated crash"):
-        TrainRecipe(compose_train(joint_overrides(model_dir, data, run)), callbacks=[CrashAtStep(6)]).run()
+        build_recipe(compose_train(joint_overrides(model_dir, data, run)), callbacks=[CrashAtStep(6)]).run()
     assert set(load_file(str(run / "checkpoints" / "checkpoint-4" / TRAINABLE_FILE))) == trainable
-    TrainRecipe(compose_train(joint_overrides(model_dir, data, run, resume="true"))).run()
+    build_recipe(compose_train(joint_overrides(model_dir, data, run, resume="true"))).run()
     a = load_file(str(tmp_path / "whole" / "checkpoints" / "checkpoint-8" / TRAINABLE_FILE))
     b = load_file(str(run / "checkpoints" / "checkpoint-8" / TRAINABLE_FILE))
     assert set(a) == set(b) == trainable
@@ -319,24 +319,24 @@ def test_bad_joint_settings_fail_at_config_time(override, field, tiny_inputs, tm
     model_dir, data = tiny_inputs
     overrides = ["heads=medusa2", *tiny_overrides(model_dir, data, tmp_path / "run"), override]
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        TrainRecipe(compose_train(overrides))
+        build_recipe(compose_train(overrides))
 
 
 def test_kl_with_full_fine_tuning_and_stage_settings_on_medusa1_are_refused(tiny_inputs, tmp_path):
     model_dir, data = tiny_inputs
     with pytest.raises(ValueError, match="base_loss=kl with heads.finetune=full"):
-        TrainRecipe(compose_train(joint_overrides(model_dir, data, tmp_path, **{
+        build_recipe(compose_train(joint_overrides(model_dir, data, tmp_path, **{
             "heads.finetune": "full", "heads.base_loss": "kl"})))
     with pytest.raises(ValueError, match="heads.base_loss=lm or heads.finetune=lora"):  # kl from self_distill
-        TrainRecipe(compose_train(joint_overrides(model_dir, data, tmp_path, **{
+        build_recipe(compose_train(joint_overrides(model_dir, data, tmp_path, **{
             "heads.finetune": "full", "data.self_distill": "true"})))
     with pytest.raises(ValueError, match="heads.stage1_epochs is for joint training"):
-        TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path, **{"heads.stage1_epochs": 1})))
+        build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path, **{"heads.stage1_epochs": 1})))
 
 
 def test_missing_lora_targets_fail_before_the_data_is_prepared(tiny_inputs, tmp_path):
     model_dir, data = tiny_inputs
-    recipe = TrainRecipe(compose_train(joint_overrides(model_dir, data, tmp_path / "run", **{
+    recipe = build_recipe(compose_train(joint_overrides(model_dir, data, tmp_path / "run", **{
         "heads.lora.target_modules": "[q_proj,query_key_value]"})))
     with pytest.raises(ValueError, match=r"\['query_key_value'\] are not linear layers.*'gate_proj'"):
         recipe.run()
@@ -347,7 +347,7 @@ def test_heads_exported_for_another_base_are_refused(tiny_inputs, tmp_path):
     model_dir, data = tiny_inputs
     other = make_tiny_model("llama", seed=1, vocab_size=512, hidden_size=48)
     save_export(new_heads_for(other, 2), tmp_path / "other_export", "someone/other-model", vllm=False)
-    recipe = TrainRecipe(compose_train(joint_overrides(model_dir, data, tmp_path / "run", **{
+    recipe = build_recipe(compose_train(joint_overrides(model_dir, data, tmp_path / "run", **{
         "heads.init_from": str(tmp_path / "other_export")})))
     with pytest.raises(ValueError, match=r"heads.init_from=.*'someone/other-model'.*model.name_or_path"):
         recipe.run()
@@ -355,7 +355,7 @@ def test_heads_exported_for_another_base_are_refused(tiny_inputs, tmp_path):
     # an export of this very base (stage-1 style) but of another shape: the heads/ fields are named
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     save_export(new_heads_for(base, 3), tmp_path / "three", str(model_dir), vllm=False)
-    recipe = TrainRecipe(compose_train(joint_overrides(model_dir, data, tmp_path / "run3", **{
+    recipe = build_recipe(compose_train(joint_overrides(model_dir, data, tmp_path / "run3", **{
         "heads.init_from": str(tmp_path / "three")})))
     with pytest.raises(ValueError, match=r"heads.medusa_num_heads=2 \(the export has 3\)"):
         recipe.run()
@@ -365,7 +365,7 @@ def test_heads_exported_for_another_base_are_refused(tiny_inputs, tmp_path):
 
 def test_full_fine_tuning_trains_every_base_weight_and_exports_it(tiny_inputs, tmp_path):
     model_dir, data = tiny_inputs
-    recipe = TrainRecipe(compose_train(joint_overrides(model_dir, data, tmp_path / "full", **{
+    recipe = build_recipe(compose_train(joint_overrides(model_dir, data, tmp_path / "full", **{
         "heads.finetune": "full", "trainer.max_steps": 4, "trainer.learning_rate": 1e-3})))
     recipe.run()
     base = recipe.trainer.model.base.eval()

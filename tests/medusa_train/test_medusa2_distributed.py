@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from medusa_train.export import read_export_config
 from medusa_train.training.joint import prepare_base
-from medusa_train.training.joint_trainer import TRAINABLE_FILE, load_trainable_state
+from medusa_train.training.joint import load_trainable_state
+from medusa_train.training.joint_trainer import TRAINABLE_FILE
 from tests.medusa_train.test_distributed import RANK_BATCH, check_ok, launch
 from tests.medusa_train.test_medusa2 import IDS, joint_overrides, logits_of, lora_heads_config
 from tests.medusa_train.test_training import exported_heads, write_tiny_inputs

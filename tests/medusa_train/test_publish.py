@@ -473,17 +473,17 @@ def test_training_with_push_to_hub_publishes_the_export(hub, tmp_path):
 
 
 def test_push_to_hub_without_repo_or_token_fails_before_training(hub, tmp_path, monkeypatch):
-    from medusa_train.training.recipe import TrainRecipe
+    from medusa_train.training.recipe import build_recipe
     from tests.medusa_train.test_training import compose_train, tiny_overrides, write_tiny_inputs
 
     model_dir, data = write_tiny_inputs(tmp_path / "inputs", conversations=10)
     overrides = tiny_overrides(model_dir, data, tmp_path / "run")
     with pytest.raises(ValueError, match="hub_repo_id"):
-        TrainRecipe(compose_train(overrides + ["push_to_hub=true"]))
+        build_recipe(compose_train(overrides + ["push_to_hub=true"]))
     monkeypatch.delenv("HF_TOKEN")
     from medusa_train.cli.train import train
 
-    monkeypatch.setattr(TrainRecipe, "run", lambda self: pytest.fail("trained before checking the token"))
+    monkeypatch.setattr(build_recipe, "run", lambda self: pytest.fail("trained before checking the token"))
     with pytest.raises(PublishError, match="hf auth login"):
         train(compose_train(overrides + ["push_to_hub=true", f"hub_repo_id={REPO}"]))
 

@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 
 from medusa_train.paths import REPO_ROOT
 from medusa_train.training import checkpoints
-from medusa_train.training.recipe import TrainRecipe
+from medusa_train.training.recipe import build_recipe
 from tests.medusa_train.test_training import (
     assert_same_heads,
     compose_train,
@@ -47,7 +47,7 @@ def finished_run(inputs, tmp_path_factory) -> Path:
     """A finished tiny run (2 heads, 8 steps, checkpoints 4 and 8, an export); copy it before changing it."""
     model_dir, data = inputs
     out = tmp_path_factory.mktemp("done") / "run"
-    TrainRecipe(compose_train(tiny_overrides(model_dir, data, out))).run()
+    build_recipe(compose_train(tiny_overrides(model_dir, data, out))).run()
     return out
 
 
@@ -85,7 +85,7 @@ def test_overwrite_with_bad_data_fails_before_the_finished_run_is_touched(inputs
     else:  # found only after the model loads: the folder must still be as it was
         data, error, match = write_jsonl(tmp_path / "blank.jsonl", blank_records(20)), ValueError, \
             "20 whose turns are all empty"
-    recipe = TrainRecipe(compose_train(tiny_overrides(model_dir, data, run_copy, overwrite="true")))
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, run_copy, overwrite="true")))
     with pytest.raises(error, match=match):
         recipe.run()
     assert snapshot(run_copy) == before  # export, checkpoints and train_config.yaml intact; no lock left behind
@@ -214,11 +214,11 @@ class PauseAtSave(TrainerCallback):
 TRAIN_AND_PAUSE = """
 import sys
 from pathlib import Path
-from medusa_train.training.recipe import TrainRecipe
+from medusa_train.training.recipe import build_recipe
 from tests.medusa_train.test_training import compose_train, tiny_overrides
 from tests.medusa_train.test_run_safety import PauseAtSave
 model_dir, data, out, ready = map(Path, sys.argv[1:5])
-TrainRecipe(compose_train(tiny_overrides(model_dir, data, out)), callbacks=[PauseAtSave(ready)]).run()
+build_recipe(compose_train(tiny_overrides(model_dir, data, out)), callbacks=[PauseAtSave(ready)]).run()
 """
 
 
@@ -256,7 +256,7 @@ def test_resume_with_another_head_count_is_refused_before_the_model_loads_and_th
     model_dir, data = inputs
     before = snapshot(run_copy)
     three = {"heads.medusa_num_heads": 3}
-    recipe = TrainRecipe(compose_train(tiny_overrides(model_dir, data, run_copy, resume="true", **three)))
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, run_copy, resume="true", **three)))
     with pytest.raises(ValueError, match=r"resume=true cannot continue the run .* heads.medusa_num_heads \(2 -> 3\).*"
                                          r"new output_dir, or overwrite=true"):
         recipe.setup()
@@ -264,13 +264,13 @@ def test_resume_with_another_head_count_is_refused_before_the_model_loads_and_th
     assert not hasattr(recipe, "base")  # refused before the model loaded
     assert snapshot(run_copy) == before  # train_config.yaml still says 2 heads
     with pytest.raises(ValueError, match="heads.medusa_num_heads") as refused:
-        TrainRecipe(compose_train(tiny_overrides(model_dir, data, run_copy, **three))).check()
+        build_recipe(compose_train(tiny_overrides(model_dir, data, run_copy, **three))).check()
     assert "resume=true to continue" not in str(refused.value)  # it would not work: not advised
     # what resume=true may change, it continues: the refusal advises it, and it trains on from the last checkpoint
     longer = {"trainer.max_steps": 12}
     with pytest.raises(ValueError, match=r"trainer.max_steps \(8 -> 12\)\. Use resume=true to continue"):
-        TrainRecipe(compose_train(tiny_overrides(model_dir, data, run_copy, **longer))).check()
-    resumed = TrainRecipe(compose_train(tiny_overrides(model_dir, data, run_copy, resume="true", **longer)))
+        build_recipe(compose_train(tiny_overrides(model_dir, data, run_copy, **longer))).check()
+    resumed = build_recipe(compose_train(tiny_overrides(model_dir, data, run_copy, resume="true", **longer)))
     resumed.run()
     assert resumed.summary["resumed_from"] == str(run_copy / "checkpoints" / "checkpoint-8")
     assert resumed.summary["global_step"] == 12
@@ -283,9 +283,9 @@ def test_resume_on_another_number_of_ranks_is_refused(inputs, run_copy):
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "world_size": 2}))  # as if 2 ranks wrote it
     with pytest.raises(ValueError, match=r"resume=true cannot continue .* the number of ranks \(2 wrote the "
                                          r"checkpoints -> 1\)"):
-        TrainRecipe(compose_train(tiny_overrides(model_dir, data, run_copy, resume="true"))).check()
+        build_recipe(compose_train(tiny_overrides(model_dir, data, run_copy, resume="true"))).check()
     with pytest.raises(ValueError, match=r"already holds .* Use a new output_dir, or overwrite=true") as refused:
-        TrainRecipe(compose_train(tiny_overrides(model_dir, data, run_copy))).check()
+        build_recipe(compose_train(tiny_overrides(model_dir, data, run_copy))).check()
     assert "resume=true to continue" not in str(refused.value)
 
 
@@ -316,7 +316,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_resume_reaches_the_same_head
     model_dir, data = inputs
     whole = exported_heads(run_copy / "export")
     damage(run_copy / "checkpoints" / "checkpoint-8" / "model.safetensors")
-    resumed = TrainRecipe(compose_train(tiny_overrides(model_dir, data, run_copy, resume="true")))
+    resumed = build_recipe(compose_train(tiny_overrides(model_dir, data, run_copy, resume="true")))
     with caplog.at_level(logging.WARNING, logger="medusa_train.training.checkpoints"):
         resumed.run()
     assert "checkpoint-8: model.safetensors is damaged" in caplog.text
@@ -343,7 +343,7 @@ class PoisonAt(TrainerCallback):
 def test_a_nan_stops_training_with_the_step_and_keeps_the_good_export(inputs, run_copy, poison_step, stop):
     model_dir, data = inputs
     export_before = snapshot(run_copy / "export")
-    recipe = TrainRecipe(compose_train(tiny_overrides(model_dir, data, run_copy, resume="true",
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, run_copy, resume="true",
                                                       **{"trainer.max_steps": 16})), callbacks=[PoisonAt(poison_step)])
     with pytest.raises(RuntimeError, match=rf"training stopped at {stop}.*trainer.learning_rate"):  # TrainingStopped
         recipe.run()
@@ -353,7 +353,7 @@ def test_a_nan_stops_training_with_the_step_and_keeps_the_good_export(inputs, ru
 
 def test_an_absurd_learning_rate_stops_with_the_step_instead_of_training_to_huge_losses(inputs, tmp_path):
     model_dir, data = inputs
-    recipe = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", **{
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", **{
         "trainer.learning_rate": 1e6, "trainer.max_steps": 30})))
     with pytest.raises(RuntimeError, match=r"training stopped at step \d+: head \d's mean loss .* over 10 x "
                                               r"ln\(512\) = 62.4 .*diverged.*trainer.learning_rate \(now 1e\+06"):
@@ -365,12 +365,12 @@ def test_a_damaged_hidden_cache_shard_is_rebuilt(inputs, tmp_path, caplog):
     model_dir, data = inputs
     overrides = tiny_overrides(model_dir, data, tmp_path / "run", hidden_cache="true", overwrite="true",
                                **{"heads.target": "base_argmax", "trainer.max_steps": 2})
-    TrainRecipe(compose_train(overrides)).run()
+    build_recipe(compose_train(overrides)).run()
     shard = tmp_path / "run" / "hidden_cache" / "train-shard-00000-of-00001.safetensors"
     original = shard.read_bytes()
     damage(shard)
     with caplog.at_level(logging.WARNING, logger="medusa_train.training.hidden_cache"):
-        TrainRecipe(compose_train(overrides)).run()
+        build_recipe(compose_train(overrides)).run()
     assert f"{shard} is damaged: its sha256 differs" in caplog.text and "rebuilding it" in caplog.text
     assert shard.read_bytes() == original
 
@@ -426,7 +426,7 @@ def test_too_little_data_is_refused_before_training_with_what_was_dropped(inputs
     # 20 copies of one conversation with an empty reply: 19 are duplicates, one row with one labelled token is left
     empty_replies = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]}] * 20
     data = write_jsonl(tmp_path / "thin.jsonl", empty_replies + blank_records(3))
-    recipe = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", **{"data.eval_fraction": 0})))
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", **{"data.eval_fraction": 0})))
     with pytest.raises(ValueError, match=r"too little data to train on: 1 training conversations with 1 labelled "
                                          r"tokens .*one optimizer step takes 4 \(trainer.per_device_train_batch_size=4 "
                                          r".*3 whose turns are all empty.*duplicate=19"):

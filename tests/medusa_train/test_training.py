@@ -26,7 +26,7 @@ from medusa_train.paths import CONF_DIR, assets_dir
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import check_deepspeed_batch
 from medusa_train.training.losses import decay_weights, medusa_head_loss, packed_head_loss, valid_mask
-from medusa_train.training.recipe import TrainRecipe
+from medusa_train.training.recipe import build_recipe
 from tests.conftest import make_tiny_model
 
 register_schemas()  # what conf/train.yaml composes from (also for the tests importing compose_train)
@@ -281,7 +281,7 @@ def test_training_reduces_head_loss_and_the_export_loads(tiny_inputs, tmp_path):
     from medusa_train.training.head_accuracy import head_accuracy
 
     model_dir, data = tiny_inputs
-    recipe = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", **{"trainer.max_steps": 30})))
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", **{"trainer.max_steps": 30})))
     recipe.setup()
     before = head_accuracy(recipe.trainer.model, recipe.frozen_base, recipe.eval_set, recipe.collator,
                            recipe.loss_spec, 8, "cpu")
@@ -312,8 +312,8 @@ def test_training_reduces_head_loss_and_the_export_loads(tiny_inputs, tmp_path):
 def test_hidden_cache_trains_the_same_heads_as_the_base_pass(tiny_inputs, tmp_path):
     model_dir, data = tiny_inputs
     target = {"heads.target": "base_argmax"}
-    plain = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "plain", **target)))
-    cached = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "cached", hidden_cache="true",
+    plain = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "plain", **target)))
+    cached = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "cached", hidden_cache="true",
                                                       **target)))
     plain.run()
     cached.run()
@@ -335,16 +335,16 @@ class CrashAtStep(TrainerCallback):
 
 def test_crashed_run_resumes_from_the_last_complete_checkpoint_to_the_same_heads(tiny_inputs, tmp_path):
     model_dir, data = tiny_inputs
-    TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "whole"))).run()
+    build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "whole"))).run()
     run = tmp_path / "crashed"
     with pytest.raises(RuntimeError, match="simulated crash"):
-        TrainRecipe(compose_train(tiny_overrides(model_dir, data, run)), callbacks=[CrashAtStep(6)]).run()
+        build_recipe(compose_train(tiny_overrides(model_dir, data, run)), callbacks=[CrashAtStep(6)]).run()
     ckpts = run / "checkpoints"
     assert [p.name for p in sorted(ckpts.iterdir())] == ["checkpoint-4"]
     # a save killed half-way: the files of step 8 without the completeness marker
     shutil.copytree(ckpts / "checkpoint-4", ckpts / "checkpoint-8")
     (ckpts / "checkpoint-8" / checkpoints.COMPLETE_MARKER).unlink()
-    resumed = TrainRecipe(compose_train(tiny_overrides(model_dir, data, run, resume="true")))
+    resumed = build_recipe(compose_train(tiny_overrides(model_dir, data, run, resume="true")))
     resumed.run()
     assert resumed.summary["resumed_from"] == str(ckpts / "checkpoint-4")
     assert resumed.summary["global_step"] == 8
@@ -389,7 +389,7 @@ def test_rotation_keeps_the_newest_complete_checkpoints_and_never_an_incomplete_
 def test_conversations_without_assistant_turns_fail_before_training(tiny_inputs, tmp_path):
     model_dir, _ = tiny_inputs
     data = write_jsonl(tmp_path / "prompts.jsonl", [{"conversations": [{"from": "human", "value": "hi"}]}] * 3)
-    recipe = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run")))
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run")))
     with pytest.raises(ValueError, match="no conversation with an assistant turn"):
         recipe.setup()
     recipe.cleanup(failed=True)
@@ -399,7 +399,7 @@ def test_conversations_without_assistant_turns_fail_before_training(tiny_inputs,
 def test_empty_data_file_fails_before_training(tiny_inputs, tmp_path):
     model_dir, _ = tiny_inputs
     (tmp_path / "empty.jsonl").write_text("")
-    recipe = TrainRecipe(compose_train(tiny_overrides(model_dir, tmp_path / "empty.jsonl", tmp_path / "run")))
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, tmp_path / "empty.jsonl", tmp_path / "run")))
     with pytest.raises(ValueError, match="is empty"):
         recipe.setup()
     recipe.cleanup(failed=True)
@@ -407,7 +407,7 @@ def test_empty_data_file_fails_before_training(tiny_inputs, tmp_path):
 
 def test_conversations_longer_than_max_length_are_truncated_with_a_count(tiny_inputs, tmp_path, caplog):
     model_dir, data = tiny_inputs
-    recipe = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", max_length=56)))
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", max_length=56)))
     with caplog.at_level(logging.WARNING, logger="medusa_train.training.data_prep"):
         recipe.setup()
     recipe.cleanup()
@@ -433,7 +433,7 @@ def test_deepspeed_batch_sizes_are_checked_against_the_trainer_config(tiny_input
     (tmp_path / "ds.json").write_text(json.dumps(config))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    recipe = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", trainer="deepspeed_zero2",
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", trainer="deepspeed_zero2",
                                                       **{"trainer.deepspeed": str(tmp_path / "ds.json")})))
     with pytest.raises(ValueError, match="gradient_accumulation_steps \\* world_size = 4 \\* 1 \\* 2 = 8"):
         recipe.check()
@@ -443,7 +443,7 @@ def test_deepspeed_batch_sizes_are_checked_against_the_trainer_config(tiny_input
 def test_single_process_trainer_refuses_a_multi_process_launch(tiny_inputs, tmp_path, monkeypatch):
     model_dir, data = tiny_inputs
     monkeypatch.setenv("WORLD_SIZE", "2")
-    recipe = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run")))
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run")))
     with pytest.raises(ValueError, match="use trainer=ddp"):
         recipe.check()
 
@@ -452,10 +452,10 @@ def test_output_dir_holding_another_run_needs_resume_or_overwrite(tiny_inputs, t
     from medusa_train.training.run_dir import RunPaths, prepare_output_dir
 
     model_dir, data = tiny_inputs
-    first = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run")))
+    first = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run")))
     first.check()
     prepare_output_dir(RunPaths(tmp_path / "run"), first.resolved, overwrite=False)
-    other = TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", seed=7)))
+    other = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", seed=7)))
     other.check()  # a run that stopped before its first checkpoint leaves nothing to protect
     (tmp_path / "run" / "checkpoints" / "checkpoint-2").mkdir(parents=True)
     # the seed fixes the data order of the checkpoints: resume=true is not advised, it could not continue with it
@@ -463,9 +463,9 @@ def test_output_dir_holding_another_run_needs_resume_or_overwrite(tiny_inputs, t
         other.check()
     longer = {"trainer.max_steps": 16}
     with pytest.raises(ValueError, match=r"trainer.max_steps \(8 -> 16\)\. Use resume=true.*new output_dir.*overwrite"):
-        TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", **longer))).check()
-    TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", seed=7, overwrite="true"))).check()
-    TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", resume="true", **longer))).check()
+        build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", **longer))).check()
+    build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", seed=7, overwrite="true"))).check()
+    build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", resume="true", **longer))).check()
     with pytest.raises(ValueError, match="already holds checkpoints or an export of this run"):
         first.check()
 
@@ -487,7 +487,8 @@ def test_wandb_logs_per_head_metrics_offline(tiny_inputs, tmp_path, monkeypatch)
         monkeypatch.delenv(var, raising=False)
     model_dir, data = tiny_inputs
     out = tmp_path / "run"
-    TrainRecipe(compose_train(tiny_overrides(model_dir, data, out, logger="wandb", **{"logger.mode": "offline"}))).run()
+    overrides = tiny_overrides(model_dir, data, out, logger="wandb", **{"logger.mode": "offline"})
+    build_recipe(compose_train(overrides)).run()
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     keys = (b"train/head0/top1", b"train/head1/top5", b"train/head1/loss", b"train/tokens_per_second")
@@ -505,7 +506,7 @@ def test_wandb_logs_per_head_metrics_offline(tiny_inputs, tmp_path, monkeypatch)
 def test_soft_target_shared_lm_head_reduced_vocab_and_periodic_eval_train_and_export(tiny_inputs, tmp_path):
     model_dir, data = tiny_inputs
     out = tmp_path / "run"
-    recipe = TrainRecipe(compose_train(tiny_overrides(
+    recipe = build_recipe(compose_train(tiny_overrides(
         model_dir, data, out, **{"heads.target": "soft", "heads.share_lm_head": "true", "heads.head_vocab_size": 64,
                                  "+trainer.extra.eval_strategy": "steps", "+trainer.extra.eval_steps": 4})))
     recipe.run()
@@ -527,8 +528,8 @@ def test_gradient_accumulation_trains_the_same_heads_as_one_larger_batch(tiny_in
     """The loss is divided by the labelled tokens of the whole optimizer step, so 2 micro-batches of 2 rows give the
     gradient of one batch of 4 rows even though the micro-batches hold different numbers of tokens."""
     model_dir, data = tiny_inputs
-    TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "batch4"))).run()
-    TrainRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "accum", **{
+    build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "batch4"))).run()
+    build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "accum", **{
         "trainer.per_device_train_batch_size": 2, "trainer.gradient_accumulation_steps": 2}))).run()
     assert_same_heads(exported_heads(tmp_path / "batch4" / "export"), exported_heads(tmp_path / "accum" / "export"))
 
@@ -539,7 +540,7 @@ def test_self_distilled_prompts_are_cached_reused_and_long_prompts_left_out(tiny
     overrides = tiny_overrides(model_dir, Path("unused.jsonl"), tmp_path / "run", **{
         "data": "stories260k_selfdistill", "data.prompts": json.dumps(prompts), "data.max_new_tokens": 6,
         "data.eval_fraction": 0.0})
-    recipe = TrainRecipe(compose_train(overrides))
+    recipe = build_recipe(compose_train(overrides))
     with caplog.at_level(logging.WARNING):
         recipe.setup()
     recipe.cleanup()
@@ -549,7 +550,7 @@ def test_self_distilled_prompts_are_cached_reused_and_long_prompts_left_out(tiny
     assert all(r["new_tokens"] <= 6 and r["conversations"][1]["from"] == "gpt" for r in records)
     assert "1 of 7 prompts have no reply" in caplog.text
     assert recipe.data.conversations == 6 and len(recipe.data.train) == 6
-    again = TrainRecipe(compose_train(overrides))
+    again = build_recipe(compose_train(overrides))
     again.setup()  # nothing trained yet, so the folder is free; the replies are read back, not generated again
     again.cleanup()
     assert shard.read_text().count("\n") == 6
