@@ -483,7 +483,9 @@ def test_push_to_hub_without_repo_or_token_fails_before_training(hub, tmp_path, 
     monkeypatch.delenv("HF_TOKEN")
     from medusa_train.cli.train import train
 
-    monkeypatch.setattr(build_recipe, "run", lambda self: pytest.fail("trained before checking the token"))
+    from medusa_train.training.base_recipe import BaseRecipe
+
+    monkeypatch.setattr(BaseRecipe, "run", lambda self: pytest.fail("trained before checking the token"))
     with pytest.raises(PublishError, match="hf auth login"):
         train(compose_train(overrides + ["push_to_hub=true", f"hub_repo_id={REPO}"]))
 
