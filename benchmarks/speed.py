@@ -45,7 +45,7 @@ from inference.proposers.heads import tree_drafter
 from medusa_train.cli.app import register_shared_schemas
 from medusa_train.config import ModelConfig, as_dataclass
 from medusa_train.loading.base import load_base_model
-from medusa_train.loading.cpu_kernels import apply_cpu_kernels, choose_cpu_kernels
+from medusa_train.loading.cpu_kernels import PackedKernels, apply_cpu_kernels, choose_cpu_kernels
 from medusa_train.loading.medusa import load_medusa
 from medusa_train.model import MedusaModel, new_heads_for
 from medusa_train.paths import CONF_DIR
@@ -57,8 +57,9 @@ DEFAULT_TREE = [[0], [1], [0, 0], [2], [0, 1]]  # 6 nodes: the size medusa-tune-
 PROMPT = "Write a short story about a robot who learns to paint, in three paragraphs."
 
 
-def load_variant(args: argparse.Namespace, dtype: str, kernels: str) -> tuple[MedusaModel, Any]:
-    """Base model (+ heads) in ``dtype`` on ``kernels``: the export's, or ``--model``'s with fresh heads."""
+def load_variant(args: argparse.Namespace, dtype: str, kernels: str) -> tuple[MedusaModel, Any, PackedKernels]:
+    """Base model (+ heads) in ``dtype`` on ``kernels``: the export's, or ``--model``'s with fresh heads; and what
+    the conversion did (fp32 packed: the one-row kernel it measured faster)."""
     if args.export:
         model, tokenizer, _ = load_medusa(args.export, dtype=dtype, device="cpu")
     else:
@@ -68,8 +69,8 @@ def load_variant(args: argparse.Namespace, dtype: str, kernels: str) -> tuple[Me
         token_map = torch.arange(args.head_vocab) if args.head_vocab else None
         heads = new_heads_for(base, args.heads, token_map=token_map, dtype=base.dtype).eval().requires_grad_(False)
         model = MedusaModel(base, heads)
-    apply_cpu_kernels(model.base, choose_cpu_kernels(kernels, "cpu", model.base.dtype))
-    return model, tokenizer
+    applied = apply_cpu_kernels(model.base, choose_cpu_kernels(kernels, "cpu", model.base.dtype))
+    return model, tokenizer, applied
 
 
 def pass_ratios(variants: dict[str, MedusaModel], sizes: list[int], context: int, repeats: int) -> dict[str, Any]:
@@ -188,10 +189,13 @@ def main() -> None:
         parser.error("--sizes must include 1 (the ratios are to t(1)) and be >= 1")
 
     variants: dict[str, MedusaModel] = {}
+    applied: dict[str, PackedKernels] = {}
     tokenizer = None
     for dtype in args.dtypes:
         for kernels in args.kernels:
-            variants[f"{dtype}/{kernels}"], tokenizer = load_variant(args, dtype, kernels)
+            name = f"{dtype}/{kernels}"
+            variants[name], tokenizer, applied[name] = load_variant(args, dtype, kernels)
+            print(f"{name}: {applied[name].describe()}")
     heads = next(iter(variants.values())).heads.spec.num_heads
     if args.tree:
         tree = json.loads(args.tree)
@@ -240,6 +244,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cpu": isa, "threads": torch.get_num_threads(), "torch": torch.__version__,
                                "context": args.context, "repeats": args.repeats, "tree": tree,
+                               "kernels": {n: a.record() for n, a in applied.items()},
                                "latency_ms": {n: {str(k): v for k, v in t.items()} for n, t in latency.items()},
                                "vanilla_tokens_per_second": vanilla, "overhead": overhead}, indent=1))
     print(f"\nwritten to {out}")

@@ -68,6 +68,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def needs_bf16_packing():
+    """A mark: skip where oneDNN cannot pack bf16 weights on this CPU (AVX2-only: no AVX-512 BW/VL/DQ)."""
+    from medusa_train.loading.cpu_kernels import onednn_available, onednn_packs
+
+    return pytest.mark.skipif(not (onednn_available() and onednn_packs(torch.bfloat16)),
+                              reason="oneDNN cannot pack bf16 weights on this CPU (needs AVX-512 BW/VL/DQ or "
+                                     "AVX-NE-CONVERT)")
+
+
+BF16 = pytest.param(torch.bfloat16, marks=needs_bf16_packing(), id="bfloat16")
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for the test: tiny models run faster on one, and much faster when other processes share the

@@ -9,9 +9,12 @@ cost 1.6x a 1-token one in fp32. :class:`PackedLinear` reorders the weight once,
 - bf16, every row count: on AVX-512 BF16 / AMX, with the same values as ``F.linear`` (which also calls oneDNN for
   bf16, re-packing the weight each time); faster at one row and at k rows (``docs/speed.md``).
 - fp32, two rows or more: oneDNN's GEMM instead of MKL's, whose results differ in the last bits (~1e-6 relative).
-  One row stays on PyTorch's own kernel (MKL's GEMV), which measured faster than oneDNN's at one row: packing
-  never slows plain decoding down, and verification passes get the flat cost of the packed GEMM. So fp32 keeps
-  the original weight beside the packed one (twice the linear weights' memory).
+  For one row (every step of plain decoding) which kernel is faster depends on the CPU: MKL's GEMV measured faster
+  on an AVX-512 Xeon, oneDNN's packed kernel 15% faster on an AVX2-only EPYC (``docs/speed.md``). So
+  :func:`apply_cpu_kernels` measures both on the model itself (:func:`measure_one_row_kernels`: one-token forwards,
+  interleaved) and keeps the faster (:func:`use_one_row_kernel`): plain decoding runs on the fastest kernel this
+  CPU has, never slower than unpacked. Where the GEMV wins, fp32 keeps the original weight beside the packed one
+  (twice the linear weights' memory); where oneDNN wins, the original is released.
 
 Every decoder of a run shares the converted model, so all run on the same kernels for the same shapes.
 
@@ -29,7 +32,10 @@ holds the figures.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import statistics
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +47,9 @@ CPU_KERNELS = ("auto", "packed", "none")
 DEFAULT_CPU_KERNELS = "auto"
 PACKED = "onednn_packed"
 PLAIN = "pytorch"
+ONE_ROW_GEMV = "pytorch_gemv"
+ONE_ROW_ONEDNN = "onednn"
+ONE_ROW_REPEATS = 5
 _PACKABLE = (torch.float32, torch.bfloat16)
 _LINEAR_TYPES = (nn.Linear, Conv1D)
 
@@ -54,6 +63,17 @@ def check_cpu_kernels(value: str | None, key: str = "cpu_kernels") -> None:
 def onednn_available() -> bool:
     """True when this PyTorch build has oneDNN (``torch.backends.mkldnn``) with the packed-linear ops."""
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """True when oneDNN packs ``dtype`` weights on this CPU, tried on a small weight: its bf16 path needs AVX-512
+    BW/VL/DQ or AVX-NE-CONVERT, so an AVX2-only CPU packs float32 only."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -100,6 +120,9 @@ def choose_cpu_kernels(requested: str | None, device: torch.device | str, dtype:
         problem = "this PyTorch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
     elif dtype not in _PACKABLE:
         problem = f"{dtype} weights cannot be packed (float32 and bfloat16 can)"
+    elif not onednn_packs(dtype):
+        problem = (f"oneDNN cannot pack {dtype} weights on this CPU (its bf16 path needs AVX-512 BW/VL/DQ or "
+                   "AVX-NE-CONVERT)")
     if problem is None:
         return KernelChoice(requested, PACKED, "linear weights pre-packed once for oneDNN (no per-call packing)")
     if requested == "packed":
@@ -193,10 +216,86 @@ def pack_linear_layers(model: nn.Module) -> int:
     return count
 
 
-def apply_cpu_kernels(model: nn.Module, choice: KernelChoice) -> int:
-    """Convert ``model`` as ``choice`` says; returns the number of linear layers packed (0 for ``pytorch``)."""
-    return pack_linear_layers(model) if choice.packed else 0
+@dataclass(frozen=True)
+class PackedKernels:
+    """What :func:`apply_cpu_kernels` did to a model.
+
+    Attributes:
+        packed_layers: linear layers converted (0 with PyTorch's kernels).
+        one_row: the kernel a single row runs on in an fp32 packed model (``pytorch_gemv`` or ``onednn``); None
+            elsewhere (bf16 runs every row count on oneDNN; unpacked models on PyTorch's).
+        one_row_ms: the measurement behind ``one_row``: median ms of a one-token forward on each kernel.
+    """
+
+    packed_layers: int = 0
+    one_row: str | None = None
+    one_row_ms: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        text = f"{self.packed_layers} linear layers"
+        if self.one_row is not None:
+            timed = ", ".join(f"{k} {v:.1f} ms" for k, v in self.one_row_ms.items())
+            text += f"; one row on {self.one_row}, the faster per one-token forward ({timed})"
+        return text
+
+    def record(self) -> dict[str, Any]:
+        return {"packed_layers": self.packed_layers, "one_row": self.one_row,
+                "one_row_ms": {k: round(v, 3) for k, v in self.one_row_ms.items()}}
 
 
-__all__ = ["CPU_KERNELS", "DEFAULT_CPU_KERNELS", "KernelChoice", "PackedLinear", "apply_cpu_kernels",
-           "check_cpu_kernels", "choose_cpu_kernels", "onednn_available", "pack_linear_layers"]
+def _packed_rows(model: nn.Module) -> list[PackedLinear]:
+    return [m for m in model.modules() if isinstance(m, PackedLinear) and m.row_weight is not None]
+
+
+@torch.no_grad()
+def measure_one_row_kernels(model: nn.Module, repeats: int = ONE_ROW_REPEATS) -> dict[str, float]:
+    """Median ms of a one-token forward of a packed fp32 ``model`` (a causal LM) with single rows on PyTorch's
+    GEMV and on oneDNN's packed kernel, ``repeats`` of each taking turns after one warm-up each (the layers are
+    left as they were)."""
+    layers = _packed_rows(model)
+    plain = [m.row_weight for m in layers]
+    ids = torch.zeros(1, 1, dtype=torch.long, device=plain[0].device)
+    times: dict[str, list[float]] = {ONE_ROW_GEMV: [], ONE_ROW_ONEDNN: []}
+    try:
+        for r in range(1 + repeats):
+            for kernel, elapsed in times.items():
+                for layer, weight in zip(layers, plain):
+                    layer.row_weight = weight if kernel == ONE_ROW_GEMV else None
+                start = time.perf_counter()
+                model(input_ids=ids, use_cache=False)
+                if r:
+                    elapsed.append((time.perf_counter() - start) * 1000)
+    finally:
+        for layer, weight in zip(layers, plain):
+            layer.row_weight = weight
+    return {kernel: statistics.median(elapsed) for kernel, elapsed in times.items()}
+
+
+def use_one_row_kernel(model: nn.Module, kernel: str) -> None:
+    """Run single rows of every fp32 :class:`PackedLinear` in ``model`` on ``kernel``: ``pytorch_gemv`` keeps
+    them on ``F.linear`` with the plain weight; ``onednn`` sends them to the packed weight and releases the plain
+    one (it cannot be taken back)."""
+    if kernel not in (ONE_ROW_GEMV, ONE_ROW_ONEDNN):
+        raise ValueError(f"one-row kernel must be {ONE_ROW_GEMV} or {ONE_ROW_ONEDNN}, got {kernel!r}")
+    if kernel == ONE_ROW_ONEDNN:
+        for layer in _packed_rows(model):
+            layer.row_weight = None
+
+
+def apply_cpu_kernels(model: nn.Module, choice: KernelChoice) -> PackedKernels:
+    """Convert ``model`` (a causal LM) as ``choice`` says; an fp32 model also gets the faster one-row kernel,
+    measured on it (about ``2 * (1 + ONE_ROW_REPEATS)`` one-token forwards)."""
+    if not choice.packed:
+        return PackedKernels()
+    count = pack_linear_layers(model)
+    if not _packed_rows(model):
+        return PackedKernels(count)
+    timed = measure_one_row_kernels(model)
+    fastest = ONE_ROW_ONEDNN if timed[ONE_ROW_ONEDNN] < timed[ONE_ROW_GEMV] else ONE_ROW_GEMV
+    use_one_row_kernel(model, fastest)
+    return PackedKernels(count, fastest, timed)
+
+
+__all__ = ["CPU_KERNELS", "DEFAULT_CPU_KERNELS", "ONE_ROW_GEMV", "ONE_ROW_ONEDNN", "KernelChoice", "PackedKernels",
+           "PackedLinear", "apply_cpu_kernels", "check_cpu_kernels", "choose_cpu_kernels", "measure_one_row_kernels",
+           "onednn_available", "onednn_packs", "pack_linear_layers", "use_one_row_kernel"]

@@ -11,7 +11,7 @@ the run's records (``latency_profile.json``, ``run.json``, ``summary.json``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -21,6 +21,7 @@ from medusa_train.loading.base import resolve_device
 from medusa_train.loading.cpu_kernels import (
     DEFAULT_CPU_KERNELS,
     KernelChoice,
+    PackedKernels,
     apply_cpu_kernels,
     check_cpu_kernels,
     choose_cpu_kernels,
@@ -37,20 +38,20 @@ class InferenceRuntime:
     Attributes:
         dtype: the dtype decision (requested, used, reason, the CPU's ISA flags).
         kernels: the linear-kernel decision.
-        packed_layers: linear layers converted (0 with PyTorch's kernels).
+        applied: what the conversion did (layers packed, the one-row kernel measured for fp32).
     """
 
     dtype: DtypeChoice
     kernels: KernelChoice
-    packed_layers: int = 0
+    applied: PackedKernels = field(default_factory=PackedKernels)
 
     def describe(self) -> str:
-        return f"{self.dtype.describe()}\n{self.kernels.describe()} ({self.packed_layers} linear layers)"
+        return f"{self.dtype.describe()}\n{self.kernels.describe()} ({self.applied.describe()})"
 
     def record(self) -> dict[str, Any]:
-        """``{"precision": {...}, "cpu_kernels": {..., "packed_layers": n}}`` (JSON-ready)."""
-        return {"precision": self.dtype.record(), "cpu_kernels": {**self.kernels.record(),
-                                                              "packed_layers": self.packed_layers}}
+        """``{"precision": {...}, "cpu_kernels": {..., "packed_layers": n, "one_row": ..., "one_row_ms": {...}}}``
+        (JSON-ready)."""
+        return {"precision": self.dtype.record(), "cpu_kernels": {**self.kernels.record(), **self.applied.record()}}
 
 
 def decide_runtime(requested_dtype: str | None, device: Any, cpu_kernels: str | None) -> tuple[DtypeChoice,

@@ -17,7 +17,7 @@ from inference.decoders.vanilla import VanillaDecoder
 from inference.draft_loading import self_layer_draft
 from medusa_train.loading.cpu_kernels import PackedLinear, onednn_available, pack_linear_layers
 from medusa_train.model import MedusaModel, new_heads_for
-from tests.conftest import make_tiny_model
+from tests.conftest import BF16, make_tiny_model
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")]
@@ -33,7 +33,7 @@ def packed_medusa(family: str, dtype: torch.dtype) -> MedusaModel:
     return MedusaModel(base, heads.requires_grad_(False))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_every_decoder_equals_plain_greedy_on_the_same_packed_kernels(family, dtype):
     model = packed_medusa(family, dtype)
@@ -81,7 +81,9 @@ def test_medusa_eval_packs_the_model_once_for_every_decoder(tmp_path, monkeypatc
                               "decoder.draft.num_layers=1"))
     assert calls == ["onednn_packed"]  # one conversion, shared by the five decoders (the draft's layers too)
     assert summary["cpu_kernels"]["kernels"] == "onednn_packed" and summary["cpu_kernels"]["packed_layers"] == 15
+    assert summary["cpu_kernels"]["one_row"] in ("pytorch_gemv", "onednn")  # measured on this CPU, recorded
+    assert set(summary["cpu_kernels"]["one_row_ms"]) == {"pytorch_gemv", "onednn"}
     assert all(m["exact_match_vs_greedy"] == 1.0 for m in summary["decoders"].values())
     plain = evaluate(config(folder, prompts, tmp_path / "plain", "cpu_kernels=none", "max_turns=1"))
     assert plain["cpu_kernels"] == {"kernels": "pytorch", "requested": "none", "reason": "requested",
-                                    "packed_layers": 0}
+                                    "packed_layers": 0, "one_row": None, "one_row_ms": {}}

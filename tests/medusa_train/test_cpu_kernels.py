@@ -6,14 +6,18 @@ import pytest
 import torch
 from torch import nn
 
+import medusa_train.loading.cpu_kernels as cpu_kernels
 from medusa_train.loading.cpu_kernels import (
+    PackedKernels,
     PackedLinear,
     apply_cpu_kernels,
     choose_cpu_kernels,
+    measure_one_row_kernels,
     onednn_available,
     pack_linear_layers,
+    use_one_row_kernel,
 )
-from tests.conftest import make_tiny_model
+from tests.conftest import BF16, make_tiny_model, needs_bf16_packing
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")]
@@ -33,7 +37,7 @@ def test_every_linear_layer_is_packed_and_the_tied_lm_head_keeps_the_embedding(f
     assert others and all(m.weight is None for m in others)  # the original weights are released
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_packed_logits_are_those_of_pytorchs_kernels(family, dtype):
     plain = make_tiny_model(family).to(dtype).requires_grad_(False)
@@ -47,6 +51,7 @@ def test_packed_logits_are_those_of_pytorchs_kernels(family, dtype):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # MKL's and oneDNN's fp32 GEMMs round differently
 
 
+@needs_bf16_packing()
 def test_fp32_keeps_one_row_on_pytorchs_gemv_and_bf16_packs_every_row_count():
     torch.manual_seed(0)
     for dtype, gemv in ((torch.float32, True), (torch.bfloat16, False)):
@@ -71,7 +76,8 @@ def test_a_packed_layer_refuses_other_inputs_and_training():
 
 
 def test_the_choice_of_kernels():
-    assert choose_cpu_kernels("auto", "cpu", torch.bfloat16).kernels == "onednn_packed"
+    bf16 = "onednn_packed" if cpu_kernels.onednn_packs(torch.bfloat16) else "pytorch"
+    assert choose_cpu_kernels("auto", "cpu", torch.bfloat16).kernels == bf16
     assert choose_cpu_kernels(None, "cpu", torch.float32).kernels == "onednn_packed"
     assert choose_cpu_kernels("none", "cpu", torch.float32).kernels == "pytorch"
     auto_gpu = choose_cpu_kernels("auto", "cuda", torch.bfloat16)
@@ -81,5 +87,64 @@ def test_the_choice_of_kernels():
     with pytest.raises(ValueError, match="cpu_kernels must be one of auto, packed, none"):
         choose_cpu_kernels("fast", "cpu", torch.float32)
     model = make_tiny_model("llama").requires_grad_(False)
-    assert apply_cpu_kernels(model, choose_cpu_kernels("none", "cpu", torch.float32)) == 0
+    assert apply_cpu_kernels(model, choose_cpu_kernels("none", "cpu", torch.float32)) == PackedKernels()
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_one_row_on_onednn_releases_the_plain_weights_and_multiplies_on_the_packed_ones():
+    model = make_tiny_model("llama").requires_grad_(False)
+    pack_linear_layers(model)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert all(m.row_weight is not None for m in layers)  # fp32: both kernels available until the choice
+    use_one_row_kernel(model, "pytorch_gemv")
+    assert all(m.row_weight is not None for m in layers)
+    use_one_row_kernel(model, "onednn")
+    assert all(m.row_weight is None for m in layers)
+    layer, row = layers[0], torch.randn(1, 1, layers[0].in_features)
+    assert torch.equal(layer(row), torch.ops.mkldnn._linear_pointwise(row, layer.packed_weight, layer.bias, "none",
+                                                                       [], ""))
+    with pytest.raises(ValueError, match="one-row kernel must be pytorch_gemv or onednn, got 'mkl'"):
+        use_one_row_kernel(model, "mkl")
+
+
+def test_the_measurement_times_both_kernels_and_leaves_the_layers_as_they_were():
+    model = make_tiny_model("llama").requires_grad_(False)
+    pack_linear_layers(model)
+    plain = [m.row_weight for m in model.modules() if isinstance(m, PackedLinear)]
+    timed = measure_one_row_kernels(model, repeats=2)
+    assert set(timed) == {"pytorch_gemv", "onednn"} and all(ms > 0 for ms in timed.values())
+    assert [m.row_weight for m in model.modules() if isinstance(m, PackedLinear)] == plain
+
+
+@pytest.mark.parametrize("gemv_ms, onednn_ms, kept", [(2.0, 1.0, "onednn"), (1.0, 2.0, "pytorch_gemv"),
+                                                       (1.0, 1.0, "pytorch_gemv")])
+def test_fp32_keeps_the_one_row_kernel_measured_faster(monkeypatch, gemv_ms, onednn_ms, kept):
+    monkeypatch.setattr(cpu_kernels, "measure_one_row_kernels",
+                        lambda model: {"pytorch_gemv": gemv_ms, "onednn": onednn_ms})
+    model = make_tiny_model("llama").requires_grad_(False)
+    applied = apply_cpu_kernels(model, choose_cpu_kernels("packed", "cpu", torch.float32))
+    assert applied == PackedKernels(15, kept, {"pytorch_gemv": gemv_ms, "onednn": onednn_ms})
+    rows = [m.row_weight is not None for m in model.modules() if isinstance(m, PackedLinear)]
+    assert rows == [kept == "pytorch_gemv"] * 15
+    assert applied.record()["one_row"] == kept
+    assert f"one row on {kept}" in applied.describe()
+
+
+def test_bf16_on_a_cpu_onednn_cannot_pack_it_for_runs_unpacked_and_packed_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "onednn_packs", lambda dtype: dtype != torch.bfloat16)
+    auto = choose_cpu_kernels("auto", "cpu", torch.bfloat16)
+    assert auto.kernels == "pytorch" and "oneDNN cannot pack torch.bfloat16 weights on this CPU" in auto.reason
+    with pytest.raises(ValueError, match="cpu_kernels=packed: oneDNN cannot pack torch.bfloat16 weights on this CPU "
+                                         r"\(its bf16 path needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT\); use "
+                                         "cpu_kernels=auto or none"):
+        choose_cpu_kernels("packed", "cpu", torch.bfloat16)
+    assert choose_cpu_kernels("auto", "cpu", torch.float32).kernels == "onednn_packed"
+
+
+@needs_bf16_packing()
+def test_bf16_measures_nothing_it_packs_every_row_count(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "measure_one_row_kernels", lambda model: pytest.fail("measured bf16"))
+    model = make_tiny_model("llama").to(torch.bfloat16).requires_grad_(False)
+    applied = apply_cpu_kernels(model, choose_cpu_kernels("packed", "cpu", torch.bfloat16))
+    assert applied == PackedKernels(15) and applied.record() == {"packed_layers": 15, "one_row": None,
+                                                                  "one_row_ms": {}}

@@ -110,8 +110,8 @@ def test_the_first_heads_alone_equal_all_heads_cut(share):
     hidden = torch.randn(2, 3, HIDDEN)
     full = model.head_logits(hidden)
     assert full.shape == (4, 2, 3, VOCAB)
-    for k in (1, 2, 4):
-        assert torch.equal(model.head_logits(hidden, num_heads=k), full[:k])
+    for k in (1, 2, 4):  # one head's product may run on another kernel than K's batched one: 1 ulp on AVX2 CPUs
+        torch.testing.assert_close(model.head_logits(hidden, num_heads=k), full[:k], rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match=r"num_heads must be in \[1, 4\]"):
         model.head_logits(hidden, num_heads=5)
 
