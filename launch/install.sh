@@ -3,7 +3,7 @@
 # need. torch is installed FIRST and pinned: an unpinned torch pulls a multi-GB CUDA build on a CPU machine.
 # Usage: source-free; prints the venv path. MEDUSA_VENV overrides the location (default: .venv in the checkout).
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"  # physical: the path the editable install records
 source "$root/launch/venv.sh"
 venv="${MEDUSA_VENV:-$root/.venv}"
 want="$(venv_stamp "$root/pyproject.toml" "$root/launch/install.sh")"
