@@ -53,7 +53,7 @@ from medusa_train.precision import cpu_isa
 from medusa_train.prompts import encode_prompt
 from medusa_train.tuning.latency import PassTimer
 
-DEFAULT_TREE = [[0], [1], [0, 0], [2], [0, 1]]  # 6 nodes: the size medusa-tune-tree chose for the quickstart's heads
+DEFAULT_TREE = [[0], [1], [0, 0], [2], [0, 1]]  # 5 nodes (6 tokens a pass with the root): a size medusa-tune-tree chose
 PROMPT = "Write a short story about a robot who learns to paint, in three paragraphs."
 
 
@@ -206,7 +206,7 @@ def main() -> None:
     ids = list(encode_prompt(tokenizer, [{"role": "user", "content": PROMPT}]))
     isa = cpu_isa()
     print(f"CPU {isa['machine']} flags {', '.join(isa['flags'])}; {torch.get_num_threads()} threads; "
-          f"torch {torch.__version__}; tree of {len(tree) + 1} nodes")
+          f"torch {torch.__version__}; tree of {len(tree)} nodes ({len(tree) + 1} tokens a pass with the root)")
 
     sizes = sorted(set(args.sizes))
     latency = pass_ratios(variants, sizes, args.context, args.repeats)
@@ -232,7 +232,7 @@ def main() -> None:
         print(f"| {name} | {rate:.2f} | {rate / plain:.2f}x |" if plain else f"| {name} | {rate:.2f} | |")
 
     overhead = decoder_overhead(variants, tree, args.topk, ids, args.steps)
-    print(f"\n## Medusa decoder overhead: step minus the bare forward over the same {len(tree) + 1} nodes, "
+    print(f"\n## Medusa decoder overhead: step minus the bare forward over the same {len(tree) + 1} tokens, "
           f"median of {args.steps} steps\n")
     print("| variant | step ms | bare forward ms | overhead ms | overhead share | accepted / step |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")

@@ -33,7 +33,6 @@ holds the figures.
 from __future__ import annotations
 
 import functools
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +49,7 @@ PLAIN = "pytorch"
 ONE_ROW_GEMV = "pytorch_gemv"
 ONE_ROW_ONEDNN = "onednn"
 ONE_ROW_REPEATS = 5
+ONE_ROW_WARMUP = 2
 _PACKABLE = (torch.float32, torch.bfloat16)
 _LINEAR_TYPES = (nn.Linear, Conv1D)
 
@@ -224,7 +224,7 @@ class PackedKernels:
         packed_layers: linear layers converted (0 with PyTorch's kernels).
         one_row: the kernel a single row runs on in an fp32 packed model (``pytorch_gemv`` or ``onednn``); None
             elsewhere (bf16 runs every row count on oneDNN; unpacked models on PyTorch's).
-        one_row_ms: the measurement behind ``one_row``: median ms of a one-token forward on each kernel.
+        one_row_ms: the measurement behind ``one_row``: the fastest ms of a one-token forward on each kernel.
     """
 
     packed_layers: int = 0
@@ -249,26 +249,27 @@ def _packed_rows(model: nn.Module) -> list[PackedLinear]:
 
 @torch.no_grad()
 def measure_one_row_kernels(model: nn.Module, repeats: int = ONE_ROW_REPEATS) -> dict[str, float]:
-    """Median ms of a one-token forward of a packed fp32 ``model`` (a causal LM) with single rows on PyTorch's
-    GEMV and on oneDNN's packed kernel, ``repeats`` of each taking turns after one warm-up each (the layers are
-    left as they were)."""
+    """Fastest ms of a one-token forward of a packed fp32 ``model`` (a causal LM) with single rows on PyTorch's
+    GEMV and on oneDNN's packed kernel, ``repeats`` of each taking turns after ``ONE_ROW_WARMUP`` warm-ups each
+    (the layers are left as they were). The fastest, not the median: the first passes over freshly packed weights
+    can run 1.5x slow on a VM, which a median of five still caught."""
     layers = _packed_rows(model)
     plain = [m.row_weight for m in layers]
     ids = torch.zeros(1, 1, dtype=torch.long, device=plain[0].device)
     times: dict[str, list[float]] = {ONE_ROW_GEMV: [], ONE_ROW_ONEDNN: []}
     try:
-        for r in range(1 + repeats):
+        for r in range(ONE_ROW_WARMUP + repeats):
             for kernel, elapsed in times.items():
                 for layer, weight in zip(layers, plain):
                     layer.row_weight = weight if kernel == ONE_ROW_GEMV else None
                 start = time.perf_counter()
                 model(input_ids=ids, use_cache=False)
-                if r:
+                if r >= ONE_ROW_WARMUP:
                     elapsed.append((time.perf_counter() - start) * 1000)
     finally:
         for layer, weight in zip(layers, plain):
             layer.row_weight = weight
-    return {kernel: statistics.median(elapsed) for kernel, elapsed in times.items()}
+    return {kernel: min(elapsed) for kernel, elapsed in times.items()}
 
 
 def use_one_row_kernel(model: nn.Module, kernel: str) -> None:
@@ -284,7 +285,7 @@ def use_one_row_kernel(model: nn.Module, kernel: str) -> None:
 
 def apply_cpu_kernels(model: nn.Module, choice: KernelChoice) -> PackedKernels:
     """Convert ``model`` (a causal LM) as ``choice`` says; an fp32 model also gets the faster one-row kernel,
-    measured on it (about ``2 * (1 + ONE_ROW_REPEATS)`` one-token forwards)."""
+    measured on it (``2 * (ONE_ROW_WARMUP + ONE_ROW_REPEATS)`` one-token forwards)."""
     if not choice.packed:
         return PackedKernels()
     count = pack_linear_layers(model)
