@@ -68,16 +68,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def needs_bf16_packing():
-    """A mark: skip where oneDNN cannot pack bf16 weights on this CPU (AVX2-only: no AVX-512 BW/VL/DQ)."""
+def _onednn_packs_bf16() -> bool:
     from medusa_train.loading.cpu_kernels import onednn_available, onednn_packs
 
-    return pytest.mark.skipif(not (onednn_available() and onednn_packs(torch.bfloat16)),
-                              reason="oneDNN cannot pack bf16 weights on this CPU (needs AVX-512 BW/VL/DQ or "
-                                     "AVX-NE-CONVERT)")
+    return onednn_available() and onednn_packs(torch.bfloat16)
 
 
-BF16 = pytest.param(torch.bfloat16, marks=needs_bf16_packing(), id="bfloat16")
+# Skip where oneDNN cannot pack bf16 weights on this CPU (AVX2-only: no AVX-512 BW/VL/DQ); BF16 is the dtype
+# parameter that carries it.
+NEEDS_BF16_PACKING = pytest.mark.skipif(not _onednn_packs_bf16(), reason="oneDNN cannot pack bf16 weights on this "
+                                        "CPU (needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
+BF16 = pytest.param(torch.bfloat16, marks=NEEDS_BF16_PACKING, id="bfloat16")
 
 
 @pytest.fixture

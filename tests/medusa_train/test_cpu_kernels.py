@@ -17,7 +17,7 @@ from medusa_train.loading.cpu_kernels import (
     pack_linear_layers,
     use_one_row_kernel,
 )
-from tests.conftest import BF16, make_tiny_model, needs_bf16_packing
+from tests.conftest import BF16, NEEDS_BF16_PACKING, make_tiny_model
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")]
@@ -51,18 +51,18 @@ def test_packed_logits_are_those_of_pytorchs_kernels(family, dtype):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # MKL's and oneDNN's fp32 GEMMs round differently
 
 
-@needs_bf16_packing()
-def test_fp32_keeps_one_row_on_pytorchs_gemv_and_bf16_packs_every_row_count():
+@pytest.mark.parametrize("dtype, gemv", [(torch.float32, True), pytest.param(torch.bfloat16, False,
+                                                                             marks=NEEDS_BF16_PACKING, id="bf16")])
+def test_fp32_keeps_one_row_on_pytorchs_gemv_until_chosen_and_bf16_packs_every_row_count(dtype, gemv):
     torch.manual_seed(0)
-    for dtype, gemv in ((torch.float32, True), (torch.bfloat16, False)):
-        linear = nn.Linear(64, 48).to(dtype).requires_grad_(False)
-        layer = PackedLinear.from_module(linear)
-        assert (layer.row_weight is not None) == gemv
-        one, many = torch.randn(1, 1, 64, dtype=dtype), torch.randn(1, 5, 64, dtype=dtype)
-        if gemv:
-            assert torch.equal(layer(one), torch.nn.functional.linear(one, linear.weight, linear.bias))
-        packed = torch.ops.mkldnn._linear_pointwise(many, layer.packed_weight, linear.bias, "none", [], "")
-        assert torch.equal(layer(many), packed)
+    linear = nn.Linear(64, 48).to(dtype).requires_grad_(False)
+    layer = PackedLinear.from_module(linear)
+    assert (layer.row_weight is not None) == gemv
+    one, many = torch.randn(1, 1, 64, dtype=dtype), torch.randn(1, 5, 64, dtype=dtype)
+    if gemv:
+        assert torch.equal(layer(one), torch.nn.functional.linear(one, linear.weight, linear.bias))
+    packed = torch.ops.mkldnn._linear_pointwise(many, layer.packed_weight, linear.bias, "none", [], "")
+    assert torch.equal(layer(many), packed)
 
 
 def test_a_packed_layer_refuses_other_inputs_and_training():
@@ -141,7 +141,7 @@ def test_bf16_on_a_cpu_onednn_cannot_pack_it_for_runs_unpacked_and_packed_is_ref
     assert choose_cpu_kernels("auto", "cpu", torch.float32).kernels == "onednn_packed"
 
 
-@needs_bf16_packing()
+@NEEDS_BF16_PACKING
 def test_bf16_measures_nothing_it_packs_every_row_count(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "measure_one_row_kernels", lambda model: pytest.fail("measured bf16"))
     model = make_tiny_model("llama").to(torch.bfloat16).requires_grad_(False)
