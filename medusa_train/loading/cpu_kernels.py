@@ -252,8 +252,17 @@ def measure_one_row_kernels(model: nn.Module, repeats: int = ONE_ROW_REPEATS) ->
     """Fastest ms of a one-token forward of a packed fp32 ``model`` (a causal LM) with single rows on PyTorch's
     GEMV and on oneDNN's packed kernel, ``repeats`` of each taking turns after ``ONE_ROW_WARMUP`` warm-ups each
     (the layers are left as they were). The fastest, not the median: the first passes over freshly packed weights
-    can run 1.5x slow on a VM, which a median of five still caught."""
+    can run 1.5x slow on a VM, which a median of five still caught.
+
+    Raises:
+        ValueError: ``model`` has no packed layer that can still run single rows on PyTorch's GEMV (not packed by
+            :func:`pack_linear_layers`, packed in bf16, or already sent to oneDNN by :func:`use_one_row_kernel`).
+    """
     layers = _packed_rows(model)
+    if not layers:
+        raise ValueError("measure_one_row_kernels needs an fp32 model packed by pack_linear_layers whose single rows "
+                         "can still run on PyTorch's GEMV; this one has none (unpacked, bf16, or its one-row kernel "
+                         "already chosen)")
     plain = [m.row_weight for m in layers]
     ids = torch.zeros(1, 1, dtype=torch.long, device=plain[0].device)
     times: dict[str, list[float]] = {ONE_ROW_GEMV: [], ONE_ROW_ONEDNN: []}

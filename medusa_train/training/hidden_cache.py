@@ -4,9 +4,11 @@ With the base frozen (Medusa-1), its last hidden states and greedy tokens never 
 :func:`build_hidden_cache` splits a tokenized dataset over ranks (row i goes to rank ``i % world_size``); each rank
 writes one safetensors shard holding its rows' hidden states ``[N_tokens, H]`` (base dtype), base argmax tokens
 ``[N_tokens]`` and row offsets, through a temporary file renamed into place, next to a JSON description with a
-fingerprint of the data and the base model and the shard file's size and sha256. A shard whose description matches
-and whose file still has that size and checksum is reused (a resumed run skips the base entirely); a damaged one is
-rebuilt, with a warning. :class:`CachedHiddenDataset` reads rows back lazily (memory-mapped) from all shards, so the
+fingerprint of the data and the base model's weights (:func:`base_weights_digest`: not its path, so a cache follows a
+moved checkout, and a base retrained or requantized in place is not mistaken for the old one) and the shard file's
+size and sha256. A shard whose description matches and whose file still has that size and checksum is reused (a
+resumed run skips the base entirely); one built for other data is rebuilt, saying why; a damaged one is rebuilt, with
+a warning. :class:`CachedHiddenDataset` reads rows back lazily (memory-mapped) from all shards, so the
 Trainer's sampler sees the same rows in the same order as without the cache, and :class:`HiddenCollator` pads them.
 
 Every rank reads every shard: ``output_dir`` (or ``hidden_cache_dir``) must be on a file system all ranks share.
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from medusa_train.checksums import file_sha256
 from medusa_train.data.collate import Collator
@@ -36,12 +39,30 @@ from medusa_train.training.step import FrozenBase
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # 2: descriptions hold the shard's size and sha256
+CACHE_VERSION = 3  # 2: descriptions hold the shard's size and sha256; 3: the base is named by its weights' digest
+# Elements read from each base tensor for its digest (evenly strided): a few MB for any model size.
+DIGEST_SAMPLES = 4096
 
 
-def dataset_fingerprint(dataset: Any, base_name: str, dtype: torch.dtype) -> str:
-    """sha256 of every row's ``input_ids`` plus the base model's name and dtype (16 hex digits)."""
-    digest = hashlib.sha256(f"v{CACHE_VERSION}|{base_name}|{dtype}|{len(dataset)}".encode())
+@torch.no_grad()
+def base_weights_digest(model: nn.Module) -> str:
+    """What identifies a base model's hidden states, independent of where its files are: sha256 (16 hex digits) of
+    every state-dict entry's name, shape and dtype and of up to :data:`DIGEST_SAMPLES` of its elements, evenly
+    strided (a fine-tuned, merged or requantized base changes every sampled tensor; reading a sample keeps this a
+    few MB for a 7B model)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // DIGEST_SAMPLES)].contiguous().cpu()
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        digest.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
+    return digest.hexdigest()[:16]
+
+
+def dataset_fingerprint(dataset: Any, base_digest: str, dtype: torch.dtype) -> str:
+    """sha256 of every row's ``input_ids`` plus the base model's :func:`base_weights_digest` and dtype (16 hex
+    digits)."""
+    digest = hashlib.sha256(f"v{CACHE_VERSION}|{base_digest}|{dtype}|{len(dataset)}".encode())
     for row in dataset["input_ids"]:
         digest.update(np.asarray(row, dtype=np.int64).tobytes())
         digest.update(b"|")
@@ -80,7 +101,7 @@ def _shard_problem(folder: Path, name: str, fingerprint: str, rows: list[int], v
         return "its description is unreadable"
     if not (meta.get("version") == CACHE_VERSION and meta.get("fingerprint") == fingerprint
             and meta.get("rows") == rows):
-        return "built for other data"
+        return "built for other data (another dataset, base model or dtype)"
     if data_path.stat().st_size != meta.get("size"):
         return f"damaged: {data_path.stat().st_size} bytes, {meta.get('size')} when written"
     if verify and file_sha256(data_path) != meta.get("sha256"):
@@ -129,6 +150,8 @@ def build_hidden_cache(
         return target
     if problem.startswith("damaged"):
         log.warning("hidden cache: %s is %s; rebuilding it", target, problem)
+    elif problem != "missing":
+        log.info("hidden cache: rebuilding %s: it is %s", target, problem)
     lengths = [len(dataset[i]["input_ids"]) for i in rows]
     hidden_parts: list[torch.Tensor | None] = [None] * len(rows)
     argmax_parts: list[torch.Tensor | None] = [None] * len(rows)

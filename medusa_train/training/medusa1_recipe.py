@@ -22,6 +22,7 @@ from medusa_train.training.data_prep import PreparedData
 from medusa_train.training.hidden_cache import (
     CachedHiddenDataset,
     HiddenCollator,
+    base_weights_digest,
     build_hidden_cache,
     dataset_fingerprint,
 )
@@ -68,8 +69,9 @@ class Medusa1Recipe(BaseRecipe):
         dtype = self.base.get_output_embeddings().weight.dtype
         out = []
         fingerprints = {}
+        base_digest = base_weights_digest(self.base)
         for split, dataset in (("train", data.train), ("eval", data.eval)):
-            fingerprints[split] = dataset_fingerprint(dataset, self.cfg.model.name_or_path, dtype)
+            fingerprints[split] = dataset_fingerprint(dataset, base_digest, dtype)
             build_hidden_cache(self.frozen_base, dataset, folder, split=split, fingerprint=fingerprints[split],
                                collator=self.collator, batch_size=batch_size, rank=self.env.rank,
                                world_size=self.env.world_size, device=self.device)

@@ -114,6 +114,11 @@ def test_the_measurement_times_both_kernels_and_leaves_the_layers_as_they_were()
     timed = measure_one_row_kernels(model, repeats=2)
     assert set(timed) == {"pytorch_gemv", "onednn"} and all(ms > 0 for ms in timed.values())
     assert [m.row_weight for m in model.modules() if isinstance(m, PackedLinear)] == plain
+    use_one_row_kernel(model, "onednn")  # chosen: nothing left to time, named rather than an IndexError
+    with pytest.raises(ValueError, match="needs an fp32 model packed by pack_linear_layers .* this one has none"):
+        measure_one_row_kernels(model)
+    with pytest.raises(ValueError, match="this one has none"):
+        measure_one_row_kernels(make_tiny_model("llama"))
 
 
 @pytest.mark.parametrize("gemv_ms, onednn_ms, kept", [(2.0, 1.0, "onednn"), (1.0, 2.0, "pytorch_gemv"),

@@ -375,6 +375,34 @@ def test_a_damaged_hidden_cache_shard_is_rebuilt(inputs, tmp_path, caplog):
     assert shard.read_bytes() == original
 
 
+def test_the_hidden_cache_follows_the_base_weights_not_their_path(inputs, tmp_path, caplog):
+    from transformers import AutoModelForCausalLM
+
+    model_dir, data = inputs
+    cache = tmp_path / "cache"
+    shard = cache / "train-shard-00000-of-00001.safetensors"
+
+    def run(base: Path, name: str) -> str:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="medusa_train.training.hidden_cache"):
+            build_recipe(compose_train(tiny_overrides(base, data, tmp_path / name, hidden_cache="true",
+                                                      hidden_cache_dir=str(cache), **{"heads.target": "base_argmax",
+                                                                                      "trainer.max_steps": 2}))).run()
+        return caplog.text
+
+    assert f"hidden cache: wrote {shard}" in run(model_dir, "first")
+    moved = tmp_path / "moved_llama"
+    shutil.copytree(model_dir, moved)  # the same weights elsewhere (a moved checkout, another venv)
+    assert f"hidden cache: reusing {shard}" in run(moved, "second")
+    changed = AutoModelForCausalLM.from_pretrained(moved)
+    with torch.no_grad():
+        changed.model.norm.weight.mul_(1.5)  # the final norm: every hidden state differs
+    changed.save_pretrained(moved)  # retrained in place: same path, other hidden states
+    text = run(moved, "third")
+    assert (f"hidden cache: rebuilding {shard}: it is built for other data (another dataset, base model or dtype)"
+            in text and f"hidden cache: wrote {shard}" in text)
+
+
 # ---- 5. output_dir: never empty, a file, or someone else's folder ---------------------------------------------------
 
 def test_output_dir_rules(tmp_path):
