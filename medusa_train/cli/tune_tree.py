@@ -36,6 +36,13 @@ def run(cfg: DictConfig) -> dict:
     for k, row in enumerate(acc):
         cumulative = [sum(row[: i + 1]) for i in range(min(5, len(row)))]
         print(f"{k:>4d}  " + "  ".join(f"{c:6.3f}" for c in cumulative))
+    chosen = result["chosen"]
+    if chosen["by"] == "timed":
+        print(f"decoding {chosen['timed_prompts']} tuning prompts x {tc.timed_new_tokens} tokens with each shortlisted tree:")
+        for n, row in sorted(chosen["timed"].items(), key=lambda kv: int(kv[0])):
+            print(f"  {int(n) - 1:>3d} nodes  {row['tokens_per_s']:7.2f} tokens/s  tau {row['mean_accepted_tokens']:.2f}"
+                  f"  {row['step_ms']:6.1f} ms a step  (predicted {result['rates'][int(n)]['tokens_per_s']:.2f})")
+        print(f"kept the fastest: {chosen['nodes']} nodes (the latency profile's best: {chosen['predicted_nodes']})")
     print(f"tree: {len(result['medusa_choices'])} nodes, mean accepted tokens "
           f"{result['replayed_accept_length']:.3f} replayed on the tuning prompts "
           f"({result['expected_accept_length']:.3f} by the independent-heads formula); written to {tc.export_dir}")

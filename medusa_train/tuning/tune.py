@@ -14,7 +14,8 @@ from medusa_train.tuning.accuracy import measure_head_accuracy
 from medusa_train.tuning.tune_tree_config import TuneTreeConfig
 from medusa_train.export.tree_files import ACCURACY_FILE, CHOICES_FILE, LATENCY_FILE, read_latency_profile
 from medusa_train.tuning.latency import check_profile_runtime, measure_verification_latency
-from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length
+from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length, greedy_tree
+from medusa_train.tuning.timed import fastest, shortlist, time_trees
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +28,12 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
 
     Returns:
         ``{"medusa_choices", "expected_accept_length", "replayed_accept_length", "head_accuracy",
-        "latency_profile", "rates"}``: the two τ predictions of the chosen tree, by the formula
+        "latency_profile", "rates", "chosen"}``: the two τ predictions of the chosen tree, by the formula
         (:func:`~medusa_train.tuning.search.expected_accept_length`) and replayed on the tuning prompts
-        (:func:`~medusa_train.tuning.replay.replayed_accept_length`, what the decoder measures on them).
+        (:func:`~medusa_train.tuning.replay.replayed_accept_length`, what the decoder measures on them); ``chosen``:
+        how the size was chosen (``by``: ``timed``, the fastest of the shortlist decoded on ``timed_prompts``
+        tuning prompts, :mod:`medusa_train.tuning.timed`, or ``predicted``), the predicted best's nodes, and the
+        timing (also in ``latency_profile.json``).
     """
     cfg.validate()
     reused = None
@@ -47,17 +51,32 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
         model.base, sizes=cfg.latency_sizes, context_length=cfg.context_length, repeats=cfg.repeats)
     choices, rates = best_tree_for_latency(accuracy["acc"], latency["latency_ms"], max_nodes=cfg.max_nodes,
                                            target_ranks=accuracy["target_ranks"])
+    predicted_nodes, timed = len(choices), None
+    if cfg.timed_prompts > 0:
+        sizes = shortlist(rates, latency["latency_ms"])
+        tree = greedy_tree(accuracy["acc"], max(sizes) - 1)  # every prefix is the best tree of its size
+        timed = time_trees(model, token_prompts[: cfg.timed_prompts], {n: tree[: n - 1] for n in sizes},
+                           max_new_tokens=cfg.timed_new_tokens)
+        choices = tree[: fastest(timed) - 1]
+        log.info("decoded %d tuning prompts with trees of %s nodes: kept %d (the latency profile's best: %d)",
+                 min(cfg.timed_prompts, len(token_prompts)), ", ".join(str(n - 1) for n in sorted(timed)), len(choices), predicted_nodes)
     expected = expected_accept_length(accuracy["acc"], choices)
     replayed = rates[len(choices) + 1]["replayed_tokens"]
     out = Path(cfg.export_dir)
     accuracy["prompt_source"] = cfg.prompts.source
     write_json(out / ACCURACY_FILE, accuracy)
+    chosen = {"predicted_nodes": predicted_nodes, "nodes": len(choices),
+              "by": "timed" if timed is not None else "predicted"}
+    if timed is not None:
+        chosen["timed"] = {str(k): v for k, v in timed.items()}
+        chosen["timed_prompts"] = min(cfg.timed_prompts, len(token_prompts))
+        chosen["timed_new_tokens"] = cfg.timed_new_tokens
     write_json(out / LATENCY_FILE, {**latency, "latency_ms": {str(k): v for k, v in latency["latency_ms"].items()},
-                                    "predicted": {str(k): v for k, v in rates.items()}, **(runtime or {})})
+                                    "predicted": {str(k): v for k, v in rates.items()}, "chosen": chosen,
+                                    **(runtime or {})})
     write_json(out / CHOICES_FILE, choices)
     log.info("tree of %d nodes, mean accepted tokens: %.3f replayed on the prompts' continuations, %.3f by the "
              "independent-heads formula", len(choices), replayed, expected)
     return {"medusa_choices": choices, "expected_accept_length": expected, "replayed_accept_length": replayed,
-            "head_accuracy": accuracy,
-            "latency_profile": latency, "rates": rates}
+            "head_accuracy": accuracy, "latency_profile": latency, "rates": rates, "chosen": chosen}
 

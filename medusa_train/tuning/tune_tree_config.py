@@ -49,6 +49,10 @@ class TuneTreeConfig:
         latency_from: reuse the ``latency_profile.json`` of this export folder (made for the same base, measured on
             the same device and dtype) instead of measuring: trees for several exports of one base are then chosen
             against one profile, whose timing noise no longer differs between them.
+        timed_prompts: the first this many tuning prompts (all of them when there are fewer) are decoded with every
+            tree predicted near the best (:mod:`medusa_train.tuning.timed`), and the fastest measured is kept; 0
+            keeps the predicted best.
+        timed_new_tokens: tokens per reply in that timing.
     """
 
     export_dir: str = MISSING
@@ -65,6 +69,8 @@ class TuneTreeConfig:
     context_length: int = 256
     repeats: int = 5
     latency_from: Optional[str] = None
+    timed_prompts: int = 4
+    timed_new_tokens: int = 64
 
     def validate(self) -> None:
         check_dtype_name(self.dtype)
@@ -79,6 +85,11 @@ class TuneTreeConfig:
             raise ValueError(f"max_new_tokens must be >= 4 to measure the heads, got {self.max_new_tokens}")
         if not self.latency_sizes or min(self.latency_sizes) < 1 or len(self.latency_sizes) < 2:
             raise ValueError(f"latency_sizes must hold at least two sizes >= 1, got {self.latency_sizes}")
+        if self.timed_prompts < 0:
+            raise ValueError(f"timed_prompts must be >= 0 (tuning prompts decoded with each candidate tree; 0: keep "
+                             f"the predicted best), got {self.timed_prompts}")
+        if self.timed_new_tokens < 8:
+            raise ValueError(f"timed_new_tokens must be >= 8 (tokens per timed reply), got {self.timed_new_tokens}")
         if self.latency_from is not None:
             read_latency_profile(self.latency_from)
 

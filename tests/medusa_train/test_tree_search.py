@@ -189,3 +189,40 @@ def test_tree_size_is_chosen_by_replayed_tokens_when_ranks_are_recorded():
     assert by_replay == [[0]]  # the second node adds nothing on the recording: 20 tokens / 15 passes either way
     assert rates[2]["replayed_tokens"] == rates[3]["replayed_tokens"] == pytest.approx(20 / 15)
     assert rates[2]["tokens_per_s"] == pytest.approx(20 / 15 / 10.0 * 1000.0)
+
+
+def test_the_shortlist_times_the_predicted_best_and_the_measured_sizes_near_it():
+    from medusa_train.tuning.timed import shortlist
+
+    rates = {n: {"tokens_per_s": r} for n, r in {2: 10.0, 3: 12.0, 4: 11.0, 8: 8.5, 16: 6.0}.items()}
+    assert shortlist(rates, [1, 2, 4, 8, 16]) == [2, 3, 4, 8]  # 3 is the best; 16 (0.5 of it) is left out
+    assert shortlist(rates, [1, 2, 4, 8, 16], ratio=1.0) == [3]
+    with pytest.raises(ValueError, match=r"shortlist ratio must be in \(0, 1\], got 0"):
+        shortlist(rates, [2], ratio=0)
+    with pytest.raises(ValueError, match="no candidate tree sizes"):
+        shortlist({}, [2])
+
+
+def test_timed_trees_count_what_the_decoder_decodes():
+    from inference.decoders.base import DecodeConfig
+    from inference.decoders.medusa import MedusaDecoder
+    from medusa_train.model import MedusaModel, new_heads_for
+    from medusa_train.tuning.timed import fastest, time_trees
+    from tests.conftest import make_tiny_model
+
+    base = make_tiny_model("llama")
+    model = MedusaModel(base, new_heads_for(base, num_heads=2)).eval()
+    prompts = [[1, 5, 9, 3], [7, 7, 2]]
+    trees = {2: [[0]], 4: [[0], [1], [0, 0]]}
+    timed = time_trees(model, prompts, trees, max_new_tokens=12)
+    assert set(timed) == {2, 4} and timed[fastest(timed)]["tokens_per_s"] == max(r["tokens_per_s"]
+                                                                                  for r in timed.values())
+    for n, row in timed.items():
+        direct = [MedusaDecoder(model, trees[n]).generate(p, DecodeConfig(max_new_tokens=12)) for p in prompts]
+        passes = sum(r.forward_passes for r in direct)
+        assert row["tokens"] == 2 * 11 == sum(r.new_tokens - 1 for r in direct)  # no EOS: every reply is 12
+        assert row["mean_accepted_tokens"] == pytest.approx(row["tokens"] / passes)
+        assert row["step_ms"] == pytest.approx(1000 * row["seconds"] / passes)
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
+    with pytest.raises(ValueError, match="at least one prompt and one tree"):
+        time_trees(model, [], trees)

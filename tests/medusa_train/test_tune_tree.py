@@ -40,7 +40,7 @@ def test_tune_tree_writes_a_valid_tree_for_the_export(tiny_export):
         cfg = compose("tune_tree", overrides=[f"export_dir={export}", "prompts.source=jsonl",
                                               f"prompts.path={prompts}", "max_new_tokens=12", "topk=4",
                                               "latency_sizes=[1,4,8]", "context_length=16", "repeats=1",
-                                              "max_nodes=7"])
+                                              "max_nodes=7", "timed_new_tokens=10"])
     result = run(cfg)
     choices = json.loads((export / "medusa_choices.json").read_text())
     acc = json.loads((export / "head_accuracy.json").read_text())
@@ -59,6 +59,50 @@ def test_tune_tree_writes_a_valid_tree_for_the_export(tiny_export):
     assert all(len(ranks) == 3 and all(-1 <= r < 4 for r in ranks) for s in states for ranks in s)
     assert result["replayed_accept_length"] == pytest.approx(replayed_accept_length(states, choices))
     assert latency["predicted"][str(len(choices) + 1)]["replayed_tokens"] == result["replayed_accept_length"]
+    # the size was chosen by decoding the 3 prompts with the shortlisted trees: the fastest measured is kept
+    chosen = latency["chosen"]
+    timed = {int(n): row for n, row in chosen["timed"].items()}
+    assert chosen["by"] == "timed" and chosen["nodes"] == len(choices) and chosen["timed_prompts"] == 3  # all 3
+    assert chosen["predicted_nodes"] + 1 in timed and len(choices) + 1 in timed
+    assert len(choices) + 1 == max(timed, key=lambda n: timed[n]["tokens_per_s"])
+    for row in timed.values():  # no EOS: 3 prompts x 9 tokens after the prefill's, for every tree
+        assert row["tokens"] == 3 * 9 and 1.0 <= row["mean_accepted_tokens"] <= 4.0
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
+
+
+def test_the_tree_decoded_fastest_is_kept_over_the_predicted_best(tiny_export, monkeypatch):
+    from medusa_train.cli.tune_tree import run
+    from medusa_train.tuning.search import greedy_tree
+
+    export, prompts = tiny_export
+    seen = {}
+
+    def timed_by_hand(model, token_prompts, trees, max_new_tokens):
+        seen.update(trees=trees, prompts=len(token_prompts), tokens=max_new_tokens)
+        slowest_first = sorted(trees)  # the largest tree decodes fastest here, whatever the profile predicted
+        return {n: {"tokens_per_s": float(i + 1), "mean_accepted_tokens": 1.0, "step_ms": 1.0, "tokens": 1,
+                    "seconds": 1.0} for i, n in enumerate(slowest_first)}
+
+    monkeypatch.setattr("medusa_train.tuning.tune.time_trees", timed_by_hand)
+    overrides = [f"export_dir={export}", "prompts.source=jsonl", f"prompts.path={prompts}", "max_new_tokens=12",
+                 "topk=4", "latency_sizes=[1,2,4,8]", "context_length=16", "repeats=1", "max_nodes=7",
+                 "timed_prompts=2", "timed_new_tokens=20"]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        result = run(compose("tune_tree", overrides=overrides))
+        off = compose("tune_tree", overrides=[*overrides[:-2], "timed_prompts=0"])
+        negative = compose("tune_tree", overrides=[*overrides[:-2], "timed_prompts=-1"])
+    acc = result["head_accuracy"]["acc"]
+    largest = max(seen["trees"])
+    assert seen["prompts"] == 2 and seen["tokens"] == 20
+    assert all(tree == greedy_tree(acc, n - 1) for n, tree in seen["trees"].items())  # each the best of its size
+    assert result["medusa_choices"] == greedy_tree(acc, largest - 1) and result["chosen"]["by"] == "timed"
+    assert set(seen["trees"]) >= {result["chosen"]["predicted_nodes"] + 1}
+    assert set(seen["trees"]) <= {2, 4, 8, result["chosen"]["predicted_nodes"] + 1}  # measured sizes + the best
+    with pytest.raises(ValueError, match=r"timed_prompts must be >= 0 .* got -1"):
+        run(negative)
+    predicted = run(off)  # 0: the predicted best, nothing decoded
+    assert predicted["chosen"] == {"predicted_nodes": len(predicted["medusa_choices"]),
+                                   "nodes": len(predicted["medusa_choices"]), "by": "predicted"}
 
 
 def test_tune_tree_rejects_bad_budget_before_loading(tiny_export):

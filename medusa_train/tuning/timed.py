@@ -1,0 +1,97 @@
+"""Candidate trees timed end to end: Medusa decoding of real prompts with each, the fastest kept.
+
+The latency profile predicts a tree's speed as (replayed τ) / t(n), t(n) the bare pass over n tokens. What a decoding
+step costs also holds what the profile leaves out (drafting, acceptance, cache compaction, the per-step work shared
+with plain decoding), and the profile itself is a few passes on a machine that drifts: measured on a 2-core Xeon with
+AMX in bf16, the profile read a pass over 12 tokens at 0.98 of one token while the decoder's steps over that tree cost
+about 1.2 vanilla steps. The Medusa paper (Sec. 2.3.3) picks the tree size from the predicted acceleration over the
+measured overhead of each size, as the profile does; here the sizes predicted near the best are then decoded for
+real, taking turns on the same prompts, and the one with the most tokens per second of decoding wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from inference.decoders.base import DecodeConfig
+from inference.decoders.medusa import MedusaDecoder
+from inference.tree import TOPK
+
+# Sizes timed: those predicted at least this share of the best predicted tokens/s (the profile's error seen so far
+# is about 25%), among the measured profile sizes and the predicted best.
+SHORTLIST_RATIO = 0.7
+
+
+def shortlist(rates: dict[int, dict[str, float]], measured_sizes: Sequence[int], ratio: float = SHORTLIST_RATIO
+              ) -> list[int]:
+    """Tree sizes worth timing, in tokens a pass (nodes + the root), ascending.
+
+    Args:
+        rates: ``{n: {"tokens_per_s": float, ...}}`` predicted for every candidate size n
+            (:func:`medusa_train.tuning.search.best_tree_for_latency`'s table).
+        measured_sizes: the sizes whose latency was measured rather than interpolated.
+        ratio: keep sizes predicted at least ``ratio`` of the best.
+
+    Returns:
+        The best predicted size and every measured size predicted within ``ratio`` of it.
+
+    Raises:
+        ValueError: an empty table or a ratio outside (0, 1].
+    """
+    if not rates:
+        raise ValueError("no candidate tree sizes to time")
+    if not 0 < ratio <= 1:
+        raise ValueError(f"shortlist ratio must be in (0, 1], got {ratio}")
+    best = max(rates, key=lambda n: rates[n]["tokens_per_s"])
+    floor = ratio * rates[best]["tokens_per_s"]
+    return sorted({best} | {n for n in measured_sizes if n in rates and rates[n]["tokens_per_s"] >= floor})
+
+
+def time_trees(model: Any, prompts: Sequence[Sequence[int]], trees: dict[int, list[list[int]]],
+               max_new_tokens: int = 64) -> dict[int, dict[str, float]]:
+    """Decode every prompt greedily with every tree, the trees taking turns per prompt (after one warm-up reply
+    each), and total each tree's decoding passes.
+
+    Args:
+        model: a :class:`~medusa_train.model.MedusaModel` in the dtype and on the kernels that will decode.
+        prompts: token-id lists (non-empty).
+        trees: ``{n: medusa_choices}``, n the tokens a pass (nodes + the root).
+        max_new_tokens: tokens per reply; no EOS, so every tree decodes the same number of tokens.
+
+    Returns:
+        ``{n: {"tokens_per_s", "mean_accepted_tokens", "step_ms", "tokens", "seconds"}}``: tokens after the first
+        over the seconds after the prefill (the prefill is the same for every tree), τ and the mean step time.
+
+    Raises:
+        ValueError: no prompts, no trees, or an invalid tree (from :class:`~inference.decoders.medusa.MedusaDecoder`).
+    """
+    if not prompts or not trees:
+        raise ValueError("time_trees needs at least one prompt and one tree")
+    config = DecodeConfig(max_new_tokens=max_new_tokens)
+    # The candidates every decoder takes per head: medusa-eval's, or more when a tree ranks deeper.
+    topk = max([TOPK] + [1 + max(path) for choices in trees.values() for path in choices])
+    decoders = {n: MedusaDecoder(model, choices, topk=topk) for n, choices in trees.items()}
+    for decoder in decoders.values():
+        decoder.generate(list(prompts[0]), config)  # warm-up: first calls pay allocation and kernel selection
+    totals = {n: {"tokens": 0, "seconds": 0.0, "passes": 0} for n in trees}
+    for prompt in prompts:
+        for n, decoder in decoders.items():
+            result = decoder.generate(list(prompt), config)
+            totals[n]["tokens"] += result.new_tokens - 1
+            totals[n]["seconds"] += result.wall_time_s - result.prefill_time_s
+            totals[n]["passes"] += result.forward_passes
+    out: dict[int, dict[str, float]] = {}
+    for n, t in totals.items():
+        seconds, passes = max(t["seconds"], 1e-9), max(t["passes"], 1)
+        out[n] = {"tokens_per_s": t["tokens"] / seconds, "mean_accepted_tokens": t["tokens"] / passes,
+                  "step_ms": 1000.0 * seconds / passes, "tokens": t["tokens"], "seconds": t["seconds"]}
+    return out
+
+
+def fastest(timed: dict[int, dict[str, float]]) -> int:
+    """The size with the most tokens per second in :func:`time_trees`' table."""
+    return max(timed, key=lambda n: timed[n]["tokens_per_s"])
+
+
+__all__ = ["SHORTLIST_RATIO", "fastest", "shortlist", "time_trees"]
