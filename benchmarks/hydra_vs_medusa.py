@@ -85,7 +85,8 @@ def tune(export: Path, args: argparse.Namespace, latency_from: Path | None = Non
     from medusa_train.cli.tune_tree import run
 
     overrides = [f"export_dir={export}", f"prompts.num_prompts={args.tune_num_prompts}",
-                 f"max_new_tokens={args.max_new_tokens}", f"topk={args.topk}", f"max_nodes={args.max_nodes}"]
+                 f"max_new_tokens={args.max_new_tokens}", f"topk={args.topk}", f"max_nodes={args.max_nodes}",
+                 "timed_prompts=0"]  # both trees from one latency profile: no timing noise of their own
     if latency_from is not None:
         overrides.append(f"latency_from={latency_from}")
     overrides += prompt_overrides("prompts", args.tune_prompts, args.tune_offset)

@@ -40,8 +40,9 @@ def run(cfg: DictConfig) -> dict:
     if chosen["by"] == "timed":
         print(f"decoding {chosen['timed_prompts']} tuning prompts x {tc.timed_new_tokens} tokens with each shortlisted tree:")
         for n, row in sorted(chosen["timed"].items(), key=lambda kv: int(kv[0])):
+            predicted = result["rates"][int(n)]["tokens_per_s"]
             print(f"  {int(n) - 1:>3d} nodes  {row['tokens_per_s']:7.2f} tokens/s  tau {row['mean_accepted_tokens']:.2f}"
-                  f"  {row['step_ms']:6.1f} ms a step  (predicted {result['rates'][int(n)]['tokens_per_s']:.2f})")
+                  f"  {row['step_ms']:6.1f} ms a step  (predicted {predicted:.2f})")
         print(f"kept the fastest: {chosen['nodes']} nodes (the latency profile's best: {chosen['predicted_nodes']})")
     print(f"tree: {len(result['medusa_choices'])} nodes, mean accepted tokens "
           f"{result['replayed_accept_length']:.3f} replayed on the tuning prompts "

@@ -214,9 +214,11 @@ def _tree(contents: ExportContents) -> str:
     if choices is None:
         return ""
     latency = contents.tree.get("latency_profile")
+    timed = isinstance(latency, dict) and (latency.get("chosen") or {}).get("by") == "timed"
     tuned = (f" Tuned by `medusa-tune-tree` for `{latency.get('device', '?')}` in `{latency.get('dtype', '?')}` "
-             "from the head accuracies and the verification latency of each tree size (`latency_profile.json`)."
-             if isinstance(latency, dict) else "")
+             "from the head accuracies and the verification latency of each tree size"
+             + (", the sizes predicted best then decoded on tuning prompts" if timed else "")
+             + " (`latency_profile.json`)." if isinstance(latency, dict) else "")
     depth = max((len(p) for p in choices), default=0)
     width = max((max(p) for p in choices if p), default=-1) + 1
     return (f"## Tree (`medusa_choices.json`)\n\n"

@@ -47,13 +47,18 @@ DIGEST_SAMPLES = 4096
 @torch.no_grad()
 def base_weights_digest(model: nn.Module) -> str:
     """What identifies a base model's hidden states, independent of where its files are: sha256 (16 hex digits) of
-    every state-dict entry's name, shape and dtype and of up to :data:`DIGEST_SAMPLES` of its elements, evenly
-    strided (a fine-tuned, merged or requantized base changes every sampled tensor; reading a sample keeps this a
-    few MB for a 7B model)."""
+    the model config (its path and transformers version left out: RoPE, norm epsilon and attention settings change
+    the hidden states too) and of every state-dict entry's name, shape, dtype and about :data:`DIGEST_SAMPLES` of
+    its elements at an odd stride (not one column of a square matrix; a fine-tuned, merged or requantized base
+    changes every sampled tensor; reading a sample keeps this a few MB for a 7B model)."""
     digest = hashlib.sha256()
+    config = getattr(model, "config", None)
+    if config is not None:
+        settings = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+        digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // DIGEST_SAMPLES)].contiguous().cpu()
+        sample = flat[:: max(1, flat.numel() // DIGEST_SAMPLES) | 1].contiguous().cpu()
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
         digest.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
     return digest.hexdigest()[:16]
@@ -99,7 +104,9 @@ def _shard_problem(folder: Path, name: str, fingerprint: str, rows: list[int], v
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError:
         return "its description is unreadable"
-    if not (meta.get("version") == CACHE_VERSION and meta.get("fingerprint") == fingerprint
+    if meta.get("version") != CACHE_VERSION:
+        return f"written by cache version {meta.get('version')} (this one is {CACHE_VERSION})"
+    if not (meta.get("fingerprint") == fingerprint
             and meta.get("rows") == rows):
         return "built for other data (another dataset, base model or dtype)"
     if data_path.stat().st_size != meta.get("size"):
@@ -151,7 +158,7 @@ def build_hidden_cache(
     if problem.startswith("damaged"):
         log.warning("hidden cache: %s is %s; rebuilding it", target, problem)
     elif problem != "missing":
-        log.info("hidden cache: rebuilding %s: it is %s", target, problem)
+        log.info("hidden cache: rebuilding %s (%s)", target, problem)
     lengths = [len(dataset[i]["input_ids"]) for i in rows]
     hidden_parts: list[torch.Tensor | None] = [None] * len(rows)
     argmax_parts: list[torch.Tensor | None] = [None] * len(rows)

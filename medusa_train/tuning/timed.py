@@ -70,7 +70,8 @@ def time_trees(model: Any, prompts: Sequence[Sequence[int]], trees: dict[int, li
         raise ValueError("time_trees needs at least one prompt and one tree")
     config = DecodeConfig(max_new_tokens=max_new_tokens)
     # The candidates every decoder takes per head: medusa-eval's, or more when a tree ranks deeper.
-    topk = max([TOPK] + [1 + max(path) for choices in trees.values() for path in choices])
+    deepest = max(1 + max(path) for choices in trees.values() for path in choices)
+    topk = min(model.heads.spec.out_size, max(TOPK, deepest))
     decoders = {n: MedusaDecoder(model, choices, topk=topk) for n, choices in trees.items()}
     for decoder in decoders.values():
         decoder.generate(list(prompts[0]), config)  # warm-up: first calls pay allocation and kernel selection

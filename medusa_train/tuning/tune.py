@@ -59,7 +59,8 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
                            max_new_tokens=cfg.timed_new_tokens)
         choices = tree[: fastest(timed) - 1]
         log.info("decoded %d tuning prompts with trees of %s nodes: kept %d (the latency profile's best: %d)",
-                 min(cfg.timed_prompts, len(token_prompts)), ", ".join(str(n - 1) for n in sorted(timed)), len(choices), predicted_nodes)
+                 min(cfg.timed_prompts, len(token_prompts)), ", ".join(str(n - 1) for n in sorted(timed)),
+                 len(choices), predicted_nodes)
     expected = expected_accept_length(accuracy["acc"], choices)
     replayed = rates[len(choices) + 1]["replayed_tokens"]
     out = Path(cfg.export_dir)

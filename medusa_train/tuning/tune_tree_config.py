@@ -48,7 +48,8 @@ class TuneTreeConfig:
         repeats: timed repeats per size (median reported).
         latency_from: reuse the ``latency_profile.json`` of this export folder (made for the same base, measured on
             the same device and dtype) instead of measuring: trees for several exports of one base are then chosen
-            against one profile, whose timing noise no longer differs between them.
+            against one profile, whose timing noise no longer differs between them (with ``timed_prompts=0``; else
+            each export's size is chosen by its own timed decoding).
         timed_prompts: the first this many tuning prompts (all of them when there are fewer) are decoded with every
             tree predicted near the best (:mod:`medusa_train.tuning.timed`), and the fastest measured is kept; 0
             keeps the predicted best.

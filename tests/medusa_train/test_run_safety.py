@@ -399,7 +399,7 @@ def test_the_hidden_cache_follows_the_base_weights_not_their_path(inputs, tmp_pa
         changed.model.norm.weight.mul_(1.5)  # the final norm: every hidden state differs
     changed.save_pretrained(moved)  # retrained in place: same path, other hidden states
     text = run(moved, "third")
-    assert (f"hidden cache: rebuilding {shard}: it is built for other data (another dataset, base model or dtype)"
+    assert (f"hidden cache: rebuilding {shard} (built for other data (another dataset, base model or dtype))"
             in text and f"hidden cache: wrote {shard}" in text)
 
 

@@ -79,11 +79,14 @@ def test_the_tree_decoded_fastest_is_kept_over_the_predicted_best(tiny_export, m
 
     def timed_by_hand(model, token_prompts, trees, max_new_tokens):
         seen.update(trees=trees, prompts=len(token_prompts), tokens=max_new_tokens)
-        slowest_first = sorted(trees)  # the largest tree decodes fastest here, whatever the profile predicted
+        ranked = sorted(trees, reverse=seen["fastest"] == "smallest")  # the last decodes fastest, whatever predicted
         return {n: {"tokens_per_s": float(i + 1), "mean_accepted_tokens": 1.0, "step_ms": 1.0, "tokens": 1,
-                    "seconds": 1.0} for i, n in enumerate(slowest_first)}
+                    "seconds": 1.0} for i, n in enumerate(ranked)}
 
+    # which sizes are timed is shortlist's (test_tree_search.py); here: 2, 4 and 8 tokens, whatever the profile
+    monkeypatch.setattr("medusa_train.tuning.tune.shortlist", lambda rates, sizes: [2, 4, 8])
     monkeypatch.setattr("medusa_train.tuning.tune.time_trees", timed_by_hand)
+    seen["fastest"] = "largest"
     overrides = [f"export_dir={export}", "prompts.source=jsonl", f"prompts.path={prompts}", "max_new_tokens=12",
                  "topk=4", "latency_sizes=[1,2,4,8]", "context_length=16", "repeats=1", "max_nodes=7",
                  "timed_prompts=2", "timed_new_tokens=20"]
@@ -92,12 +95,13 @@ def test_the_tree_decoded_fastest_is_kept_over_the_predicted_best(tiny_export, m
         off = compose("tune_tree", overrides=[*overrides[:-2], "timed_prompts=0"])
         negative = compose("tune_tree", overrides=[*overrides[:-2], "timed_prompts=-1"])
     acc = result["head_accuracy"]["acc"]
-    largest = max(seen["trees"])
-    assert seen["prompts"] == 2 and seen["tokens"] == 20
+    assert seen["prompts"] == 2 and seen["tokens"] == 20 and sorted(seen["trees"]) == [2, 4, 8]
     assert all(tree == greedy_tree(acc, n - 1) for n, tree in seen["trees"].items())  # each the best of its size
-    assert result["medusa_choices"] == greedy_tree(acc, largest - 1) and result["chosen"]["by"] == "timed"
-    assert set(seen["trees"]) >= {result["chosen"]["predicted_nodes"] + 1}
-    assert set(seen["trees"]) <= {2, 4, 8, result["chosen"]["predicted_nodes"] + 1}  # measured sizes + the best
+    assert result["medusa_choices"] == greedy_tree(acc, 7) and result["chosen"]["by"] == "timed"
+    assert result["chosen"]["nodes"] == 7 and result["chosen"]["timed"]["8"]["tokens_per_s"] == 3.0
+    seen["fastest"] = "smallest"  # the other end: the choice follows the timing, not the profile
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        assert run(compose("tune_tree", overrides=overrides))["medusa_choices"] == greedy_tree(acc, 1)
     with pytest.raises(ValueError, match=r"timed_prompts must be >= 0 .* got -1"):
         run(negative)
     predicted = run(off)  # 0: the predicted best, nothing decoded
