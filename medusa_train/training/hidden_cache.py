@@ -40,7 +40,7 @@ from medusa_train.training.step import FrozenBase
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 3  # 2: descriptions hold the shard's size and sha256; 3: the base is named by its weights' digest
-# Elements read from each base tensor for its digest (evenly strided): a few MB for any model size.
+# Elements read from each base tensor for its digest (at an odd stride): a few MB for any model size.
 DIGEST_SAMPLES = 4096
 
 

@@ -52,15 +52,15 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
     choices, rates = best_tree_for_latency(accuracy["acc"], latency["latency_ms"], max_nodes=cfg.max_nodes,
                                            target_ranks=accuracy["target_ranks"])
     predicted_nodes, timed = len(choices), None
-    if cfg.timed_prompts > 0:
-        sizes = shortlist(rates, latency["latency_ms"])
+    timed_prompts = token_prompts[: cfg.timed_prompts]
+    if timed_prompts:
+        sizes = shortlist(rates, sorted(latency["latency_ms"]))
         tree = greedy_tree(accuracy["acc"], max(sizes) - 1)  # every prefix is the best tree of its size
-        timed = time_trees(model, token_prompts[: cfg.timed_prompts], {n: tree[: n - 1] for n in sizes},
+        timed = time_trees(model, timed_prompts, {n: tree[: n - 1] for n in sizes},
                            max_new_tokens=cfg.timed_new_tokens)
         choices = tree[: fastest(timed) - 1]
         log.info("decoded %d tuning prompts with trees of %s nodes: kept %d (the latency profile's best: %d)",
-                 min(cfg.timed_prompts, len(token_prompts)), ", ".join(str(n - 1) for n in sorted(timed)),
-                 len(choices), predicted_nodes)
+                 len(timed_prompts), ", ".join(str(n - 1) for n in sorted(timed)), len(choices), predicted_nodes)
     expected = expected_accept_length(accuracy["acc"], choices)
     replayed = rates[len(choices) + 1]["replayed_tokens"]
     out = Path(cfg.export_dir)
@@ -70,7 +70,7 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
               "by": "timed" if timed is not None else "predicted"}
     if timed is not None:
         chosen["timed"] = {str(k): v for k, v in timed.items()}
-        chosen["timed_prompts"] = min(cfg.timed_prompts, len(token_prompts))
+        chosen["timed_prompts"] = len(timed_prompts)
         chosen["timed_new_tokens"] = cfg.timed_new_tokens
     write_json(out / LATENCY_FILE, {**latency, "latency_ms": {str(k): v for k, v in latency["latency_ms"].items()},
                                     "predicted": {str(k): v for k, v in rates.items()}, "chosen": chosen,

@@ -45,7 +45,7 @@ class TuneTreeConfig:
         max_nodes: largest tree considered (nodes, root excluded).
         latency_sizes: tree sizes (tokens incl. root) whose verification latency is measured.
         context_length: KV-cache length during the latency measurement.
-        repeats: timed repeats per size (median reported).
+        repeats: timed repeats per size (the fastest kept: timing noise only adds).
         latency_from: reuse the ``latency_profile.json`` of this export folder (made for the same base, measured on
             the same device and dtype) instead of measuring: trees for several exports of one base are then chosen
             against one profile, whose timing noise no longer differs between them (with ``timed_prompts=0``; else
