@@ -15,11 +15,15 @@ hold), and ``bfloat16`` on a CPU without bf16 instructions runs but warns with t
 
 The CPU's instruction-set flags come from ``/proc/cpuinfo`` (the kernel's view, Linux) and, where that file is
 missing, from ``torch.cpu.get_capabilities()`` (cpuinfo's CPUID query); both agree on the machines measured.
+``MEDUSA_CPU_FLAGS`` (flags separated by commas or spaces) replaces them: the test suite sets it to run as an
+AVX2-only, AVX-512 BF16 or AMX CPU on any machine (``pytest --cpu=...``), subprocesses included. It changes only what
+``auto`` decides and records; the kernels that run are the machine's own.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import warnings
 from dataclasses import dataclass, field
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 
 AUTO = "auto"
+CPU_FLAGS_ENV = "MEDUSA_CPU_FLAGS"  # replaces the CPU's flags (module docstring)
 DEFAULT_DTYPE = AUTO  # the default ``dtype`` of every command that runs a model for inference (eval, tune, generate)
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 # The instruction-set flags worth recording beside a measurement (what decides the speed of fp32 and bf16 kernels).
@@ -81,7 +86,11 @@ def _cpuinfo_flags(path: str) -> frozenset[str] | None:
 
 
 def cpu_flags() -> frozenset[str]:
-    """The CPU's instruction-set flags (``/proc/cpuinfo``, else ``torch.cpu.get_capabilities()``), lower case."""
+    """The CPU's instruction-set flags, lower case: ``MEDUSA_CPU_FLAGS`` where set (see the module docstring), else
+    ``/proc/cpuinfo``, else ``torch.cpu.get_capabilities()``."""
+    forced = os.environ.get(CPU_FLAGS_ENV)
+    if forced is not None:
+        return frozenset(forced.replace(",", " ").lower().split())
     flags = _cpuinfo_flags("/proc/cpuinfo")
     if flags is not None:
         return flags
@@ -179,5 +188,5 @@ def choose_dtype(requested: str | None, device: torch.device | str) -> DtypeChoi
     return DtypeChoice(requested, dtype, kind, "requested" + (f" ({warning})" if warning else ""), warning, isa)
 
 
-__all__ = ["AUTO", "BF16_FLAGS", "DEFAULT_DTYPE", "DtypeChoice", "check_dtype_name", "choose_dtype", "cpu_flags",
+__all__ = ["AUTO", "BF16_FLAGS", "CPU_FLAGS_ENV", "DEFAULT_DTYPE", "DtypeChoice", "check_dtype_name", "choose_dtype", "cpu_flags",
            "cpu_isa", "dtype_names", "parse_dtype"]

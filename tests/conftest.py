@@ -15,6 +15,34 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 VOCAB = 97
 HIDDEN = 32
 
+# The CPU kinds this project's machines come in, by the flags that decide dtype=auto (medusa_train.precision).
+AVX2_ONLY = frozenset({"fpu", "sse2", "avx", "avx2", "fma"})
+ZEN4 = AVX2_ONLY | {"avx512f", "avx512_bf16"}
+SAPPHIRE_RAPIDS = AVX2_ONLY | {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
+CPU_KINDS = {"avx2": AVX2_ONLY, "avx512_bf16": ZEN4, "amx": SAPPHIRE_RAPIDS}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu", choices=("native", *CPU_KINDS), default="native",
+                     help="run the suite as this kind of CPU: its flags replace the machine's (MEDUSA_CPU_FLAGS, "
+                          "subprocesses included), so dtype=auto resolves as there; the kernels stay this machine's")
+
+
+def pytest_configure(config):
+    from medusa_train.precision import CPU_FLAGS_ENV
+
+    kind = config.getoption("--cpu")
+    if kind != "native":
+        os.environ[CPU_FLAGS_ENV] = ",".join(sorted(CPU_KINDS[kind]))
+
+
+def pytest_report_header(config):
+    from medusa_train.precision import CPU_FLAGS_ENV, choose_dtype, cpu_isa
+
+    faked = f" (faked: --cpu={config.getoption('--cpu')})" if CPU_FLAGS_ENV in os.environ else ""
+    return (f"cpu flags{faked}: {', '.join(cpu_isa()['flags']) or 'none of note'}; "
+            f"dtype=auto -> {choose_dtype('auto', 'cpu').name} on the CPU")
+
 # family -> (config class, kwargs): two layers, small hidden size, an odd vocabulary so shape bugs show.
 FAMILIES = {
     "llama": (transformers.LlamaConfig, dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,

@@ -368,7 +368,7 @@ def test_hydra_multirun_writes_one_table(export, prompts, tmp_path, monkeypatch)
     monkeypatch.setattr(sys, "argv", [
         "medusa-eval", "-m", f"export_dir={export}", f"prompts={prompts}", f"output_dir={out}", "decoders=[medusa]",
         "max_new_tokens=6", "num_prompts=1", "max_turns=1", "progress=false", "warmup=0", "plots=false", "threads=1",
-        "decoder.medusa.topk=2,3", "hydra/job_logging=none", "hydra/hydra_logging=none"])
+        "dtype=float32", "decoder.medusa.topk=2,3", "hydra/job_logging=none", "hydra/hydra_logging=none"])
     main()
     rows = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
     assert [(r["decoder"], r["overrides"]["decoder.medusa.topk"]) for r in rows] == [("medusa", "2"), ("medusa", "3")]

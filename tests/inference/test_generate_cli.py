@@ -45,8 +45,11 @@ def stories_export(tmp_path_factory):
 
 
 def _compose(*overrides: str):
+    # float32 unless a test asks otherwise: the replies are compared with a float32 VanillaDecoder's, and dtype=auto
+    # would be bf16 on some CPUs and fp32 on others
+    dtype = [] if any(o.startswith("dtype=") for o in overrides) else ["dtype=float32"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("generate", overrides=list(overrides))
+        return compose("generate", overrides=[*overrides, *dtype])
 
 
 def test_generate_streams_the_greedy_reply_and_its_stats(stories_export):

@@ -18,14 +18,11 @@ from medusa_train.loading.medusa import export_extra_config
 from medusa_train.model import new_heads_for
 from medusa_train.paths import CONF_DIR
 from medusa_train.precision import BF16_WITHOUT_INSTRUCTIONS, choose_dtype, cpu_isa
-from tests.conftest import make_tiny_model, make_tiny_tokenizer
+from tests.conftest import AVX2_ONLY, SAPPHIRE_RAPIDS, ZEN4, make_tiny_model, make_tiny_tokenizer
 
 register_evaluate_schemas()  # what conf/evaluate.yaml composes from
 register_tune_tree_schemas()  # and conf/tune_tree.yaml
 
-AVX2_ONLY = frozenset({"fpu", "sse2", "avx", "avx2", "fma"})
-ZEN4 = AVX2_ONLY | {"avx512f", "avx512_bf16"}
-SAPPHIRE_RAPIDS = AVX2_ONLY | {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
 
 
 @pytest.fixture
@@ -82,12 +79,35 @@ def test_unknown_names_are_refused():
     ModelConfig(name_or_path="x", dtype="auto").validate()
 
 
-def test_this_machines_flags_come_from_proc_cpuinfo_or_torch():
+def test_this_machines_flags_come_from_proc_cpuinfo_or_torch(monkeypatch):
+    monkeypatch.delenv(precision.CPU_FLAGS_ENV, raising=False)  # the machine's own, whatever --cpu the suite runs as
     isa = cpu_isa()
     caps = torch.cpu.get_capabilities()
     if caps.get("architecture") == "x86_64" or isa["machine"] == "x86_64":
         # the kernel's view and cpuinfo's CPUID query agree on the bf16 instructions
         assert isa["bf16_instructions"] == bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+@pytest.mark.parametrize("value, dtype", [("avx2 fma", torch.float32), ("AVX2,avx512f,avx512_bf16", torch.bfloat16),
+                                          ("avx2, amx_tile, amx_bf16", torch.bfloat16), ("", torch.float32)])
+def test_medusa_cpu_flags_replaces_the_machines_flags_for_auto(monkeypatch, value, dtype):
+    monkeypatch.setenv(precision.CPU_FLAGS_ENV, value)
+    assert precision.cpu_flags() == frozenset(value.replace(",", " ").lower().split())
+    choice = choose_dtype("auto", "cpu")
+    assert choice.dtype == dtype and choice.cpu["bf16_instructions"] == (dtype == torch.bfloat16)
+
+
+def test_the_suites_cpu_option_reaches_subprocesses(pytestconfig):
+    """``pytest --cpu=KIND`` sets MEDUSA_CPU_FLAGS, so a command a test runs resolves auto as that CPU too."""
+    import subprocess
+    import sys
+
+    code = "from medusa_train.precision import choose_dtype; print(choose_dtype('auto', 'cpu').name)"
+    seen = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert seen == choose_dtype("auto", "cpu").name
+    kind = pytestconfig.getoption("--cpu")
+    if kind != "native":
+        assert seen == ("float32" if kind == "avx2" else "bfloat16")
 
 
 @pytest.fixture

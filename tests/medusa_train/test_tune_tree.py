@@ -40,7 +40,7 @@ def test_tune_tree_writes_a_valid_tree_for_the_export(tiny_export):
         cfg = compose("tune_tree", overrides=[f"export_dir={export}", "prompts.source=jsonl",
                                               f"prompts.path={prompts}", "max_new_tokens=12", "topk=4",
                                               "latency_sizes=[1,4,8]", "context_length=16", "repeats=1",
-                                              "max_nodes=7", "timed_new_tokens=10"])
+                                              "max_nodes=7", "timed_new_tokens=10", "dtype=float32"])
     result = run(cfg)
     choices = json.loads((export / "medusa_choices.json").read_text())
     acc = json.loads((export / "head_accuracy.json").read_text())
@@ -89,7 +89,7 @@ def test_the_tree_decoded_fastest_is_kept_over_the_predicted_best(tiny_export, m
     seen["fastest"] = "largest"
     overrides = [f"export_dir={export}", "prompts.source=jsonl", f"prompts.path={prompts}", "max_new_tokens=12",
                  "topk=4", "latency_sizes=[1,2,4,8]", "context_length=16", "repeats=1", "max_nodes=7",
-                 "timed_prompts=2", "timed_new_tokens=20"]
+                 "dtype=float32", "timed_prompts=2", "timed_new_tokens=20"]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         result = run(compose("tune_tree", overrides=overrides))
         off = compose("tune_tree", overrides=[*overrides[:-2], "timed_prompts=0"])
