@@ -88,7 +88,7 @@ if [[ "$dry" == true ]]; then
          export_vllm=true)
   launcher=(env OMP_NUM_THREADS=1 torchrun)  # two CPU ranks on a shared machine: one thread each
   tune=(device=cpu dtype=float32 prompts.num_prompts=2 max_new_tokens=8 'latency_sizes=[1,2,4]' context_length=32 repeats=1
-        max_nodes=7)
+        max_nodes=7 timed_prompts=1 timed_new_tokens=8)
   eval_args=(device=cpu dtype=float32 num_prompts=1 max_new_tokens=8 warmup=0 decoder.draft.num_layers=4
              decoder.hf_assisted.num_layers=4)
   ranks2=true
