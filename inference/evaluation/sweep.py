@@ -19,8 +19,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from inference.evaluation.eval_folder import RUN_FILE
+
 SUMMARY_FILE = "summary.json"
-RUN_FILE = "run.json"
 SWEEP_MD = "sweep.md"
 SWEEP_JSONL = "sweep.jsonl"
 
