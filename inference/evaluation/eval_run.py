@@ -12,6 +12,10 @@ Files in the output folder:
   ``summary.md`` (a table per category and overall), ``summary_details.json`` (the same tables by category and the
   accepted-length histogram), PNG plots.
 
+The folder must be new, empty or a run of ours (:mod:`inference.evaluation.eval_folder`: ``run.json`` records
+``"tool": "medusa-eval"``), or the run is refused before any model loads; a run holds the folder's lock from then to
+its end, so a second run into the folder is refused while the first runs.
+
 A rerun in the same folder resumes: finished rows are kept, the rest measured; more prompts or turns extend the run
 (:data:`~inference.evaluation.eval_config.RESUMABLE_KEYS`). A decoder whose settings or resolved inputs changed (e.g. the
 tree ``medusa-tune-tree`` rewrote, or new heads) has its rows measured again, the old ones moved to
@@ -36,6 +40,7 @@ from inference.decoders.base import max_positions
 from inference.decoders.chat import eos_ids
 from inference.evaluation.eval_config import BASELINE, RESUMABLE_KEYS, EvaluateConfig
 from inference.evaluation.environment import describe_environment
+from inference.evaluation.eval_folder import TOOL, TOOL_KEY, check_eval_dir, hold_eval_dir, hydra_entries
 from inference.evaluation.plots import write_plots
 from inference.evaluation.divergence import explain_divergences, find_divergences, rounding_noise
 from inference.evaluation.provenance import MEASURED_WITH, decoder_identity, differences, fingerprint, run_identity
@@ -210,13 +215,26 @@ def evaluate(cfg: DictConfig | EvaluateConfig, output_dir: str | Path | None = N
     Raises:
         ValueError / FileNotFoundError: bad settings, an unknown decoder, a malformed prompt file (line named),
             results of other shared settings or another base model in the folder, an export without heads or
-            without a base model: all before a model is loaded. Decoders that cannot be built for this model (e.g.
-            a self-layers draft as deep as the target): all named at once, before any decoding.
+            without a base model, an output folder holding files that are not a medusa-eval run
+            (:class:`~inference.evaluation.eval_folder.EvalDirError`): all before a model is loaded. Decoders that
+            cannot be built for this model (e.g. a self-layers draft as deep as the target): all named at once,
+            before any decoding.
+        LockHeldError: another run is writing into the folder (named), before a model is loaded.
     """
     ec: EvaluateConfig = as_dataclass(EvaluateConfig, cfg)  # validates names and every decoder's settings
     hydra_dir, hydra_overrides = _hydra_runtime()
     out = Path(output_dir or hydra_dir or ec.output_dir)
     overrides = hydra_overrides if overrides is None else overrides
+    check_eval_dir(out, hydra_entries())
+    lock = hold_eval_dir(out)
+    try:
+        return _evaluate(cfg, ec, out, overrides)
+    finally:
+        lock.release()
+
+
+def _evaluate(cfg: DictConfig | EvaluateConfig, ec: EvaluateConfig, out: Path, overrides: list[str]) -> dict[str, Any]:
+    """:func:`evaluate` in its checked and held folder ``out``."""
     order = ec.run_order()
     if BASELINE not in ec.decoders:
         log.info("adding %s: it is the baseline of speedup and exact match", BASELINE)
@@ -263,7 +281,7 @@ def _run(ec: EvaluateConfig, out: Path, overrides: list[str], prompts: list[Prom
     model_name = export_config.get(ORIGINAL_BASE_KEY, export_config.get("base_model_name_or_path")) \
         if ec.model is None else model_config_for_export(export_config, ec.model).name_or_path
     command = " ".join(["medusa-eval", *overrides]) if overrides else None
-    write_json(out / RUN_FILE, {"config": config, "overrides": overrides, "command": command,
+    write_json(out / RUN_FILE, {TOOL_KEY: TOOL, "config": config, "overrides": overrides, "command": command,
                                 "environment": environment, "model": model_name,
                                 "decoders": {name: b.info for name, b in built.items()},
                                 MEASURED_WITH: {"run": identity["run"], "decoders": identities,

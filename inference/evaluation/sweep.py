@@ -5,12 +5,18 @@ other than the baseline (one row per run when a single decoder is swept), with a
 between the runs; overrides shared by every run are listed above it. ``medusa-eval -m ...`` writes
 ``sweep.md`` and ``sweep.jsonl`` into the sweep folder when the multirun ends (:class:`SweepTableCallback`);
 ``python -m inference.evaluation.sweep RUN_OR_SWEEP_DIR...`` combines any folders by hand.
+
+A sweep folder that held files other than a medusa-eval sweep's when the multirun started (:func:`foreign_entries`)
+gets no table (it is printed, with a warning): each job writes only into its own numbered folder, checked as one
+run (:mod:`inference.evaluation.eval_folder`), and the table never replaces someone else's ``sweep.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,10 +25,14 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from inference.evaluation.eval_folder import RUN_FILE, is_our_run
+
+log = logging.getLogger(__name__)
+
 SUMMARY_FILE = "summary.json"
-RUN_FILE = "run.json"
 SWEEP_MD = "sweep.md"
 SWEEP_JSONL = "sweep.jsonl"
+MULTIRUN_FILE = "multirun.yaml"  # Hydra's record of the sweep
 
 
 def _natural(path: Path) -> list[Any]:
@@ -121,13 +131,42 @@ def write_sweep(out_dir: str | Path, run_dirs: Sequence[str | Path]) -> tuple[Pa
     return out / SWEEP_MD, rows
 
 
+def foreign_entries(sweep_dir: Path) -> list[str]:
+    """Entries of ``sweep_dir`` that a medusa-eval sweep did not write: anything but Hydra's ``multirun.yaml``, the
+    numbered job folders and the table, or a table without any numbered run of ours beside it."""
+    if not sweep_dir.is_dir():
+        return []
+    entries = set(os.listdir(sweep_dir)) - {MULTIRUN_FILE}
+    jobs = {e for e in entries if e.isdigit() and (sweep_dir / e).is_dir()}
+    tables = entries & {SWEEP_MD, SWEEP_JSONL}
+    other = sorted(entries - jobs - tables)
+    if other:
+        return other
+    return sorted(tables) if tables and not any(is_our_run(sweep_dir / job) for job in jobs) else []
+
+
 class SweepTableCallback(Callback):
-    """Hydra callback: when a multirun ends, combine its runs into ``sweep.md`` / ``sweep.jsonl`` and print it."""
+    """Hydra callback: when a multirun ends, combine its runs into ``sweep.md`` / ``sweep.jsonl`` and print it (only
+    printed when the sweep folder held other files at the start, see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.foreign: list[str] = []
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.foreign = foreign_entries(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         runs = [p.parent for p in sorted(sweep_dir.glob(f"*/{SUMMARY_FILE}"), key=_natural)]
         if not runs:
+            return
+        if self.foreign:
+            shown = ", ".join(self.foreign[:5]) + (f" and {len(self.foreign) - 5} more" if len(self.foreign) > 5
+                                                   else "")
+            log.warning("output_dir %s held files that are not a medusa-eval sweep (%s): %s and %s are not written "
+                        "there; write them elsewhere with `python -m inference.evaluation.sweep %s --out NEW_DIR`",
+                        sweep_dir, shown, SWEEP_MD, SWEEP_JSONL, sweep_dir)
+            print(f"\nsweep of {len(runs)} runs\n\n{sweep_markdown(sweep_rows(runs))}")
             return
         path, _ = write_sweep(sweep_dir, runs)
         print(f"\nsweep of {len(runs)} runs -> {path}\n\n{path.read_text()}")
@@ -148,4 +187,5 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["SweepTableCallback", "find_runs", "run_overrides", "sweep_markdown", "sweep_rows", "write_sweep"]
+__all__ = ["SweepTableCallback", "find_runs", "foreign_entries", "run_overrides", "sweep_markdown", "sweep_rows",
+           "write_sweep"]

@@ -1,14 +1,24 @@
-"""``medusa-tune-tree export_dir=DIR``: choose ``medusa_choices`` for these heads on this hardware."""
+"""``medusa-tune-tree export_dir=DIR``: choose ``medusa_choices`` for these heads on this hardware.
+
+The run holds the export folder's lock (:data:`~medusa_train.run_lock.EXPORT_LOCK`) from before the model loads to
+the last file written: a second tuning of the folder, or an export into it, is refused while it runs (their timings
+would interleave, and the last writer's tree would win).
+"""
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from medusa_train.cli.app import hydra_app, register_shared_schemas
 from medusa_train.config import as_dataclass
+from medusa_train.run_lock import EXPORT_LOCK, RunLock
 from medusa_train.tuning.tune_tree_config import register_tune_tree_schema
+
+if TYPE_CHECKING:
+    from medusa_train.tuning.tune_tree_config import TuneTreeConfig
 
 
 def register_schemas() -> None:
@@ -19,12 +29,23 @@ def register_schemas() -> None:
 
 
 def run(cfg: DictConfig) -> dict:
+    """Tune ``cfg.export_dir`` holding its lock; returns :func:`~medusa_train.tuning.tune.tune_tree`'s result.
+
+    Raises:
+        LockHeldError: another process holds the export folder (its pid, host and command named).
+    """
+    from medusa_train.tuning.tune_tree_config import TuneTreeConfig
+
+    tc = as_dataclass(TuneTreeConfig, cfg)
+    with RunLock.acquire(tc.export_dir, EXPORT_LOCK, field="export_dir"):
+        return _run(tc)
+
+
+def _run(tc: TuneTreeConfig) -> dict:
     from medusa_train.loading.runtime import load_for_inference
     from medusa_train.prompts import load_prompts
-    from medusa_train.tuning.tune_tree_config import TuneTreeConfig
     from medusa_train.tuning.tune import tune_tree
 
-    tc: TuneTreeConfig = as_dataclass(TuneTreeConfig, cfg)
     model, tokenizer, _, runtime = load_for_inference(tc.export_dir, model=tc.model, dtype=tc.dtype, device=tc.device,
                                                       cpu_kernels=tc.cpu_kernels)
     if tc.topk > model.heads.spec.out_size:

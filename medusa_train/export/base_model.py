@@ -25,6 +25,8 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from medusa_train.export.files import set_default_modes
+
 BASE_DIR = "base"
 
 
@@ -49,6 +51,7 @@ def save_base_model(
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        set_default_modes(tmp)  # mkdtemp's folder is 0o700 and safetensors writes 0o600: a shared export needs both
         old = None
         if target.exists():
             old = out / f".{name}.old-{os.getpid()}"

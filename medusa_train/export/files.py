@@ -1,4 +1,8 @@
-"""File helpers for exports: atomic per-file writes, tensor/JSON reads whose errors name the file, checksums."""
+"""File helpers for exports: atomic per-file writes, tensor/JSON reads whose errors name the file, checksums.
+
+Every file written here gets the mode ``open()`` gives a new file (``0o666`` less the umask, typically ``0o644``):
+some writers (safetensors 0.8's ``save_file``) create theirs ``0o600``, which leaves a shared export half readable.
+"""
 
 from __future__ import annotations
 
@@ -18,15 +22,45 @@ from safetensors.torch import load_file, save_file
 _CORRUPT = (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError, UnicodeDecodeError)
 
 
+def umask() -> int:
+    """This process's umask (read from ``/proc/self/status``; elsewhere set and restored at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def default_mode(folder: bool = False) -> int:
+    """The permission bits ``open()`` (``0o666``) or ``mkdir`` (``0o777``) gives a new file or folder here."""
+    return (0o777 if folder else 0o666) & ~umask()
+
+
+def set_default_modes(folder: Path) -> None:
+    """Give ``folder``, and every file and folder under it, :func:`default_mode` (for trees written by other
+    libraries, e.g. ``save_pretrained`` into a ``tempfile.mkdtemp`` folder, ``0o700``, with ``0o600`` weights)."""
+    os.chmod(folder, default_mode(folder=True))
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), default_mode(folder=True))
+        for name in files:
+            os.chmod(os.path.join(root, name), default_mode())
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Write ``path`` through a temporary sibling and ``os.replace``: readers see the old file or the new, never half.
 
-    Other files in the folder are left alone, so re-exporting keeps what other tools wrote beside the weights.
+    The file gets :func:`default_mode` whatever ``write`` created it with. Other files in the folder are left alone.
     """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
         with open(tmp, "rb") as f:
+            os.fchmod(f.fileno(), default_mode())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:

@@ -48,10 +48,17 @@ measured. The cost is size: K x V x H instead of K x V' x H (SmolLM2-135M, K = 4
 instead of 43 MB; one V x H matrix with ``share_lm_head``). :func:`vllm_problem` names the layouts vLLM cannot
 reproduce; :func:`save_export` refuses them before writing anything.
 
-Files are replaced one by one (temporary sibling + ``os.replace``) rather than the folder as a whole, because
-other tools write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json`` and ``README.md`` into
-the same folder and a re-export must keep them. ``config.json`` is written last. Files of ours that the new export
-does not have (a stale ``token_map.safetensors``, ``vllm/`` when ``vllm=False``) are removed.
+The folder is written whole beside the old one and swapped in
+(:func:`~medusa_train.export.folder_swap.replace_folder`): a write that fails at any point (a full disk while
+``vllm/model.safetensors`` is written) leaves the previous export as it was, never new heads beside an old
+``config.json`` or ``vllm/``. What other commands wrote into the old folder is carried over into the new one, as
+re-exporting into the folder always kept it: ``medusa_choices.json``, ``head_accuracy.json``,
+``latency_profile.json`` (``medusa-tune-tree``; a re-export keeps the tuned tree, and ``medusa-eval`` notices the
+new heads by their checksum), ``README.md``, ``base/``, ``train_head_accuracy.json``, an ``eval/`` folder. Files of
+ours (:data:`OWNED_FILES`) that the new export does not have (a stale ``token_map.safetensors``, ``vllm/`` when
+``vllm=False``, the heads of the other kind) are not carried over. The export folder's lock is held while it is
+written: an export is refused while ``medusa-tune-tree`` tunes the folder. Files get the permissions ``open()``
+gives (``0o666`` less the umask).
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ from transformers import PreTrainedModel
 
 from medusa_train.export.configs import VLLM_TOKEN_MAP, export_config, vllm_config
 from medusa_train.export.files import write_json, write_safetensors, write_torch
+from medusa_train.export.folder_swap import replace_folder
 from medusa_train.export.layouts import FASTERDECODING, VLLM, check_finite, fasterdecoding_limitation, split_heads
 from medusa_train.head_types import DraftHeads
 from medusa_train.heads import MedusaHeads
@@ -82,6 +90,9 @@ TOKEN_MAP_FILE = "token_map.safetensors"
 HYDRA_WEIGHTS_FILE = "hydra_heads.safetensors"
 VLLM_DIR = "vllm"
 VLLM_WEIGHTS_FILE = "model.safetensors"
+# Every path save_export writes (relative to the export folder): never carried over from an earlier export.
+OWNED_FILES = (CONFIG_FILE, WEIGHTS_FILE, LEGACY_WEIGHTS_FILE, TOKEN_MAP_FILE, HYDRA_WEIGHTS_FILE,
+               f"{VLLM_DIR}/{VLLM_WEIGHTS_FILE}", f"{VLLM_DIR}/{CONFIG_FILE}")
 
 
 def save_export(
@@ -94,7 +105,8 @@ def save_export(
     base_model: PreTrainedModel | None = None,
     fasterdecoding: bool = True,
 ) -> Path:
-    """Export ``heads`` into ``out_dir`` (created if needed), keeping unrelated files already there.
+    """Export ``heads`` into ``out_dir`` (created if needed), replacing an earlier export there whole and keeping
+    what other commands wrote into it (see the module docstring).
 
     Weights are written in the heads' own dtype (``torch_dtype`` in config.json), as one contiguous CPU tensor per
     head and layer.
@@ -120,6 +132,9 @@ def save_export(
             or is not JSON-serialisable; ``share_lm_head`` with ``vllm`` or ``medusa_lm_head.pt`` but without
             ``base_model``; ``vllm`` with Hydra heads, or for heads vLLM cannot reproduce (:func:`vllm_problem`, the
             reason given); ``base_model`` does not match the heads (field named). All before anything is written.
+        LockHeldError: another process holds the export folder (a ``medusa-tune-tree`` run, or another export into
+            it), named; nothing is written.
+        OSError: writing failed (e.g. the disk is full); the previous export is left as it was.
     """
     spec = heads.spec
     out = Path(out_dir)
@@ -159,29 +174,24 @@ def save_export(
     if out.exists() and not out.is_dir():
         raise ValueError(f"export folder {out} exists and is not a folder")
 
-    out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / (HYDRA_WEIGHTS_FILE if hydra else WEIGHTS_FILE), tensors)
-    if fd_reason is None:
-        write_torch(out / LEGACY_WEIGHTS_FILE, _fasterdecoding_state(heads, tensors, base_model))
-    else:
-        if (out / LEGACY_WEIGHTS_FILE).exists():
-            log.info("removing %s of an earlier export: FasterDecoding cannot load these heads (%s)",
-                     out / LEGACY_WEIGHTS_FILE, fd_reason)
-        (out / LEGACY_WEIGHTS_FILE).unlink(missing_ok=True)
     token_map = None if heads.token_map is None else heads.token_map.detach().to("cpu", copy=True).contiguous()
-    if token_map is not None:
-        write_safetensors(out / TOKEN_MAP_FILE, {"token_map": token_map})
-    else:
-        (out / TOKEN_MAP_FILE).unlink(missing_ok=True)
-    if vllm:
-        base_lm_head = None if base_model is None else base_model.get_output_embeddings().weight
-        _write_vllm(heads, out / VLLM_DIR, token_map, base_lm_head if spec.share_lm_head else None)
-    else:
-        _remove_vllm(out / VLLM_DIR)
-    write_json(out / CONFIG_FILE, config)
-    # Heads of the other kind from an earlier export, removed once config.json names the new ones: a killed export
-    # leaves the old heads readable or the new ones, never a config without its weights.
-    (out / (WEIGHTS_FILE if hydra else HYDRA_WEIGHTS_FILE)).unlink(missing_ok=True)
+    stale_fasterdecoding = fd_reason is not None and (out / LEGACY_WEIGHTS_FILE).exists()
+
+    def write(folder: Path) -> None:
+        write_safetensors(folder / (HYDRA_WEIGHTS_FILE if hydra else WEIGHTS_FILE), tensors)
+        if fd_reason is None:
+            write_torch(folder / LEGACY_WEIGHTS_FILE, _fasterdecoding_state(heads, tensors, base_model))
+        if token_map is not None:
+            write_safetensors(folder / TOKEN_MAP_FILE, {"token_map": token_map})
+        if vllm:
+            base_lm_head = None if base_model is None else base_model.get_output_embeddings().weight
+            _write_vllm(heads, folder / VLLM_DIR, token_map, base_lm_head if spec.share_lm_head else None)
+        write_json(folder / CONFIG_FILE, config)
+
+    replace_folder(out, write, OWNED_FILES)
+    if stale_fasterdecoding:
+        log.info("removed %s of the earlier export: FasterDecoding cannot load these heads (%s)",
+                 out / LEGACY_WEIGHTS_FILE, fd_reason)
     return out
 
 
@@ -249,13 +259,3 @@ def _write_vllm(
     folder.mkdir(exist_ok=True)
     write_safetensors(folder / VLLM_WEIGHTS_FILE, tensors)
     write_json(folder / CONFIG_FILE, vllm_config(spec, heads.block_weight.dtype))
-
-
-def _remove_vllm(folder: Path) -> None:
-    """Remove a previous export's ``vllm/`` files (stale beside new heads), and the folder if nothing else is in it."""
-    if not folder.is_dir():
-        return
-    for name in (VLLM_WEIGHTS_FILE, CONFIG_FILE):
-        (folder / name).unlink(missing_ok=True)
-    if not any(folder.iterdir()):
-        folder.rmdir()

@@ -23,6 +23,9 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
               runtime: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure, search, and write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json``.
 
+    The caller holds ``cfg.export_dir``'s lock (:data:`~medusa_train.run_lock.EXPORT_LOCK`), as ``medusa-tune-tree``
+    does from before the model loads: nothing else writes the folder, or times trees on it, meanwhile.
+
     ``runtime``: how the model was loaded (:meth:`~medusa_train.loading.runtime.InferenceRuntime.record`: the dtype
     decision with its reason and the CPU's ISA flags, the linear kernels), recorded in ``latency_profile.json``.
 
