@@ -151,5 +151,5 @@ def read_latency_profile(export_dir: str | Path) -> dict[str, Any]:
     return {**profile, "latency_ms": raw["latency_ms"]}
 
 
-__all__ = ["ACCURACY_FILE", "CHOICES_FILE", "LATENCY_FILE", "TREE_FILES", "check_head_accuracy", "check_latency_profile",
-           "check_medusa_choices", "read_latency_profile", "read_tree_files"]
+__all__ = ["ACCURACY_FILE", "CHOICES_FILE", "LATENCY_FILE", "TREE_FILES", "check_head_accuracy",
+           "check_latency_profile", "check_medusa_choices", "read_latency_profile", "read_tree_files"]

@@ -202,7 +202,8 @@ def load_medusa(
     Raises:
         FileNotFoundError: no export there (checked before the base model is loaded).
         ValueError: a file of the export is malformed (:func:`~medusa_train.export.load_heads`, checked before the
-            base model loads), config.json names no base model (and ``model`` is None), the heads do not fit the base model
+            base model loads), config.json names no base model (and ``model`` is None), the heads do not fit the
+            base model
             (hidden size or vocabulary named), or are not of ``head_type`` (both types named).
     """
     # Heads first: a folder without heads or with a broken file fails in a second, before the base model loads.

@@ -88,7 +88,8 @@ def load_for_inference(
 
     Raises:
         FileNotFoundError: no export there.
-        ValueError: a malformed file in the export (named), a bad dtype or kernel option for the device (e.g. float16 on a CPU), before loading.
+        ValueError: a malformed file in the export (named), a bad dtype or kernel option for the device (e.g. float16
+            on a CPU), before loading.
     """
     cfg = export_base_config(export_dir, read_export_config(export_dir), model, dtype, device, trust_remote_code)
     dtype_choice, kernel_choice = decide_runtime(cfg.dtype, resolve_device(cfg.device), cpu_kernels)

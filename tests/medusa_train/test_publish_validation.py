@@ -49,8 +49,8 @@ def test_a_local_base_whose_name_is_not_a_model_name_is_refused(tmp_path):
     export = tmp_path / "export"
     save_export(heads, export, str(tmp_path / "my base\n## Injected"), base_model=make_tiny_model("llama"),
                 vllm=False)
-    with pytest.raises(ValueError, match=r"(?s)the name of the local base model at .*: 'my base\\n## Injected' is not a valid model name.*publish "
-                                         r"with base_model=<Hub id of the base model>"):
+    with pytest.raises(ValueError, match=r"(?s)the name of the local base model at .*: 'my base\\n## Injected' is not "
+                                         r"a valid model name.*publish with base_model=<Hub id of the base model>"):
         prepare_repo_folder(export, tmp_path / "repo", license="mit")
     assert not (tmp_path / "repo").exists()
     prepare_repo_folder(export, tmp_path / "fixed", base_model="alice/tiny-base", license="mit")
