@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jinja2 import TemplateError
+
 from medusa_train.conversations import Conversation
 
 # Used when the tokenizer has no chat template (base models): plain text turns,
@@ -37,6 +39,11 @@ def resolve_chat_template(tokenizer: Any, chat_template: str | None = None) -> s
     return own if isinstance(own, str) and own else PLAIN_CHAT_TEMPLATE
 
 
+class ChatTemplateError(ValueError, TemplateError):
+    """A chat template that jinja could not render (a ``ValueError`` whose message names the template, jinja's
+    error and the fix; still a jinja ``TemplateError``, which training counts as a skipped conversation)."""
+
+
 def check_text(text: str, what: str) -> None:
     """Raise ``ValueError`` when ``text`` is not Unicode text a tokenizer can take: a lone surrogate (``\\ud800`` in
     a JSON file, or bytes that are not UTF-8 in a command-line argument), named with ``what`` and its position."""
@@ -63,11 +70,9 @@ def render(tokenizer: Any, messages: Sequence[dict[str, str]], template: str, ge
     """The chat template's text for ``messages`` (no tokenization).
 
     Raises:
-        ValueError: a message holds a lone surrogate (:func:`check_text`: message and position named), or the
-            template fails to render (which template, what jinja said, and the fix).
+        ValueError: a message holds a lone surrogate (:func:`check_text`: message and position named).
+        ChatTemplateError: the template fails to render (which template, what jinja said, and the fix).
     """
-    from jinja2 import TemplateError
-
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
@@ -77,7 +82,7 @@ def render(tokenizer: Any, messages: Sequence[dict[str, str]], template: str, ge
             list(messages), tokenize=False, add_generation_prompt=generation_prompt, chat_template=template
         )
     except TemplateError as e:
-        raise ValueError(f"{template_name(tokenizer, template)} failed to render these messages (jinja "
+        raise ChatTemplateError(f"{template_name(tokenizer, template)} failed to render these messages (jinja "
                          f"{type(e).__name__}: {e}): fix that template (a tokenizer's own is the chat_template of its "
                          "tokenizer_config.json or its chat_template.jinja), or pass a working one as chat_template="
                          ) from e
