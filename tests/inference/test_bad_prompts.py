@@ -116,6 +116,7 @@ def test_prompts_too_long_for_an_engines_max_model_len_are_skipped_and_listed(tm
 def test_medusa_eval_skips_and_lists_prompts_longer_than_vllms_max_model_len(tmp_path):
     from hydra import compose, initialize_config_dir
 
+    from inference.cli.evaluate import register_schemas
     from inference.evaluation.eval_run import evaluate
     from medusa_train.config import ModelConfig
     from medusa_train.export import save_export
@@ -141,6 +142,7 @@ def test_medusa_eval_skips_and_lists_prompts_longer_than_vllms_max_model_len(tmp
     overrides = [f"export_dir={export}", f"output_dir={out}", "decoders=[vanilla,vllm]", f"prompts={prompts}",
                  "max_new_tokens=8", "dtype=float32", "progress=false", "plots=false", "warmup=0",
                  "decoder.vllm.enforce_eager=true", "decoder.vllm.max_model_len=128"]
+    register_schemas()  # what conf/evaluate.yaml composes from
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         summary = evaluate(compose("evaluate", overrides=overrides))
     assert [s["prompt_id"] for s in summary["skipped_prompts"]] == ["long"]
