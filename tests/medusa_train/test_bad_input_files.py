@@ -25,7 +25,8 @@ def test_a_prompts_file_that_is_not_utf8_names_the_file_line_and_byte(tmp_path):
     path = tmp_path / "prompts.jsonl"
     first = b'{"question_id": 0, "turns": ["hi"]}\n'
     path.write_bytes(first + LATIN1)
-    with pytest.raises(ValueError, match=rf"^{path}:2: not UTF-8 text: byte 0xe9 at byte offset {len(first) + COLUMN - 1} "
+    with pytest.raises(ValueError, match=rf"^{path}:2: not UTF-8 text: byte 0xe9 at byte offset "
+                                         rf"{len(first) + COLUMN - 1} "
                                          rf"\(byte {COLUMN} of line 2\) does not decode; save the file as UTF-8"):
         load_prompts("jsonl", str(path))
 
@@ -41,7 +42,8 @@ def test_self_distilled_records_that_are_not_utf8_name_the_file_line_and_byte(tm
     path = tmp_path / "distilled.jsonl"
     good = json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hi"}]})
     path.write_bytes(good.encode() + b"\n" + LATIN1)
-    with pytest.raises(ValueError, match=rf"^{path}:2: not UTF-8 text: byte 0xe9 at byte offset {len(good) + COLUMN} \(byte {COLUMN} of line 2\)"):
+    with pytest.raises(ValueError, match=rf"^{path}:2: not UTF-8 text: byte 0xe9 at byte offset {len(good) + COLUMN} "
+                                         rf"\(byte {COLUMN} of line 2\)"):
         read_records(path)
     with pytest.raises(ValueError, match=rf"^{path}:2: not UTF-8 text: byte 0xe9"):
         load_conversations("json", path)
