@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jinja2 import TemplateError
+
 from medusa_train.conversations import Conversation
 
 # Used when the tokenizer has no chat template (base models): plain text turns,
@@ -37,11 +39,53 @@ def resolve_chat_template(tokenizer: Any, chat_template: str | None = None) -> s
     return own if isinstance(own, str) and own else PLAIN_CHAT_TEMPLATE
 
 
+class ChatTemplateError(ValueError, TemplateError):
+    """A chat template that jinja could not render (a ``ValueError`` whose message names the template, jinja's
+    error and the fix; still a jinja ``TemplateError``, which training counts as a skipped conversation)."""
+
+
+def check_text(text: str, what: str) -> None:
+    """Raise ``ValueError`` when ``text`` is not Unicode text a tokenizer can take: a lone surrogate (``\\ud800`` in
+    a JSON file, or bytes that are not UTF-8 in a command-line argument), named with ``what`` and its position."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what}: character {e.start} is a lone surrogate (U+{ord(text[e.start]):04X}), which is not "
+                         "text (an unpaired \\ud800-\\udfff escape in a JSON file, or bytes that are not UTF-8 on "
+                         "the command line); remove or replace it") from None
+
+
+def template_name(tokenizer: Any, template: str) -> str:
+    """Which template ``template`` is, for messages: medusa-train's plain one, the tokenizer's own, or one passed in."""
+    if template == PLAIN_CHAT_TEMPLATE:
+        return "medusa-train's plain chat template"
+    own = getattr(tokenizer, "chat_template", None)
+    if template == own or (isinstance(own, dict) and template in own.values()):
+        return f"the chat template of tokenizer {getattr(tokenizer, 'name_or_path', '') or '?'} (its " \
+               "tokenizer_config.json / chat_template.jinja)"
+    return "the chat_template passed in"
+
+
 def render(tokenizer: Any, messages: Sequence[dict[str, str]], template: str, generation_prompt: bool) -> str:
-    """The chat template's text for ``messages`` (no tokenization)."""
-    return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=generation_prompt, chat_template=template
-    )
+    """The chat template's text for ``messages`` (no tokenization).
+
+    Raises:
+        ValueError: a message holds a lone surrogate (:func:`check_text`: message and position named).
+        ChatTemplateError: the template fails to render (which template, what jinja said, and the fix).
+    """
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            check_text(content, f"message {i} ({message.get('role')})")
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=generation_prompt, chat_template=template
+        )
+    except TemplateError as e:
+        raise ChatTemplateError(f"{template_name(tokenizer, template)} failed to render these messages (jinja "
+                         f"{type(e).__name__}: {e}): fix that template (a tokenizer's own is the chat_template of its "
+                         "tokenizer_config.json or its chat_template.jinja), or pass a working one as chat_template="
+                         ) from e
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

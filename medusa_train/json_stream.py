@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from medusa_train.text_files import not_utf8
+
 _SEPARATORS = " \t\r\n,"
 
 
@@ -34,8 +36,8 @@ class JsonRecordStream:
         truncated_chars: characters left undecodable at the end of the file (0 for a well-formed file).
 
     Raises (during iteration):
-        ValueError: the file is not UTF-8 text, or holds invalid JSON before its end (the message gives the
-            character offset); a value cut off by the end of the file is not an error.
+        ValueError: the file is not UTF-8 text (line and byte named), or holds invalid JSON before its end (the
+            message gives the character offset); a value cut off by the end of the file is not an error.
     """
 
     def __init__(self, path: str | Path, chunk_chars: int = 1 << 20) -> None:
@@ -104,8 +106,8 @@ class JsonRecordStream:
                     pos = end
                     self.records += 1
                     yield value
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{self.path} is not UTF-8 text: {e}") from e
+            except UnicodeDecodeError:
+                raise not_utf8(self.path) from None
 
 
 def _may_be_cut(error: json.JSONDecodeError, buf: str) -> bool:

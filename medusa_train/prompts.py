@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medusa_train.chat import encode, prompt_messages, render, resolve_chat_template
+from medusa_train.chat import check_text, encode, prompt_messages, render, resolve_chat_template
 from medusa_train.conversations import load_conversations
 from medusa_train.json_stream import jsonl_lines
 from medusa_train.paths import assets_dir
+from medusa_train.text_files import read_text
 
 PROMPT_SOURCES = ("sharegpt", "mt_bench", "jsonl")
 # Training reads ShareGPT from the start of the file; prompts from this conversation on are held out by default.
@@ -31,6 +32,14 @@ class Prompt:
     system: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def check(self, where: str) -> None:
+        """Raise ``ValueError`` when a turn or the system message holds a lone surrogate (``where``, the prompt id,
+        the turn and the character named)."""
+        for i, turn in enumerate(self.turns, start=1):
+            check_text(turn, f"{where}: prompt {self.id!r} turn {i}")
+        if self.system:
+            check_text(self.system, f"{where}: prompt {self.id!r} system message")
+
     def first_turn_messages(self) -> list[dict[str, str]]:
         sys = [{"role": "system", "content": self.system}] if self.system else []
         return sys + [{"role": "user", "content": self.turns[0]}]
@@ -41,13 +50,15 @@ def read_question_jsonl(path: str | Path) -> list[Prompt]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a malformed line (its 1-based line number and the problem in the message), or an empty file.
+        ValueError: a malformed line (its 1-based line number and the problem in the message), a turn that is not
+            text (a lone surrogate: prompt id, turn and character named), a file that is not UTF-8 (line and byte
+            named), or an empty file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} not found")
     prompts: list[Prompt] = []
-    for lineno, line in enumerate(jsonl_lines(path.read_text(encoding="utf-8")), start=1):
+    for lineno, line in enumerate(jsonl_lines(read_text(path)), start=1):
         if not line.strip():
             continue
         try:
@@ -57,8 +68,10 @@ def read_question_jsonl(path: str | Path) -> list[Prompt]:
         turns = obj.get("turns") if isinstance(obj, dict) else None
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
             raise ValueError(f"{path}:{lineno}: 'turns' must be a non-empty list of non-empty strings")
-        prompts.append(Prompt(id=str(obj.get("question_id", lineno)), category=str(obj.get("category", "all")),
-                              turns=list(turns)))
+        prompt = Prompt(id=str(obj.get("question_id", lineno)), category=str(obj.get("category", "all")),
+                        turns=list(turns))
+        prompt.check(f"{path}:{lineno}")
+        prompts.append(prompt)
     if not prompts:
         raise ValueError(f"prompt file {path} holds no prompts")
     return prompts
@@ -77,7 +90,9 @@ def sharegpt_prompts(offset: int, num_prompts: int) -> list[Prompt]:
             continue
         system = messages[0]["content"] if messages[0]["role"] == "system" else None
         user = next(m["content"] for m in messages if m["role"] == "user")
-        prompts.append(Prompt(id=f"sharegpt-{i}", category="sharegpt", turns=[user], system=system))
+        prompt = Prompt(id=f"sharegpt-{i}", category="sharegpt", turns=[user], system=system)
+        prompt.check("ShareGPT")
+        prompts.append(prompt)
     if not prompts:
         raise ValueError(f"no ShareGPT prompts at offset {offset}: the file holds fewer conversations")
     return prompts

@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from inference.decoders.base import DecodeConfig, DecodeResult, Decoder
+from medusa_train.chat import check_text, encode, render, resolve_chat_template
 
 Message = dict[str, str]
 
@@ -26,11 +27,15 @@ def chat_prompt_ids(
         tokenized as plain text (with the tokenizer's special tokens, e.g. BOS).
 
     Raises:
-        ValueError: an empty prompt, malformed messages, or messages for a tokenizer without a chat template.
+        ValueError: an empty prompt, malformed messages, messages for a tokenizer without a chat template, text with
+            a lone surrogate (position named), or a chat template that fails to render (jinja's error named).
     """
     if isinstance(messages_or_text, str):
         if not messages_or_text:
             raise ValueError("prompt is empty: give the user message")
+        check_text(messages_or_text, "the prompt")
+        if system:
+            check_text(system, "the system message")
         if tokenizer.chat_template is None:
             return list(tokenizer(messages_or_text, add_special_tokens=True).input_ids)
         messages: list[Message] = [{"role": "system", "content": system}] if system else []
@@ -41,8 +46,8 @@ def chat_prompt_ids(
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         if tokenizer.chat_template is None:
             raise ValueError("this tokenizer has no chat template: pass the prompt as plain text instead of messages")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    text = render(tokenizer, messages, resolve_chat_template(tokenizer), generation_prompt=True)
+    return encode(tokenizer, text)
 
 
 def eos_ids(tokenizer: Any, model_generation_config: Any = None) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from inference.tree import default_medusa_choices
 from medusa_train.export.tree_files import read_tree_files
+from medusa_train.text_files import read_text
 
 
 def resolve_medusa_choices(setting: Any, export_dir: str, num_heads: int, topk: int) -> list[list[int]]:
@@ -27,7 +28,7 @@ def resolve_medusa_choices(setting: Any, export_dir: str, num_heads: int, topk: 
 
     Raises:
         FileNotFoundError: ``setting`` is a path that does not exist.
-        ValueError: the file is not valid JSON.
+        ValueError: the file is not UTF-8 (line and byte named) or not valid JSON.
     """
     if setting is None:
         tuned = read_tree_files(export_dir).get("medusa_choices")
@@ -38,7 +39,7 @@ def resolve_medusa_choices(setting: Any, export_dir: str, num_heads: int, topk: 
             raise FileNotFoundError(
                 f"medusa_choices={str(setting)!r}: no such file (give a list of paths or a JSON file)")
         try:
-            return json.loads(path.read_text())
+            return json.loads(read_text(path))
         except json.JSONDecodeError as e:
             raise ValueError(f"medusa_choices file {path} is not valid JSON: {e}") from e
     if OmegaConf.is_config(setting):

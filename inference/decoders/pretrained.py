@@ -28,6 +28,7 @@ def pretrained_decoder_kwargs(
     device: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     endpoint: str | None = None,
+    trust_remote_code: bool = False,
     **decoder_kwargs: Any,
 ) -> dict[str, Any]:
     """Keyword arguments of ``MedusaDecoder(...)`` for a published export or a local one.
@@ -42,6 +43,8 @@ def pretrained_decoder_kwargs(
         model: optional ``model/`` config overriding the base model recorded in the export.
         dtype, device: overrides of the base model's dtype and device; the heads follow.
         cache_dir, endpoint: see :func:`~medusa_train.loading.hub.download_export`.
+        trust_remote_code: run the base model's own Python code when it has some; only this argument (or
+            ``model``) turns it on, never the downloaded config.json.
         decoder_kwargs: further ``MedusaDecoder`` arguments (``topk``, ``acceptance``, ``medusa_choices``, ...).
 
     Returns:
@@ -49,15 +52,17 @@ def pretrained_decoder_kwargs(
         export's ``medusa_choices.json``, else the decoder's default tree (a warning).
 
     Raises:
-        FileNotFoundError: see :func:`~medusa_train.loading.hub.download_export`. ValueError: heads that do not
-            fit the base model.
+        FileNotFoundError: see :func:`~medusa_train.loading.hub.download_export`. ValueError: a malformed file in
+            the export, heads that do not fit the base model. OSError: the base model needs its own code and
+            ``trust_remote_code`` is off (the fix named).
     """
     folder = download_export(repo_or_dir, revision, allow_patterns=DECODER_FILES, cache_dir=cache_dir,
                              endpoint=endpoint)
     if not any((folder / name).is_file() for name in HEAD_WEIGHTS):
         folder = download_export(repo_or_dir, revision, allow_patterns=DECODER_FILES + [FASTERDECODING_WEIGHTS],
                                  cache_dir=cache_dir, endpoint=endpoint)
-    medusa_model, tokenizer, _ = load_medusa(str(folder), model=model, dtype=dtype, device=device)
+    medusa_model, tokenizer, _ = load_medusa(str(folder), model=model, dtype=dtype, device=device,
+                                             trust_remote_code=trust_remote_code)
     if decoder_kwargs.get("medusa_choices") is None:
         choices = resolve_medusa_choices(None, str(folder), medusa_model.heads.spec.num_heads,
                                          decoder_kwargs.get("topk") or TOPK)

@@ -63,7 +63,7 @@ def served_model(base_url: str, timeout: float = 30.0) -> str:
 
 def complete(
     base_url: str, model: str, prompts: Sequence[Sequence[int]], max_tokens: int, stop_token_ids: Sequence[int] = (),
-    timeout: float = 600.0,
+    timeout: float = 600.0, vocab_size: int | None = None,
 ) -> list[Completion]:
     """Greedy completions of token-id prompts in one ``POST {base_url}/v1/completions`` request.
 
@@ -74,12 +74,14 @@ def complete(
         max_tokens: the longest reply.
         stop_token_ids: extra stop ids (vLLM's extension; other servers stop at the model's EOS).
         timeout: seconds to wait for the answer.
+        vocab_size: the tokenizer's vocabulary V: returned token ids must lie in ``[0, V)`` (None: only ``>= 0``).
 
     Returns:
         B completions in prompt order.
 
     Raises:
-        ServerError: the server is down, times out, or answers something other than B completions (URL named).
+        ServerError: the server is down, times out, answers something other than B completions, or returns token
+            ids that are not integers in ``[0, vocab_size)`` (URL, completion and ids named).
     """
     url = f"{base_url.rstrip('/')}/v1/completions"
     payload = {"model": model, "prompt": [list(map(int, p)) for p in prompts], "max_tokens": int(max_tokens),
@@ -89,12 +91,20 @@ def complete(
     try:
         choices = sorted(answer["choices"], key=lambda c: int(c["index"]))
         replies = [Completion(text=str(c["text"]),
-                              token_ids=None if c.get("token_ids") is None else [int(t) for t in c["token_ids"]],
+                              token_ids=None if c.get("token_ids") is None else list(c["token_ids"]),
                               finished=c.get("finish_reason") == "stop") for c in choices]
     except (KeyError, TypeError, ValueError) as e:
         raise ServerError(f"{url} answered without completions: {str(answer)[:300]}") from e
     if len(replies) != len(prompts):
         raise ServerError(f"{url} answered {len(replies)} completions for {len(prompts)} prompts")
+    for i, reply in enumerate(replies):
+        bad = [t for t in reply.token_ids or () if not isinstance(t, int) or isinstance(t, bool) or t < 0
+               or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            limit = f"[0, {vocab_size})" if vocab_size is not None else "[0, ...)"
+            raise ServerError(f"{url} returned token ids that are not integers in the tokenizer's vocabulary {limit} "
+                              f"in completion {i}: {bad[:10]}; is the server serving model {model!r} with this "
+                              "tokenizer?")
     return replies
 
 

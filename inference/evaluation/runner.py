@@ -58,6 +58,13 @@ def overlong(prompt_id: str, turn: int, prompt_tokens: int, max_new_tokens: int,
             "context": context, "fits_max_new_tokens": room if room >= 1 else None}
 
 
+def decoders_context(decoders: Mapping[str, Decoder], context: int | None) -> int | None:
+    """The positions every decoder can use: the smallest of ``context`` (the target's) and the decoders' own
+    ``max_model_len`` (an engine such as vLLM reserves less than the model allows); None when none is known."""
+    limits = [c for c in (context, *(getattr(d, "max_model_len", None) for d in decoders.values())) if c is not None]
+    return min(limits) if limits else None
+
+
 def describe_skips(skipped: Sequence[dict[str, Any]]) -> str:
     """One line naming every skipped prompt turn, its length and what would fit it."""
     parts = []
@@ -118,7 +125,9 @@ def evaluate_prompts(
         warmup: untimed warm-up generations per decoder (only when some row remains to be measured).
         warmup_max_new_tokens: length of each warm-up generation.
         progress: show a tqdm bar (one step per prompt turn).
-        context: the target's context length in positions (None: unknown, nothing skipped).
+        context: the target's context length in positions (None: unknown); a decoder's own smaller
+            ``max_model_len`` (vLLM's) lowers it (:func:`decoders_context`), so prompts too long for it are skipped
+            and listed too.
         fingerprints: decoder name -> the fingerprint stored in its new rows (``measured_with``).
 
     Returns:
@@ -132,6 +141,7 @@ def evaluate_prompts(
     if not names or names[0] != baseline:
         raise ValueError(f"decoders must start with the baseline {baseline!r}, got {names}")
     check_prompt_ids(prompts)
+    context = decoders_context(decoders, context)
     fingerprints = fingerprints or {}
     units = [(p, t) for p in prompts for t in range(1, len(turns_of(p, max_turns)) + 1)]
     done = sum(all((p.id, t, n) in results for n in names) for p, t in units)

@@ -64,7 +64,7 @@ def server_generate(url: str, model: str, tokenizer: Any) -> GenerateFn:
 
     def generate(prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[tuple[list[int], bool]]:
         replies = []
-        for c in complete(url, model, prompts, max_new_tokens, sorted(stop_ids)):
+        for c in complete(url, model, prompts, max_new_tokens, sorted(stop_ids), vocab_size=len(tokenizer)):
             ids = c.token_ids if c.token_ids is not None else list(
                 tokenizer(c.text, add_special_tokens=False).input_ids)
             replies.append((ids, c.finished))

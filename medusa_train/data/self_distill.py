@@ -32,6 +32,7 @@ from medusa_train.data.collate import pad_token_id_of
 from medusa_train.data.tokenize import end_of_turn_ids
 from medusa_train.generation import greedy_generate, length_batches
 from medusa_train.json_stream import jsonl_lines
+from medusa_train.text_files import not_utf8, read_text
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +106,12 @@ def read_records(path: Path, text: str | None = None) -> list[dict[str, Any]]:
     Records written before checksums were recorded (no ``sha256`` field) are taken as they are.
 
     Raises:
-        ValueError: a line that is not a record, or whose content no longer matches its checksum (the file and the
-            line are named, with the way out).
+        ValueError: a file that is not UTF-8 (line and byte named), a line that is not a record, or whose content no
+            longer matches its checksum (the file and the line are
+            named, with the way out).
     """
     records = []
-    lines = jsonl_lines(path.read_text(encoding="utf-8") if text is None else text)
+    lines = jsonl_lines(read_text(path) if text is None else text)
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -138,7 +140,11 @@ def _done_ids(path: Path) -> set[str]:
         with path.open("r+b") as f:
             f.truncate(keep)
         data = data[:keep]
-    return {prompt_key(str(r["id"])) for r in read_records(path, data.decode("utf-8"))}
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise not_utf8(path, data) from None
+    return {prompt_key(str(r["id"])) for r in read_records(path, text)}
 
 
 def _stop_ids(model: Any, tokenizer: Any, template: str) -> set[int]:

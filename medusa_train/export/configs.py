@@ -127,6 +127,33 @@ def vllm_config(spec: HeadsSpec, dtype: torch.dtype) -> dict[str, Any]:
     return config
 
 
+# config.json fields every reader of ours relies on, and their JSON types (checked when present; bool is not an int).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "medusa_num_heads": (int,), "medusa_num_layers": (int,), "hidden_size": (int,), "vocab_size": (int,),
+    "head_vocab_size": (int, type(None)), "version": (int,), "share_lm_head": (bool,),
+    "base_model_name_or_path": (str,), "original_base_model_name_or_path": (str,), "torch_dtype": (str,),
+    "medusa_train_version": (str,), "base_model_class": (str,), "base_model_type": (str,), HEAD_TYPE_KEY: (str,),
+    "medusa_train_model": (dict,), "hydra_num_heads": (int,), "hydra_num_layers": (int,), "hydra_combine": (str,),
+}
+_JSON_TYPE = {int: "an integer", bool: "true or false", str: "a string", dict: "an object", type(None): "null"}
+
+
+def check_field_types(config: dict[str, Any], source: str) -> None:
+    """Check the types of the fields of our (and FasterDecoding's) ``config.json`` that are present.
+
+    Raises:
+        ValueError: ``{source}/config.json: {field} must be ..., got ...`` for the first wrong one.
+    """
+    for key, kinds in _FIELD_TYPES.items():
+        if key not in config:
+            continue
+        value = config[key]
+        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            want = " or ".join(_JSON_TYPE[k] for k in kinds)
+            raise ValueError(f"{source}/config.json: {key} must be {want}, got {value!r}; re-export the heads or "
+                             "correct the field")
+
+
 def check_version(config: dict[str, Any], source: str) -> None:
     """Raise ``ValueError`` for an export written by a newer, incompatible medusa-train."""
     version = config.get("version")
@@ -184,14 +211,11 @@ def spec_from_medusa_config(
             vocab_size = base_hv[1]
         else:
             raise ValueError(f"{source}: config.json has no vocab_size; add it or pass the base model")
-    return HeadsSpec(
-        num_heads=config["medusa_num_heads"],
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        vocab_size=vocab_size,
-        share_lm_head=share,
-        head_vocab_size=head_vocab_size,
-    )
+    try:
+        return HeadsSpec(num_heads=config["medusa_num_heads"], num_layers=num_layers, hidden_size=hidden_size,
+                         vocab_size=vocab_size, share_lm_head=share, head_vocab_size=head_vocab_size)
+    except ValueError as e:
+        raise ValueError(f"{source}/config.json: {e}") from e
 
 
 def spec_from_hydra_config(config: dict[str, Any], source: str) -> HydraSpec:

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from medusa_train.export.configs import (
     VLLM_HEAD_VOCAB_KEY,
     VLLM_TOKEN_MAP,
+    check_field_types,
     check_version,
     export_head_type,
     read_vllm_config,
@@ -42,6 +43,7 @@ from medusa_train.export.writer import (
     TOKEN_MAP_FILE,
     WEIGHTS_FILE,
 )
+from medusa_train.export.tree_files import read_tree_files
 from medusa_train.head_types import DraftHeads, check_head_type, expect_head_type, heads_from_spec
 from medusa_train.heads import HeadsSpec, MedusaHeads
 from medusa_train.hydra_heads import HydraHeads
@@ -161,7 +163,10 @@ def load_heads(
         ValueError: damaged file (path named, chained), missing/unexpected keys (listed), wrong shapes, bad token map,
             NaN or Inf weights (tensor and head named), heads for another base model (``hidden_size`` /
             ``vocab_size`` named), a ``head_type`` this reader does not know, or heads of another type than
-            ``head_type`` (both named).
+            ``head_type`` (both named), a config.json field of the wrong type, or a tuned file
+            (``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json``) that is not UTF-8 JSON of its
+            shape or does not fit the heads (:func:`~medusa_train.export.tree_files.read_tree_files`; file and field
+            named): every file the export holds is checked here, before any base model loads.
     """
     folder = _folder(path)
     base_hv = None if base_model is None else base_sizes(base_model)
@@ -173,11 +178,15 @@ def load_heads(
     expect_head_type(found, head_type, str(folder))
     if found == "hydra":
         check_version(raw, str(folder))
-        return _read_hydra(folder, raw, base_model, dtype, device)
+        check_field_types(raw, str(folder))
+        hydra, config = _read_hydra(folder, raw, base_model, dtype, device)
+        read_tree_files(folder, hydra.spec.num_heads, hydra.spec.out_size)
+        return hydra, config
     weights = _weights_file(folder)
     if weights is not None:
         raw = read_json(config_path)
         check_version(raw, str(folder))
+        check_field_types(raw, str(folder))
         spec, stacked, token_map, fmt = _read_medusa(folder, weights, raw, base_model, base_hv)
     else:
         if raw.get("model_type") != "medusa":
@@ -185,6 +194,7 @@ def load_heads(
                 f"no {WEIGHTS_FILE} or {LEGACY_WEIGHTS_FILE} in {folder}: is this an export folder?")
         spec, stacked, token_map = _read_vllm(folder, raw, base_model)
         fmt = "vllm"
+    read_tree_files(folder, spec.num_heads, spec.out_size)  # the tuned files, checked now rather than after decoding
 
     with torch.device("meta"):
         heads = MedusaHeads(spec, token_map=None if token_map is None else torch.empty_like(token_map, device="meta"))

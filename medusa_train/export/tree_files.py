@@ -13,30 +13,122 @@ profile reused by another export's tuning run).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
+
+from medusa_train.text_files import read_text
 
 CHOICES_FILE = "medusa_choices.json"
 ACCURACY_FILE = "head_accuracy.json"
 LATENCY_FILE = "latency_profile.json"
 TREE_FILES = {"medusa_choices": CHOICES_FILE, "head_accuracy": ACCURACY_FILE, "latency_profile": LATENCY_FILE}
+_UNBOUNDED = 1 << 62  # no bound on ranks when the heads' vocabulary is not known
 
 
-def read_tree_files(export_dir: str | Path) -> dict[str, Any]:
-    """The tuned files of an export that exist: ``{"medusa_choices": ..., "head_accuracy": ..., ...}`` (keys of
-    :data:`TREE_FILES`; a missing file is a missing key).
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(read_text(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}; run medusa-tune-tree again to rewrite it") from e
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_medusa_choices(choices: Any, path: Path, num_heads: int | None, head_vocab: int | None) -> None:
+    """Check ``medusa_choices.json``: a non-empty, prefix-closed list of distinct rank paths, each at most
+    ``num_heads`` deep with ranks in ``[0, head_vocab)`` (the heads' output vocabulary; unchecked when None).
 
     Raises:
-        ValueError: a file that is not valid JSON (path named).
+        ValueError: the file and the offending entry named (:func:`inference.tree.validate_medusa_choices`'s rules).
+    """
+    from inference.tree import validate_medusa_choices
+
+    paths = choices if isinstance(choices, list) else []
+    depth = num_heads if num_heads is not None else max((len(p) for p in paths if isinstance(p, list)), default=1)
+    try:
+        validate_medusa_choices(choices, max(depth, 1), head_vocab or _UNBOUNDED)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e} (run medusa-tune-tree again to rewrite it)") from e
+
+
+def check_head_accuracy(data: Any, path: Path, num_heads: int | None) -> None:
+    """Check ``head_accuracy.json``: an object whose ``acc`` holds one non-empty list of accuracies in [0, 1] per
+    head (``num_heads`` of them when given).
+
+    Raises:
+        ValueError: the file and the field named.
+    """
+    fix = "run medusa-tune-tree again to rewrite it"
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}; {fix}")
+    acc = data.get("acc")
+    if not isinstance(acc, list) or not acc or not all(isinstance(row, list) and row for row in acc):
+        raise ValueError(f"{path}: 'acc' must be a non-empty list of non-empty lists (acc[k][i]: head k's rank-i "
+                         f"accuracy), got {str(acc)[:80]}; {fix}")
+    if num_heads is not None and len(acc) != num_heads:
+        raise ValueError(f"{path}: 'acc' has {len(acc)} rows but the export has {num_heads} heads; {fix}")
+    for k, row in enumerate(acc):
+        for i, v in enumerate(row):
+            if not _number(v) or not 0.0 <= v <= 1.0:
+                raise ValueError(f"{path}: acc[{k}][{i}] = {v!r}: accuracies lie in [0, 1]; {fix}")
+
+
+def check_latency_profile(data: Any, path: Path) -> dict[str, Any]:
+    """Check ``latency_profile.json`` and return it with ``latency_ms`` keyed by int tree size: an object with
+    ``device`` and ``dtype`` (strings) and ``latency_ms`` (tree size >= 1 -> finite milliseconds > 0, not empty).
+
+    Raises:
+        ValueError: the file and the field named.
+    """
+    fix = "run medusa-tune-tree again to measure it"
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}; {fix}")
+    missing = [k for k in ("latency_ms", "device", "dtype") if k not in data]
+    if missing:
+        raise ValueError(f"{path} has no {missing}; {fix}")
+    for key in ("device", "dtype"):
+        if not isinstance(data[key], str):
+            raise ValueError(f"{path}: {key} must be a string, got {data[key]!r}; {fix}")
+    latency = data["latency_ms"]
+    if not isinstance(latency, dict) or not latency:
+        raise ValueError(f"{path}: latency_ms must map tree sizes to milliseconds, got {str(latency)[:80]}; {fix}")
+    out: dict[int, float] = {}
+    for size, ms in latency.items():
+        if not (isinstance(size, str) and size.isdigit() and int(size) >= 1) or not _number(ms) or ms <= 0:
+            raise ValueError(f"{path}: latency_ms[{size!r}] = {ms!r}: sizes must be integers >= 1 and latencies "
+                             f"finite milliseconds > 0; {fix}")
+        out[int(size)] = float(ms)
+    return {**data, "latency_ms": out}
+
+
+def read_tree_files(export_dir: str | Path, num_heads: int | None = None,
+                    head_vocab: int | None = None) -> dict[str, Any]:
+    """The tuned files of an export that exist, checked: ``{"medusa_choices": [[int]], "head_accuracy": {...},
+    "latency_profile": {...}}`` (keys of :data:`TREE_FILES`; a missing file is a missing key), each as written.
+
+    Args:
+        export_dir: the export folder.
+        num_heads: the heads' count K, when known: no path deeper, ``acc`` has K rows.
+        head_vocab: the heads' output vocabulary, when known: every rank below it.
+
+    Raises:
+        ValueError: a file that is not UTF-8, not valid JSON, or not of its shape (the file and the field named;
+            :func:`check_medusa_choices`, :func:`check_head_accuracy`, :func:`check_latency_profile`).
     """
     out: dict[str, Any] = {}
     for key, name in TREE_FILES.items():
         path = Path(export_dir) / name
         if path.is_file():
-            try:
-                out[key] = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} is not valid JSON: {e}") from e
+            out[key] = _read_json(path)
+    if "medusa_choices" in out:
+        check_medusa_choices(out["medusa_choices"], Path(export_dir) / CHOICES_FILE, num_heads, head_vocab)
+    if "head_accuracy" in out:
+        check_head_accuracy(out["head_accuracy"], Path(export_dir) / ACCURACY_FILE, num_heads)
+    if "latency_profile" in out:
+        check_latency_profile(out["latency_profile"], Path(export_dir) / LATENCY_FILE)
     return out
 
 
@@ -46,20 +138,18 @@ def read_latency_profile(export_dir: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: no profile there.
-        ValueError: not valid JSON, or without ``latency_ms``, ``device`` or ``dtype``.
+        ValueError: not UTF-8, not valid JSON, or not a profile (:func:`check_latency_profile`).
     """
     path = Path(export_dir) / LATENCY_FILE
     if not path.is_file():
         raise FileNotFoundError(f"latency_from={export_dir}: {path} not found; tune that export first")
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"latency_from={export_dir}: {path} is not valid JSON: {e}") from e
-    missing = [k for k in ("latency_ms", "device", "dtype") if k not in raw]
-    if missing:
-        raise ValueError(f"latency_from={export_dir}: {path} has no {missing}")
+        raw = check_latency_profile(_read_json(path), path)
+    except ValueError as e:
+        raise ValueError(f"latency_from={export_dir}: {e}") from e
     profile = {k: raw[k] for k in ("device", "dtype", "context_length", "repeats", "cpu_kernels") if k in raw}
-    return {**profile, "latency_ms": {int(n): float(ms) for n, ms in raw["latency_ms"].items()}}
+    return {**profile, "latency_ms": raw["latency_ms"]}
 
 
-__all__ = ["ACCURACY_FILE", "CHOICES_FILE", "LATENCY_FILE", "TREE_FILES", "read_latency_profile", "read_tree_files"]
+__all__ = ["ACCURACY_FILE", "CHOICES_FILE", "LATENCY_FILE", "TREE_FILES", "check_head_accuracy",
+           "check_latency_profile", "check_medusa_choices", "read_latency_profile", "read_tree_files"]

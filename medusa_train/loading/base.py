@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -144,6 +145,17 @@ def engine_model_path(cfg: ModelConfig) -> str:
     return path
 
 
+def _needs_remote_code(folder: Path, error: Exception) -> bool:
+    """Whether a failed load is for want of the model's own code: transformers says so, or a local folder's
+    config.json maps Auto classes to its own files (``auto_map``)."""
+    if "trust_remote_code" in str(error):
+        return True
+    try:
+        return "auto_map" in json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the base causal LM and its tokenizer.
 
@@ -158,7 +170,8 @@ def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokeni
     Raises:
         ValueError: a bad setting (dtype, device, format), or float16 on a CPU.
         FileNotFoundError: a local checkpoint or tokenizer file is missing.
-        OSError: transformers could not read the model (corrupt file, Hub id unreachable); the cause is chained.
+        OSError: transformers could not read the model (corrupt file, Hub id unreachable, custom code needed while
+            ``cfg.trust_remote_code`` is off: the fix named); the cause is chained.
     """
     cfg.validate()
     device = resolve_device(cfg.device)
@@ -182,6 +195,12 @@ def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokeni
                 source, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
             )
         except (OSError, ValueError) as e:
+            if not cfg.trust_remote_code and _needs_remote_code(Path(cfg.name_or_path), e):
+                raise OSError(
+                    f"model: {cfg.name_or_path!r} needs its own Python code to load (auto_map in its config.json), "
+                    "which runs only when you ask for it, never because a downloaded file says so: if you trust "
+                    "that code, pass model.trust_remote_code=true (+model.trust_remote_code=true when no model= is "
+                    "given; trust_remote_code=True in Python)") from e
             raise OSError(f"model: could not load {cfg.name_or_path!r} ({fmt}): {e}") from e
     if cfg.attn_implementation and fmt != "hf" and isinstance(source, tuple):
         model.set_attn_implementation(cfg.attn_implementation)

@@ -69,6 +69,7 @@ def load_for_inference(
     device: str | None = None,
     cpu_kernels: str | None = DEFAULT_CPU_KERNELS,
     echo: Callable[[str], Any] | None = print,
+    trust_remote_code: bool = False,
 ) -> tuple[MedusaModel, PreTrainedTokenizerBase, dict[str, Any], InferenceRuntime]:
     """Heads and base of ``export_dir`` in the decided dtype, on the decided kernels.
 
@@ -79,17 +80,21 @@ def load_for_inference(
         device: overrides the model config's ``device``.
         cpu_kernels: ``auto``, ``packed`` or ``none`` (None: ``auto``).
         echo: where the two decisions are printed (None: nowhere).
+        trust_remote_code: run the base model's own code (see :func:`~medusa_train.loading.medusa.load_medusa`;
+            never turned on by the export's config.json).
 
     Returns:
         ``(MedusaModel, tokenizer, export_config, InferenceRuntime)``.
 
     Raises:
         FileNotFoundError: no export there.
-        ValueError: a bad dtype or kernel option for the device (e.g. float16 on a CPU), before loading.
+        ValueError: a malformed file in the export (named), a bad dtype or kernel option for the device (e.g. float16
+            on a CPU), before loading.
     """
-    cfg = export_base_config(export_dir, read_export_config(export_dir), model, dtype, device)
+    cfg = export_base_config(export_dir, read_export_config(export_dir), model, dtype, device, trust_remote_code)
     dtype_choice, kernel_choice = decide_runtime(cfg.dtype, resolve_device(cfg.device), cpu_kernels)
-    medusa, tokenizer, export_config = load_medusa(export_dir, model=model, dtype=dtype_choice.name, device=device)
+    medusa, tokenizer, export_config = load_medusa(export_dir, model=model, dtype=dtype_choice.name, device=device,
+                                                   trust_remote_code=trust_remote_code)
     runtime = InferenceRuntime(dtype_choice, kernel_choice, apply_cpu_kernels(medusa.base, kernel_choice))
     if echo is not None:
         echo(runtime.describe())

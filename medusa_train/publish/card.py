@@ -26,7 +26,7 @@ from medusa_train.loading.medusa import ORIGINAL_BASE_KEY
 from medusa_train.publish.folder import ExportContents
 from medusa_train.loading.hub import is_hub_id
 from medusa_train.publish.hub import LicenseInfo
-from medusa_train.publish.local_paths import public_name
+from medusa_train.publish.local_paths import check_model_name, public_name
 
 LIBRARY_NAME = "medusa-train"
 TAGS = ["medusa", "speculative-decoding", "medusa-train"]
@@ -144,6 +144,16 @@ def _base_link(contents: ExportContents) -> str:
     return f"`{base}` (a local path)"
 
 
+def _local_name(contents: ExportContents) -> str:
+    """The local base's file or folder name in backticks, or ``a local folder`` when it is no model name (a name
+    holding a newline or markup never reaches the card)."""
+    name = public_name(contents.original_base)
+    try:
+        return f"`{check_model_name(name, 'the local base', '')}`"
+    except ValueError:
+        return "a local folder"
+
+
 def _intro(contents: ExportContents) -> str:
     c = contents.config
     k, layers = c["medusa_num_heads"], c.get("medusa_num_layers", 1)
@@ -159,11 +169,11 @@ def _intro(contents: ExportContents) -> str:
                  f"published in `{BASE_DIR}/` (adapters merged). Use that folder as the base model: the heads fit it, "
                  "not the original.\n")
     elif not contents.base_is_hub_id or not is_hub_id(str(c.get("base_model_name_or_path", ""))):
-        text += (f"\n> The base model was a local path (`{public_name(contents.original_base)}`) when these heads were "
+        text += (f"\n> The base model was a local path ({_local_name(contents)}) when these heads were "
                  "exported, and no Hub id was given, so loaders cannot fetch it: pass the base model yourself "
                  "(`model.name_or_path=...`), or publish again with `base_model=<hub id>`.\n")
     elif contents.original_base and contents.original_base != c.get("base_model_name_or_path"):
-        text += (f"\n> Trained on a local copy of the base model (`{public_name(contents.original_base)}`), "
+        text += (f"\n> Trained on a local copy of the base model ({_local_name(contents)}), "
                  f"published as `{c['base_model_name_or_path']}`.\n")
     return text
 

@@ -47,6 +47,25 @@ def scrub(value: Any) -> Any:
     return value
 
 
+def check_model_name(name: Any, field: str, fix: str) -> str:
+    """``name`` when the Hub would take it as a model name (``name`` or ``namespace/name``: letters, digits, ``-``,
+    ``_``, ``.``, at most 96 characters each; huggingface_hub's ``validate_repo_id``), so that nothing but a name
+    reaches the card's code snippets and metadata (no newline, quote, backtick or markup).
+
+    Raises:
+        ValueError: ``{field} {name!r} is not a valid model name ...``, then ``fix``.
+    """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        if not isinstance(name, str):
+            raise HFValidationError(f"a name is a string, got {type(name).__name__}")
+        validate_repo_id(name)
+    except HFValidationError as e:
+        raise ValueError(f"{field} {name!r} is not a valid model name as the Hub validates them ({e}); {fix}") from e
+    return name
+
+
 def published_base(recorded: str, model_record: Any, override: str | None) -> tuple[str, bool]:
     """The base model a published config and card name, and whether it is a Hub id.
 
@@ -59,15 +78,21 @@ def published_base(recorded: str, model_record: Any, override: str | None) -> tu
     Returns:
         ``(name, is_hub_id)``: the override, the recorded name when it is a Hub id, the ``model/`` config's
         ``hub_id``, else the local path's last component (``False``: loaders cannot fetch it).
+
+    Raises:
+        ValueError: the name is not one the Hub takes (:func:`check_model_name`; where it came from named).
     """
+    fix = "publish with base_model=<Hub id of the base model>"
     if override:
-        return override, True
+        return check_model_name(override, "base_model", "give the Hub id of the base model (namespace/name)"), True
     if is_hub_id(recorded):
         return recorded, True
     hub_id = model_record.get("hub_id") if isinstance(model_record, dict) else None
     if isinstance(hub_id, str) and hub_id:
-        return hub_id, True
-    return public_name(recorded), False
+        return check_model_name(hub_id, "the export's config.json medusa_train_model.hub_id", fix), True
+    if not recorded:  # none recorded (a Medusa-2 export without its original base): nothing to name
+        return "", False
+    return check_model_name(public_name(recorded), f"the name of the local base model at {recorded!r}:", fix), False
 
 
-__all__ = ["is_local_path", "public_name", "published_base", "scrub", "scrub_text"]
+__all__ = ["check_model_name", "is_local_path", "public_name", "published_base", "scrub", "scrub_text"]

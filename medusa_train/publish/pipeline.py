@@ -16,6 +16,7 @@ from pathlib import Path
 from medusa_train.publish.card import hub_base, render_card
 from medusa_train.publish.folder import ExportContents, collect_export, write_repo_folder
 from medusa_train.publish.hub import LicenseInfo, base_model_license
+from medusa_train.publish.local_paths import check_model_name
 from medusa_train.publish.upload import (
     PublishError,
     check_online,
@@ -48,6 +49,13 @@ class PublishResult:
     revision: str | None = None
     url: str | None = None
     commits: list[str] = field(default_factory=list)
+
+
+def check_base_model(base_model: str | None) -> None:
+    """Raise ``ValueError`` (naming ``base_model``) unless it is None or a model name the Hub takes: it is written
+    into the published config.json and the card's ``vllm serve`` / ``LLM(model=...)`` snippets."""
+    if base_model is not None:
+        check_model_name(base_model, "base_model", "give the Hub id of the base model (namespace/name)")
 
 
 def _card(
@@ -95,10 +103,12 @@ def prepare_repo_folder(
 
     Raises:
         FileNotFoundError, ValueError: see :func:`~medusa_train.publish.folder.collect_export` and
-            :func:`~medusa_train.publish.folder.write_repo_folder`; ValueError for an invalid ``repo_id``.
+            :func:`~medusa_train.publish.folder.write_repo_folder`; ValueError for an invalid ``repo_id`` or
+            ``base_model`` (the field named, before anything is read or written).
     """
     if repo_id is not None:
         check_repo_id(repo_id)
+    check_base_model(base_model)
     contents = collect_export(export_dir, eval_dir, base_model)
     card, info = _card(contents, repo_id, license, endpoint)
     files = write_repo_folder(contents, card, output_dir, link=link)
@@ -137,11 +147,12 @@ def publish_export(
         :class:`PublishResult` with the URL and commits.
 
     Raises:
-        ValueError: invalid ``repo_id`` or export. FileNotFoundError: no export there.
+        ValueError: invalid ``repo_id``, ``base_model`` or export. FileNotFoundError: no export there.
         PublishError: no token (the message says how to log in), offline mode, or a Hub / network failure (the
             message lists what was committed; re-running resumes).
     """
     check_repo_id(repo_id)
+    check_base_model(base_model)
     check_online()
     token = resolve_token()
     staging_parent = Path(export_dir).resolve().parent

@@ -46,7 +46,8 @@ class PublishConfig:
     commit_message: Optional[str] = None
 
     def validate(self) -> None:
-        """Raise ``ValueError`` for a combination that cannot run (checked before any file is read)."""
+        """Raise ``ValueError`` for a combination that cannot run, or a ``repo_id`` / ``base_model`` the Hub would
+        not take as a name (checked before any file is read)."""
         if self.dry_run and not self.output_dir:
             raise ValueError("dry_run=true writes the repository folder to output_dir: set output_dir=OUT")
         if not self.dry_run and not self.repo_id:
@@ -54,3 +55,9 @@ class PublishConfig:
                              "or preview the folder with dry_run=true output_dir=OUT")
         if self.output_dir and not self.dry_run:
             raise ValueError("output_dir is only used with dry_run=true; add dry_run=true or drop output_dir")
+        from medusa_train.publish.pipeline import check_base_model
+        from medusa_train.publish.upload import check_repo_id
+
+        if self.repo_id is not None:
+            check_repo_id(self.repo_id)
+        check_base_model(self.base_model)
