@@ -19,13 +19,14 @@ validates the node as a :class:`DraftConfig` before loading anything.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from medusa_train.bounds import MAX_COUNT, bound, check_bounds
 from medusa_train.loading.cpu_kernels import PackedLinear
 
 DRAFT_KINDS = ("self_layers", "model")
@@ -162,9 +163,9 @@ class DraftConfig:
     """
 
     kind: str = "self_layers"
-    num_layers: int = 8
+    num_layers: int = field(default=8, metadata=bound(1, cap=MAX_COUNT))
     model: Optional[Any] = None
-    num_draft_tokens: int = 5
+    num_draft_tokens: int = field(default=5, metadata=bound(1, cap=MAX_COUNT, hint="K, tokens drafted per step"))
     schedule: str = "constant"
 
     def validate(self) -> None:
@@ -177,6 +178,7 @@ class DraftConfig:
                              "draft.model.name_or_path=...)")
         check_draft_length(self.num_draft_tokens, "draft.num_draft_tokens")
         check_schedule(self.schedule, "draft.schedule")
+        check_bounds(self, "draft")  # the caps against typos
 
 
 def check_draft_length(value: Any, field: str = "num_draft_tokens") -> int:

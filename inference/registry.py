@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from inference.decoders.base import DecodeConfig, Decoder
-from inference.acceptance import check_posterior
 from inference.decoders.medusa import ACCEPTANCE, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, check_acceptance
 from inference.tree import TOPK
 from inference.draft_loading import DraftConfig
-from inference.proposers.lookahead import check_lookahead_settings
+from medusa_train.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
 
 
 @dataclass
@@ -93,16 +92,14 @@ class MedusaSettings:
     """
 
     acceptance: str = ACCEPTANCE
-    posterior_threshold: float = POSTERIOR_THRESHOLD
-    posterior_alpha: float = POSTERIOR_ALPHA
-    topk: int = TOPK
+    # the ranges of inference.acceptance.check_posterior (typical acceptance's epsilon and delta)
+    posterior_threshold: float = field(default=POSTERIOR_THRESHOLD, metadata=bound(0, 1, low_open=True))
+    posterior_alpha: float = field(default=POSTERIOR_ALPHA, metadata=bound(0, low_open=True))
+    topk: int = field(default=TOPK, metadata=bound(1, cap=MAX_COUNT))
     medusa_choices: Optional[Any] = None
 
     def validate(self) -> None:
         check_acceptance(self.acceptance, DecodeConfig(max_new_tokens=1), "acceptance")
-        if self.topk < 1:
-            raise ValueError(f"topk must be >= 1, got {self.topk}")
-        check_posterior(self.posterior_threshold, self.posterior_alpha)
 
 
 @dataclass
@@ -119,12 +116,7 @@ class HfAssistedSettings(DraftConfig):
     :class:`DraftSettings`, and ``confidence_threshold``, transformers' ``assistant_confidence_threshold`` (None: the
     draft's generation config value; 0: always draft K tokens, as the draft decoder does)."""
 
-    confidence_threshold: Optional[float] = None
-
-    def validate(self) -> None:
-        super().validate()
-        if self.confidence_threshold is not None and not 0.0 <= self.confidence_threshold <= 1.0:
-            raise ValueError(f"confidence_threshold must be in [0, 1] or null, got {self.confidence_threshold}")
+    confidence_threshold: Optional[float] = field(default=None, metadata=bound(0, 1))
 
 
 @dataclass
@@ -138,13 +130,14 @@ class LookaheadSettings:
         prompt_ngrams: also pool the prompt's own n-grams.
     """
 
-    window: int = 5
-    ngram: int = 4
-    guesses: int = 5
+    # the ranges of inference.proposers.lookahead.check_lookahead_settings, capped
+    window: int = field(default=5, metadata=bound(1, cap=MAX_COUNT, hint="W, lookahead window size"))
+    ngram: int = field(default=4, metadata=bound(2, cap=MAX_COUNT, hint="N, n-gram size"))
+    guesses: int = field(default=5, metadata=bound(1, cap=MAX_COUNT, hint="G, candidate n-grams verified per step"))
     prompt_ngrams: bool = True
 
     def validate(self) -> None:
-        check_lookahead_settings(self.window, self.ngram, self.guesses)
+        return None
 
 
 @dataclass
@@ -157,13 +150,11 @@ class HfPromptLookupSettings:
         max_matching_ngram_size: longest n-gram matched against the prompt.
     """
 
-    num_draft_tokens: int = 10
-    max_matching_ngram_size: int = 2
+    num_draft_tokens: int = field(default=10, metadata=bound(1, cap=MAX_COUNT))
+    max_matching_ngram_size: int = field(default=2, metadata=bound(1, cap=MAX_COUNT))
 
     def validate(self) -> None:
-        if self.num_draft_tokens < 1 or self.max_matching_ngram_size < 1:
-            raise ValueError(f"num_draft_tokens and max_matching_ngram_size must be >= 1, got "
-                             f"{self.num_draft_tokens} and {self.max_matching_ngram_size}")
+        return None
 
 
 @dataclass
@@ -178,15 +169,12 @@ class VllmSettings:
         gpu_memory_utilization: share of GPU memory vLLM may take (CUDA only; None: vLLM's default, 0.9).
     """
 
-    max_model_len: int = 4096
+    max_model_len: int = field(default=4096, metadata=bound(1, cap=MAX_TOKENS))
     enforce_eager: bool = False
-    gpu_memory_utilization: Optional[float] = None
+    gpu_memory_utilization: Optional[float] = field(default=None, metadata=bound(0, 1, low_open=True))
 
     def validate(self) -> None:
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1] or null, got {self.gpu_memory_utilization}")
+        return None
 
 
 @dataclass
@@ -199,12 +187,7 @@ class VllmMedusaSettings(VllmSettings):
         num_speculative_tokens: drafted tokens per step, 1..K (the first heads); None: all K heads.
     """
 
-    num_speculative_tokens: Optional[int] = None
-
-    def validate(self) -> None:
-        super().validate()
-        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1 or null, got {self.num_speculative_tokens}")
+    num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
 
 
 # --- request checks (run before any model loads) ---------------------------------------------------------------
@@ -386,7 +369,9 @@ class DecoderEntry:
 
     Attributes:
         name: the decoder's name in configs, results and summaries.
-        settings: a dataclass with defaults and a ``validate()`` that raises ``ValueError`` naming the field.
+        settings: a dataclass with defaults, numeric ranges declared in its fields' metadata
+            (:func:`medusa_train.bounds.bound`), and a ``validate()`` for the rest that raises ``ValueError`` naming
+            the field.
         build: ``(settings, BuildContext) -> BuiltDecoder``; called once the target model is loaded.
         summary: one line for listings.
         check_request: ``(settings, request) -> None``, raising ``ValueError`` when the decoder cannot serve the
@@ -476,10 +461,12 @@ def check_decoder_names(names: Sequence[str]) -> list[str]:
 
 def decoder_settings(name: str, raw: Any = None) -> Any:
     """The validated settings dataclass of decoder ``name`` from ``raw`` (a mapping, an OmegaConf node, an instance,
-    or None for the defaults).
+    or None for the defaults): the numeric ranges its fields declare (:func:`medusa_train.bounds.check_bounds`),
+    then its ``validate()``.
 
     Raises:
-        ValueError: unknown decoder, unknown key, wrong type or bad value; the message starts with ``decoder.<name>``.
+        ValueError: unknown decoder, unknown key, wrong type or bad value; the message starts with ``decoder.<name>``
+            (a value out of range: ``decoder.<name>.<field> must be ...``).
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -498,6 +485,10 @@ def decoder_settings(name: str, raw: Any = None) -> Any:
             if raw is not None:
                 node = OmegaConf.merge(node, raw)
             settings = OmegaConf.to_object(node)
+    except (ValueError, TypeError, OmegaConfBaseException) as e:
+        raise ValueError(f"decoder.{name}: {e}") from e
+    check_bounds(settings, f"decoder.{name}")
+    try:
         settings.validate()
     except (ValueError, TypeError, OmegaConfBaseException) as e:
         raise ValueError(f"decoder.{name}: {e}") from e

@@ -13,11 +13,32 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from medusa_train.bounds import (
+    MAX_COUNT,
+    MAX_EPOCHS,
+    MAX_PROCESSES,
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TOKENS,
+    bound,
+    check_bounds,
+)
 from medusa_train.head_types import HEAD_TYPES
 from medusa_train.hydra_heads import COMBINES
 from medusa_train.precision import check_dtype_name
 
 MODEL_FORMATS = ("auto", "hf", "gguf", "llama2c")
+DEVICES = ("cpu", "cuda", "cuda:N", "auto")  # what medusa_train.loading.base.resolve_device places a model on
+
+
+def check_device(device: str, name: str = "model.device") -> str:
+    """Return ``device`` if it is one of :data:`DEVICES` (``cuda:N``: N a GPU index), else raise ``ValueError``
+    naming ``name`` and the supported devices (Apple's ``mps`` and TPUs are not supported)."""
+    index = device.removeprefix("cuda:")
+    if device in ("cpu", "cuda", "auto") or (device.startswith("cuda:") and index.isdigit()):
+        return device
+    raise ValueError(f"{name} must be one of {', '.join(DEVICES)} (N: a GPU index; mps and tpu are not supported), "
+                     f"got {device!r}")
 
 
 @dataclass
@@ -60,8 +81,7 @@ class ModelConfig:
         if self.format not in MODEL_FORMATS:
             raise ValueError(f"model.format must be one of {MODEL_FORMATS}, got {self.format!r}")
         check_dtype_name(self.dtype, "model.dtype")
-        if not (self.device in ("cpu", "cuda", "auto", "mps") or self.device.startswith("cuda:")):
-            raise ValueError(f"model.device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        check_device(self.device)
 
 
 LOSS_RAMPS = ("constant", "linear", "sine")
@@ -80,18 +100,13 @@ class LoraSettings:
             v_proj, o_proj`` for Llama/Mistral/Qwen2, ``c_attn, c_proj`` for GPT-2).
     """
 
-    r: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.05
+    r: int = field(default=16, metadata=bound(1, cap=MAX_COUNT))
+    alpha: float = field(default=32.0, metadata=bound(0, low_open=True))
+    dropout: float = field(default=0.05, metadata=bound(0, 1, high_open=True))
     target_modules: Optional[list[str]] = None
 
     def validate(self) -> None:
-        if self.r < 1:
-            raise ValueError(f"heads.lora.r must be >= 1, got {self.r}")
-        if self.alpha <= 0:
-            raise ValueError(f"heads.lora.alpha must be > 0, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"heads.lora.dropout must be in [0, 1), got {self.dropout}")
+        check_bounds(self, "heads.lora")
         if self.target_modules is not None and not self.target_modules:
             raise ValueError("heads.lora.target_modules is empty: list module names or use null for the default")
 
@@ -117,16 +132,12 @@ class HeadShape:
 
     head_type: str = "medusa"
     combine: str = "concat"
-    medusa_num_heads: int = 4
-    medusa_num_layers: int = 1
+    medusa_num_heads: int = field(default=4, metadata=bound(1, cap=MAX_COUNT))
+    medusa_num_layers: int = field(default=1, metadata=bound(1, cap=MAX_COUNT))
     share_lm_head: bool = False
-    head_vocab_size: Optional[int] = None
+    head_vocab_size: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
 
     def validate_shape(self) -> None:
-        if self.medusa_num_heads < 1:
-            raise ValueError(f"heads.medusa_num_heads must be >= 1, got {self.medusa_num_heads}")
-        if self.medusa_num_layers < 1:
-            raise ValueError(f"heads.medusa_num_layers must be >= 1, got {self.medusa_num_layers}")
         if self.head_type not in HEAD_TYPES:
             raise ValueError(f"heads.head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
         if self.combine not in COMBINES:
@@ -148,14 +159,12 @@ class HeadsTraining:
     """
 
     mode: str = "medusa1"
-    loss_decay: float = 0.8
+    loss_decay: float = field(default=0.8, metadata=bound(0, 1, low_open=True))
     target: str = "base_argmax"
 
     def validate_training(self) -> None:
         if self.mode not in HEADS_MODES:
             raise ValueError(f"heads.mode must be {' or '.join(HEADS_MODES)}, got {self.mode!r}")
-        if not 0.0 < self.loss_decay <= 1.0:
-            raise ValueError(f"heads.loss_decay must be in (0, 1], got {self.loss_decay}")
         if self.target not in ("labels", "base_argmax", "soft"):
             raise ValueError(f"heads.target must be labels, base_argmax or soft, got {self.target!r}")
 
@@ -182,11 +191,11 @@ class JointSettings:
         lora: LoRA settings (:class:`LoraSettings`).
     """
 
-    medusa_loss_weight: float = 0.2
+    medusa_loss_weight: float = field(default=0.2, metadata=bound(0, hint="lambda_0"))
     loss_ramp: str = "sine"
-    ramp_steps: Optional[int] = None
-    ramp_ratio: float = 0.1
-    heads_lr_multiplier: float = 4.0
+    ramp_steps: Optional[int] = field(default=None, metadata=bound(0, cap=MAX_STEPS))
+    ramp_ratio: float = field(default=0.1, metadata=bound(0, 1))
+    heads_lr_multiplier: float = field(default=4.0, metadata=bound(0, low_open=True))
     base_loss: Optional[str] = None
     finetune: str = "lora"
     lora: LoraSettings = field(default_factory=LoraSettings)
@@ -198,14 +207,6 @@ class JointSettings:
             raise ValueError(f"heads.finetune must be one of {FINETUNE_MODES}, got {self.finetune!r}")
         if self.base_loss not in (None, *BASE_LOSSES):
             raise ValueError(f"heads.base_loss must be one of {BASE_LOSSES} or null, got {self.base_loss!r}")
-        if self.medusa_loss_weight < 0:
-            raise ValueError(f"heads.medusa_loss_weight (lambda_0) must be >= 0, got {self.medusa_loss_weight}")
-        if self.ramp_steps is not None and self.ramp_steps < 0:
-            raise ValueError(f"heads.ramp_steps must be >= 0 or null, got {self.ramp_steps}")
-        if not 0.0 <= self.ramp_ratio <= 1.0:
-            raise ValueError(f"heads.ramp_ratio must be in [0, 1], got {self.ramp_ratio}")
-        if self.heads_lr_multiplier <= 0:
-            raise ValueError(f"heads.heads_lr_multiplier must be > 0, got {self.heads_lr_multiplier}")
         if self.base_loss == "kl" and self.finetune == "full":
             raise ValueError("heads.base_loss=kl with heads.finetune=full would need a second, frozen copy of the "
                              "base model for p_original; use heads.finetune=lora (the original is the model with its "
@@ -224,13 +225,11 @@ class StageOneSettings:
         init_from: start the joint stage from the heads of this export folder (made for the same base model).
     """
 
-    stage1_epochs: float = 0.0
+    stage1_epochs: float = field(default=0.0, metadata=bound(0, cap=MAX_EPOCHS, hint="0: no first stage"))
     stage1_hidden_cache: bool = False
     init_from: Optional[str] = None
 
     def validate_stage1(self) -> None:
-        if self.stage1_epochs < 0:
-            raise ValueError(f"heads.stage1_epochs must be >= 0, got {self.stage1_epochs}")
         if self.stage1_epochs > 0 and self.init_from:
             raise ValueError("heads.stage1_epochs > 0 trains the first-stage heads, heads.init_from loads them: "
                              "set one of the two")
@@ -251,6 +250,7 @@ class HeadsConfig(StageOneSettings, JointSettings, HeadsTraining, HeadShape):
     """
 
     def validate(self) -> None:
+        check_bounds(self, "heads")  # every group's numeric fields, LoRA's included, whatever the mode
         self.validate_shape()
         self.validate_training()
         if self.head_type == "hydra" and self.mode != "medusa1":
@@ -304,7 +304,8 @@ class DataConfig:
             where the hardware multiplies bf16 natively, as ``dtype=auto`` decides for decoding). bf16 on a CPU
             with bf16 units makes about 1.7x fp32's tokens (docs/vllm.md); the heads still train on the model's
             own dtype.
-        max_new_tokens: longest regenerated reply.
+        max_new_tokens: longest regenerated reply; with ``self_distill``, below ``max_length`` (checked with the
+            config) and below the base model's context (:meth:`check_context`, once the model is loaded).
         generation_batch_size: conversations generated at once per rank (with vLLM: its ``max_num_seqs``, with
             four times as many prompts queued per request: ``distill_engines.request_size``). On a CPU larger batches pay: SmolLM2-135M greedy decoding made 52 tokens/s at 16
             rows and 170-230 at 64-128 rows on the 2-core test machine.
@@ -316,9 +317,9 @@ class DataConfig:
 
     source: str = "sharegpt"
     path: Optional[str] = None
-    max_conversations: Optional[int] = None
-    stride: int = 1
-    eval_fraction: float = 0.05
+    max_conversations: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_STEPS))
+    stride: int = field(default=1, metadata=bound(1, cap=MAX_COUNT, hint="1 keeps every conversation"))
+    eval_fraction: float = field(default=0.05, metadata=bound(0, 1, high_open=True))
     prompts: list[str] = field(default_factory=list)
     self_distill: bool = False
     self_distill_dir: Optional[str] = None
@@ -326,12 +327,13 @@ class DataConfig:
     server_url: Optional[str] = None
     server_model: Optional[str] = None
     self_distill_dtype: Optional[str] = None
-    max_new_tokens: int = 256
-    generation_batch_size: int = 16
-    max_prompt_tokens: Optional[int] = None
-    num_proc: Optional[int] = None
+    max_new_tokens: int = field(default=256, metadata=bound(1, cap=MAX_TOKENS))
+    generation_batch_size: int = field(default=16, metadata=bound(1, cap=MAX_COUNT))
+    max_prompt_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_TOKENS))
+    num_proc: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_PROCESSES))
 
     def validate(self) -> None:
+        check_bounds(self, "data")
         if self.source not in DATA_SOURCES:
             raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
         if self.source in ("json", "hf_disk") and not self.path:
@@ -341,16 +343,6 @@ class DataConfig:
                 raise ValueError("data.source=prompts needs a non-empty data.prompts list")
             if not self.self_distill:
                 raise ValueError("data.source=prompts has no replies to train on: set data.self_distill=true")
-        if self.max_conversations is not None and self.max_conversations < 1:
-            raise ValueError(f"data.max_conversations must be >= 1 or null, got {self.max_conversations}")
-        if self.stride < 1:
-            raise ValueError(f"data.stride must be >= 1 (1 keeps every conversation), got {self.stride}")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
-        if self.max_new_tokens < 1 or self.generation_batch_size < 1:
-            raise ValueError("data.max_new_tokens and data.generation_batch_size must be >= 1")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"data.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
         engine = self.distill_engine
         if engine not in DISTILL_ENGINES:
             raise ValueError(f"data.self_distill_engine must be one of {DISTILL_ENGINES} or null, got {engine!r}")
@@ -366,6 +358,19 @@ class DataConfig:
                 raise ValueError("data.self_distill_dtype is for data.self_distill_engine=vllm (hf generates with "
                                  "the training model as loaded; a server has its own dtype)")
             check_dtype_name(self.self_distill_dtype, "data.self_distill_dtype")
+
+    def check_context(self, max_positions: Optional[int]) -> None:
+        """Refuse self-distillation whose replies cannot fit the base model's context of ``max_positions`` tokens
+        (None: unknown, no check): a prompt of one token plus ``max_new_tokens`` must fit. Call it once the model is
+        loaded, before anything is generated (generating past the context runs on for hours or fails in torch).
+
+        Raises:
+            ValueError: naming ``data.max_new_tokens`` and the largest value that fits.
+        """
+        if self.self_distill and max_positions is not None and self.max_new_tokens >= max_positions:
+            raise ValueError(f"data.max_new_tokens={self.max_new_tokens} does not fit the base model's context of "
+                             f"{max_positions} positions (with a prompt of at least one token): set "
+                             f"data.max_new_tokens to at most {max_positions - 1}")
 
     @property
     def distill_engine(self) -> str:
@@ -401,28 +406,31 @@ class TrainerConfig:
     deepspeed: Optional[str] = None
     use_cpu: bool = False
     ddp_backend: Optional[str] = None
-    per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
+    per_device_train_batch_size: int = field(default=8, metadata=bound(1, cap=MAX_COUNT))
+    per_device_eval_batch_size: int = field(default=8, metadata=bound(1, cap=MAX_COUNT))
+    gradient_accumulation_steps: int = field(default=1, metadata=bound(1, cap=MAX_COUNT))
+    learning_rate: float = field(default=1e-3, metadata=bound(0, low_open=True))
+    weight_decay: float = field(default=0.0, metadata=bound(0))
+    max_grad_norm: float = field(default=1.0, metadata=bound(0, hint="0: no clipping"))
+    adam_beta1: float = field(default=0.9, metadata=bound(0, 1, high_open=True))
+    adam_beta2: float = field(default=0.999, metadata=bound(0, 1, high_open=True))
     optim: str = "adamw_torch"
     lr_scheduler_type: str = "cosine"
-    warmup_ratio: float = 0.05
-    num_train_epochs: float = 1.0
-    max_steps: int = -1
+    warmup_ratio: float = field(default=0.05, metadata=bound(0, 1, high_open=True))
+    num_train_epochs: float = field(default=1.0, metadata=bound(0, cap=MAX_EPOCHS))
+    max_steps: int = field(default=-1, metadata=bound(-1, cap=MAX_STEPS, hint="-1 or 0: num_train_epochs decides"))
     precision: str = "fp32"
-    logging_steps: int = 10
-    save_steps: int = 500
-    save_total_limit: Optional[int] = 2
-    dataloader_num_workers: int = 0
+    logging_steps: int = field(default=10, metadata=bound(1, cap=MAX_STEPS))
+    save_steps: int = field(default=500, metadata=bound(1, cap=MAX_STEPS))
+    save_total_limit: Optional[int] = field(default=2, metadata=bound(1, cap=MAX_STEPS,
+                                                                      hint="checkpoints kept; null: all"))
+    dataloader_num_workers: int = field(default=0, metadata=bound(0, cap=MAX_PROCESSES,
+                                                                  hint="0: load in the main process"))
     disable_tqdm: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
+        check_bounds(self, "trainer")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"trainer.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.strategy == "deepspeed" and not self.deepspeed:
@@ -433,14 +441,6 @@ class TrainerConfig:
             raise ValueError(f"trainer.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.ddp_backend not in (None, "gloo", "nccl"):
             raise ValueError(f"trainer.ddp_backend must be gloo, nccl or null, got {self.ddp_backend!r}")
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "logging_steps", "save_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
-        if self.learning_rate <= 0:
-            raise ValueError(f"trainer.learning_rate must be > 0, got {self.learning_rate}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"trainer.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
             raise ValueError("set trainer.max_steps > 0 or trainer.num_train_epochs > 0")
 
@@ -496,8 +496,8 @@ class TrainConfig:
     output_dir: str = MISSING
     resume: bool = False
     overwrite: bool = False
-    seed: int = 42
-    max_length: int = 512
+    seed: int = field(default=42, metadata=bound(0, MAX_SEED))
+    max_length: int = field(default=512, metadata=bound(2, cap=MAX_TOKENS))
     hidden_cache: bool = False
     hidden_cache_dir: Optional[str] = None
     export: bool = True
@@ -515,6 +515,7 @@ class TrainConfig:
         return "kl" if self.data.self_distill else "lm"
 
     def validate(self) -> None:
+        check_bounds(self, nested=False)  # the groups check their own, in part.validate() below
         if self.push_to_hub and not self.hub_repo_id:
             raise ValueError("push_to_hub=true needs hub_repo_id=namespace/name")
         if self.push_to_hub and not self.export:
@@ -522,8 +523,6 @@ class TrainConfig:
         if self.push_to_hub and self.heads.head_type == "hydra":
             raise ValueError("push_to_hub=true: medusa-publish publishes Medusa heads (FasterDecoding, TGI and vLLM "
                              "layouts); Hydra heads have no engine layout yet. Set push_to_hub=false")
-        if self.max_length < 2:
-            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         if self.resume and self.overwrite:
             raise ValueError("resume=true and overwrite=true contradict each other; choose one")
         if self.hidden_cache and self.heads.mode != "medusa1":
@@ -542,6 +541,11 @@ class TrainConfig:
             raise ValueError("data.self_distill=true makes heads.base_loss default to kl, which with "
                              "heads.finetune=full would need a second, frozen copy of the base model; set "
                              "heads.base_loss=lm or heads.finetune=lora")
+        if self.data.self_distill and self.data.max_new_tokens >= self.max_length:
+            raise ValueError(f"data.max_new_tokens={self.data.max_new_tokens} must be below max_length="
+                             f"{self.max_length}: a self-distilled conversation is cut to max_length tokens, prompt "
+                             "included, so the reply's later tokens would be generated for nothing; lower "
+                             "data.max_new_tokens or raise max_length")
 
 
 def register_configs() -> None:
@@ -572,7 +576,7 @@ def as_dataclass(cls: type, cfg: Any) -> Any:
 
 
 __all__ = [
-    "HEADS_MODES", "ModelConfig", "HeadsConfig", "HeadShape", "HeadsTraining", "JointSettings", "StageOneSettings",
-    "LoraSettings", "DataConfig", "TrainerConfig", "LoggerConfig", "TrainConfig",
+    "DEVICES", "HEADS_MODES", "check_device", "ModelConfig", "HeadsConfig", "HeadShape", "HeadsTraining",
+    "JointSettings", "StageOneSettings", "LoraSettings", "DataConfig", "TrainerConfig", "LoggerConfig", "TrainConfig",
     "register_configs", "as_dataclass", "field",
 ]

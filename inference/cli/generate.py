@@ -29,7 +29,8 @@ from inference.registry import (
     register_decoder_schemas,
 )
 from medusa_train.cli.app import hydra_app, register_shared_schemas
-from medusa_train.config import as_dataclass
+from medusa_train.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
+from medusa_train.config import as_dataclass, check_device
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.loading.runtime import load_for_inference
 from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
@@ -62,11 +63,11 @@ class GenerateConfig:
     system: Optional[str] = None
     decoder_name: str = "medusa"
     decoder: dict[str, Any] = field(default_factory=dict)
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: Optional[int] = None
+    max_new_tokens: int = field(default=256, metadata=bound(1, cap=MAX_TOKENS))
+    temperature: float = field(default=0.0, metadata=bound(0, hint="0: greedy"))
+    top_p: float = field(default=1.0, metadata=bound(0, 1, low_open=True, hint="1.0: off"))
+    top_k: int = field(default=0, metadata=bound(0, cap=MAX_COUNT, hint="0: off"))
+    seed: Optional[int] = field(default=None, metadata=bound(0, MAX_SEED, hint="null: random"))
     stop_strings: list[str] = field(default_factory=list)
     model: Optional[Any] = None
     dtype: Optional[str] = DEFAULT_DTYPE
@@ -80,6 +81,7 @@ class GenerateConfig:
             ValueError: a bad value (the key named), an unknown decoder, or settings that do not fit together.
             FileNotFoundError: ``export_dir`` is not a folder.
         """
+        check_bounds(self)
         check_decoder_names([self.decoder_name])
         settings = self.settings()
         if getattr(settings, "acceptance", None) == "greedy" and self.temperature != 0:
@@ -91,10 +93,12 @@ class GenerateConfig:
             raise ValueError("prompt is empty: pass prompt=TEXT")
         check_dtype_name(self.dtype)
         check_cpu_kernels(self.cpu_kernels)
+        if self.device is not None:
+            check_device(self.device, "device")
         if not Path(self.export_dir).is_dir():
             raise FileNotFoundError(
                 f"export_dir={self.export_dir!r} is not a folder (an export written by medusa-train)")
-        self.request()  # range checks of max_new_tokens / temperature / top_p / top_k / stop_strings
+        self.request()  # checks stop_strings
 
     def settings(self) -> Any:
         """The validated settings of the chosen decoder."""

@@ -11,6 +11,8 @@ from omegaconf import MISSING
 
 from inference.decoders.base import DecodeConfig
 from inference.registry import REGISTRY, check_decoder_names, check_request, decoder_settings, default_decoder_names
+from medusa_train.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
+from medusa_train.config import check_device
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
 from medusa_train.prompts import PROMPT_SOURCES
@@ -66,10 +68,10 @@ class EvaluateConfig:
 
     export_dir: str = MISSING
     prompts: str = "mt_bench"
-    num_prompts: Optional[int] = None
-    per_category: Optional[int] = None
-    prompt_offset: Optional[int] = None
-    max_turns: Optional[int] = None
+    num_prompts: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
+    per_category: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
+    prompt_offset: Optional[int] = field(default=None, metadata=bound(0, cap=MAX_COUNT))
+    max_turns: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
     output_dir: str = MISSING
     decoders: list[str] = field(default_factory=lambda: list(default_decoder_names()))
     decoder: dict[str, Any] = field(default_factory=dict)
@@ -77,15 +79,15 @@ class EvaluateConfig:
     dtype: Optional[str] = DEFAULT_DTYPE
     device: Optional[str] = None
     cpu_kernels: str = DEFAULT_CPU_KERNELS
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    warmup: int = 1
-    warmup_max_new_tokens: int = 16
-    threads: Optional[int] = None
-    noise_positions: int = 64
+    max_new_tokens: int = field(default=256, metadata=bound(1, cap=MAX_TOKENS))
+    temperature: float = field(default=0.0, metadata=bound(0, hint="0: greedy"))
+    top_p: float = field(default=1.0, metadata=bound(0, 1, low_open=True, hint="1.0: off"))
+    top_k: int = field(default=0, metadata=bound(0, cap=MAX_COUNT, hint="0: off"))
+    seed: int = field(default=0, metadata=bound(0, MAX_SEED))
+    warmup: int = field(default=1, metadata=bound(0, cap=MAX_COUNT))
+    warmup_max_new_tokens: int = field(default=16, metadata=bound(1, cap=MAX_TOKENS))
+    threads: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
+    noise_positions: int = field(default=64, metadata=bound(0, cap=MAX_TOKENS, hint="0 skips the measurement"))
     plots: bool = True
     progress: bool = True
     overwrite: bool = False
@@ -97,8 +99,9 @@ class EvaluateConfig:
             ValueError: a bad value (the key named), an unknown decoder (valid names listed), or a decoder whose
                 settings are invalid or incomplete (``decoder.<name>`` named).
         """
+        check_bounds(self)
         check_decoder_names(self.decoders)
-        request = self.request()  # range checks of max_new_tokens / temperature / top_p / top_k
+        request = self.request()
         for name in self.run_order():
             check_request(name, self.settings_for(name), request)
         unknown = sorted(set(self.decoder) - set(REGISTRY))
@@ -106,17 +109,8 @@ class EvaluateConfig:
             raise ValueError(f"decoder has settings for unknown decoder(s) {unknown}; valid: {', '.join(REGISTRY)}")
         check_dtype_name(self.dtype)
         check_cpu_kernels(self.cpu_kernels)
-        for key in ("num_prompts", "per_category", "max_turns", "threads"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ValueError(f"{key} must be >= 1 or null, got {value}")
-        if self.prompt_offset is not None and self.prompt_offset < 0:
-            raise ValueError(f"prompt_offset must be >= 0 or null, got {self.prompt_offset}")
-        if self.noise_positions < 0:
-            raise ValueError(f"noise_positions must be >= 0 (0 skips the measurement), got {self.noise_positions}")
-        if self.warmup < 0 or self.warmup_max_new_tokens < 1:
-            raise ValueError(f"warmup must be >= 0 and warmup_max_new_tokens >= 1, got {self.warmup} and "
-                             f"{self.warmup_max_new_tokens}")
+        if self.device is not None:
+            check_device(self.device, "device")
         if self.prompts not in PROMPT_SOURCES and not Path(self.prompts).is_file():
             raise FileNotFoundError(f"prompts={self.prompts!r} is neither a prompt set ({', '.join(PROMPT_SOURCES)}) "
                                     "nor an existing JSONL file of MT-Bench's shape")

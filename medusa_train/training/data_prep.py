@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inference.decoders.base import max_positions
 from medusa_train.config import DataConfig, ModelConfig, TrainerConfig
 from medusa_train.data import (
     BuildStats,
@@ -193,6 +194,7 @@ def prepare_data(
         VllmUnavailable / ServerError: the self-distillation engine is missing or unreachable (named), with every
             record written so far kept.
     """
+    data.check_context(max_positions(getattr(model, "config", None)))  # before reading or generating anything
     conversations, load = source_conversations(data, seed)
     no_reply = 0
     if data.self_distill:

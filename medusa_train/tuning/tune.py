@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from inference.decoders.base import max_positions
 from medusa_train.data.collate import pad_token_id_of
 from medusa_train.export.files import write_json
 from medusa_train.model import MedusaModel
@@ -39,6 +40,7 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
         timing (also in ``latency_profile.json``).
     """
     cfg.validate()
+    cfg.check_context(max_positions(model.base.config))  # before the accuracy pass, not after it
     reused = None
     if cfg.latency_from is not None:  # refused before the head accuracy is measured, if made for another runtime
         reused = read_latency_profile(cfg.latency_from)

@@ -9,6 +9,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from inference.tree import TOPK
+from medusa_train.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
+from medusa_train.config import check_device
 from medusa_train.export.tree_files import read_latency_profile
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
@@ -21,8 +23,8 @@ class PromptSetConfig:
 
     source: str = "sharegpt"
     path: Optional[str] = None
-    offset: Optional[int] = None  # None: 0, or for ShareGPT the held-out offset (medusa_train.prompts)
-    num_prompts: int = 16
+    offset: Optional[int] = field(default=None, metadata=bound(0, cap=MAX_COUNT))  # None: 0, or ShareGPT's held-out
+    num_prompts: int = field(default=16, metadata=bound(1, cap=MAX_COUNT))
 
 
 @dataclass
@@ -62,37 +64,61 @@ class TuneTreeConfig:
     device: Optional[str] = None
     cpu_kernels: str = DEFAULT_CPU_KERNELS
     prompts: PromptSetConfig = field(default_factory=PromptSetConfig)
-    max_new_tokens: int = 96
-    generation_batch_size: int = 16
-    topk: int = TOPK
-    max_nodes: int = 63
-    latency_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES[:9]))
-    context_length: int = 256
-    repeats: int = 5
+    max_new_tokens: int = field(default=96, metadata=bound(4, cap=MAX_TOKENS, hint="at least 4 to measure the heads"))
+    generation_batch_size: int = field(default=16, metadata=bound(1, cap=MAX_COUNT))
+    topk: int = field(default=TOPK, metadata=bound(1, cap=MAX_COUNT))
+    max_nodes: int = field(default=63, metadata=bound(1, cap=MAX_COUNT, hint="the tree node budget"))
+    latency_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES[:9]),
+                                     metadata=bound(1, cap=MAX_TOKENS, hint="tokens of a verification pass"))
+    context_length: int = field(default=256, metadata=bound(1, cap=MAX_TOKENS))
+    repeats: int = field(default=5, metadata=bound(1, cap=MAX_COUNT))
     latency_from: Optional[str] = None
-    timed_prompts: int = 4
-    timed_new_tokens: int = 64
+    timed_prompts: int = field(default=4, metadata=bound(0, cap=MAX_COUNT, hint=(
+        "tuning prompts decoded with each candidate tree; 0: keep the predicted best")))
+    timed_new_tokens: int = field(default=64, metadata=bound(8, cap=MAX_TOKENS, hint="tokens per timed reply"))
 
     def validate(self) -> None:
+        """Check every setting before any model is loaded.
+
+        Raises:
+            ValueError: a value out of range or a bad name (the key named); a ``latency_from`` profile that cannot
+                be read.
+            FileNotFoundError: ``latency_from`` holds no ``latency_profile.json``.
+        """
+        check_bounds(self)
         check_dtype_name(self.dtype)
         check_cpu_kernels(self.cpu_kernels)
-        if self.max_nodes < 1:
-            raise ValueError(f"max_nodes (the tree node budget) must be >= 1, got {self.max_nodes}")
-        if self.generation_batch_size < 1:
-            raise ValueError(f"generation_batch_size must be >= 1, got {self.generation_batch_size}")
-        if self.topk < 1:
-            raise ValueError(f"topk must be >= 1, got {self.topk}")
-        if self.max_new_tokens < 4:
-            raise ValueError(f"max_new_tokens must be >= 4 to measure the heads, got {self.max_new_tokens}")
-        if not self.latency_sizes or min(self.latency_sizes) < 1 or len(self.latency_sizes) < 2:
+        if self.device is not None:
+            check_device(self.device, "device")
+        if len(self.latency_sizes) < 2:
             raise ValueError(f"latency_sizes must hold at least two sizes >= 1, got {self.latency_sizes}")
-        if self.timed_prompts < 0:
-            raise ValueError(f"timed_prompts must be >= 0 (tuning prompts decoded with each candidate tree; 0: keep "
-                             f"the predicted best), got {self.timed_prompts}")
-        if self.timed_new_tokens < 8:
-            raise ValueError(f"timed_new_tokens must be >= 8 (tokens per timed reply), got {self.timed_new_tokens}")
+        if self.context_length + max(self.latency_sizes) > MAX_TOKENS:
+            raise ValueError(f"context_length + max(latency_sizes) = {self.context_length + max(self.latency_sizes)}"
+                             f" exceeds the hard cap of {MAX_TOKENS} positions; lower context_length")
         if self.latency_from is not None:
             read_latency_profile(self.latency_from)
+
+    def check_context(self, max_positions: Optional[int]) -> None:
+        """Refuse lengths beyond the loaded model's context of ``max_positions`` tokens (None: unknown, no check),
+        before the accuracy pass: ``context_length + max(latency_sizes)`` (the latency measurement's cache) and a
+        one-token prompt plus ``max_new_tokens`` or ``timed_new_tokens`` must fit.
+
+        Raises:
+            ValueError: naming the setting and the largest value that fits.
+        """
+        if max_positions is None:
+            return
+        widest = max(self.latency_sizes)
+        if self.context_length + widest > max_positions:
+            fix = (f"set context_length to at most {max_positions - widest}" if widest < max_positions else
+                   f"drop the latency_sizes of {max_positions} or more")
+            raise ValueError(f"context_length={self.context_length} + max(latency_sizes)={widest} exceeds the model's "
+                             f"context of {max_positions} positions: {fix}")
+        for key in ("max_new_tokens", "timed_new_tokens"):
+            if getattr(self, key) >= max_positions:
+                raise ValueError(f"{key}={getattr(self, key)} does not fit the model's context of {max_positions} "
+                                 f"positions (with a prompt of at least one token): set it to at most "
+                                 f"{max_positions - 1}")
 
 
 def register_tune_tree_schema() -> None:
