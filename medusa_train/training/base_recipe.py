@@ -13,10 +13,9 @@ refused if too little is left. Only once the flow built its model is the folder 
 aside, unusable checkpoints dropped, ``train_config.yaml`` written. The run set aside is deleted once this run has
 sealed its first checkpoint or written its export, and restored if this run ends before that (a run killed before
 that leaves it for the next run to restore, right after taking the lock); so no failure of the new run costs the old
-one. At the end every rank joins in gathering the trained
-fp32 weights (sharded under ZeRO-3) and checks them finite; the main process measures per-head accuracy on the
-held-out split, prints the table and writes ``export/`` with ``train_head_accuracy.json``. The lock is released on
-the way out, whether the run succeeded or failed.
+one. At the end every rank joins in gathering the trained fp32 weights (sharded under ZeRO-3) and checks them finite;
+the main process measures per-head accuracy on the held-out split, prints the table and writes ``export/`` with
+``train_head_accuracy.json``. The lock is released on the way out, whether the run succeeded or failed.
 """
 
 from __future__ import annotations
@@ -272,10 +271,12 @@ class BaseRecipe:
         self.barrier()
 
     def trainer_kwargs(self, args: TrainingArguments, train_set: Any, eval_set: Any) -> dict[str, Any]:
-        """The :class:`MedusaTrainer` arguments both flows give: datasets, collator, callbacks (the caller's, then
+        """The :class:`MedusaTrainer` arguments both flows give: datasets, collator, callbacks
+        (:class:`~medusa_train.training.callbacks.DiscardOverwritten` with ``overwrite=true``, the caller's, then
         :class:`~medusa_train.training.callbacks.ExitAfterStep` when asked for), loss settings, rotation."""
-        callbacks = [DiscardOverwritten(self.paths), *self.extra_callbacks] if self.cfg.overwrite else \
-            [*self.extra_callbacks]  # the commit first: no later on_save (one that stops the process) comes before it
+        # the commit first: no other on_save (one that stops the process, or waits) comes between it and the seal
+        commit = [DiscardOverwritten(self.paths)] if self.cfg.overwrite else []
+        callbacks = [*commit, *self.extra_callbacks]
         exit_cb = exit_callback_from_env()
         if exit_cb is not None:
             callbacks.append(exit_cb)

@@ -15,19 +15,20 @@ Layout of ``output_dir``::
     .overwritten.moving/     run entries on their way between the folder and .overwritten/ (always moved back)
     .overwritten.deleting/   run entries to delete (an overwritten run once the new one has a checkpoint)
 
-What is ours: ``checkpoints/``, ``export/`` and ``train_config.yaml`` belong to a run only when the folder's
-``train_config.yaml`` is a run record (:func:`run_record`: a YAML mapping with the config groups and ``output_dir``,
-:data:`RECORD_KEYS`, as every run writes before its first checkpoint or export). A folder holding these entries with
-no such record (a project's own ``checkpoints/best_model.ckpt``, ``export/model.onnx`` or ``train_config.yaml``) is
-not a run's: it is refused, with or without ``resume=true`` or ``overwrite=true``, and nothing in it is written,
-moved or deleted. The other entries above are written before the record exists (the lock, caches, Hydra's logs,
-stage 1) and mark a run's folder on their own; they are never deleted by a run.
+What is ours: ``checkpoints/`` and ``export/`` belong to a run only when the folder's ``train_config.yaml`` is a
+run record (:func:`run_record`: a YAML mapping with the config groups and ``output_dir``, :data:`RECORD_KEYS`; every
+run writes it before its first checkpoint or export). A folder holding either with no such record (a project's own
+``checkpoints/best_model.ckpt`` or ``export/model.onnx``, beside no ``train_config.yaml`` or another tool's) is not a
+run's: it is refused, with or without ``resume=true`` or ``overwrite=true``, and nothing in it is written, moved or
+deleted. The other entries above, and a ``train_config.yaml`` with no outputs beside it, are written before a run
+has outputs (the lock, the record, caches, Hydra's logs, stage 1) and mark a run's folder on their own; a run never
+deletes them.
 
 The rules, in the order a run meets them (all before anything in the folder is written, moved or deleted):
 
 1. :func:`check_location`: ``output_dir`` is not empty, not a file, and is new, empty or one of our runs: a folder of
-   someone else's files, or one holding ``checkpoints/``, ``export/`` or ``train_config.yaml`` without our record,
-   is refused even with ``overwrite=true`` (it is never written into, nor deleted);
+   someone else's files, or one holding ``checkpoints/`` or ``export/`` without our record, is refused even with
+   ``overwrite=true`` (it is never written into, nor deleted);
 2. :func:`check_output_dir`: a folder holding a run's checkpoints or export needs ``resume=true`` (same run: only
    the keys in :data:`RESUME_MAY_CHANGE` may differ) or ``overwrite=true``;
 3. the main process takes the folder's lock (:class:`~medusa_train.training.run_lock.RunLock`), settles what a
@@ -52,7 +53,10 @@ A run killed (``kill -9``, power loss) at any point leaves these folders behind.
 them right after taking the lock, before its checks, the same way: ``.overwritten.deleting/`` is deleted (the new
 run had committed, or its entries were being discarded), ``.overwritten/`` is restored (the new run never committed),
 ``.overwritten.moving/`` is moved back. So the folder always holds either the old run or the new one that reached a
-checkpoint, and ``resume=true`` or ``overwrite=true`` work on it as on any run folder.
+checkpoint, and ``resume=true`` or ``overwrite=true`` work on it as on any run folder. (Under a launcher the other
+ranks check the folder as they find it, read-only, possibly before the main process settled it: at worst they refuse
+a run the main process would start, never the reverse.) Medusa-2's ``stage1/`` is overwritten by the same rules, as
+the run folder of its own stage: its new stage 1 has committed before the joint stage sets the old joint run aside.
 """
 
 from __future__ import annotations
@@ -76,8 +80,10 @@ log = logging.getLogger(__name__)
 RUN_CONFIG = "train_config.yaml"
 # The top-level keys every run record holds (the config groups and output_dir; see "What is ours").
 RECORD_KEYS = ("model", "heads", "data", "trainer", "output_dir")
-# What overwrite=true replaces: the run's outputs, then its record (set aside in this order, restored record first).
-OVERWRITTEN = ("checkpoints", "export", RUN_CONFIG)
+# A run's outputs (only beside our record), and what overwrite=true replaces: the outputs, then the record (set aside
+# in this order, restored record first).
+OUTPUTS = ("checkpoints", "export")
+OVERWRITTEN = (*OUTPUTS, RUN_CONFIG)
 ASIDE, MOVING, DELETING = ".overwritten", ".overwritten.moving", ".overwritten.deleting"
 # Keys that may differ between the runs sharing a folder: how to start and where the folder is (it may have been
 # moved), not what to train.
@@ -195,16 +201,16 @@ def _found(root: Path, name: str) -> str:
 
 
 def check_ours(root: Path) -> None:
-    """"What is ours" in the module docstring: ``checkpoints/``, ``export/`` or ``train_config.yaml`` in ``root``
-    (an existing folder) only beside our run record (read-only).
+    """"What is ours" in the module docstring: ``checkpoints/`` or ``export/`` in ``root`` (an existing folder) only
+    beside our run record (read-only).
 
     Raises:
-        OutputDirError: any of them without a record of ours; the message names the folder, what was found and the
-            fix (another ``output_dir``).
+        OutputDirError: either of them without a record of ours; the message names the folder, what was found and
+            the fix (another ``output_dir``).
     """
-    found = [name for name in OVERWRITTEN if (root / name).exists()]
-    if not found or run_record(root) is not None:
+    if not any((root / name).exists() for name in OUTPUTS) or run_record(root) is not None:
         return
+    found = [name for name in OVERWRITTEN if (root / name).exists()]
     config = (root / RUN_CONFIG).exists()
     record = (f"its {RUN_CONFIG} is not a medusa-train run record (a mapping with {', '.join(RECORD_KEYS)})"
               if config else f"there is no {RUN_CONFIG}, the record every medusa-train run writes first")
@@ -219,8 +225,8 @@ def check_location(output_dir: str | os.PathLike[str]) -> Path:
 
     Raises:
         OutputDirError: empty, a file (or under one), not writable, an existing folder with entries none of which
-            is one of :data:`RUN_ENTRIES` (the message lists some of them), or one holding ``checkpoints/``,
-            ``export/`` or ``train_config.yaml`` without our run record (:func:`check_ours`).
+            is one of :data:`RUN_ENTRIES` (the message lists some of them), or one holding ``checkpoints/`` or
+            ``export/`` without our run record (:func:`check_ours`).
     """
     text = os.fspath(output_dir)
     if not str(text).strip():

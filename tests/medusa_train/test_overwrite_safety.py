@@ -19,35 +19,16 @@ from medusa_train.training import checkpoints, run_dir
 from medusa_train.training.recipe import build_recipe
 from medusa_train.training.run_dir import OutputDirError, RunPaths
 from medusa_train.training.trainer import MedusaTrainer
-from tests.medusa_train.test_run_safety import ENV, snapshot
-from tests.medusa_train.test_training import (
-    compose_train,
-    tiny_overrides,
-    write_tiny_inputs,
+from tests.medusa_train.test_run_safety import (  # noqa: F401 (the fixtures: a tiny model, a finished run, a copy)
+    ENV,
+    finished_run,
+    inputs,
+    run_copy,
+    snapshot,
 )
+from tests.medusa_train.test_training import compose_train, tiny_overrides
 
 SET_ASIDE = (run_dir.ASIDE, run_dir.MOVING, run_dir.DELETING)
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> tuple[Path, Path]:
-    return write_tiny_inputs(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def finished_run(inputs, tmp_path_factory) -> Path:
-    """A finished tiny run (2 heads, 8 steps, checkpoints 4 and 8, an export); copy it before changing it."""
-    model_dir, data = inputs
-    out = tmp_path_factory.mktemp("done") / "run"
-    build_recipe(compose_train(tiny_overrides(model_dir, data, out))).run()
-    return out
-
-
-@pytest.fixture
-def run_copy(finished_run, tmp_path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
-    return out
 
 
 # ---- a folder is ours only when our run record proves it ----------------------------------------------------------
