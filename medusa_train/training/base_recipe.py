@@ -9,11 +9,13 @@ launcher's world size against the trainer strategy, DeepSpeed batch sizes, the d
 cannot continue with this config (:mod:`~medusa_train.training.run_dir`). Then the main process takes the folder's
 lock (:mod:`~medusa_train.training.run_lock`), the process group starts (through ``TrainingArguments``), the base
 model loads (converted once, main process first) and the data is prepared (self-distillation sharded over ranks) and
-refused if too little is left. Only once the flow built its model is the folder changed: an overwritten run cleared,
-unusable checkpoints dropped, ``train_config.yaml`` written. At the end every rank joins in gathering the trained
-fp32 weights (sharded under ZeRO-3) and checks them finite; the main process measures per-head accuracy on the
-held-out split, prints the table and writes ``export/`` with ``train_head_accuracy.json``. The lock is released on
-the way out, whether the run succeeded or failed.
+refused if too little is left. Only once the flow built its model is the folder changed: an overwritten run set
+aside, unusable checkpoints dropped, ``train_config.yaml`` written. The run set aside is deleted once this run has
+sealed its first checkpoint or written its export, and restored if this run ends before that (a run killed before
+that leaves it for the next run to restore, right after taking the lock); so no failure of the new run costs the old
+one. At the end every rank joins in gathering the trained fp32 weights (sharded under ZeRO-3) and checks them finite;
+the main process measures per-head accuracy on the held-out split, prints the table and writes ``export/`` with
+``train_head_accuracy.json``. The lock is released on the way out, whether the run succeeded or failed.
 """
 
 from __future__ import annotations
@@ -46,11 +48,19 @@ from medusa_train.training.arguments import (
     training_arguments,
     zero3_hidden_from_transformers,
 )
-from medusa_train.training.callbacks import exit_callback_from_env
+from medusa_train.training.callbacks import DiscardOverwritten, exit_callback_from_env
 from medusa_train.training.data_prep import PreparedData, check_data_source, check_enough_data, prepare_data
 from medusa_train.training.head_accuracy import head_accuracy
 from medusa_train.training.metrics import format_table
-from medusa_train.training.run_dir import RunPaths, check_location, check_output_dir, prepare_output_dir
+from medusa_train.training.run_dir import (
+    OutputDirError,
+    RunPaths,
+    check_location,
+    check_output_dir,
+    discard_overwritten,
+    prepare_output_dir,
+    settle_overwritten,
+)
 from medusa_train.training.run_lock import RunLock, check_token
 from medusa_train.training.step import FrozenBase, LossSpec
 from medusa_train.training.trainer import MedusaTrainer, TrainingStopped, nonfinite_names
@@ -140,10 +150,11 @@ class BaseRecipe:
         return ds_config
 
     def hold(self) -> dict[str, Any] | None:
-        """Main process: take ``output_dir``'s lock (once the folder passes :func:`check_location`), then
-        :meth:`check` under it, so that the folder cannot change between the checks and the run; other ranks:
-        :meth:`check`. Returns the DeepSpeed config. A failed check releases the lock, leaving the folder as it was
-        (one created for the lock is removed again).
+        """Main process: take ``output_dir``'s lock (once the folder passes :func:`check_location`), settle what a
+        killed overwrite left (:func:`settle_overwritten`: the old run restored, or the committed one's deletion
+        finished), then :meth:`check` under it, so that the folder cannot change between the checks and the run;
+        other ranks: :meth:`check`. Returns the DeepSpeed config. A failed check releases the lock, leaving the folder
+        as it was (one created for the lock is removed again).
 
         Raises:
             LockHeldError: another run holds the folder (named), see :class:`RunLock`.
@@ -152,14 +163,26 @@ class BaseRecipe:
             check_location(self.cfg.output_dir)
             self.lock = RunLock.acquire(self.paths.root)
         try:
+            if self.env.is_main:
+                settle_overwritten(self.paths)
             return self.check()
         except BaseException:
             self.release()
             raise
 
     def release(self) -> None:
-        """Release ``output_dir``'s lock, if this process holds it (idempotent; see :meth:`RunLock.release`)."""
-        if self.lock is not None:
+        """Release ``output_dir``'s lock, if this process holds it (idempotent; see :meth:`RunLock.release`), first
+        restoring a run that ``overwrite=true`` set aside and this run did not replace (it ended before its first
+        checkpoint or export, see :func:`settle_overwritten`). A failed restore is logged, not raised (the error that
+        ended the run stays the one reported); the next run in the folder restores it."""
+        if self.lock is None:
+            return
+        try:
+            settle_overwritten(self.paths)
+        except (OSError, OutputDirError) as e:
+            log.error("could not restore the run that overwrite=true set aside in %s (%s); the next run in this "
+                      "folder restores it", self.paths.aside, e)
+        finally:
             self.lock.release()
             self.lock = None
 
@@ -248,9 +271,12 @@ class BaseRecipe:
         self.barrier()
 
     def trainer_kwargs(self, args: TrainingArguments, train_set: Any, eval_set: Any) -> dict[str, Any]:
-        """The :class:`MedusaTrainer` arguments both flows give: datasets, collator, callbacks (the caller's, then
+        """The :class:`MedusaTrainer` arguments both flows give: datasets, collator, callbacks
+        (:class:`~medusa_train.training.callbacks.DiscardOverwritten` with ``overwrite=true``, the caller's, then
         :class:`~medusa_train.training.callbacks.ExitAfterStep` when asked for), loss settings, rotation."""
-        callbacks = [*self.extra_callbacks]
+        # the commit first: no other on_save (one that stops the process, or waits) comes between it and the seal
+        commit = [DiscardOverwritten(self.paths)] if self.cfg.overwrite else []
+        callbacks = [*commit, *self.extra_callbacks]
         exit_cb = exit_callback_from_env()
         if exit_cb is not None:
             callbacks.append(exit_cb)
@@ -279,7 +305,8 @@ class BaseRecipe:
 
     def save(self) -> Path | None:
         """Gather the trained weights and check them finite (every rank), then the flow's :meth:`save_export` on the
-        main process. Returns ``export/`` (None on other ranks, or with ``export=false``).
+        main process, and the run that ``overwrite=true`` set aside deleted, if no checkpoint did that already.
+        Returns ``export/`` (None on other ranks, or with ``export=false``).
 
         Raises:
             TrainingStopped: a trained weight is not finite (nothing is exported).
@@ -290,6 +317,8 @@ class BaseRecipe:
             raise TrainingStopped(f"the trained weights are not finite ({', '.join(bad[:4])}): nothing is exported; "
                                   "lower trainer.learning_rate and start again with overwrite=true")
         export_dir = self.save_export(state) if self.env.is_main else None
+        if self.env.is_main:
+            discard_overwritten(self.paths)  # the run is complete: the one it overwrote goes (if no checkpoint did)
         self.barrier()
         return export_dir
 

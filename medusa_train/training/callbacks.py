@@ -3,7 +3,8 @@
 :class:`SealCheckpoints` makes the HF Trainer's ``checkpoint-N`` folders atomic: in ``on_save`` (fired on every rank
 right after the Trainer wrote the checkpoint) it waits for every rank, marks the checkpoint complete with the sha256 of
 each file and rotates old checkpoints (:mod:`medusa_train.training.checkpoints`). ``MedusaTrainer`` installs it as the
-first callback.
+first callback. :class:`DiscardOverwritten` then deletes the run that ``overwrite=true`` set aside, once the first
+checkpoint of the new run is sealed (:mod:`medusa_train.training.run_dir`).
 
 :class:`ExitAfterStep` stops the process abruptly (``os._exit``: no cleanup, no final save) once a given optimizer step
 has finished, to test that a killed run resumes to the same heads. ``medusa-train`` adds it when the environment
@@ -19,6 +20,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from medusa_train.training import checkpoints
+from medusa_train.training.run_dir import RunPaths, discard_overwritten
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,23 @@ class SealCheckpoints(TrainerCallback):
             checkpoints.mark_complete(folder, state.global_step, world_size=processes.num_processes)
             checkpoints.rotate(args.output_dir, self.keep)
         processes.wait_for_everyone()
+
+
+class DiscardOverwritten(TrainerCallback):
+    """``overwrite=true``: the commit of the overwrite (:func:`~medusa_train.training.run_dir.discard_overwritten`)
+    once this run has a complete checkpoint (``on_save``, main process, after :class:`SealCheckpoints` sealed it; a
+    no-op once done, or when nothing was set aside).
+
+    Args:
+        paths: the run folder the Trainer checkpoints into (``paths.checkpoints``).
+    """
+
+    def __init__(self, paths: RunPaths) -> None:
+        self.paths = paths
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        if args.should_save and checkpoints.latest_complete(self.paths.checkpoints) is not None:
+            discard_overwritten(self.paths)
 
 
 class ExitAfterStep(TrainerCallback):
