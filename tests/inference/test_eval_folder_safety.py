@@ -50,6 +50,20 @@ def test_a_folder_of_the_users_files_is_refused_and_left_as_it_was(tmp_path, no_
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_the_command_refuses_a_users_folder_before_hydra_writes_into_it(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "summary.md").write_text("# my notes\n")
+    run = subprocess.run([sys.executable, "-m", "inference.cli.evaluate", f"export_dir={tmp_path / 'export'}",
+                          f"output_dir={out}", "decoders=[vanilla]"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert f"medusa-eval: output_dir {out} holds files that are not a medusa-eval run (summary.md)" in run.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["summary.md"]  # no .hydra/, no log
+
+
 def test_a_second_run_into_a_folder_is_refused_naming_the_first(tmp_path, no_model):
     from inference.evaluation.eval_run import evaluate
 
