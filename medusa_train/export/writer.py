@@ -66,6 +66,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,8 @@ def save_export(
     *,
     base_model: PreTrainedModel | None = None,
     fasterdecoding: bool = True,
+    write_also: Callable[[Path], None] | None = None,
+    also_owns: Collection[str] = (),
 ) -> Path:
     """Export ``heads`` into ``out_dir`` (created if needed), replacing an earlier export there whole and keeping
     what other commands wrote into it (see the module docstring).
@@ -123,6 +126,11 @@ def save_export(
             ``share_lm_head`` when ``vllm`` or ``medusa_lm_head.pt`` is written (its lm_head goes into them).
         fasterdecoding: also write ``medusa_lm_head.pt`` for FasterDecoding's loader (when it can reproduce the
             heads, see the module docstring).
+        write_also: writes more of this export's own content into the new folder before it is swapped in (a
+            Medusa-2 export's fine-tuned ``base/``, the training's accuracy table), so that it is replaced with the
+            heads, as one set.
+        also_owns: paths (relative to ``out_dir``) that ``write_also`` owns: an earlier export's copies are never
+            carried over, whether or not it writes them again.
 
     Returns:
         ``out_dir`` as a :class:`~pathlib.Path`.
@@ -187,8 +195,10 @@ def save_export(
             base_lm_head = None if base_model is None else base_model.get_output_embeddings().weight
             _write_vllm(heads, folder / VLLM_DIR, token_map, base_lm_head if spec.share_lm_head else None)
         write_json(folder / CONFIG_FILE, config)
+        if write_also is not None:
+            write_also(folder)
 
-    replace_folder(out, write, OWNED_FILES)
+    replace_folder(out, write, (*OWNED_FILES, *also_owns))
     if stale_fasterdecoding:
         log.info("removed %s of the earlier export: FasterDecoding cannot load these heads (%s)",
                  out / LEGACY_WEIGHTS_FILE, fd_reason)

@@ -21,9 +21,7 @@ the main process measures per-head accuracy on the held-out split, prints the ta
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, set_seed
 
 from medusa_train.config import ModelConfig, TrainConfig, as_dataclass
-from medusa_train.export import save_export
+from medusa_train.export import save_base_model, save_export
+from medusa_train.export.files import write_json
 from medusa_train.head_types import DRAFT_HEADS, DraftHeads, heads_from_spec
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.medusa import export_extra_config
@@ -353,19 +352,27 @@ class BaseRecipe:
                 "global_step": self.summary.get("global_step"), "seed": cfg.seed, "mode": cfg.heads.mode}
 
     def write_export(self, heads: DraftHeads, table: dict[str, Any] | None, *, base_name: str,
-                     model_cfg: ModelConfig, base_model: Any, extra: dict[str, Any] | None = None) -> Path:
+                     model_cfg: ModelConfig, base_model: Any, extra: dict[str, Any] | None = None,
+                     base_dir: tuple[Any, str] | None = None) -> Path:
         """Write ``export/`` (heads on the CPU, config naming ``base_name``, the ``model/`` config ``model_cfg`` so
-        that tune-tree, eval and generate rebuild a GGUF or llama2.c base exactly, and ``extra`` entries) and
-        ``train_head_accuracy.json``; returns the folder."""
+        that tune-tree, eval and generate rebuild a GGUF or llama2.c base exactly, and ``extra`` entries) with
+        ``train_head_accuracy.json`` and, given ``base_dir`` = ``(model, name)``, the model and the tokenizer saved in
+        ``export/<name>``: all replaced as one set (:func:`~medusa_train.export.save_export`); returns the
+        folder."""
         cfg = self.cfg
         config = {"training": self.training_record(), **export_extra_config(model_cfg), **(extra or {})}
         vllm = cfg.export_vllm and heads.spec.head_type == "medusa"  # Hydra: warned about in check()
-        out = save_export(heads, self.paths.export, base_name, extra_config=config, vllm=vllm, base_model=base_model)
-        if table is not None:
-            record = {"split": "eval", "conversations": len(self.eval_set), "target": cfg.heads.target, **table}
-            tmp = out / f".{ACCURACY_FILE}.tmp"
-            tmp.write_text(json.dumps(record, indent=1))
-            os.replace(tmp, out / ACCURACY_FILE)
+
+        def write_also(folder: Path) -> None:
+            if table is not None:
+                record = {"split": "eval", "conversations": len(self.eval_set), "target": cfg.heads.target, **table}
+                write_json(folder / ACCURACY_FILE, record)
+            if base_dir is not None:
+                save_base_model(base_dir[0], self.tokenizer, folder, name=base_dir[1])
+
+        owns = (ACCURACY_FILE,) if base_dir is None else (ACCURACY_FILE, base_dir[1])
+        out = save_export(heads, self.paths.export, base_name, extra_config=config, vllm=vllm, base_model=base_model,
+                          write_also=write_also, also_owns=owns)
         log.info("exported heads to %s", out)
         self.summary["export_dir"] = str(out)
         return out

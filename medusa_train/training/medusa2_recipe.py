@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from medusa_train.data import Collator
-from medusa_train.export import BASE_DIR, load_heads, save_base_model
+from medusa_train.export import BASE_DIR, load_heads
 from medusa_train.export.configs import export_head_type
 from medusa_train.head_types import expect_head_type
 from medusa_train.heads import MedusaHeads
@@ -161,12 +161,13 @@ class Medusa2Recipe(BaseRecipe):
         if cfg.heads.finetune == "frozen":
             return self.write_export(heads.cpu(), table, base_name=cfg.model.name_or_path, model_cfg=cfg.model,
                                      base_model=self.trained_base)
-        # The heads fit the fine-tuned base only: it goes inside the export, recorded relative to it.
-        save_base_model(self.trained_base.to("cpu"), self.tokenizer, self.paths.export)
+        # The heads fit the fine-tuned base only: it goes inside the export, recorded relative to it, written with
+        # the heads as one set (a failed write leaves the old heads with the old base).
         model_cfg = dataclasses.replace(cfg.model, name_or_path=BASE_DIR, format="hf", gguf_file=None,
                                         tokenizer_path=None, revision=None)
         return self.write_export(heads.cpu(), table, base_name=BASE_DIR, model_cfg=model_cfg,
-                                 base_model=self.trained_base, extra={ORIGINAL_BASE_KEY: cfg.model.name_or_path})
+                                 base_model=self.trained_base, extra={ORIGINAL_BASE_KEY: cfg.model.name_or_path},
+                                 base_dir=(self.trained_base.to("cpu"), BASE_DIR))
 
     def trained_base_from(self, base_state: dict[str, torch.Tensor]) -> Any:
         """Main process: the base model as trained, as a plain ``*ForCausalLM`` (LoRA merged), on the training device.

@@ -58,6 +58,35 @@ def test_a_write_failing_midway_leaves_the_previous_export_byte_identical(base, 
     assert not (out / EXPORT_LOCK).exists()
 
 
+def test_a_medusa2_base_is_replaced_with_its_heads_as_one_set(base, tmp_path, monkeypatch):
+    """A Medusa-2 export holds the fine-tuned base its heads fit: written with the heads (``write_also``), a failed
+    heads write leaves the old heads with the old base, and a finished one replaces both."""
+    from medusa_train.export import save_base_model
+    from tests.conftest import make_tiny_tokenizer
+
+    out, tokenizer = tmp_path / "export", make_tiny_tokenizer()
+    save_export(heads_for(base, 1.0), out, "base", vllm=True, write_also=lambda f: save_base_model(base, tokenizer, f),
+                also_owns=("base",))
+    before = snapshot(out)
+    assert "base/model.safetensors" in before
+    retrained = make_tiny_model("llama", seed=1)
+    real_save = files.save_file
+
+    def disk_full_in_vllm(tensors, path, metadata=None):
+        if Path(path).parent.name == "vllm":
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(files, "save_file", disk_full_in_vllm)
+    with pytest.raises(OSError, match="No space left"):
+        save_export(heads_for(retrained, 0.5), out, "base", vllm=True, also_owns=("base",),
+                    write_also=lambda f: save_base_model(retrained, tokenizer, f))
+    assert snapshot(out) == before
+    monkeypatch.setattr(files, "save_file", real_save)
+    save_export(heads_for(retrained, 0.5), out, "base", vllm=False, also_owns=("base",))  # a base no longer written
+    assert not (out / "base").exists() and "vllm/model.safetensors" not in snapshot(out)
+
+
 def test_a_reexport_keeps_other_files_drops_its_stale_ones_and_cleans_a_killed_write(base, tmp_path):
     out = tmp_path / "export"
     save_export(heads_for(base, 1.0), out, "tiny-base", vllm=True)
