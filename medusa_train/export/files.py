@@ -18,6 +18,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from medusa_train.text_files import read_text
+
 # Errors a damaged file raises in safetensors / torch.load; re-raised as ValueError naming the file.
 _CORRUPT = (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError, UnicodeDecodeError)
 
@@ -98,13 +100,15 @@ def read_json(path: Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: not valid JSON or not an object (chained to the parser's error).
+        ValueError: not UTF-8 (line and byte named), not valid JSON or not an object (chained to the parser's
+            error).
     """
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found")
+    text = read_text(path)  # not UTF-8: the file, line and byte named
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")

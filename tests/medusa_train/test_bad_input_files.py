@@ -49,6 +49,16 @@ def test_self_distilled_records_that_are_not_utf8_name_the_file_line_and_byte(tm
         load_conversations("json", path)
 
 
+def test_an_export_config_that_is_not_utf8_names_the_file_line_and_byte(tmp_path):
+    from medusa_train.export.files import read_json
+
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{"medusa_num_heads": 2,\n "base_model_name_or_path": "caf\xe9"}')
+    with pytest.raises(ValueError, match=rf"^{path}:2: not UTF-8 text: byte 0xe9 at byte offset 55 \(byte 31 of "
+                                         r"line 2\)"):
+        read_json(path)
+
+
 # ---------------------------------------------------------------- every file of an export, checked when opened
 
 
