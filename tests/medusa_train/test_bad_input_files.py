@@ -54,7 +54,7 @@ def test_an_export_config_that_is_not_utf8_names_the_file_line_and_byte(tmp_path
 
     path = tmp_path / "config.json"
     path.write_bytes(b'{"medusa_num_heads": 2,\n "base_model_name_or_path": "caf\xe9"}')
-    with pytest.raises(ValueError, match=rf"^{path}:2: not UTF-8 text: byte 0xe9 at byte offset 55 \(byte 31 of "
+    with pytest.raises(ValueError, match=rf"^{path}:2: not UTF-8 text: byte 0xe9 at byte offset 56 \(byte 33 of "
                                          r"line 2\)"):
         read_json(path)
 
