@@ -8,6 +8,7 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR / "conf"
+PROMPT_SETS_DIR = PACKAGE_DIR / "prompt_sets"  # prompt sets shipped with the package (each with its license)
 # The project root when running from a checkout (editable install or PYTHONPATH); None for a wheel install.
 REPO_ROOT = PACKAGE_DIR.parent if (PACKAGE_DIR.parent / "pyproject.toml").exists() else None
 

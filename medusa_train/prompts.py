@@ -1,4 +1,5 @@
-"""Prompt sets for tuning and evaluation: held-out ShareGPT first turns, MT-Bench, or any JSONL of MT-Bench's shape.
+"""Prompt sets for tuning and evaluation: held-out ShareGPT first turns, MT-Bench, Spec-Bench (shipped in
+``medusa_train/prompt_sets/spec_bench``, its README gives the source and license), or any JSONL of MT-Bench's shape.
 
 A prompt is a list of chat messages ending with a user turn; :func:`encode_prompt` renders it with the base
 tokenizer's chat template and the assistant header (``add_generation_prompt``), the exact text the model answers.
@@ -14,10 +15,11 @@ from typing import Any
 from medusa_train.chat import check_text, encode, prompt_messages, render, resolve_chat_template
 from medusa_train.conversations import load_conversations
 from medusa_train.json_stream import jsonl_lines
-from medusa_train.paths import assets_dir
+from medusa_train.paths import PROMPT_SETS_DIR, assets_dir
 from medusa_train.text_files import read_text
 
-PROMPT_SOURCES = ("sharegpt", "mt_bench", "jsonl")
+PROMPT_SOURCES = ("sharegpt", "mt_bench", "spec_bench", "jsonl")
+SPEC_BENCH_FILE = PROMPT_SETS_DIR / "spec_bench" / "question.jsonl"  # 480 questions, 13 categories
 # Training reads ShareGPT from the start of the file; prompts from this conversation on are held out by default.
 SHAREGPT_HELDOUT_OFFSET = 16000
 
@@ -101,8 +103,9 @@ def sharegpt_prompts(offset: int, num_prompts: int) -> list[Prompt]:
 def load_prompts(
     source: str, path: str | None = None, offset: int | None = None, num_prompts: int | None = None
 ) -> list[Prompt]:
-    """A prompt set by name: ``sharegpt`` (held out by ``offset``, default :data:`SHAREGPT_HELDOUT_OFFSET`), ``mt_bench`` (the assets' 80 questions) or
-    ``jsonl`` (``path`` in MT-Bench's shape). ``num_prompts`` keeps the first ones.
+    """A prompt set by name: ``sharegpt`` (held out by ``offset``, default :data:`SHAREGPT_HELDOUT_OFFSET`),
+    ``mt_bench`` (the assets' 80 questions), ``spec_bench`` (Spec-Bench's 480 questions in 13 categories,
+    :data:`SPEC_BENCH_FILE`) or ``jsonl`` (``path`` in MT-Bench's shape). ``num_prompts`` keeps the first ones.
 
     Raises:
         ValueError: unknown source (valid ones listed), ``jsonl`` without a path, ``num_prompts < 1``.
@@ -116,6 +119,8 @@ def load_prompts(
     offset = offset or 0
     if source == "mt_bench":
         prompts = read_question_jsonl(path or assets_dir() / "mt_bench" / "question.jsonl")
+    elif source == "spec_bench":
+        prompts = read_question_jsonl(path or SPEC_BENCH_FILE)
     else:
         if not path:
             raise ValueError("prompts.source=jsonl needs prompts.path (a file of MT-Bench's question.jsonl shape)")

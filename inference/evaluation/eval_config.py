@@ -22,7 +22,7 @@ BASELINE = "vanilla"
 # (e.g. more prompts or turns extend a run; each new prompt turn is still measured interleaved). Any other change
 # (decoders, their settings, max_new_tokens, dtype, threads, ...) would mix rows of different settings or sessions.
 RESUMABLE_KEYS = ("output_dir", "overwrite", "progress", "plots", "warmup", "warmup_max_new_tokens", "num_prompts",
-                  "per_category", "prompt_offset", "max_turns", "noise_positions")
+                  "per_category", "categories", "prompt_offset", "max_turns", "noise_positions")
 
 
 @dataclass
@@ -32,11 +32,15 @@ class EvaluateConfig:
     Attributes:
         export_dir: the export folder (heads, config.json; ``medusa_choices.json`` and ``head_accuracy.json`` when
             tuned). Its recorded base model is the target every decoder runs.
-        prompts: ``mt_bench`` (the assets' 80 questions), ``sharegpt`` (held-out first turns), or a JSONL file of
-            MT-Bench's shape (``question_id``, ``category``, ``turns``).
-        num_prompts: keep the first N prompts (after ``prompt_offset`` and ``per_category``); None: all.
-        per_category: keep the first N prompts of each category (MT-Bench lists its 8 categories one after the
-            other: ``per_category=1`` is a subset spanning all of them); None: all.
+        prompts: ``mt_bench`` (the assets' 80 questions), ``spec_bench`` (Spec-Bench's 480 questions in 13
+            categories), ``sharegpt`` (held-out first turns), or a JSONL file of MT-Bench's shape (``question_id``,
+            ``category``, ``turns``).
+        num_prompts: keep the first N prompts (after ``prompt_offset``, ``categories`` and ``per_category``); None:
+            all.
+        per_category: keep the first N prompts of each category (MT-Bench and Spec-Bench list their categories one
+            after the other: ``per_category=2`` is a subset spanning all of them); None: all.
+        categories: keep only these categories (names as in the prompt file); None: all. An unknown name is
+            refused, the set's categories listed.
         prompt_offset: skip this many prompts first (None: 0; ShareGPT: its held-out offset).
         max_turns: user turns answered per prompt (MT-Bench has 2); None: all. A later turn follows the baseline's
             own answer to the earlier one, so every decoder sees the same conversation.
@@ -70,6 +74,7 @@ class EvaluateConfig:
     prompts: str = "mt_bench"
     num_prompts: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
     per_category: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
+    categories: Optional[list[str]] = None
     prompt_offset: Optional[int] = field(default=None, metadata=bound(0, cap=MAX_COUNT))
     max_turns: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
     output_dir: str = MISSING

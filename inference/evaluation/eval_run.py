@@ -42,6 +42,7 @@ from inference.evaluation.eval_config import BASELINE, RESUMABLE_KEYS, EvaluateC
 from inference.evaluation.environment import describe_environment
 from inference.evaluation.eval_folder import TOOL, TOOL_KEY, check_eval_dir, hold_eval_dir, hydra_entries
 from inference.evaluation.plots import write_plots
+from inference.evaluation.recommend import candidates_from_rows, recommend
 from inference.evaluation.divergence import explain_divergences, find_divergences, rounding_noise
 from inference.evaluation.provenance import MEASURED_WITH, decoder_identity, differences, fingerprint, run_identity
 from inference.evaluation.results import RESULTS_FILE, SUPERSEDED_FILE, ResultsLog
@@ -71,22 +72,33 @@ DETAILS_FILE = "summary_details.json"
 
 
 def load_eval_prompts(ec: EvaluateConfig) -> list[Prompt]:
-    """The prompt set ``ec.prompts`` names (a source name or a JSONL file): ``prompt_offset`` skipped, then the first
-    ``per_category`` of each category, then the first ``num_prompts``.
+    """The prompt set ``ec.prompts`` names (a source name or a JSONL file): ``prompt_offset`` skipped, then only the
+    ``categories`` asked for, then the first ``per_category`` of each category, then the first ``num_prompts``.
 
     Raises:
-        FileNotFoundError / ValueError: as :func:`medusa_train.prompts.load_prompts` (a malformed line's number).
+        FileNotFoundError / ValueError: as :func:`medusa_train.prompts.load_prompts` (a malformed line's number); a
+            category in ``categories`` that the set does not hold (the set's categories listed).
     """
     source, path = (ec.prompts, None) if ec.prompts in PROMPT_SOURCES else ("jsonl", ec.prompts)
-    if ec.per_category is None or source == "sharegpt":  # ShareGPT prompts form one category
+    if (ec.per_category is None and not ec.categories) or source == "sharegpt":  # ShareGPT: one category
         return load_prompts(source, path, ec.prompt_offset, ec.num_prompts)
+    prompts = load_prompts(source, path, ec.prompt_offset)
+    if ec.categories:
+        held = list(dict.fromkeys(p.category for p in prompts))
+        unknown = [c for c in ec.categories if c not in held]
+        if unknown:
+            raise ValueError(f"categories: {unknown} not in prompts={ec.prompts}; its categories are "
+                             f"{', '.join(held)}")
+        prompts = [p for p in prompts if p.category in ec.categories]
+    if ec.per_category is None:
+        return prompts[: ec.num_prompts] if ec.num_prompts else prompts
     taken: dict[str, int] = {}
-    prompts = []
-    for prompt in load_prompts(source, path, ec.prompt_offset):
+    selected = []
+    for prompt in prompts:
         if taken.get(prompt.category, 0) < ec.per_category:
             taken[prompt.category] = taken.get(prompt.category, 0) + 1
-            prompts.append(prompt)
-    return prompts[: ec.num_prompts] if ec.num_prompts else prompts
+            selected.append(prompt)
+    return selected[: ec.num_prompts] if ec.num_prompts else selected
 
 
 def resolved_config(cfg: DictConfig | EvaluateConfig) -> dict[str, Any]:
@@ -344,6 +356,13 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, mod
     if skipped:
         summary["skipped_prompts"] = skipped
     by_category = tables_by_category(rows, ec.greedy, baseline=BASELINE)
+    if summary["decoders"]:
+        overall = summary["decoders"]
+        candidates = candidates_from_rows(
+            rows, BASELINE, {name: dataclasses.asdict(ec.settings_for(name)) for name in overall},
+            taus={n: m["mean_accepted_tokens"] for n, m in overall.items()},
+            exact={n: m["exact_match_vs_greedy"] for n, m in overall.items()})
+        summary["recommendation"] = recommend(candidates)
     histogram = accepted_length_histogram(rows)
     times = step_times(rows)
     write_json(out / SUMMARY_FILE, summary)

@@ -33,22 +33,23 @@ class Interval:
 
     Attributes:
         estimate: the ratio over all the turns (unitless).
-        low: lower bound of the ``level`` interval.
-        high: upper bound.
+        low: lower bound of the ``level`` interval; None with a single turn (no noise can be measured).
+        high: upper bound; None with a single turn.
         level: coverage, e.g. 0.95.
-        turns: how many prompt turns were paired (the interval is ``estimate`` alone with one turn).
+        turns: how many prompt turns were paired.
     """
 
     estimate: float
-    low: float
-    high: float
+    low: float | None
+    high: float | None
     level: float
     turns: int
 
     @property
     def separated(self) -> bool:
-        """Whether the interval excludes 1 (the two speeds differ beyond the measured noise)."""
-        return self.low > 1.0 or self.high < 1.0
+        """Whether the interval excludes 1 (the two speeds differ beyond the measured noise); False without an
+        interval."""
+        return self.low is not None and (self.low > 1.0 or self.high < 1.0)
 
     def record(self) -> dict[str, Any]:
         """JSON-ready: ``{"estimate", "low", "high", "level", "turns", "separated"}``."""
@@ -56,8 +57,9 @@ class Interval:
                 "turns": self.turns, "separated": self.separated}
 
     def describe(self, spec: str = ".2f") -> str:
-        """``1.18x [1.09, 1.27]``."""
-        return f"{self.estimate:{spec}}x [{self.low:{spec}}, {self.high:{spec}}]"
+        """``1.18x [1.09, 1.27]`` (``[n/a]`` without an interval)."""
+        bounds = "n/a" if self.low is None else f"{self.low:{spec}}, {self.high:{spec}}"
+        return f"{self.estimate:{spec}}x [{bounds}]"
 
 
 def bootstrap_interval(columns: torch.Tensor, statistic: Callable[[torch.Tensor], torch.Tensor],
@@ -85,8 +87,8 @@ def bootstrap_interval(columns: torch.Tensor, statistic: Callable[[torch.Tensor]
     estimate = float(statistic(columns.sum(dim=1)))
     if not math.isfinite(estimate):
         raise ValueError("the statistic is not finite over all turns (a speed needs wall time, a ratio tokens)")
-    if turns == 1:
-        return Interval(estimate, estimate, estimate, level, 1)
+    if turns == 1:  # one turn: nothing to resample
+        return Interval(estimate, None, None, level, 1)
     picks = torch.randint(turns, (resamples, turns), generator=torch.Generator().manual_seed(seed))  # [R, turns]
     values = statistic(columns[:, picks].sum(dim=2))  # [R]
     values = values[torch.isfinite(values)]  # a resample of turns with no time on one side says nothing

@@ -153,25 +153,34 @@ def _settings_text(settings: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in settings.items() if v is not None) or "its defaults"
 
 
+def _margin_text(m: Mapping[str, Any]) -> str:
+    bounds = "n/a" if m["low"] is None else f"{m['low']:.2f}, {m['high']:.2f}"
+    return f"{m['estimate']:.2f}x [{bounds}]"
+
+
 def recommendation_markdown(rec: Mapping[str, Any], machine: str) -> str:
     """summary.md's closing section: what to deploy on ``machine`` (one line of CPU/GPU, dtype) overall, with its
     settings and margin, then a row per category."""
     overall = rec["overall"]
-    text = [f"## Recommendation", "", f"On this machine ({machine}), over {overall['turns']} prompt turns: deploy "
+    text = ["## Recommendation", "", f"On this machine ({machine}), over {overall['turns']} prompt turns: deploy "
             f"**{overall['deploy']}** ({_settings_text(overall['settings'])}), {overall['speedup']:.2f}x plain "
             "decoding."]
     if "margin" in overall:
         m = overall["margin"]
-        verdict = ("beyond the noise" if m["separated"] else
-                   f"within the noise: {overall['runner_up']} serves as well on this evidence")
+        if m["low"] is None:
+            verdict = "one prompt turn: no noise measured, so not shown to be beyond it"
+        elif m["separated"]:
+            verdict = "beyond the noise"
+        else:
+            verdict = f"within the noise: {overall['runner_up']} serves as well on this evidence"
         text[-1] += (f" Runner-up {overall['runner_up']} ({overall['runner_up_speedup']:.2f}x); margin "
-                     f"{m['estimate']:.2f}x [{m['low']:.2f}, {m['high']:.2f}] ({m['level']:.0%} interval), {verdict}.")
+                     f"{_margin_text(m)} ({m['level']:.0%} interval), {verdict}.")
     if rec.get("categories"):
         text += ["", "| category | deploy | speedup | runner-up | margin [interval] | beyond the noise |",
                  "| --- | --- | ---: | --- | ---: | --- |"]
         for cat, c in [*rec["categories"].items(), (OVERALL, overall)]:
             m = c.get("margin")
-            shown = f"{m['estimate']:.2f}x [{m['low']:.2f}, {m['high']:.2f}]" if m else "n/a"
+            shown = _margin_text(m) if m else "n/a"
             text.append(f"| {cat} | {c['deploy']} | {c['speedup']:.2f}x | {c.get('runner_up', 'n/a')} | {shown} | "
                         f"{'yes' if m and m['separated'] else 'no'} |")
     return "\n".join(text)

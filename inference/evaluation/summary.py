@@ -5,6 +5,9 @@ Definitions, over the (prompt, turn) pairs every decoder of the run answered:
 
 - tokens_per_second: all new tokens / all wall time (prefill included) of the decoder.
 - speedup: its tokens_per_second / the baseline's (``vanilla``) over the same pairs, same run.
+- speedup_interval: the speedup's 95% paired-bootstrap interval over the prompt turns
+  (:mod:`inference.evaluation.intervals`), with ``separated``: whether it excludes 1 (faster or slower than the
+  baseline beyond the measured noise).
 - mean_accepted_tokens (τ): decoding-pass tokens / decoding passes summed over the rows
   (:func:`inference.decoders.base.aggregate_mean_accepted_tokens`; the prefill's token and pass are apart), so plain
   decoding scores exactly 1.0.
@@ -26,11 +29,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from inference.decoders.base import aggregate_mean_accepted_tokens
+from inference.evaluation.intervals import paired_interval
+from inference.evaluation.recommend import recommendation_markdown
 from inference.evaluation.results import row_result
 
 OVERALL = "overall"
-METRICS = ("tokens_per_second", "speedup", "mean_accepted_tokens", "exact_match_vs_greedy", "new_tokens",
-           "wall_time_s")
+METRICS = ("tokens_per_second", "speedup", "speedup_interval", "mean_accepted_tokens", "exact_match_vs_greedy",
+           "new_tokens", "wall_time_s")
 
 
 def decoder_order(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -62,8 +67,9 @@ def decoder_metrics(
         baseline: the decoder speedup and exact match compare against.
 
     Returns:
-        ``{decoder: {"tokens_per_second", "speedup", "mean_accepted_tokens", "exact_match_vs_greedy",
-        "new_tokens", "wall_time_s"}}``; speedup None without the baseline or when its speed is 0.
+        ``{decoder: {"tokens_per_second", "speedup", "speedup_interval", "mean_accepted_tokens",
+        "exact_match_vs_greedy", "new_tokens", "wall_time_s"}}``; speedup and its interval None without the
+        baseline or when its speed is 0.
     """
     if not units:
         return {}
@@ -79,15 +85,17 @@ def decoder_metrics(
         table[name] = {
             "tokens_per_second": new_tokens / wall if wall > 0 else None,
             "speedup": None,
+            "speedup_interval": None,
             "mean_accepted_tokens": _none_if_nan(aggregate_mean_accepted_tokens([row_result(r) for r in rows])),
             "exact_match_vs_greedy": exact,
             "new_tokens": new_tokens,
             "wall_time_s": wall,
         }
     base_tps = table.get(baseline, {}).get("tokens_per_second")
-    for metrics in table.values():
+    for name, metrics in table.items():
         if base_tps and metrics["tokens_per_second"] is not None:
             metrics["speedup"] = metrics["tokens_per_second"] / base_tps
+            metrics["speedup_interval"] = paired_interval(units, name, baseline).record()
     return table
 
 
@@ -175,12 +183,18 @@ def _fmt(value: Any, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _interval(m: dict[str, Any]) -> str:
+    i = m.get("speedup_interval")
+    return "n/a" if not i or i["low"] is None else f"[{i['low']:.2f}, {i['high']:.2f}]"
+
+
 def markdown_table(metrics: dict[str, dict[str, Any]]) -> str:
-    """One Markdown table: a row per decoder."""
-    lines = ["| decoder | tokens/s | speedup | mean accepted tokens | exact match | new tokens | wall time (s) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    """One Markdown table: a row per decoder, the speedup with its 95% interval."""
+    lines = ["| decoder | tokens/s | speedup | 95% interval | mean accepted tokens | exact match | new tokens | "
+             "wall time (s) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, m in metrics.items():
         lines.append(f"| {name} | {_fmt(m['tokens_per_second'], '.2f')} | {_fmt(m['speedup'], '.2f')}x | "
+                     f"{_interval(m)} | "
                      f"{_fmt(m['mean_accepted_tokens'], '.2f')} | {_fmt(m['exact_match_vs_greedy'], '.2f')} | "
                      f"{m['new_tokens']} | {m['wall_time_s']:.1f} |")
     return "\n".join(lines)
@@ -211,11 +225,26 @@ def divergence_lines(divergences: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def leaderboard_markdown(by_category: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Spec-Bench's leaderboard layout: a row per decoder, its speedup in each category, its mean accepted tokens
+    (τ) over all prompts, and the overall speedup with its 95% interval last."""
+    categories = [c for c in by_category if c != OVERALL]
+    overall = by_category.get(OVERALL, {})
+    lines = ["| decoder | " + " | ".join(categories) + " | τ | overall |",
+             "| --- | " + " | ".join("---:" for _ in categories) + " | ---: | ---: |"]
+    for name, m in overall.items():
+        cells = [f"{_fmt(by_category[c].get(name, {}).get('speedup'), '.2f')}x" for c in categories]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(m['mean_accepted_tokens'], '.2f')} | "
+                     f"{_fmt(m['speedup'], '.2f')}x {_interval(m)} |")
+    return "\n".join(lines)
+
+
 def summary_markdown(summary: dict[str, Any], by_category: dict[str, dict[str, dict[str, Any]]],
                      command: str | None = None, commit: str | None = None,
                      times: dict[str, dict[str, float]] | None = None) -> str:
-    """``summary.md``: the run's header, the overall table, the tree decoders' step times (when given), then one
-    table per category."""
+    """``summary.md``: the run's header, the overall table, the tree decoders' step times (when given), the
+    per-category leaderboard (several categories), one table per category, then the recommendation (when
+    ``summary["recommendation"]`` holds one)."""
     precision, kernels = summary.get("precision"), summary.get("cpu_kernels")
     head = [f"# medusa-eval: {summary['model']}", "",
             f"{summary['prompts']} prompts, max_new_tokens {summary['max_new_tokens']}, {summary['dtype']} on "
@@ -239,7 +268,14 @@ def summary_markdown(summary: dict[str, Any], by_category: dict[str, dict[str, d
     parts = ["\n".join(head), f"## {OVERALL}\n\n{markdown_table(by_category.get(OVERALL, {}))}"]
     if times:
         parts.append(f"## drafting and verification\n\n{step_times_markdown(times)}")
+    if len(by_category) > 2:  # overall and two categories or more
+        parts.append(f"## by category (speedup over vanilla)\n\n{leaderboard_markdown(by_category)}")
     parts += [f"## {cat}\n\n{markdown_table(m)}" for cat, m in by_category.items() if cat != OVERALL]
+    if summary.get("recommendation"):
+        machine = f"{summary['device']}, {summary['dtype']}"
+        if precision:
+            machine += f", CPU flags {', '.join(precision['cpu']['flags']) or 'none recorded'}"
+        parts.append(recommendation_markdown(summary["recommendation"], machine))
     return "\n\n".join(parts) + "\n"
 
 
@@ -251,6 +287,7 @@ __all__ = [
     "decoder_metrics",
     "decoder_order",
     "divergence_lines",
+    "leaderboard_markdown",
     "markdown_table",
     "step_times",
     "step_times_markdown",

@@ -14,6 +14,7 @@ run (:mod:`inference.evaluation.eval_folder`), and the table never replaces some
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -26,6 +27,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from inference.evaluation.eval_folder import RUN_FILE, is_our_run
+from inference.evaluation.recommend import Candidate, candidates_from_rows, recommend, recommendation_markdown
+from inference.evaluation.results import RESULTS_FILE, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,10 @@ def find_runs(folders: Sequence[str | Path]) -> list[Path]:
             continue
         found = sorted((p.parent for p in folder.glob(f"*/{SUMMARY_FILE}")), key=_natural)
         if not found:
-            raise FileNotFoundError(f"{folder} holds no {SUMMARY_FILE} (is it a medusa-eval run or sweep folder?)")
+            raise FileNotFoundError(
+                f"{folder} holds no finished run ({SUMMARY_FILE} in it or in its numbered subfolders): pass a "
+                "medusa-eval run or sweep folder whose runs finished, or finish the sweep first (the same "
+                "`medusa-eval -m ...` command resumes it)")
         runs += found
     return runs
 
@@ -117,17 +123,51 @@ def sweep_markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sweep_candidates(run_dirs: Sequence[str | Path], baseline: str = "vanilla") -> list[Candidate]:
+    """Every decoder of every run as a deployment candidate (:mod:`inference.evaluation.recommend`), each scored
+    against its own run's baseline, labelled with the run's varying overrides; the baseline once."""
+    runs = [Path(d) for d in run_dirs]
+    overrides = {d: dict(_split(o) for o in run_overrides(d)) for d in runs}
+    keys = list(dict.fromkeys(k for o in overrides.values() for k in o))
+    varying = [k for k in keys if len({o.get(k) for o in overrides.values()}) > 1]
+    out: list[Candidate] = []
+    for run_dir in runs:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())["decoders"]
+        config = json.loads((run_dir / RUN_FILE).read_text()).get("config", {}) if (run_dir / RUN_FILE).is_file() \
+            else {}
+        label = ", ".join(f"{k}={overrides[run_dir].get(k, '')}" for k in varying)
+        for c in candidates_from_rows(read_rows(run_dir / RESULTS_FILE), baseline, config.get("decoder") or {},
+                                      taus={n: m.get("mean_accepted_tokens") for n, m in summary.items()},
+                                      exact={n: m.get("exact_match_vs_greedy") for n, m in summary.items()},
+                                      suffix=f" ({label})" if label else ""):
+            if c.decoder != baseline:
+                varied = {k: overrides[run_dir][k] for k in varying if k in overrides[run_dir]}
+                out.append(dataclasses.replace(c, settings={**c.settings, **varied}))
+            elif not any(o.decoder == baseline for o in out):
+                out.append(dataclasses.replace(c, label=baseline))
+    return out
+
+
 def write_sweep(out_dir: str | Path, run_dirs: Sequence[str | Path]) -> tuple[Path, list[dict[str, Any]]]:
-    """Write ``sweep.md`` and ``sweep.jsonl`` (one JSON row per table row) into ``out_dir``.
+    """Write ``sweep.md`` (the table, then what to deploy across the runs: :func:`sweep_candidates`,
+    :func:`~inference.evaluation.recommend.recommend`) and ``sweep.jsonl`` (one JSON row per table row) into
+    ``out_dir``.
 
     Returns:
         ``(path of sweep.md, rows)``.
     """
     out = Path(out_dir)
     rows = sweep_rows(run_dirs)
+    first = json.loads((Path(run_dirs[0]) / SUMMARY_FILE).read_text())
+    machine = f"{first.get('device')}, {first.get('dtype')}"
+    try:
+        advice = recommendation_markdown(recommend(sweep_candidates(run_dirs)), machine)
+    except (OSError, ValueError) as e:  # runs without their results.jsonl rows (copied summaries, older runs)
+        advice = f"## Recommendation\n\nNone: {e}"
+    text = sweep_markdown(rows) + "\n" + advice
     out.mkdir(parents=True, exist_ok=True)
     (out / SWEEP_JSONL).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (out / SWEEP_MD).write_text(sweep_markdown(rows))
+    (out / SWEEP_MD).write_text(text + "\n")
     return out / SWEEP_MD, rows
 
 
@@ -187,5 +227,5 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["SweepTableCallback", "find_runs", "foreign_entries", "run_overrides", "sweep_markdown", "sweep_rows",
-           "write_sweep"]
+__all__ = ["SweepTableCallback", "find_runs", "foreign_entries", "run_overrides", "sweep_candidates", "sweep_markdown",
+           "sweep_rows", "write_sweep"]

@@ -34,8 +34,8 @@ QUESTIONS = [
     {"question_id": 82, "category": "writing", "turns": ["tell me a story", "shorter please"]},
     {"question_id": 101, "category": "math", "turns": ["what is 2+2?", "and 3+3?"]},
 ]
-DESIGN_FIELDS = {"tokens_per_second", "speedup", "mean_accepted_tokens", "exact_match_vs_greedy", "new_tokens",
-                 "wall_time_s"}
+DESIGN_FIELDS = {"tokens_per_second", "speedup", "speedup_interval", "mean_accepted_tokens", "exact_match_vs_greedy",
+                 "new_tokens", "wall_time_s"}
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +105,10 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
     assert [(r["prompt_id"], r["turn"], r["decoder"]) for r in rows] == [
         (str(q["question_id"]), t, d) for q in QUESTIONS for t in (1, 2) for d in ("vanilla", "medusa")]
     assert json.loads((out / "summary.json").read_text()) == summary
-    # summarize()'s fields, then how the run chose its dtype and kernels and why replies left vanilla's (none here)
+    # summarize()'s fields, then how the run chose its dtype and kernels, why replies left vanilla's (none here) and
+    # what to deploy
     assert set(summary) == {"model", "device", "dtype", "prompts", "max_new_tokens", "decoders", "precision",
-                            "cpu_kernels", "divergences"}
+                            "cpu_kernels", "divergences", "recommendation"}
     assert summary["prompts"] == 3 and summary["max_new_tokens"] == 10 and summary["dtype"] == "float32"
     assert list(summary["decoders"]) == ["vanilla", "medusa"]
     tps = {}
@@ -123,7 +124,18 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
         tau = sum(r["new_tokens"] - 1 for r in mine) / sum(r["forward_passes"] for r in mine)
         assert metrics["mean_accepted_tokens"] == pytest.approx(tau)
         assert metrics["speedup"] == pytest.approx(tps[name] / tps["vanilla"])
+        interval = metrics["speedup_interval"]  # paired over the 6 prompt turns
+        assert interval["turns"] == 6 and interval["estimate"] == pytest.approx(metrics["speedup"])
+        assert interval["low"] <= metrics["speedup"] <= interval["high"]
+        assert interval["separated"] == (interval["low"] > 1 or interval["high"] < 1)
     vanilla, medusa = summary["decoders"]["vanilla"], summary["decoders"]["medusa"]
+    assert vanilla["speedup_interval"]["low"] == vanilla["speedup_interval"]["high"] == 1.0
+    chosen = summary["recommendation"]["overall"]  # the faster of the two, the other its runner-up
+    fastest = max(tps, key=tps.get)
+    assert chosen["deploy"] == fastest and chosen["runner_up"] == min(tps, key=tps.get)
+    assert chosen["speedup"] == pytest.approx(summary["decoders"][fastest]["speedup"])
+    assert chosen["margin"]["estimate"] == pytest.approx(max(tps.values()) / min(tps.values()))
+    assert f"deploy **{fastest}**" in (out / "summary.md").read_text()
     assert vanilla["mean_accepted_tokens"] == 1.0 and vanilla["speedup"] == 1.0
     # greedy Medusa is lossless: the same tokens as vanilla on every prompt turn
     assert vanilla["exact_match_vs_greedy"] == 1.0 and medusa["exact_match_vs_greedy"] == 1.0
@@ -353,7 +365,7 @@ def test_sweep_combines_runs_into_one_table(export, prompts, tmp_path):
         assert row["speedup"] == medusa["speedup"] and row["mean_accepted_tokens"] == medusa["mean_accepted_tokens"]
         assert row["baseline_tokens_per_second"] == summaries[topk]["decoders"]["vanilla"]["tokens_per_second"]
     table = path.read_text()
-    assert table == sweep_markdown(rows)
+    assert table.startswith(sweep_markdown(rows)) and "## Recommendation" in table
     assert "Shared overrides: `max_turns=1`" in table
     assert "| run | decoder.medusa.topk | decoder |" in table
     assert len([line for line in table.splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]) == 2

@@ -57,3 +57,9 @@ def test_rows_are_paired_by_turn():
 def test_bad_input_is_named(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         ratio_interval(*args, **kwargs)
+
+
+def test_one_turn_has_no_interval_and_is_never_beyond_the_noise():
+    interval = ratio_interval([10], [1.0], [10], [2.0])
+    assert interval.estimate == pytest.approx(2.0) and interval.low is None and interval.high is None
+    assert not interval.separated and interval.describe() == "2.00x [n/a]"
