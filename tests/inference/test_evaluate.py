@@ -108,13 +108,15 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
     # summarize()'s fields, then how the run chose its dtype and kernels, why replies left vanilla's (none here) and
     # what to deploy
     assert set(summary) == {"model", "device", "dtype", "prompts", "max_new_tokens", "decoders", "precision",
-                            "cpu_kernels", "divergences", "recommendation"}
+                            "cpu_kernels", "divergences", "recommendation", "load_average"}
+    assert all(len(summary["load_average"][k]) == 3 for k in ("before", "after"))
     assert summary["prompts"] == 3 and summary["max_new_tokens"] == 10 and summary["dtype"] == "float32"
     assert list(summary["decoders"]) == ["vanilla", "medusa"]
     tps = {}
     for name, metrics in summary["decoders"].items():
         mine = [r for r in rows if r["decoder"] == name]
-        assert set(metrics) == DESIGN_FIELDS
+        assert set(metrics) == DESIGN_FIELDS | {"compute_threads"}
+        assert metrics["compute_threads"] == 1  # threads=1: every decoder of ours on one
         assert metrics["new_tokens"] == sum(r["new_tokens"] for r in mine)
         assert metrics["wall_time_s"] == pytest.approx(sum(r["wall_time_s"] for r in mine))
         tps[name] = sum(r["new_tokens"] for r in mine) / sum(r["wall_time_s"] for r in mine)

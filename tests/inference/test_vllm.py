@@ -193,6 +193,37 @@ def test_vllm_decoders_in_medusa_eval_match_vanilla(smollm2, base, tmp_path):
     drafts = sum(r["forward_passes"] for r in rows)
     assert drafts > 0 and medusa["mean_accepted_tokens"] >= 1.0
     assert all(r["new_tokens"] <= 1 + sum(r["accepted_lengths"]) <= r["new_tokens"] + NUM_HEADS for r in rows)
+    threads = torch.get_num_threads()  # every decoder computed on as many threads as ours, the engines paused
+    assert [m["compute_threads"] for m in summary["decoders"].values()] == [threads] * 3
     run = json.loads((out / "run.json").read_text())
+    assert run["decoders"]["vllm"]["paused_between_turns"] and run["decoders"]["vllm_medusa"]["paused_between_turns"]
     assert run["decoders"]["vllm_medusa"]["speculative_config"]["num_speculative_tokens"] == NUM_HEADS
     assert run["decoders"]["vllm"]["engine"].startswith("vllm ")
+
+
+def group_states(pgid: int) -> dict[int, str]:
+    """``{pid: state}`` of the processes in process group ``pgid`` (``/proc/PID/stat``: state, ppid, pgrp)."""
+    states = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[2]) == pgid:
+            states[int(stat.parent.name)] = fields[0]
+    return states
+
+
+@vllm
+@pytest.mark.slow
+def test_a_worker_timed_beside_ours_is_stopped_between_requests_and_bound_to_our_threads(smollm2, continuations):
+    with VllmWorker(engine_model_path(smollm2), dtype="float32", max_model_len=1024, enforce_eager=True,
+                    compute_threads=1, pause_when_idle=True) as worker:
+        pgid = worker._proc.pid  # the worker leads its own session; vLLM's engine core runs in its group
+        idle = group_states(pgid)
+        assert len(idle) >= 2 and set(idle.values()) == {"T"}, idle  # the worker and its engine core: stopped
+        reply = worker.generate([continuations[0][:24]], 6, stop_token_ids=[])
+        assert len(reply["outputs"][0]["token_ids"]) == 6  # it ran in between
+        assert set(group_states(pgid).values()) == {"T"}
+    assert set(group_states(pgid).values()) <= {"Z"}  # close() let it go on to shut down: nothing left running
+    assert "core ids=[0]" in worker.log_path.read_text()  # vLLM's binding: one core, as our decoders' one thread
