@@ -6,7 +6,9 @@ with plain decoding), and the profile itself is a few passes on a machine that d
 AMX in bf16, the profile read a pass over 12 tokens at 0.98 of one token while the decoder's steps over that tree cost
 about 1.2 vanilla steps. The Medusa paper (Sec. 2.3.3) picks the tree size from the predicted acceleration over the
 measured overhead of each size, as the profile does; here the sizes predicted near the best are then decoded for
-real, taking turns on the same prompts, and the one with the most tokens per second of decoding wins.
+real, taking turns on the same prompts, and the one with the most tokens per second of decoding replaces the
+predicted best only when it is faster beyond the noise: the paired-bootstrap interval of their speed ratio over the
+timed prompts (:mod:`inference.evaluation.intervals`) excludes 1 (:func:`choose`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from inference.decoders.base import DecodeConfig
 from inference.decoders.medusa import MedusaDecoder
+from inference.evaluation.intervals import ratio_interval
 from inference.tree import TOPK
 
 # Sizes timed: those predicted at least this share of the best predicted tokens/s (the profile's error seen so far
@@ -60,8 +63,9 @@ def time_trees(model: Any, prompts: Sequence[Sequence[int]], trees: dict[int, li
         max_new_tokens: tokens per reply; no EOS, so every tree decodes the same number of tokens.
 
     Returns:
-        ``{n: {"tokens_per_s", "mean_accepted_tokens", "step_ms", "tokens", "seconds"}}``: tokens after the first
-        over the seconds after the prefill (the prefill is the same for every tree), τ and the mean step time.
+        ``{n: {"tokens_per_s", "mean_accepted_tokens", "step_ms", "tokens", "seconds", "prompt_tokens",
+        "prompt_seconds"}}``: tokens after the first over the seconds after the prefill (the prefill is the same for
+        every tree), τ, the mean step time, and the same tokens and seconds per prompt (``[prompts]``).
 
     Raises:
         ValueError: no prompts, no trees, or an invalid tree (from :class:`~inference.decoders.medusa.MedusaDecoder`).
@@ -75,24 +79,50 @@ def time_trees(model: Any, prompts: Sequence[Sequence[int]], trees: dict[int, li
     decoders = {n: MedusaDecoder(model, choices, topk=topk) for n, choices in trees.items()}
     for decoder in decoders.values():
         decoder.generate(list(prompts[0]), config)  # warm-up: first calls pay allocation and kernel selection
-    totals = {n: {"tokens": 0, "seconds": 0.0, "passes": 0} for n in trees}
+    per_prompt: dict[int, dict[str, list]] = {n: {"tokens": [], "seconds": [], "passes": []} for n in trees}
     for prompt in prompts:
         for n, decoder in decoders.items():
             result = decoder.generate(list(prompt), config)
-            totals[n]["tokens"] += result.new_tokens - 1
-            totals[n]["seconds"] += result.wall_time_s - result.prefill_time_s
-            totals[n]["passes"] += result.forward_passes
-    out: dict[int, dict[str, float]] = {}
-    for n, t in totals.items():
-        seconds, passes = max(t["seconds"], 1e-9), max(t["passes"], 1)
-        out[n] = {"tokens_per_s": t["tokens"] / seconds, "mean_accepted_tokens": t["tokens"] / passes,
-                  "step_ms": 1000.0 * seconds / passes, "tokens": t["tokens"], "seconds": t["seconds"]}
+            per_prompt[n]["tokens"].append(result.new_tokens - 1)
+            per_prompt[n]["seconds"].append(result.wall_time_s - result.prefill_time_s)
+            per_prompt[n]["passes"].append(result.forward_passes)
+    out: dict[int, dict[str, Any]] = {}
+    for n, p in per_prompt.items():
+        tokens, seconds, passes = sum(p["tokens"]), max(sum(p["seconds"]), 1e-9), max(sum(p["passes"]), 1)
+        out[n] = {"tokens_per_s": tokens / seconds, "mean_accepted_tokens": tokens / passes,
+                  "step_ms": 1000.0 * seconds / passes, "tokens": tokens, "seconds": sum(p["seconds"]),
+                  "prompt_tokens": p["tokens"], "prompt_seconds": p["seconds"]}
     return out
 
 
-def fastest(timed: dict[int, dict[str, float]]) -> int:
+def fastest(timed: dict[int, dict[str, Any]]) -> int:
     """The size with the most tokens per second in :func:`time_trees`' table."""
     return max(timed, key=lambda n: timed[n]["tokens_per_s"])
 
 
-__all__ = ["SHORTLIST_RATIO", "fastest", "shortlist", "time_trees"]
+def choose(timed: dict[int, dict[str, Any]], predicted: int) -> tuple[int, dict[str, Any] | None]:
+    """The size to keep: the fastest timed when its speed over the predicted best's is beyond the noise (the paired
+    interval over the timed prompts excludes 1), else the predicted best.
+
+    Args:
+        timed: :func:`time_trees`' table (with ``prompt_tokens`` and ``prompt_seconds``).
+        predicted: the predicted best size (tokens a pass), one of the timed sizes.
+
+    Returns:
+        ``(size, margin)``: ``margin`` the fastest's speed over the predicted best's
+        (:meth:`~inference.evaluation.intervals.Interval.record`), None when they are the same size.
+
+    Raises:
+        ValueError: ``predicted`` was not timed.
+    """
+    if predicted not in timed:
+        raise ValueError(f"the predicted best size {predicted} was not timed (timed: {sorted(timed)})")
+    best = fastest(timed)
+    if best == predicted:
+        return best, None
+    margin = ratio_interval(timed[best]["prompt_tokens"], timed[best]["prompt_seconds"],
+                            timed[predicted]["prompt_tokens"], timed[predicted]["prompt_seconds"])
+    return (best if margin.separated else predicted), margin.record()
+
+
+__all__ = ["SHORTLIST_RATIO", "choose", "fastest", "shortlist", "time_trees"]

@@ -16,7 +16,7 @@ from medusa_train.tuning.tune_tree_config import TuneTreeConfig
 from medusa_train.export.tree_files import ACCURACY_FILE, CHOICES_FILE, LATENCY_FILE, read_latency_profile
 from medusa_train.tuning.latency import check_profile_runtime, measure_verification_latency
 from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length, greedy_tree
-from medusa_train.tuning.timed import fastest, shortlist, time_trees
+from medusa_train.tuning.timed import choose, shortlist, time_trees
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,10 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
         "latency_profile", "rates", "chosen"}``: the two τ predictions of the chosen tree, by the formula
         (:func:`~medusa_train.tuning.search.expected_accept_length`) and replayed on the tuning prompts
         (:func:`~medusa_train.tuning.replay.replayed_accept_length`, what the decoder measures on them); ``chosen``:
-        how the size was chosen (``by``: ``timed``, the fastest of the shortlist decoded on ``timed_prompts``
-        tuning prompts, :mod:`medusa_train.tuning.timed`, or ``predicted``), the predicted best's nodes, and the
-        timing (also in ``latency_profile.json``).
+        how the size was chosen (``by``: ``timed``, the shortlist decoded on ``timed_prompts`` tuning prompts and
+        the fastest kept when it beats the predicted best beyond the noise, ``margin`` its speed over the predicted
+        best's with the interval, :func:`medusa_train.tuning.timed.choose`; or ``predicted``), the predicted best's
+        nodes, and the timing (also in ``latency_profile.json``).
     """
     cfg.validate()
     cfg.check_context(max_positions(model.base.config))  # before the accuracy pass, not after it
@@ -56,16 +57,24 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
         model.base, sizes=cfg.latency_sizes, context_length=cfg.context_length, repeats=cfg.repeats)
     choices, rates = best_tree_for_latency(accuracy["acc"], latency["latency_ms"], max_nodes=cfg.max_nodes,
                                            target_ranks=accuracy["target_ranks"])
-    predicted_nodes, timed = len(choices), None
+    predicted_nodes, timed, margin = len(choices), None, None
     timed_prompts = token_prompts[: cfg.timed_prompts]
     if timed_prompts:
-        sizes = shortlist(rates, sorted(latency["latency_ms"]))
+        sizes = sorted({*shortlist(rates, sorted(latency["latency_ms"])), predicted_nodes + 1})  # the prediction too
         tree = greedy_tree(accuracy["acc"], max(sizes) - 1)  # every prefix is the best tree of its size
         timed = time_trees(model, timed_prompts, {n: tree[: n - 1] for n in sizes},
                            max_new_tokens=cfg.timed_new_tokens)
-        choices = tree[: fastest(timed) - 1]
-        log.info("decoded %d tuning prompts with trees of %s nodes: kept %d (the latency profile's best: %d)",
-                 len(timed_prompts), ", ".join(str(n - 1) for n in sorted(timed)), len(choices), predicted_nodes)
+        kept, margin = choose(timed, predicted_nodes + 1)
+        choices = tree[: kept - 1]
+        if margin is None:
+            verdict = "the fastest decoded is the predicted best"
+        else:
+            verdict = (f"the fastest decoded ran {margin['estimate']:.3f}x the predicted best's speed, interval "
+                       + ("n/a (one prompt)" if margin["low"] is None else f"[{margin['low']:.3f}, {margin['high']:.3f}]")
+                       + (": beyond the noise" if margin["separated"] else ": within the noise, the prediction kept"))
+        log.info("decoded %d tuning prompts with trees of %s nodes: kept %d (the latency profile's best: %d; %s)",
+                 len(timed_prompts), ", ".join(str(n - 1) for n in sorted(timed)), len(choices), predicted_nodes,
+                 verdict)
     expected = expected_accept_length(accuracy["acc"], choices)
     replayed = rates[len(choices) + 1]["replayed_tokens"]
     out = Path(cfg.export_dir)
@@ -77,6 +86,7 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
         chosen["timed"] = {str(k): v for k, v in timed.items()}
         chosen["timed_prompts"] = len(timed_prompts)
         chosen["timed_new_tokens"] = cfg.timed_new_tokens
+        chosen["margin"] = margin  # the fastest timed over the predicted best, with its interval (None: the same)
     write_json(out / LATENCY_FILE, {**latency, "latency_ms": {str(k): v for k, v in latency["latency_ms"].items()},
                                     "predicted": {str(k): v for k, v in rates.items()}, "chosen": chosen,
                                     **(runtime or {})})

@@ -80,8 +80,10 @@ def test_the_tree_decoded_fastest_is_kept_over_the_predicted_best(tiny_export, m
     def timed_by_hand(model, token_prompts, trees, max_new_tokens):
         seen.update(trees=trees, prompts=len(token_prompts), tokens=max_new_tokens)
         ranked = sorted(trees, reverse=seen["fastest"] == "smallest")  # the last decodes fastest, whatever predicted
+        # every prompt at the same speed: any difference is beyond the noise
         return {n: {"tokens_per_s": float(i + 1), "mean_accepted_tokens": 1.0, "step_ms": 1.0, "tokens": 1,
-                    "seconds": 1.0} for i, n in enumerate(ranked)}
+                    "seconds": 1.0, "prompt_tokens": [10, 10], "prompt_seconds": [10 / (i + 1)] * 2}
+                for i, n in enumerate(ranked)}
 
     # which sizes are timed is shortlist's (test_tree_search.py); here: 2, 4 and 8 tokens, whatever the profile
     monkeypatch.setattr("medusa_train.tuning.tune.shortlist", lambda rates, sizes: [2, 4, 8])
@@ -95,10 +97,13 @@ def test_the_tree_decoded_fastest_is_kept_over_the_predicted_best(tiny_export, m
         off = compose("tune_tree", overrides=[*overrides[:-2], "timed_prompts=0"])
         negative = compose("tune_tree", overrides=[*overrides[:-2], "timed_prompts=-1"])
     acc = result["head_accuracy"]["acc"]
-    assert seen["prompts"] == 2 and seen["tokens"] == 20 and sorted(seen["trees"]) == [2, 4, 8]
+    predicted_size = result["chosen"]["predicted_nodes"] + 1  # timed too: the timing is measured against it
+    assert seen["prompts"] == 2 and seen["tokens"] == 20 and sorted(seen["trees"]) == sorted({2, 4, 8, predicted_size})
     assert all(tree == greedy_tree(acc, n - 1) for n, tree in seen["trees"].items())  # each the best of its size
     assert result["medusa_choices"] == greedy_tree(acc, 7) and result["chosen"]["by"] == "timed"
-    assert result["chosen"]["nodes"] == 7 and result["chosen"]["timed"]["8"]["tokens_per_s"] == 3.0
+    assert result["chosen"]["nodes"] == 7 and result["chosen"]["timed"]["8"]["tokens_per_s"] == len(seen["trees"])
+    if predicted_size != 8:  # the fastest beat the prediction on every prompt: beyond the noise
+        assert result["chosen"]["margin"]["separated"] and result["chosen"]["margin"]["low"] > 1
     seen["fastest"] = "smallest"  # the other end: the choice follows the timing, not the profile
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         assert run(compose("tune_tree", overrides=overrides))["medusa_choices"] == greedy_tree(acc, 1)
@@ -161,3 +166,21 @@ def compose_and_validate(overrides):
     from medusa_train.tuning.tune_tree_config import TuneTreeConfig
 
     return as_dataclass(TuneTreeConfig, compose("tune_tree", overrides=overrides))
+
+
+def test_the_prediction_is_kept_unless_the_fastest_timed_beats_it_beyond_the_noise():
+    from medusa_train.tuning.timed import choose
+
+    def row(seconds):
+        return {"tokens_per_s": 40 / sum(seconds), "prompt_tokens": [10] * 4, "prompt_seconds": seconds}
+
+    predicted = row([1.0, 1.0, 1.0, 1.0])  # 10 tokens/s on every prompt
+    noisy = row([0.5, 1.5, 0.6, 1.2])  # 10.5 tokens/s overall, slower on two prompts of four
+    steady = row([0.9, 0.9, 0.9, 0.9])  # 11.1 tokens/s on every prompt
+    kept, margin = choose({4: predicted, 8: noisy}, predicted=4)
+    assert kept == 4 and margin["estimate"] == pytest.approx(4.0 / 3.8) and not margin["separated"]
+    kept, margin = choose({4: predicted, 8: steady}, predicted=4)
+    assert kept == 8 and margin["low"] == pytest.approx(1 / 0.9) and margin["separated"]
+    assert choose({4: predicted, 8: row([2.0] * 4)}, predicted=4) == (4, None)  # the prediction is the fastest
+    with pytest.raises(ValueError, match="the predicted best size 6 was not timed"):
+        choose({4: predicted}, predicted=6)
