@@ -43,6 +43,7 @@ def run(cfg: DictConfig) -> dict:
 
 def _run(tc: TuneTreeConfig) -> dict:
     from medusa_train.loading.runtime import load_for_inference
+    from medusa_train.tuning.timed import describe_choice
     from medusa_train.prompts import load_prompts
     from medusa_train.tuning.tune import tune_tree
 
@@ -64,7 +65,8 @@ def _run(tc: TuneTreeConfig) -> dict:
             predicted = result["rates"][int(n)]["tokens_per_s"]
             print(f"  {int(n) - 1:>3d} nodes  {row['tokens_per_s']:7.2f} tokens/s  tau {row['mean_accepted_tokens']:.2f}"
                   f"  {row['step_ms']:6.1f} ms a step  (predicted {predicted:.2f})")
-        print(f"kept the fastest: {chosen['nodes']} nodes (the latency profile's best: {chosen['predicted_nodes']})")
+        print(f"kept {chosen['nodes']} nodes (the latency profile's best: {chosen['predicted_nodes']}; "
+              f"{describe_choice(chosen.get('margin'))})")
     print(f"tree: {len(result['medusa_choices'])} nodes, mean accepted tokens "
           f"{result['replayed_accept_length']:.3f} replayed on the tuning prompts "
           f"({result['expected_accept_length']:.3f} by the independent-heads formula); written to {tc.export_dir}")

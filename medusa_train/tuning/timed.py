@@ -125,4 +125,13 @@ def choose(timed: dict[int, dict[str, Any]], predicted: int) -> tuple[int, dict[
     return (best if margin.separated else predicted), margin.record()
 
 
-__all__ = ["SHORTLIST_RATIO", "choose", "fastest", "shortlist", "time_trees"]
+def describe_choice(margin: dict[str, Any] | None) -> str:
+    """Why :func:`choose` kept its size, in words, from its ``margin`` record."""
+    if margin is None:
+        return "the fastest decoded is the predicted best"
+    bounds = "n/a: one prompt" if margin["low"] is None else f"{margin['low']:.3f}, {margin['high']:.3f}"
+    return (f"the fastest decoded ran {margin['estimate']:.3f}x the predicted best's speed [{bounds}]: "
+            + ("beyond the noise, kept" if margin["separated"] else "within the noise, the prediction kept"))
+
+
+__all__ = ["SHORTLIST_RATIO", "choose", "describe_choice", "fastest", "shortlist", "time_trees"]

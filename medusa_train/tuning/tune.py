@@ -16,7 +16,7 @@ from medusa_train.tuning.tune_tree_config import TuneTreeConfig
 from medusa_train.export.tree_files import ACCURACY_FILE, CHOICES_FILE, LATENCY_FILE, read_latency_profile
 from medusa_train.tuning.latency import check_profile_runtime, measure_verification_latency
 from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length, greedy_tree
-from medusa_train.tuning.timed import choose, shortlist, time_trees
+from medusa_train.tuning.timed import choose, describe_choice, shortlist, time_trees
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +66,9 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
                            max_new_tokens=cfg.timed_new_tokens)
         kept, margin = choose(timed, predicted_nodes + 1)
         choices = tree[: kept - 1]
-        if margin is None:
-            verdict = "the fastest decoded is the predicted best"
-        else:
-            verdict = (f"the fastest decoded ran {margin['estimate']:.3f}x the predicted best's speed, interval "
-                       + ("n/a (one prompt)" if margin["low"] is None else f"[{margin['low']:.3f}, {margin['high']:.3f}]")
-                       + (": beyond the noise" if margin["separated"] else ": within the noise, the prediction kept"))
         log.info("decoded %d tuning prompts with trees of %s nodes: kept %d (the latency profile's best: %d; %s)",
                  len(timed_prompts), ", ".join(str(n - 1) for n in sorted(timed)), len(choices), predicted_nodes,
-                 verdict)
+                 describe_choice(margin))
     expected = expected_accept_length(accuracy["acc"], choices)
     replayed = rates[len(choices) + 1]["replayed_tokens"]
     out = Path(cfg.export_dir)
