@@ -124,7 +124,8 @@ def _choose(candidates: Sequence[Candidate], turns: Sequence[Turn]) -> dict[str,
 
 
 def recommend(candidates: Sequence[Candidate]) -> dict[str, Any]:
-    """``{"overall": choice, "categories": {category: choice}}``, each choice ``{"deploy", "decoder", "settings",
+    """``{"overall": choice, "categories": {category: choice}}`` (categories in the order of the first candidate's
+    rows: the prompt set's), each choice ``{"deploy", "decoder", "settings",
     "speedup", "mean_accepted_tokens", "exact_match_vs_greedy", "turns", "runner_up", "runner_up_speedup",
     "margin": Interval.record()}`` (the runner-up's fields only with two candidates or more).
 
@@ -136,7 +137,7 @@ def recommend(candidates: Sequence[Candidate]) -> dict[str, Any]:
     shared = set(candidates[0].turns)
     for c in candidates[1:]:
         shared &= set(c.turns)
-    turns = sorted(shared)
+    turns = [t for t in candidates[0].turns if t in shared]  # the run's order (the prompt set's)
     if not turns:
         raise ValueError("no prompt turn was answered by every candidate: finish the runs (rerun medusa-eval in "
                          "the same output_dir to resume them) before asking what to deploy")
@@ -145,7 +146,7 @@ def recommend(candidates: Sequence[Candidate]) -> dict[str, Any]:
         categories.setdefault(candidates[0].categories.get(t, ""), []).append(t)
     out: dict[str, Any] = {"overall": _choose(candidates, turns), "categories": {}}
     if len(categories) > 1:
-        out["categories"] = {cat: _choose(candidates, ts) for cat, ts in sorted(categories.items())}
+        out["categories"] = {cat: _choose(candidates, ts) for cat, ts in categories.items()}
     return out
 
 
