@@ -116,6 +116,12 @@ class EvaluateConfig:
         check_cpu_kernels(self.cpu_kernels)
         if self.device is not None:
             check_device(self.device, "device")
+        if self.categories is not None and not self.categories:
+            raise ValueError("categories=[] names no category: list the ones to keep (e.g. categories=[coding,rag]) "
+                             "or leave it null for all")
+        if self.categories is not None and self.prompts == "sharegpt":
+            raise ValueError("categories: ShareGPT prompts form one category (sharegpt); leave categories null, or "
+                             "use prompts=mt_bench, spec_bench or a JSONL file with categories")
         if self.prompts not in PROMPT_SOURCES and not Path(self.prompts).is_file():
             raise FileNotFoundError(f"prompts={self.prompts!r} is neither a prompt set ({', '.join(PROMPT_SOURCES)}) "
                                     "nor an existing JSONL file of MT-Bench's shape")

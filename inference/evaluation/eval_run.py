@@ -83,8 +83,18 @@ def load_eval_prompts(ec: EvaluateConfig) -> list[Prompt]:
     """
     source, path = (ec.prompts, None) if ec.prompts in PROMPT_SOURCES else ("jsonl", ec.prompts)
     if (ec.per_category is None and not ec.categories) or source == "sharegpt":  # ShareGPT: one category
-        return load_prompts(source, path, ec.prompt_offset, ec.num_prompts)
-    prompts = load_prompts(source, path, ec.prompt_offset)
+        prompts = load_prompts(source, path, ec.prompt_offset, ec.num_prompts)
+    else:
+        prompts = _select(ec, load_prompts(source, path, ec.prompt_offset))
+    if not prompts:
+        total = len(load_prompts(source, path)) if source != "sharegpt" else None
+        raise ValueError(f"no prompt selected from prompts={ec.prompts}: prompt_offset={ec.prompt_offset} skips "
+                         f"past its {total} prompts; use a prompt_offset below {total}")
+    return prompts
+
+
+def _select(ec: EvaluateConfig, prompts: list[Prompt]) -> list[Prompt]:
+    """``categories``, then ``per_category``, then ``num_prompts`` (see :func:`load_eval_prompts`)."""
     if ec.categories:
         held = list(dict.fromkeys(p.category for p in prompts))
         unknown = [c for c in ec.categories if c not in held]

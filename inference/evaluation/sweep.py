@@ -56,6 +56,11 @@ def find_runs(folders: Sequence[str | Path]) -> list[Path]:
             runs.append(folder)
             continue
         found = sorted((p.parent for p in folder.glob(f"*/{SUMMARY_FILE}")), key=_natural)
+        unfinished = sorted((p.name for p in folder.iterdir() if p.name.isdigit() and p.is_dir()
+                             and not (p / SUMMARY_FILE).is_file()), key=int)
+        if found and unfinished:
+            log.warning("%s: runs %s have not finished (no %s) and are left out of the table; rerun the sweep's "
+                        "command to finish them", folder, ", ".join(unfinished), SUMMARY_FILE)
         if not found:
             raise FileNotFoundError(
                 f"{folder} holds no finished run ({SUMMARY_FILE} in it or in its numbered subfolders): pass a "
@@ -218,8 +223,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("folders", nargs="+", help="run folders, or sweep folders holding numbered runs")
     parser.add_argument("--out", default=None, help="where sweep.md/sweep.jsonl go (default: the first folder)")
     args = parser.parse_args(argv)
-    runs = find_runs(args.folders)
-    path, _ = write_sweep(args.out or args.folders[0], runs)
+    out = Path(args.out or args.folders[0])
+    try:
+        runs = find_runs(args.folders)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is a file: give a folder for {SWEEP_MD} and {SWEEP_JSONL}")
+        foreign = [] if is_our_run(out) else foreign_entries(out)  # a run folder of ours may hold the table
+        if foreign:
+            raise ValueError(f"--out {out} holds files that are not a medusa-eval sweep ({', '.join(foreign[:5])}): "
+                             f"{SWEEP_MD} and {SWEEP_JSONL} are written only into a new folder or a sweep folder of "
+                             "ours; give another --out")
+    except (FileNotFoundError, ValueError) as e:
+        parser.exit(2, f"{parser.prog}: {e}\n")
+    path, _ = write_sweep(out, runs)
     print(path.read_text())
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 import os
 from pathlib import Path
 from typing import Any
@@ -75,9 +76,9 @@ def _recorded_model(export_config: dict[str, Any], source: str) -> dict[str, Any
                 "with model=<model config> (e.g. model=smollm2_135m)")
         settings = {"name_or_path": name}
     if settings.pop("trust_remote_code", False):
-        log.warning("%s records trust_remote_code=true for its base model: ignored, since remote code runs only when "
-                    "you ask for it (model.trust_remote_code=true on the command line, trust_remote_code=True in "
-                    "Python)", source)
+        warnings.warn(f"{source} records trust_remote_code=true for its base model: ignored, since remote code runs "
+                      "only when you ask for it (+model.trust_remote_code=true on the command line, "
+                      "trust_remote_code=True in Python)", RuntimeWarning, stacklevel=2)
     return settings
 
 

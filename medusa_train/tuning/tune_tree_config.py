@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -15,6 +16,18 @@ from medusa_train.export.tree_files import read_latency_profile
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
 from medusa_train.tuning.latency import DEFAULT_SIZES
+
+
+def check_export_dir(export_dir: str) -> None:
+    """``export_dir`` holds an export's ``config.json`` (read-only: checked before the folder is locked or written).
+
+    Raises:
+        FileNotFoundError: no such folder, or a folder without ``config.json``; the message says what to pass.
+    """
+    if not (Path(export_dir) / "config.json").is_file():
+        what = "does not exist" if not Path(export_dir).exists() else "holds no config.json"
+        raise FileNotFoundError(f"export_dir {export_dir} {what}: it is not an export written by medusa-train; pass "
+                                "the export folder of a training run (e.g. export_dir=runs/NAME/export)")
 
 
 @dataclass
@@ -83,7 +96,8 @@ class TuneTreeConfig:
         Raises:
             ValueError: a value out of range or a bad name (the key named); a ``latency_from`` profile that cannot
                 be read.
-            FileNotFoundError: ``latency_from`` holds no ``latency_profile.json``.
+            FileNotFoundError: ``export_dir`` is not an export (:func:`check_export_dir`); ``latency_from`` holds no
+                ``latency_profile.json``.
         """
         check_bounds(self)
         check_dtype_name(self.dtype)
@@ -97,6 +111,7 @@ class TuneTreeConfig:
                              f" exceeds the hard cap of {MAX_TOKENS} positions; lower context_length")
         if self.latency_from is not None:
             read_latency_profile(self.latency_from)
+        check_export_dir(self.export_dir)
 
     def check_context(self, max_positions: Optional[int]) -> None:
         """Refuse lengths beyond the loaded model's context of ``max_positions`` tokens (None: unknown, no check),

@@ -48,6 +48,16 @@ def test_categories_keeps_only_those_asked_for(tmp_path):
     assert [p.category for p in prompts] == ["translation"] * 3 + ["rag"] * 3  # in the file's order
 
 
+def test_empty_selections_are_refused_before_loading(tmp_path):
+    with pytest.raises(ValueError, match=r"categories=\[\] names no category"):
+        eval_config(tmp_path, "categories=[]")
+    with pytest.raises(ValueError, match="categories: ShareGPT prompts form one category"):
+        eval_config(tmp_path, "categories=[rag]", "prompts=sharegpt")
+    with pytest.raises(ValueError, match=r"no prompt selected from prompts=spec_bench: prompt_offset=100000 skips "
+                                         r"past its 480 prompts"):
+        load_eval_prompts(eval_config(tmp_path, "prompt_offset=100000"))
+
+
 def test_bad_selections_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"per_category must be >= 1 or null, got 0"):
         eval_config(tmp_path, "per_category=0")
@@ -56,15 +66,34 @@ def test_bad_selections_are_named(tmp_path):
         load_eval_prompts(eval_config(tmp_path, "categories=[poetry,rag]"))
 
 
-def test_a_sweep_folder_without_a_finished_run_is_named(tmp_path):
+def test_a_sweep_folder_without_a_finished_run_is_named(tmp_path, capsys):
     from inference.evaluation.sweep import main
 
     (tmp_path / "0").mkdir()
     (tmp_path / "0" / "results.jsonl").write_text("")  # started, not finished: no summary.json
-    with pytest.raises(FileNotFoundError, match=rf"{tmp_path} holds no finished run \(summary.json in it or in its "
-                                                r"numbered subfolders\).*the same `medusa-eval -m ...` command "
-                                                "resumes it"):
+    with pytest.raises(SystemExit) as exit_:
         main([str(tmp_path)])
+    assert exit_.value.code == 2
+    assert (f"{tmp_path} holds no finished run (summary.json in it or in its numbered subfolders)" in
+            capsys.readouterr().err.replace("\n", " "))
+
+
+def test_the_sweep_table_is_not_written_over_a_users_files(tmp_path, capsys):
+    from inference.evaluation.sweep import main
+    from tests.inference.test_eval_folder_safety import fake_run
+
+    fake_run(tmp_path / "sweep" / "0")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "sweep.md").write_text("my table\n")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "sweep"), "--out", str(mine)])
+    assert "holds files that are not a medusa-eval sweep (sweep.md)" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["sweep.md"] and (mine / "sweep.md").read_text() == "my table\n"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "sweep"), "--out", str(tmp_path / "afile")])
+    assert "is a file" in capsys.readouterr().err
 
 
 def test_the_leaderboard_has_a_row_per_decoder_and_the_overall_speedup_last():

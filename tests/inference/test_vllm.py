@@ -201,6 +201,19 @@ def test_vllm_decoders_in_medusa_eval_match_vanilla(smollm2, base, tmp_path):
     assert run["decoders"]["vllm"]["engine"].startswith("vllm ")
 
 
+def stopped_group(pgid: int, timeout_s: float = 10.0) -> dict[int, str]:
+    """:func:`group_states` once every process of the group is stopped (``T``), or after ``timeout_s``: SIGSTOP
+    takes effect when each process is next scheduled, a moment after ``killpg`` returns on a busy machine."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = group_states(pgid)
+        if set(states.values()) == {"T"} or time.monotonic() > deadline:
+            return states
+        time.sleep(0.05)
+
+
 def group_states(pgid: int) -> dict[int, str]:
     """``{pid: state}`` of the processes in process group ``pgid`` (``/proc/PID/stat``: state, ppid, pgrp)."""
     states = {}
@@ -220,10 +233,10 @@ def test_a_worker_timed_beside_ours_is_stopped_between_requests_and_bound_to_our
     with VllmWorker(engine_model_path(smollm2), dtype="float32", max_model_len=1024, enforce_eager=True,
                     compute_threads=1, pause_when_idle=True) as worker:
         pgid = worker._proc.pid  # the worker leads its own session; vLLM's engine core runs in its group
-        idle = group_states(pgid)
+        idle = stopped_group(pgid)
         assert len(idle) >= 2 and set(idle.values()) == {"T"}, idle  # the worker and its engine core: stopped
         reply = worker.generate([continuations[0][:24]], 6, stop_token_ids=[])
         assert len(reply["outputs"][0]["token_ids"]) == 6  # it ran in between
-        assert set(group_states(pgid).values()) == {"T"}
+        assert set(stopped_group(pgid).values()) == {"T"}
     assert set(group_states(pgid).values()) <= {"Z"}  # close() let it go on to shut down: nothing left running
     assert "core ids=[0]" in worker.log_path.read_text()  # vLLM's binding: one core, as our decoders' one thread

@@ -110,6 +110,8 @@ def valid_values(root: str, tmp_path: Path) -> dict:
         "evaluate": lambda: compose_conf("evaluate", [f"export_dir={tmp_path}", f"output_dir={tmp_path}/out"]),
         "generate": lambda: compose_conf("generate", [f"export_dir={tmp_path}", "prompt=hi"]),
     }
+    if root == "tune_tree":
+        (tmp_path / "config.json").write_text("{}")  # an export folder, as far as the settings are concerned
     if root in composed:
         values = OmegaConf.to_container(composed[root](), resolve=True)
         values.pop("hydra", None)
