@@ -184,3 +184,22 @@ def test_the_prediction_is_kept_unless_the_fastest_timed_beats_it_beyond_the_noi
     assert choose({4: predicted, 8: row([2.0] * 4)}, predicted=4) == (4, None)  # the prediction is the fastest
     with pytest.raises(ValueError, match="the predicted best size 6 was not timed"):
         choose({4: predicted}, predicted=6)
+
+
+def test_a_folder_that_is_not_an_export_is_refused_before_anything_is_written_into_it(tmp_path):
+    import subprocess
+    import sys
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    run = subprocess.run([sys.executable, "-m", "medusa_train.cli.tune_tree", f"export_dir={mine}"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert (f"medusa-tune-tree: export_dir {mine} holds no config.json: it is not an export written by medusa-train"
+            in run.stderr)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]  # no .tune_tree/ log, no lock
+    missing = tmp_path / "missing"
+    run = subprocess.run([sys.executable, "-m", "medusa_train.cli.tune_tree", f"export_dir={missing}"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "does not exist" in run.stderr and not missing.exists()
