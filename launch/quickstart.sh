@@ -7,7 +7,7 @@
 #      top-1 of 0.16 on the model's greedy continuations, 12k self-distilled tokens 0.21. Prompts of at most 128
 #      tokens, 192-token replies and 128 rows per generate call make about 6x the tokens per minute of 16 rows;
 #   3. medusa-tune-tree: head accuracy on held-out ShareGPT prompts + this CPU's verification latency -> the tree sizes
-#      predicted best, each decoded on 4 of those prompts: the fastest kept;
+#      predicted best, each decoded on 4 of those prompts: the fastest kept when it beats the prediction beyond the noise;
 #   4. medusa-eval: every decoder on MT-Bench first turns (one per category), the summary table printed at the end;
 #   5. with vLLM's environment (bash launch/install_vllm.sh): plain vLLM against vLLM with these heads, batch 1 and 8.
 # Self-distillation runs in vLLM when its environment is installed (bf16 where the CPU has bf16 units or on a GPU:
