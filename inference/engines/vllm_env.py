@@ -15,7 +15,9 @@ Timed beside our decoders (``medusa-eval``), an engine must be idle for real bet
 spin after each parallel region and vLLM's processes poll, which took a third of our plain decoding's speed on a
 2-core CPU. ``pause_when_idle`` stops the worker's whole process group (``SIGSTOP``; the engine core is its child)
 whenever no request is in flight and continues it (``SIGCONT``) for the next request; :meth:`VllmWorker.close`
-continues it before shutting it down.
+continues it before shutting it down. A stopped worker cannot see its parent die, so a small reaper process
+(:func:`start_reaper`, outside the stopped group, one ``kill(pid, 0)`` a second) kills the group when the process
+that started it is gone without closing it (``kill -9``, ``SIGTERM``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -151,6 +154,33 @@ def speculative_config(export_dir: str | os.PathLike[str], num_speculative_token
     return {"method": "medusa", "model": str(folder.resolve()), "num_speculative_tokens": k}
 
 
+_REAPER = """
+import os, signal, sys, time
+parent, group = int(sys.argv[1]), int(sys.argv[2])
+while True:
+    time.sleep(1)
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        sys.exit(0)
+    try:
+        os.kill(parent, 0)
+    except ProcessLookupError:
+        break
+try:
+    os.killpg(group, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
+def start_reaper(parent: int, group: int) -> subprocess.Popen:
+    """A process (its own session, so never stopped with ``group``) that kills process group ``group`` once process
+    ``parent`` is gone, and exits by itself once the group is; it checks once a second."""
+    return subprocess.Popen([sys.executable, "-c", _REAPER, str(parent), str(group)], start_new_session=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 class VllmWorker:
     """One vLLM engine in vLLM's environment, started once and kept alive across requests (a context manager).
 
@@ -202,6 +232,7 @@ class VllmWorker:
         self.compute_threads = compute_threads
         self.pause_when_idle = pause_when_idle
         self._paused = False
+        self._reaper: subprocess.Popen | None = None
         self.model = model
         self.speculative_config = speculative_config
         if log_path is None:
@@ -215,6 +246,8 @@ class VllmWorker:
             env=env, text=True, encoding="utf-8",
             start_new_session=True,
         )
+        if pause_when_idle:
+            self._reaper = start_reaper(os.getpid(), self._proc.pid)
         try:
             self.info = self.request("start", model=model, dtype=dtype, speculative_config=speculative_config,
                                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -318,6 +351,10 @@ class VllmWorker:
                 pass
         self._log.close()
         self._proc = None
+        if self._reaper is not None:
+            self._reaper.kill()
+            self._reaper.wait()
+            self._reaper = None
 
     def __enter__(self) -> "VllmWorker":
         return self
@@ -342,4 +379,4 @@ class VllmWorker:
 
 
 __all__ = ["INSTALL_COMMAND", "VENV_VARIABLE", "VllmError", "VllmUnavailable", "VllmWorker", "bound_cores",
-           "speculative_config", "vllm_available", "vllm_python", "vllm_venv", "worker_environment"]
+           "speculative_config", "start_reaper", "vllm_available", "vllm_python", "vllm_venv", "worker_environment"]

@@ -67,6 +67,29 @@ def test_missing_vllm_environment_names_the_install_command(monkeypatch, tmp_pat
         evaluate(cfg)
 
 
+def test_the_reaper_kills_a_stopped_group_once_its_parent_is_gone():
+    """A paused worker cannot see its parent die: the reaper kills its group then, and otherwise leaves by itself."""
+    import os
+    import signal
+    import subprocess
+
+    from inference.engines.vllm_env import start_reaper
+
+    stopped = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    os.killpg(stopped.pid, signal.SIGSTOP)
+    parent = subprocess.Popen(["sleep", "1"])
+    reaper = start_reaper(parent.pid, stopped.pid)
+    parent.wait()
+    assert stopped.wait(timeout=15) == -signal.SIGKILL
+    assert reaper.wait(timeout=15) == 0
+    alive = subprocess.Popen(["sleep", "120"])  # a parent that stays
+    short = subprocess.Popen(["sleep", "1"], start_new_session=True)  # a group that ends by itself
+    reaper = start_reaper(alive.pid, short.pid)
+    assert short.wait(timeout=15) == 0 and reaper.wait(timeout=15) == 0
+    alive.kill()
+    alive.wait()
+
+
 def test_speculative_config_reads_the_export(tmp_path):
     with pytest.raises(FileNotFoundError, match="re-export the heads with export_vllm=true"):
         speculative_config(tmp_path)
