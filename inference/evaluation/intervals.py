@@ -58,8 +58,14 @@ class Interval:
 
     def describe(self, spec: str = ".2f") -> str:
         """``1.18x [1.09, 1.27]`` (``[n/a]`` without an interval)."""
-        bounds = "n/a" if self.low is None else f"{self.low:{spec}}, {self.high:{spec}}"
-        return f"{self.estimate:{spec}}x [{bounds}]"
+        return f"{self.estimate:{spec}}x {bounds_text(self.record(), spec)}"
+
+
+def bounds_text(record: Mapping[str, Any], spec: str = ".2f") -> str:
+    """``[1.09, 1.27]`` from an :meth:`Interval.record`, ``[n/a]`` when it has no interval (one turn)."""
+    if record["low"] is None:
+        return "[n/a]"
+    return f"[{record['low']:{spec}}, {record['high']:{spec}}]"
 
 
 def bootstrap_interval(columns: torch.Tensor, statistic: Callable[[torch.Tensor], torch.Tensor],
@@ -143,5 +149,6 @@ def paired_interval(units: Sequence[Mapping[str, Mapping[str, Any]]], a: str, b:
                           column(b, "wall_time_s"), **kwargs)
 
 
-__all__ = ["Interval", "LEVEL", "RESAMPLES", "SEED", "bootstrap_interval", "paired_interval", "ratio_interval",
+__all__ = ["Interval", "LEVEL", "RESAMPLES", "SEED", "bootstrap_interval", "bounds_text", "paired_interval",
+           "ratio_interval",
            "speed_ratio"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from inference.evaluation.intervals import Interval, bootstrap_interval, speed_ratio
+from inference.evaluation.intervals import Interval, bootstrap_interval, bounds_text, speed_ratio
 
 Turn = tuple[str, int]  # (prompt_id, turn)
 OVERALL = "overall"
@@ -155,8 +155,7 @@ def _settings_text(settings: Mapping[str, Any]) -> str:
 
 
 def _margin_text(m: Mapping[str, Any]) -> str:
-    bounds = "n/a" if m["low"] is None else f"{m['low']:.2f}, {m['high']:.2f}"
-    return f"{m['estimate']:.2f}x [{bounds}]"
+    return f"{m['estimate']:.2f}x {bounds_text(m)}"
 
 
 def recommendation_markdown(rec: Mapping[str, Any], machine: str) -> str:

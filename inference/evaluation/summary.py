@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from inference.decoders.base import aggregate_mean_accepted_tokens
-from inference.evaluation.intervals import paired_interval
+from inference.evaluation.intervals import bounds_text, paired_interval
 from inference.evaluation.recommend import recommendation_markdown
 from inference.evaluation.results import row_result
 
@@ -187,7 +187,7 @@ def _fmt(value: Any, spec: str) -> str:
 
 def _interval(m: dict[str, Any]) -> str:
     i = m.get("speedup_interval")
-    return "n/a" if not i or i["low"] is None else f"[{i['low']:.2f}, {i['high']:.2f}]"
+    return "n/a" if not i or i["low"] is None else bounds_text(i)
 
 
 def markdown_table(metrics: dict[str, dict[str, Any]]) -> str:

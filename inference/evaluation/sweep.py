@@ -110,10 +110,15 @@ def _fmt(value: Any, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def varying_overrides(overrides: Sequence[dict[str, str]]) -> tuple[list[str], list[str]]:
+    """``(every key, the keys whose value differs between runs)`` of the runs' overrides, in first-seen order."""
+    keys = list(dict.fromkeys(k for o in overrides for k in o))
+    return keys, [k for k in keys if len({o.get(k) for o in overrides}) > 1]
+
+
 def sweep_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The combined table in Markdown, overrides that vary as columns and the shared ones above."""
-    keys = list(dict.fromkeys(k for r in rows for k in r["overrides"]))
-    varying = [k for k in keys if len({r["overrides"].get(k) for r in rows}) > 1]
+    keys, varying = varying_overrides([r["overrides"] for r in rows])
     shared = [f"{k}={rows[0]['overrides'][k]}" for k in keys if k not in varying]
     lines = [f"Shared overrides: `{' '.join(shared)}`", ""] if shared else []
     lines += ["| run | " + " | ".join(varying + ["decoder", "speedup", "mean accepted tokens", "exact match",
@@ -133,8 +138,7 @@ def sweep_candidates(run_dirs: Sequence[str | Path], baseline: str = "vanilla") 
     against its own run's baseline, labelled with the run's varying overrides; the baseline once."""
     runs = [Path(d) for d in run_dirs]
     overrides = {d: dict(_split(o) for o in run_overrides(d)) for d in runs}
-    keys = list(dict.fromkeys(k for o in overrides.values() for k in o))
-    varying = [k for k in keys if len({o.get(k) for o in overrides.values()}) > 1]
+    _, varying = varying_overrides(list(overrides.values()))
     out: list[Candidate] = []
     for run_dir in runs:
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())["decoders"]

@@ -18,7 +18,7 @@ from typing import Any
 
 from inference.decoders.base import DecodeConfig
 from inference.decoders.medusa import MedusaDecoder
-from inference.evaluation.intervals import ratio_interval
+from inference.evaluation.intervals import bounds_text, ratio_interval
 from inference.tree import TOPK
 
 # Sizes timed: those predicted at least this share of the best predicted tokens/s (the profile's error seen so far
@@ -129,8 +129,8 @@ def describe_choice(margin: dict[str, Any] | None) -> str:
     """Why :func:`choose` kept its size, in words, from its ``margin`` record."""
     if margin is None:
         return "the fastest decoded is the predicted best"
-    bounds = "n/a: one prompt" if margin["low"] is None else f"{margin['low']:.3f}, {margin['high']:.3f}"
-    return (f"the fastest decoded ran {margin['estimate']:.3f}x the predicted best's speed [{bounds}]: "
+    return (f"the fastest decoded ran {margin['estimate']:.3f}x the predicted best's speed "
+            f"{bounds_text(margin, '.3f')}: "
             + ("beyond the noise, kept" if margin["separated"] else "within the noise, the prediction kept"))
 
 
