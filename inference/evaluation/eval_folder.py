@@ -21,9 +21,6 @@ import os
 from collections.abc import Collection
 from pathlib import Path
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
-
 from medusa_train.run_lock import EVAL_LOCK, RunLock
 
 TOOL = "medusa-eval"
@@ -84,19 +81,6 @@ def check_eval_dir(out: str | os.PathLike[str], ignored: Collection[str] = ()) -
         "with overwrite=true; choose another output_dir (e.g. a new folder inside this one)")
 
 
-class CheckEvalDir(Callback):
-    """Hydra callback (``hydra.callbacks`` in ``conf/evaluate.yaml``): refuse a folder that is not ours before
-    Hydra writes its ``.hydra/`` and log into it, exiting with :func:`check_eval_dir`'s one-line message (Hydra turns
-    a callback's exceptions into warnings, so this one exits instead). A sweep's jobs are checked by the run itself,
-    each in its own numbered folder."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
-        try:
-            check_eval_dir(config.hydra.run.dir)
-        except EvalDirError as e:
-            raise SystemExit(f"medusa-eval: {e}") from None
-
-
 def hold_eval_dir(out: str | os.PathLike[str]) -> RunLock:
     """Take ``out``'s lock (created if missing) for this run; release it with :meth:`RunLock.release`.
 
@@ -106,4 +90,4 @@ def hold_eval_dir(out: str | os.PathLike[str]) -> RunLock:
     return RunLock.acquire(out, EVAL_LOCK, field="output_dir")
 
 
-__all__ = ["TOOL", "TOOL_KEY", "CheckEvalDir", "EvalDirError", "check_eval_dir", "hold_eval_dir", "hydra_entries", "is_our_run"]
+__all__ = ["TOOL", "TOOL_KEY", "EvalDirError", "check_eval_dir", "hold_eval_dir", "hydra_entries", "is_our_run"]

@@ -20,11 +20,40 @@ from collections.abc import Callable
 from typing import Any
 
 import hydra
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from medusa_train.config import register_configs
 from medusa_train.paths import CONF_DIR
 from medusa_train.resolvers import register_resolvers
+
+
+class RefuseBeforeRun(Callback):
+    """Hydra callback: check one setting before Hydra creates or writes the job's folder, and exit with the check's
+    one-line message when it fails (Hydra turns a callback's exceptions into warnings, so this one exits instead).
+
+    Args (the ``hydra.callbacks`` entry of a ``conf/`` file):
+        check: the dotted path of a function taking the setting's value and raising ``ValueError`` or ``OSError``.
+        key: the setting, a dotted path into the config (``output_dir``, ``hydra.run.dir``).
+        command: the command's name, put before the message.
+        multirun: also check before a ``-m`` sweep starts (the sweep folder).
+    """
+
+    def __init__(self, check: str, key: str, command: str, multirun: bool = False) -> None:
+        self.check, self.key, self.command, self.multirun = check, key, command, multirun
+
+    def _check(self, config: DictConfig) -> None:
+        try:
+            hydra.utils.get_method(self.check)(OmegaConf.select(config, self.key))
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"{self.command}: {e}") from None
+
+    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
+        self._check(config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        if self.multirun:
+            self._check(config)
 
 
 def register_shared_schemas() -> None:

@@ -20,10 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from medusa_train.cli.app import hydra_app, register_shared_schemas
+from medusa_train.cli.app import RefuseBeforeRun, hydra_app, register_shared_schemas
 
 
 def register_schemas() -> None:
@@ -48,25 +47,13 @@ def strip_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
-class CheckOutputDir(Callback):
+class CheckOutputDir(RefuseBeforeRun):
     """Hydra callback (``hydra.callbacks`` in ``conf/train.yaml``): refuse a bad ``output_dir`` before Hydra makes
-    ``${output_dir}/hydra``, exiting with the one-line message of
-    :func:`~medusa_train.training.run_dir.check_location` (Hydra turns a callback's exceptions into warnings, so
-    this one exits instead)."""
+    ``${output_dir}/hydra``, with the one-line message of :func:`~medusa_train.training.run_dir.check_location`
+    (:class:`~medusa_train.cli.app.RefuseBeforeRun`), for a run and a sweep."""
 
-    def _check(self, config: DictConfig) -> None:
-        from medusa_train.training.run_dir import OutputDirError, check_location
-
-        try:
-            check_location(config.output_dir)
-        except OutputDirError as e:
-            raise SystemExit(f"medusa-train: {e}") from None
-
-    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
-        self._check(config)
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
-        self._check(config)
+    def __init__(self) -> None:
+        super().__init__("medusa_train.training.run_dir.check_location", "output_dir", "medusa-train", multirun=True)
 
 
 @hydra_app("train", example='medusa-train model=stories260k output_dir=runs/stories',

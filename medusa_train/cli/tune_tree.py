@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from medusa_train.cli.app import hydra_app, register_shared_schemas
@@ -27,21 +26,6 @@ def register_schemas() -> None:
     (idempotent)."""
     register_shared_schemas()
     register_tune_tree_schema()
-
-
-class CheckExportDir(Callback):
-    """Hydra callback (``hydra.callbacks`` in ``conf/tune_tree.yaml``): refuse an ``export_dir`` that is not an export
-    before Hydra makes its ``.tune_tree/`` log folder inside it, exiting with the one-line message of
-    :func:`~medusa_train.tuning.tune_tree_config.check_export_dir` (Hydra turns a callback's exceptions into warnings,
-    so this one exits instead)."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
-        from medusa_train.tuning.tune_tree_config import check_export_dir
-
-        try:
-            check_export_dir(config.export_dir)
-        except FileNotFoundError as e:
-            raise SystemExit(f"medusa-tune-tree: {e}") from None
 
 
 def run(cfg: DictConfig) -> dict:
