@@ -23,7 +23,7 @@ from medusa_train.bounds import (
     bound,
     check_bounds,
 )
-from medusa_train.head_types import HEAD_TYPES
+from medusa_train.drafters.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, head_types, titles
 from medusa_train.hydra_heads import COMBINES
 from medusa_train.precision import check_dtype_name
 
@@ -138,13 +138,18 @@ class HeadShape:
     head_vocab_size: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
 
     def validate_shape(self) -> None:
-        if self.head_type not in HEAD_TYPES:
-            raise ValueError(f"heads.head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        if self.head_type not in head_types():
+            raise ValueError(f"heads.head_type must be one of {head_types()}, got {self.head_type!r}")
         if self.combine not in COMBINES:
             raise ValueError(f"heads.combine must be one of {COMBINES}, got {self.combine!r}")
-        if self.head_type == "medusa" and self.combine != "concat":
-            raise ValueError(f"heads.combine={self.combine} is for Hydra heads (they combine the hidden state with the "
-                             "path's embeddings): set heads=hydra (heads.head_type=hydra) or drop heads.combine")
+        entry, unset = drafter_type(self.head_type), HeadShape()
+        for name in ("combine",):  # the drafter types' options (DrafterType.options) that heads.* holds
+            if name not in entry.options and getattr(self, name) != getattr(unset, name):
+                owners = [e for e in drafter_types() if name in e.options]
+                owner = owners[0].name
+                raise ValueError(f"heads.{name}={getattr(self, name)} is for {titles(owners)} heads, not "
+                                 f"{entry.title} heads: set heads={owner} (heads.head_type={owner}) or drop "
+                                 f"heads.{name}")
 
 
 @dataclass
@@ -253,9 +258,10 @@ class HeadsConfig(StageOneSettings, JointSettings, HeadsTraining, HeadShape):
         check_bounds(self, "heads")  # every group's numeric fields, LoRA's included, whatever the mode
         self.validate_shape()
         self.validate_training()
-        if self.head_type == "hydra" and self.mode != "medusa1":
-            raise ValueError("heads.head_type=hydra trains the heads on a frozen base (heads.mode=medusa1); joint "
-                             "fine-tuning (medusa2) is for Medusa heads")
+        if not drafter_type(self.head_type).joint and self.mode != "medusa1":
+            joint = [e for e in drafter_types() if e.joint]
+            raise ValueError(f"heads.head_type={self.head_type} trains the heads on a frozen base (heads.mode=medusa1); "
+                             f"joint fine-tuning (medusa2) is for {titles(joint)} heads")
         if self.mode == "medusa1":
             unset = StageOneSettings()
             for name in ("stage1_epochs", "init_from"):
@@ -520,9 +526,11 @@ class TrainConfig:
             raise ValueError("push_to_hub=true needs hub_repo_id=namespace/name")
         if self.push_to_hub and not self.export:
             raise ValueError("push_to_hub=true needs export=true (the export is what is published)")
-        if self.push_to_hub and self.heads.head_type == "hydra":
-            raise ValueError("push_to_hub=true: medusa-publish publishes Medusa heads (FasterDecoding, TGI and vLLM "
-                             "layouts); Hydra heads have no engine layout yet. Set push_to_hub=false")
+        entry = drafter_type(self.heads.head_type) if self.heads.head_type in head_types() else None
+        if self.push_to_hub and entry is not None and entry.layout != MEDUSA_LAYOUT:
+            published = [e for e in drafter_types() if e.layout == MEDUSA_LAYOUT]
+            raise ValueError(f"push_to_hub=true: medusa-publish publishes {titles(published)} heads (FasterDecoding, "
+                             f"TGI and vLLM layouts); {entry.title} heads have no such layout yet. Set push_to_hub=false")
         if self.resume and self.overwrite:
             raise ValueError("resume=true and overwrite=true contradict each other; choose one")
         if self.hidden_cache and self.heads.mode != "medusa1":

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from medusa_train.drafters.catalog import MEDUSA_LAYOUT, DrafterType, TargetInputs, register, type_of
+
 
 @dataclass(frozen=True)
 class HeadsSpec:
@@ -58,9 +60,9 @@ class HeadsSpec:
 
     @property
     def head_type(self) -> str:
-        """``"medusa"``: each head reads the hidden state alone (:class:`~medusa_train.hydra_heads.HydraSpec`:
-        ``"hydra"``)."""
-        return "medusa"
+        """The registered drafter type of this spec's class (:mod:`medusa_train.drafters.catalog`): ``"medusa"``
+        here, ``"hydra"`` for :class:`~medusa_train.hydra_heads.HydraSpec`."""
+        return type_of(self).name
 
 
 class MedusaHeads(nn.Module):
@@ -237,3 +239,17 @@ def build_token_map(token_counts: torch.Tensor, head_vocab_size: int) -> torch.T
         raise ValueError(f"head_vocab_size must be in [1, {token_counts.numel()}], got {head_vocab_size}")
     top = torch.topk(token_counts.to(torch.float64), head_vocab_size, sorted=False).indices
     return torch.sort(top).values.to(torch.long)
+
+
+def _medusa_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None) -> torch.Tensor:
+    """Each head reads the final hidden state alone: ``[K', ..., V']``."""
+    return heads(inputs.features["final"], inputs.lm_head_weight, num_heads)
+
+
+MEDUSA = register(DrafterType(
+    name="medusa", title="Medusa", spec_cls=HeadsSpec, module_cls=MedusaHeads, logits=_medusa_logits,
+    source="Cai et al. 2024, Medusa, arXiv:2401.10774, Sec. 2.1.1, Eq. (1)",
+    joint=True, layout=MEDUSA_LAYOUT, config_keys={"num_heads": "medusa_num_heads", "num_layers": "medusa_num_layers"},
+    engines={"fasterdecoding": None, "tgi": None, "vllm": None},
+    tree_drafter="inference.proposers.heads:MedusaTreeDrafter",
+))

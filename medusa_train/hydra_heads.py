@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from medusa_train.drafters.catalog import DrafterType, TargetInputs, register, shifted_path_tokens
 from medusa_train.heads import HeadsSpec, copy_lm_head, project_features, register_token_map
 
 COMBINES = ("concat", "sum")
@@ -54,10 +55,6 @@ class HydraSpec(HeadsSpec):
         super().__post_init__()
         if self.combine not in COMBINES:
             raise ValueError(f"Hydra heads' combine (heads.combine) must be one of {COMBINES}, got {self.combine!r}")
-
-    @property
-    def head_type(self) -> str:
-        return "hydra"
 
     def in_features(self, k: int) -> int:
         """Width of head k's combined input: ``(k + 2) H`` for ``concat``, ``H`` for ``sum``."""
@@ -168,9 +165,20 @@ class HydraHeads(nn.Module):
         return head_token_ids if self.token_map is None else self.token_map[head_token_ids]
 
 
-def shifted_path_tokens(tokens: torch.Tensor, num_heads: int, pad: int = 0) -> torch.Tensor:
-    """The teacher-forced path of every position: ``tokens [B, T]`` -> ``[B, T, K]`` with ``[b, t, j] = tokens[b, t +
-    1 + j]``, ``pad`` past the end (such positions' heads have no target: t + k + 2 lies beyond T)."""
-    B, T = tokens.shape
-    padded = torch.cat([tokens, tokens.new_full((B, num_heads), pad)], dim=1)
-    return torch.stack([padded[:, 1 + j : 1 + j + T] for j in range(num_heads)], dim=-1)
+def _hydra_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None) -> torch.Tensor:
+    """Head k reads the final hidden state and the embeddings of the path tokens t+1 .. t+k+1: ``[K', ..., V']``
+    (every head runs; the first ``num_heads`` are returned)."""
+    logits = heads(inputs.features["final"], inputs.embed(inputs.path_tokens), inputs.lm_head_weight)
+    return logits if num_heads is None else logits[:num_heads]
+
+
+HYDRA = register(DrafterType(
+    name="hydra", title="Hydra", spec_cls=HydraSpec, module_cls=HydraHeads, logits=_hydra_logits,
+    source="Ankner et al. 2024, Hydra, arXiv:2402.05109, Sec. 3",
+    options=("combine",), reads_path=True, weights_file="hydra_heads.safetensors",
+    config_keys={"num_heads": "hydra_num_heads", "num_layers": "hydra_num_layers", "combine": "hydra_combine"},
+    engines={"fasterdecoding": "Hydra heads have no FasterDecoding form",
+             "tgi": "Hydra heads have no TGI layout (TGI's Medusa loader reads Medusa heads only)",
+             "vllm": "vLLM's Medusa loader reads Medusa heads only"},
+    tree_drafter="inference.proposers.heads:HydraTreeDrafter",
+))

@@ -1,4 +1,4 @@
-"""The Medusa model: a Hugging Face causal LM plus draft heads (Medusa or Hydra), sharing one backbone pass.
+"""The Medusa model: a Hugging Face causal LM plus draft heads (any catalog type), sharing one backbone pass.
 
 The base model is used through transformers' public surface only: ``base.base_model`` (the backbone, whose
 ``last_hidden_state`` is taken after the final norm), ``get_output_embeddings()`` (the lm_head) and the usual
@@ -16,9 +16,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_train.head_types import DraftHeads, heads_from_spec
+from medusa_train.drafters.catalog import TargetInputs, heads_from_spec, new_spec, shifted_path_tokens, titles, type_of
+from medusa_train.drafters.catalog import drafter_types
 from medusa_train.heads import HeadsSpec
-from medusa_train.hydra_heads import HydraHeads, HydraSpec, shifted_path_tokens
+
+DraftHeads = nn.Module  # any registered drafter type's module (medusa_train.drafters.catalog)
 
 # config attributes that change logits after the lm_head; we compute logits as lm_head(hidden) and must refuse these.
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
@@ -95,8 +97,8 @@ class MedusaModel(nn.Module):
 
     @property
     def head_type(self) -> str:
-        """``"medusa"`` or ``"hydra"``."""
-        return self.heads.spec.head_type
+        """The heads' registered type (:mod:`medusa_train.drafters.catalog`), e.g. ``"medusa"``."""
+        return type_of(self.heads.spec).name
 
     def _shared_weight(self) -> torch.Tensor | None:
         return self.lm_head.weight if self.heads.spec.share_lm_head else None
@@ -105,37 +107,47 @@ class MedusaModel(nn.Module):
         """The base model's input embeddings of ``tokens [...]`` long: ``[..., H]`` (what Hydra heads read)."""
         return self.base.get_input_embeddings()(tokens)
 
+    def target_inputs(self, hidden: torch.Tensor, path_tokens: torch.Tensor | None = None) -> TargetInputs:
+        """What the heads read at positions ``[...]``: the final hidden state ``hidden [..., H]``, the path tokens
+        ``[..., K]`` long (for types that read them), the input embeddings and the shared lm_head."""
+        return TargetInputs(features={"final": hidden}, path_tokens=path_tokens, embed=self.embed,
+                            lm_head_weight=self._shared_weight())
+
     def head_logits(self, hidden: torch.Tensor, path_tokens: torch.Tensor | None = None,
                     num_heads: int | None = None) -> torch.Tensor:
-        """``[..., H]`` -> ``[K, ..., V']`` logits of all heads (one batched product per layer, see heads.py).
+        """``[..., H]`` -> ``[K, ..., V']`` logits of all heads, as their type computes them
+        (:attr:`~medusa_train.drafters.catalog.DrafterType.logits`).
 
         Args:
             hidden: ``[..., H]`` last hidden states at positions t.
-            path_tokens: Hydra heads only, ``[..., K]`` long, the tokens t+1 .. t+K (head k reads the first k + 1).
-            num_heads: Medusa heads only, K' <= K: the first K' heads' logits ``[K', ..., V']`` (what a tree of
-                depth K' reads); None: all.
+            path_tokens: for types that read the path (Hydra), ``[..., K]`` long, the tokens t+1 .. t+K (head k reads
+                the first k + 1).
+            num_heads: K' <= K: the first K' heads' logits ``[K', ..., V']`` (what a tree of depth K' reads), for
+                types that compute heads independently (Medusa); None: all.
 
         Raises:
-            ValueError: Hydra heads without ``path_tokens``, or Medusa heads given some.
+            ValueError: heads that read the path without ``path_tokens``, or others given some.
         """
-        if isinstance(self.heads, HydraHeads):
-            if path_tokens is None:
-                raise ValueError("Hydra heads read the path tokens t+1 .. t+k+1: pass path_tokens [..., K], or "
-                                 "draft level by level with head_logits_at()")
-            return self.heads(hidden, self.embed(path_tokens), self._shared_weight())
-        if path_tokens is not None:
-            raise ValueError("Medusa heads read the hidden state alone: path_tokens is for Hydra heads")
-        return self.heads(hidden, self._shared_weight(), num_heads)
+        entry = type_of(self.heads.spec)
+        if entry.reads_path and path_tokens is None:
+            raise ValueError(f"{entry.title} heads read the path tokens t+1 .. t+k+1: pass path_tokens [..., K], or "
+                             "draft level by level with head_logits_at()")
+        if not entry.reads_path and path_tokens is not None:
+            readers = [e for e in drafter_types() if e.reads_path]
+            raise ValueError(f"{entry.title} heads read the hidden state alone: path_tokens is for "
+                             f"{titles(readers)} heads")
+        return entry.logits(self.heads, self.target_inputs(hidden, path_tokens), num_heads)
 
     def head_logits_at(self, k: int, hidden: torch.Tensor, path_tokens: torch.Tensor) -> torch.Tensor:
-        """Hydra head k alone: ``hidden [..., H]`` and ``path_tokens [..., k + 1]`` long (tokens t+1 .. t+k+1) ->
-        ``[..., V']``.
+        """Head k alone, for heads drafted level by level (Hydra: ``heads.head_logits``): ``hidden [..., H]`` and
+        ``path_tokens [..., k + 1]`` long (tokens t+1 .. t+k+1) -> ``[..., V']``.
 
         Raises:
-            TypeError: the heads are Medusa heads (they have no path input).
+            TypeError: the heads have no per-level call (e.g. Medusa heads: use head_logits).
         """
-        if not isinstance(self.heads, HydraHeads):
-            raise TypeError("head_logits_at drafts one level of Hydra heads; these are Medusa heads: use head_logits")
+        if not callable(getattr(self.heads, "head_logits", None)):
+            raise TypeError(f"head_logits_at drafts one level of heads that read the path; these are "
+                            f"{type_of(self.heads.spec).title} heads: use head_logits")
         return self.heads.head_logits(k, hidden, self.embed(path_tokens), self._shared_weight())
 
     def forward(
@@ -156,7 +168,8 @@ class MedusaModel(nn.Module):
         logits = self.lm_head(hidden)
         heads = None
         if with_heads:
-            path = shifted_path_tokens(input_ids, self.heads.spec.num_heads) if self.head_type == "hydra" else None
+            reads_path = type_of(self.heads.spec).reads_path
+            path = shifted_path_tokens(input_ids, self.heads.spec.num_heads) if reads_path else None
             heads = self.head_logits(hidden, path)
         return MedusaOutput(logits=logits, head_logits=heads, hidden_states=hidden, past_key_values=cache)
 
@@ -192,29 +205,24 @@ def new_heads_for(
     token_map: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
     head_type: str = "medusa",
-    combine: str = "concat",
+    **options: Any,
 ) -> DraftHeads:
     """Fresh heads for ``base``: zero blocks (identity), projections copied from the base lm_head.
 
     Args:
-        head_type: ``medusa`` (:class:`~medusa_train.heads.MedusaHeads`) or ``hydra``
-            (:class:`~medusa_train.hydra_heads.HydraHeads`, with ``combine`` one of ``concat``, ``sum``).
+        head_type: a registered drafter type (:mod:`medusa_train.drafters.catalog`): ``medusa``
+            (:class:`~medusa_train.heads.MedusaHeads`), ``hydra`` (:class:`~medusa_train.hydra_heads.HydraHeads`) ...
+        options: the type's own spec fields (Hydra: ``combine``, one of ``concat``, ``sum``); others are ignored.
 
     Raises:
         ValueError: ``num_heads < 1`` or ``num_layers < 1`` (field named ``medusa_num_heads``/``medusa_num_layers``),
-            an unknown ``head_type`` or ``combine``.
+            an unknown ``head_type`` or an invalid option.
     """
     hidden_size, vocab_size = base_sizes(base)
-    fields = dict(num_heads=num_heads, num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
-                  share_lm_head=share_lm_head, head_vocab_size=None if token_map is None else int(token_map.numel()))
-    if head_type == "hydra":
-        spec: HeadsSpec = HydraSpec(**fields, combine=combine)
-    elif head_type == "medusa":
-        spec = HeadsSpec(**fields)
-    else:
-        raise ValueError(f"head_type must be medusa or hydra, got {head_type!r}")
+    spec = new_spec(head_type, options, num_heads=num_heads, num_layers=num_layers, hidden_size=hidden_size,
+                    vocab_size=vocab_size, share_lm_head=share_lm_head,
+                    head_vocab_size=None if token_map is None else int(token_map.numel()))
     heads = heads_from_spec(spec, token_map)
     heads.init_from_lm_head(base.get_output_embeddings().weight.detach().float())
     device = base.get_output_embeddings().weight.device
     return heads.to(device=device, dtype=dtype or torch.float32)
-

@@ -13,7 +13,8 @@ from typing import Any
 from inference.decoders.choices import resolve_medusa_choices
 from inference.tree import TOPK
 from medusa_train.export.tree_files import CHOICES_FILE
-from medusa_train.loading.hub import DECODER_FILES, FASTERDECODING_WEIGHTS, HEAD_WEIGHTS, download_export
+from medusa_train.export.writer import weights_files
+from medusa_train.loading.hub import FASTERDECODING_WEIGHTS, decoder_files, download_export
 from medusa_train.loading.medusa import load_medusa
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,10 @@ def pretrained_decoder_kwargs(
             the export, heads that do not fit the base model. OSError: the base model needs its own code and
             ``trust_remote_code`` is off (the fix named).
     """
-    folder = download_export(repo_or_dir, revision, allow_patterns=DECODER_FILES, cache_dir=cache_dir,
+    folder = download_export(repo_or_dir, revision, allow_patterns=decoder_files(), cache_dir=cache_dir,
                              endpoint=endpoint)
-    if not any((folder / name).is_file() for name in HEAD_WEIGHTS):
-        folder = download_export(repo_or_dir, revision, allow_patterns=DECODER_FILES + [FASTERDECODING_WEIGHTS],
+    if not any((folder / name).is_file() for name in weights_files()):
+        folder = download_export(repo_or_dir, revision, allow_patterns=decoder_files() + [FASTERDECODING_WEIGHTS],
                                  cache_dir=cache_dir, endpoint=endpoint)
     medusa_model, tokenizer, _ = load_medusa(str(folder), model=model, dtype=dtype, device=device,
                                              trust_remote_code=trust_remote_code)

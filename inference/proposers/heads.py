@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from inference.tree import TreeBuffers, gather_node_tokens
+from medusa_train.drafters.catalog import type_of
 
 
 @runtime_checkable
@@ -135,17 +136,13 @@ class HydraTreeDrafter:
 
 
 def tree_drafter(model: Any) -> TreeDrafter:
-    """The drafter for ``model``'s heads (``model.head_type``: ``medusa`` or ``hydra``).
+    """The tree drafter of ``model``'s heads: the one their type declares in the drafter catalog
+    (:meth:`medusa_train.drafters.catalog.DrafterType.make_tree_drafter`).
 
     Raises:
-        ValueError: a head type without a drafter.
+        ValueError: a type without a tree drafter.
     """
-    head_type = getattr(model, "head_type", "medusa")
-    if head_type == "medusa":
-        return MedusaTreeDrafter(model)
-    if head_type == "hydra":
-        return HydraTreeDrafter(model)
-    raise ValueError(f"no tree drafter for head_type {head_type!r}; known: medusa, hydra")
+    return type_of(model.heads).make_tree_drafter(model)
 
 
 __all__ = ["HydraTreeDrafter", "MedusaTreeDrafter", "TreeDrafter", "hydra_levels", "tree_drafter"]

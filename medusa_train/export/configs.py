@@ -13,14 +13,16 @@ vLLM's (``vllm/transformers_utils/configs/medusa.py``, vLLM 0.32): ``model_type 
 (``writer.py`` explains), so ``truncated_vocab_size`` is always V and a reduced head vocabulary is recorded for our
 own reader only: ``medusa_train_head_vocab_size`` here and the ``medusa_train.token_map`` tensor (vLLM ignores both).
 
-Hydra heads (:mod:`medusa_train.hydra_heads`) have no engine layout. Their config.json says ``head_type: "hydra"`` and
-names its counts ``hydra_num_heads`` / ``hydra_num_layers`` / ``hydra_combine``, never ``medusa_num_heads``, so that
-FasterDecoding's and TGI's Medusa loaders do not take the folder for theirs. A config.json without ``head_type`` holds
-Medusa heads (every export written before Hydra heads existed).
+Drafter types with the ``state_dict`` layout (:mod:`medusa_train.drafters.catalog`; Hydra heads) have no engine
+layout here. Their config.json says ``head_type`` and names the spec's own fields by the type's ``config_keys``
+(``hydra_num_heads`` / ``hydra_num_layers`` / ``hydra_combine``), never ``medusa_num_heads``, so that FasterDecoding's
+and TGI's Medusa loaders do not take the folder for theirs. A config.json without ``head_type`` holds Medusa heads
+(every export written before Hydra heads existed).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -28,8 +30,8 @@ import torch
 
 from medusa_train.version import __version__
 from medusa_train.export.layouts import FASTERDECODING
+from medusa_train.drafters.catalog import MEDUSA_LAYOUT, DrafterType, type_of
 from medusa_train.heads import HeadsSpec
-from medusa_train.hydra_heads import HydraSpec
 
 # vllm/: the reduced head vocabulary of heads written with full-vocabulary projections (ignored by vLLM).
 VLLM_HEAD_VOCAB_KEY = "medusa_train_head_vocab_size"
@@ -41,8 +43,9 @@ HEAD_TYPE_KEY = "head_type"  # absent: Medusa heads
 # Keys save_export writes itself; extra_config may not override them.
 _OWN_KEYS = ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size", "base_model_name_or_path",
              "share_lm_head", "version", "head_vocab_size", "torch_dtype", "medusa_train_version",
-             "base_model_class", "base_model_type", HEAD_TYPE_KEY, "hydra_num_heads", "hydra_num_layers",
-             "hydra_combine")
+             "base_model_class", "base_model_type", HEAD_TYPE_KEY)
+# The sizes every drafter type's config.json records under these names (DrafterType.config_keys adds its own).
+_COMMON_FIELDS = {"hidden_size": int, "vocab_size": int, "share_lm_head": bool}
 
 
 def export_head_type(config: dict[str, Any]) -> Any:
@@ -64,18 +67,18 @@ def export_config(
     base_model_type: str | None = None,
     extra_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Our ``config.json`` (Hydra heads: ``head_type``, ``hydra_num_heads``, ``hydra_num_layers``,
-    ``hydra_combine`` in place of the Medusa counts).
+    """Our ``config.json``: the heads' own fields under their type's names
+    (:attr:`~medusa_train.drafters.catalog.DrafterType.config_keys`; Medusa: FasterDecoding's ``medusa_num_heads``,
+    ``medusa_num_layers``), ``head_type`` for every type but Medusa (FasterDecoding's layout has no such key), then the
+    sizes and provenance.
 
     Raises:
         ValueError: ``extra_config`` sets a key written from the heads, or ``architectures`` (TGI would then not
             take the folder for a Medusa speculator).
     """
-    if isinstance(spec, HydraSpec):
-        config: dict[str, Any] = {HEAD_TYPE_KEY: "hydra", "hydra_num_heads": spec.num_heads,
-                                  "hydra_num_layers": spec.num_layers, "hydra_combine": spec.combine}
-    else:
-        config = {"medusa_num_heads": spec.num_heads, "medusa_num_layers": spec.num_layers}
+    entry = type_of(spec)
+    config: dict[str, Any] = {} if entry.layout == MEDUSA_LAYOUT else {HEAD_TYPE_KEY: entry.name}
+    config.update(entry.config_fields(spec))
     config.update({
         "hidden_size": spec.hidden_size,
         "vocab_size": spec.vocab_size,
@@ -92,7 +95,7 @@ def export_config(
     if base_model_type is not None:
         config["base_model_type"] = base_model_type
     extra = dict(extra_config or {})
-    clashes = sorted(set(extra) & set(_OWN_KEYS))
+    clashes = sorted(set(extra) & {*_OWN_KEYS, *entry.config_keys.values()})
     if clashes:
         raise ValueError(f"extra_config may not set {clashes}: they are written from the heads themselves")
     if "architectures" in extra:
@@ -218,17 +221,21 @@ def spec_from_medusa_config(
         raise ValueError(f"{source}/config.json: {e}") from e
 
 
-def spec_from_hydra_config(config: dict[str, Any], source: str) -> HydraSpec:
-    """:class:`~medusa_train.hydra_heads.HydraSpec` from a Hydra export's ``config.json``.
+def spec_from_config(entry: DrafterType, config: dict[str, Any], source: str) -> Any:
+    """The spec of a ``state_dict``-layout export of type ``entry`` (Hydra heads, ...) from its ``config.json``: the
+    type's own fields (:attr:`~medusa_train.drafters.catalog.DrafterType.config_keys`) and the common sizes.
 
     Raises:
         ValueError: a field missing or of the wrong type (named), or an invalid value.
     """
-    fields = {"hydra_num_heads": int, "hydra_num_layers": int, "hydra_combine": str, "hidden_size": int,
-              "vocab_size": int, "share_lm_head": bool}
+    own = {key: next(f.type for f in dataclasses.fields(entry.spec_cls) if f.name == name)
+           for name, key in entry.config_keys.items()}
+    kinds = {key: {"int": int, "str": str, "bool": bool, "float": float}.get(str(kind), object)
+             for key, kind in own.items()}
+    fields = {**kinds, **_COMMON_FIELDS}
     missing = [k for k in fields if k not in config]
     if missing:
-        raise ValueError(f"{source}/config.json (head_type hydra) is missing {missing}")
+        raise ValueError(f"{source}/config.json (head_type {entry.name}) is missing {missing}")
     wrong = [f"{k}={config[k]!r}" for k, kind in fields.items()
              if not isinstance(config[k], kind) or (kind is int and isinstance(config[k], bool))]
     head_vocab_size = config.get("head_vocab_size")
@@ -236,11 +243,10 @@ def spec_from_hydra_config(config: dict[str, Any], source: str) -> HydraSpec:
         wrong.append(f"head_vocab_size={head_vocab_size!r}")
     if wrong:
         raise ValueError(f"{source}/config.json: wrong types for {', '.join(wrong)}")
+    values = {name: config[key] for name, key in entry.config_keys.items()}
     try:
-        return HydraSpec(num_heads=config["hydra_num_heads"], num_layers=config["hydra_num_layers"],
-                         hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
-                         share_lm_head=config["share_lm_head"], head_vocab_size=head_vocab_size,
-                         combine=config["hydra_combine"])
+        return entry.spec_cls(**values, hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
+                              share_lm_head=config["share_lm_head"], head_vocab_size=head_vocab_size)
     except ValueError as e:
         raise ValueError(f"{source}/config.json: {e}") from e
 

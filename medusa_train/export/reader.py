@@ -24,7 +24,7 @@ from medusa_train.export.configs import (
     check_version,
     export_head_type,
     read_vllm_config,
-    spec_from_hydra_config,
+    spec_from_config,
     spec_from_medusa_config,
 )
 from medusa_train.export.files import read_json, read_tensors, sha256_files
@@ -38,16 +38,22 @@ from medusa_train.export.layouts import (
 )
 from medusa_train.export.writer import (
     CONFIG_FILE,
-    HYDRA_WEIGHTS_FILE,
     LEGACY_WEIGHTS_FILE,
     TOKEN_MAP_FILE,
     WEIGHTS_FILE,
 )
 from medusa_train.export.tree_files import read_tree_files
-from medusa_train.head_types import DraftHeads, check_head_type, expect_head_type, heads_from_spec
+from medusa_train.drafters.catalog import (
+    MEDUSA_LAYOUT,
+    DrafterType,
+    check_head_type,
+    drafter_type,
+    drafter_types,
+    expect_head_type,
+    heads_from_spec,
+)
 from medusa_train.heads import HeadsSpec, MedusaHeads
-from medusa_train.hydra_heads import HydraHeads
-from medusa_train.model import base_sizes, check_heads_match_base
+from medusa_train.model import DraftHeads, base_sizes, check_heads_match_base
 
 
 def read_export_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -62,15 +68,16 @@ def read_export_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def heads_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The files :func:`load_heads` reads the heads' weights from: the weights file it picks (Hydra's, else
-    safetensors before ``.pt``) and ``token_map.safetensors`` when present, or a vLLM folder's ``*.safetensors``.
+    """The files :func:`load_heads` reads the heads' weights from: the weights file it picks (a ``state_dict``-layout
+    type's, e.g. Hydra's, else safetensors before ``.pt``) and ``token_map.safetensors`` when present, or a vLLM
+    folder's ``*.safetensors``.
 
     Raises:
         FileNotFoundError: the folder does not exist or holds no heads (as :func:`load_heads`).
     """
     folder = _folder(path)
-    hydra = folder / HYDRA_WEIGHTS_FILE
-    weights = hydra if hydra.is_file() else _weights_file(folder)
+    own = [folder / e.weights_file for e in drafter_types() if e.layout != MEDUSA_LAYOUT]
+    weights = next((f for f in own if f.is_file()), None) or _weights_file(folder)
     if weights is not None:
         token_map = folder / TOKEN_MAP_FILE
         return [weights, token_map] if token_map.is_file() else [weights]
@@ -141,22 +148,24 @@ def load_heads(
       ``truncated_vocab_size < vocab_size``, projections of V rows cut to the token map); ours records a reduced
       head vocabulary as ``medusa_train_head_vocab_size`` + ``medusa_train.token_map`` beside V-row projections. ``original_lm_head``
       loads as ``share_lm_head=True``; its stored lm_head is checked against ``base_model``'s when one is given.
-    - Hydra heads: ``config.json`` with ``head_type: "hydra"`` and ``hydra_heads.safetensors`` (+ the token map).
+    - other drafter types (``state_dict`` layout, :mod:`medusa_train.drafters.catalog`): ``config.json`` with their
+      ``head_type`` and the type's weights file (Hydra: ``hydra_heads.safetensors``) (+ the token map).
 
     Args:
         path: the folder.
         base_model: the base ``*ForCausalLM``; when given, its sizes are checked against the heads' before loading.
         dtype: dtype of the returned heads; default: that of the stored residual-block weights.
         device: device of the returned heads; default CPU.
-        head_type: ``medusa`` or ``hydra`` to refuse heads of the other type (None: either).
+        head_type: a registered type (``medusa``, ``hydra``, ...) to refuse heads of another type (None: any).
 
     Returns:
         ``(heads, config)``: heads with ``block_weight [K, L, H, H]``, ``block_bias [K, L, H]``, ``lm_head_weight
         [K, V', H]`` (absent when shared), ``token_map [V']`` long (reduced vocabulary only); config is the folder's
         config.json with the normalised fields ``medusa_num_heads``, ``medusa_num_layers``, ``hidden_size``,
         ``vocab_size``, ``share_lm_head``, ``head_vocab_size`` (None for the full vocabulary), and ``source_format``
-        (``medusa-train``, ``fasterdecoding`` or ``vllm``). Hydra heads: :class:`~medusa_train.hydra_heads.HydraHeads`,
-        config.json as written with ``head_vocab_size`` normalised and ``source_format`` ``medusa-train``.
+        (``medusa-train``, ``fasterdecoding`` or ``vllm``). Other types' heads (Hydra:
+        :class:`~medusa_train.hydra_heads.HydraHeads`): config.json as written with ``head_vocab_size`` normalised
+        and ``source_format`` ``medusa-train``.
 
     Raises:
         FileNotFoundError: the folder, its weights, config.json or token_map.safetensors is missing (named).
@@ -176,12 +185,13 @@ def load_heads(
     raw = read_json(config_path) if config_path.is_file() else {}
     found = check_head_type(export_head_type(raw), str(config_path))
     expect_head_type(found, head_type, str(folder))
-    if found == "hydra":
+    entry = drafter_type(found)
+    if entry.layout != MEDUSA_LAYOUT:
         check_version(raw, str(folder))
         check_field_types(raw, str(folder))
-        hydra, config = _read_hydra(folder, raw, base_model, dtype, device)
-        read_tree_files(folder, hydra.spec.num_heads, hydra.spec.out_size)
-        return hydra, config
+        heads, config = _read_state_dict(entry, folder, raw, base_model, dtype, device)
+        read_tree_files(folder, heads.spec.num_heads, heads.spec.out_size)
+        return heads, config
     weights = _weights_file(folder)
     if weights is not None:
         raw = read_json(config_path)
@@ -215,17 +225,18 @@ def load_heads(
     return heads, config
 
 
-def _read_hydra(
-    folder: Path, raw: dict[str, Any], base_model: PreTrainedModel | None, dtype: torch.dtype | None,
-    device: torch.device | str | None,
-) -> tuple[HydraHeads, dict[str, Any]]:
-    """A Hydra export -> (heads, config), every key and shape checked against the config before copying."""
-    spec = spec_from_hydra_config(raw, str(folder))
+def _read_state_dict(
+    entry: DrafterType, folder: Path, raw: dict[str, Any], base_model: PreTrainedModel | None,
+    dtype: torch.dtype | None, device: torch.device | str | None,
+) -> tuple[DraftHeads, dict[str, Any]]:
+    """A ``state_dict``-layout export of type ``entry`` -> (heads, config), every key and shape checked against the
+    config before copying."""
+    spec = spec_from_config(entry, raw, str(folder))
     if base_model is not None:
         check_heads_match_base(spec, base_model)
-    weights = folder / HYDRA_WEIGHTS_FILE
+    weights = folder / entry.weights_file
     if not weights.is_file():
-        raise FileNotFoundError(f"{weights} not found: {folder}/config.json says head_type 'hydra'")
+        raise FileNotFoundError(f"{weights} not found: {folder}/config.json says head_type {entry.name!r}")
     state = read_tensors(weights)
     token_map = _read_token_map(folder, spec)
     with torch.device("meta"):
@@ -233,7 +244,7 @@ def _read_hydra(
     expected = {k: tuple(v.shape) for k, v in heads.state_dict().items() if k != "token_map"}
     check_keys_and_shapes(state, expected, str(weights))
     check_finite(state, str(weights))
-    stored_dtype = state["heads.0.layers.0.weight"].dtype
+    stored_dtype = next(v.dtype for v in state.values() if v.is_floating_point())
     if token_map is not None:
         state["token_map"] = token_map
     heads.load_state_dict(state, strict=True, assign=True)

@@ -24,12 +24,13 @@ its GitHub head leaves a missing one randomly initialised. The ``.safetensors`` 
 base lm_head once as ``lm_heads.0.weight`` with ``original_lm_head: true``. Both are why ``share_lm_head`` needs
 ``base_model``.
 
-Hydra heads (:mod:`medusa_train.hydra_heads`) have no engine layout: their folder holds ``config.json`` (``head_type:
-"hydra"``, see :mod:`~medusa_train.export.configs`), ``hydra_heads.safetensors`` (the module's own parameter names:
+Drafter types with the ``state_dict`` layout (:mod:`medusa_train.drafters.catalog`; Hydra heads) have no engine
+layout here: their folder holds ``config.json`` (``head_type``, see :mod:`~medusa_train.export.configs`), the type's
+``weights_file`` (the module's own parameter names; Hydra: ``hydra_heads.safetensors`` with
 ``heads.{k}.residual.weight``, ``heads.{k}.layers.{l}.weight|bias``, ``lm_head_weight [K, V', H]``) and
-``token_map.safetensors`` with a reduced vocabulary; ``vllm=True`` is refused (vLLM's Medusa would read them as
-Medusa heads), and Medusa files left by an earlier export into the folder are removed (and the reverse), so no
-loader finds heads of the other kind there.
+``token_map.safetensors`` with a reduced vocabulary; ``vllm=True`` is refused with the type's reason (vLLM's Medusa
+would read them as Medusa heads), and the files of other types left by an earlier export into the folder are removed,
+so no loader finds heads of another kind there.
 
 Heads holding NaN or Inf are refused before anything is written.
 
@@ -55,7 +56,7 @@ The folder is written whole beside the old one and swapped in
 re-exporting into the folder always kept it: ``medusa_choices.json``, ``head_accuracy.json``,
 ``latency_profile.json`` (``medusa-tune-tree``; a re-export keeps the tuned tree, and ``medusa-eval`` notices the
 new heads by their checksum), ``README.md``, ``base/``, ``train_head_accuracy.json``, an ``eval/`` folder. Files of
-ours (:data:`OWNED_FILES`) that the new export does not have (a stale ``token_map.safetensors``, ``vllm/`` when
+ours (:func:`owned_files`) that the new export does not have (a stale ``token_map.safetensors``, ``vllm/`` when
 ``vllm=False``, the heads of the other kind) are not carried over. The export folder's lock is held while it is
 written: an export is refused while ``medusa-tune-tree`` tunes the folder. Files get the permissions ``open()``
 gives (``0o666`` less the umask).
@@ -77,10 +78,9 @@ from medusa_train.export.configs import VLLM_TOKEN_MAP, export_config, vllm_conf
 from medusa_train.export.files import write_json, write_safetensors, write_torch
 from medusa_train.export.folder_swap import replace_folder
 from medusa_train.export.layouts import FASTERDECODING, VLLM, check_finite, fasterdecoding_limitation, split_heads
-from medusa_train.head_types import DraftHeads
+from medusa_train.drafters.catalog import MEDUSA_LAYOUT, drafter_types, type_of
 from medusa_train.heads import MedusaHeads
-from medusa_train.hydra_heads import HydraHeads
-from medusa_train.model import check_heads_match_base
+from medusa_train.model import DraftHeads, check_heads_match_base
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +88,20 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
 LEGACY_WEIGHTS_FILE = "medusa_lm_head.pt"
 TOKEN_MAP_FILE = "token_map.safetensors"
-HYDRA_WEIGHTS_FILE = "hydra_heads.safetensors"
 VLLM_DIR = "vllm"
 VLLM_WEIGHTS_FILE = "model.safetensors"
-# Every path save_export writes (relative to the export folder): never carried over from an earlier export.
-OWNED_FILES = (CONFIG_FILE, WEIGHTS_FILE, LEGACY_WEIGHTS_FILE, TOKEN_MAP_FILE, HYDRA_WEIGHTS_FILE,
-               f"{VLLM_DIR}/{VLLM_WEIGHTS_FILE}", f"{VLLM_DIR}/{CONFIG_FILE}")
+
+
+def weights_files() -> tuple[str, ...]:
+    """The heads' weights file of every registered drafter type (Medusa's ``medusa_lm_head.safetensors`` first)."""
+    return (WEIGHTS_FILE, *(e.weights_file for e in drafter_types() if e.weights_file))
+
+
+def owned_files() -> tuple[str, ...]:
+    """Every path save_export writes for any drafter type (relative to the export folder): never carried over from
+    an earlier export."""
+    return (CONFIG_FILE, *weights_files(), LEGACY_WEIGHTS_FILE, TOKEN_MAP_FILE, f"{VLLM_DIR}/{VLLM_WEIGHTS_FILE}",
+            f"{VLLM_DIR}/{CONFIG_FILE}")
 
 
 def save_export(
@@ -116,8 +124,8 @@ def save_export(
 
     Args:
         heads: the trained heads (``block_weight [K, L, H, H]``, ``block_bias [K, L, H]``, ``lm_head_weight
-            [K, V', H]`` or none with ``share_lm_head``, ``token_map [V']`` with a reduced vocabulary), or
-            :class:`~medusa_train.hydra_heads.HydraHeads` (see the module docstring).
+            [K, V', H]`` or none with ``share_lm_head``, ``token_map [V']`` with a reduced vocabulary), or heads of
+            another drafter type (:class:`~medusa_train.hydra_heads.HydraHeads`, ...; see the module docstring).
         out_dir: the export folder.
         base_model_name_or_path: Hub id or path of the base model, recorded for loaders (FasterDecoding, TGI).
         extra_config: more JSON-serialisable fields for config.json (never one of the fields written here).
@@ -138,7 +146,7 @@ def save_export(
     Raises:
         ValueError: heads holding NaN or Inf (tensor and head named); ``extra_config`` clashes with a written field
             or is not JSON-serialisable; ``share_lm_head`` with ``vllm`` or ``medusa_lm_head.pt`` but without
-            ``base_model``; ``vllm`` with Hydra heads, or for heads vLLM cannot reproduce (:func:`vllm_problem`, the
+            ``base_model``; ``vllm`` with heads vLLM cannot serve (Hydra heads), or for heads vLLM cannot reproduce (:func:`vllm_problem`, the
             reason given); ``base_model`` does not match the heads (field named). All before anything is written.
         LockHeldError: another process holds the export folder (a ``medusa-tune-tree`` run, or another export into
             it), named; nothing is written.
@@ -146,21 +154,25 @@ def save_export(
     """
     spec = heads.spec
     out = Path(out_dir)
-    hydra = isinstance(heads, HydraHeads)
-    if hydra and vllm:
-        raise ValueError("vllm=True: vLLM's Medusa loader reads Medusa heads only and these are Hydra heads "
-                         "(head_type 'hydra'); pass vllm=False (export_vllm=false)")
+    entry = type_of(heads)
+    medusa_layout = entry.layout == MEDUSA_LAYOUT
+    vllm_reason = entry.engine_problem("vllm")
+    if vllm_reason is not None and vllm:
+        raise ValueError(f"vllm=True: {vllm_reason} and these are {entry.title} heads (head_type {entry.name!r}); "
+                         "pass vllm=False (export_vllm=false)")
     problem = vllm_problem(spec.head_vocab_size) if vllm else None
     if problem is not None:
         raise ValueError(f"cannot write vllm/ for these heads: {problem}; export with vllm=False (export_vllm=false) "
                          "to skip it")
-    if hydra:
-        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in heads.state_dict().items()
-                   if k != "token_map"}
-        fd_reason = "Hydra heads have no FasterDecoding form"
-    else:
+    if medusa_layout:
         tensors = split_heads(heads, FASTERDECODING)
         fd_reason = fasterdecoding_limitation(spec) if fasterdecoding else "fasterdecoding=False"
+        weights_file = WEIGHTS_FILE
+    else:
+        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in heads.state_dict().items()
+                   if k != "token_map"}
+        fd_reason = entry.engine_problem("fasterdecoding")
+        weights_file = entry.weights_file
     check_finite(tensors, f"refusing to export to {out}")
     if spec.share_lm_head and base_model is None and (vllm or fd_reason is None):
         raise ValueError("share_lm_head=True: vLLM's Medusa and FasterDecoding's loader cannot use the target "
@@ -168,7 +180,7 @@ def save_export(
                          "save_export, or vllm=False and fasterdecoding=False to write neither")
     if base_model is not None:
         check_heads_match_base(spec, base_model)
-    dtype = heads.dtype if hydra else heads.block_weight.dtype
+    dtype = heads.block_weight.dtype if medusa_layout else heads.dtype
     config = export_config(
         spec, base_model_name_or_path, dtype,
         base_model_class=None if base_model is None else type(base_model).__name__,
@@ -186,7 +198,7 @@ def save_export(
     stale_fasterdecoding = fd_reason is not None and (out / LEGACY_WEIGHTS_FILE).exists()
 
     def write(folder: Path) -> None:
-        write_safetensors(folder / (HYDRA_WEIGHTS_FILE if hydra else WEIGHTS_FILE), tensors)
+        write_safetensors(folder / weights_file, tensors)
         if fd_reason is None:
             write_torch(folder / LEGACY_WEIGHTS_FILE, _fasterdecoding_state(heads, tensors, base_model))
         if token_map is not None:
@@ -198,7 +210,7 @@ def save_export(
         if write_also is not None:
             write_also(folder)
 
-    replace_folder(out, write, (*OWNED_FILES, *also_owns))
+    replace_folder(out, write, (*owned_files(), *also_owns))
     if stale_fasterdecoding:
         log.info("removed %s of the earlier export: FasterDecoding cannot load these heads (%s)",
                  out / LEGACY_WEIGHTS_FILE, fd_reason)

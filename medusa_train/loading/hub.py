@@ -10,18 +10,18 @@ import os
 from pathlib import Path
 
 from medusa_train.export.tree_files import CHOICES_FILE
-from medusa_train.export.writer import (
-    CONFIG_FILE,
-    HYDRA_WEIGHTS_FILE,
-    LEGACY_WEIGHTS_FILE,
-    TOKEN_MAP_FILE,
-    WEIGHTS_FILE,
-)
+from medusa_train.export.writer import CONFIG_FILE, LEGACY_WEIGHTS_FILE, TOKEN_MAP_FILE, weights_files
 
-# What a decoder needs from a published export (vllm/ and eval/ are not downloaded for it); FasterDecoding's .pt only
-# when a repository has neither safetensors file (a FasterDecoding repository of its own).
-HEAD_WEIGHTS = [WEIGHTS_FILE, HYDRA_WEIGHTS_FILE]  # our weights files, Medusa's and Hydra's
-DECODER_FILES = [CONFIG_FILE, *HEAD_WEIGHTS, TOKEN_MAP_FILE, CHOICES_FILE]
+
+
+def decoder_files() -> list[str]:
+    """What a decoder needs from a published export (vllm/ and eval/ are not downloaded for it): config.json, every
+    drafter type's weights file (:func:`~medusa_train.export.writer.weights_files`), the token map and the tuned
+    tree. FasterDecoding's .pt (:data:`FASTERDECODING_WEIGHTS`) only when a repository has none of these weights
+    files (a FasterDecoding repository of its own)."""
+    return [CONFIG_FILE, *weights_files(), TOKEN_MAP_FILE, CHOICES_FILE]
+
+
 FASTERDECODING_WEIGHTS = LEGACY_WEIGHTS_FILE
 
 
@@ -109,4 +109,4 @@ def download_export(
     return folder
 
 
-__all__ = ["DECODER_FILES", "FASTERDECODING_WEIGHTS", "HEAD_WEIGHTS", "download_export", "hub_endpoint", "is_hub_id"]
+__all__ = ["FASTERDECODING_WEIGHTS", "decoder_files", "download_export", "hub_endpoint", "is_hub_id"]

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from medusa_train.export import BASE_DIR, load_heads, read_export_config
+from medusa_train.drafters.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, titles
 from medusa_train.export.configs import export_head_type
 from medusa_train.export.reader import check_fasterdecoding_copy
 from medusa_train.export.writer import (
@@ -122,10 +123,12 @@ def collect_export(
     folder = Path(export_dir)
     config = read_export_config(folder)  # FileNotFoundError / ValueError naming the folder
     head_type = export_head_type(config)
-    if head_type != "medusa":
-        raise ValueError(f"{folder} holds {head_type} heads (head_type {head_type!r}): medusa-publish publishes Medusa "
-                         "heads in the FasterDecoding, TGI and vLLM layouts, which have no form for these")
-    heads, _ = load_heads(folder, head_type="medusa")  # strict: missing keys, shapes, damaged files, NaN / Inf
+    entry = drafter_type(head_type, f"{folder}/config.json")
+    if entry.layout != MEDUSA_LAYOUT:
+        published = titles(e for e in drafter_types() if e.layout == MEDUSA_LAYOUT)
+        raise ValueError(f"{folder} holds {head_type} heads (head_type {head_type!r}): medusa-publish publishes "
+                         f"{published} heads in the FasterDecoding, TGI and vLLM layouts, which have no form for these")
+    heads, _ = load_heads(folder, head_type=head_type)  # strict: missing keys, shapes, damaged files, NaN / Inf
     files: dict[str, Path] = {CONFIG_FILE: folder / CONFIG_FILE}
     weights = next(n for n in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE) if (folder / n).is_file())
     files[weights] = folder / weights

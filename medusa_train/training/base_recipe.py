@@ -33,11 +33,11 @@ from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, se
 from medusa_train.config import ModelConfig, TrainConfig, as_dataclass
 from medusa_train.export import save_base_model, save_export
 from medusa_train.export.files import write_json
-from medusa_train.head_types import DRAFT_HEADS, DraftHeads, heads_from_spec
+from medusa_train.drafters.catalog import drafter_type, heads_from_spec, is_drafter, type_of
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.medusa import export_extra_config
 from medusa_train.heads import build_token_map
-from medusa_train.model import check_supported, new_heads_for
+from medusa_train.model import DraftHeads, check_supported, new_heads_for
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import (
     DistEnv,
@@ -96,7 +96,7 @@ def gather_trainable_state(trainer: MedusaTrainer) -> dict[str, torch.Tensor]:
     model = trainer.model
     buffers = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, DRAFT_HEADS):
+        if is_drafter(module):
             for name, buf in module.named_buffers():
                 buffers[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu().clone()
     if trainer.is_deepspeed_enabled:
@@ -252,7 +252,7 @@ class BaseRecipe:
                 counts += torch.bincount(ids[ids >= 0], minlength=vocab_size)
             token_map = build_token_map(counts, hc.head_vocab_size)
         return new_heads_for(self.base, hc.medusa_num_heads, hc.medusa_num_layers, hc.share_lm_head, token_map,
-                             head_type=hc.head_type, combine=hc.combine)
+                             head_type=hc.head_type, **drafter_type(hc.head_type).spec_options(hc))
 
     def loss_spec_for(self, heads: DraftHeads) -> LossSpec:
         """The heads' loss settings (``heads/``), with their token map on the training device."""
@@ -361,7 +361,7 @@ class BaseRecipe:
         folder."""
         cfg = self.cfg
         config = {"training": self.training_record(), **export_extra_config(model_cfg), **(extra or {})}
-        vllm = cfg.export_vllm and heads.spec.head_type == "medusa"  # Hydra: warned about in check()
+        vllm = cfg.export_vllm and type_of(heads).engine_problem("vllm") is None  # else warned about in check()
 
         def write_also(folder: Path) -> None:
             if table is not None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from medusa_train.data import Collator
+from medusa_train.drafters.catalog import drafter_type
 from medusa_train.training.base_recipe import BaseRecipe
 from medusa_train.training.data_prep import PreparedData
 from medusa_train.training.hidden_cache import (
@@ -36,12 +37,13 @@ class Medusa1Recipe(BaseRecipe):
     """One Medusa-1 run (see the module docstring); arguments as :class:`BaseRecipe`."""
 
     def check(self) -> dict[str, Any] | None:
-        """:meth:`BaseRecipe.check`; warns that Hydra heads get no vLLM files."""
+        """:meth:`BaseRecipe.check`; warns when the heads' type has no vLLM layout (Hydra heads)."""
         ds_config = super().check()
         cfg = self.cfg
-        if cfg.export and cfg.export_vllm and cfg.heads.head_type == "hydra" and self.env.is_main:
-            log.warning("export_vllm=true is skipped for Hydra heads: vLLM's Medusa loader reads Medusa heads only "
-                        "(set export_vllm=false to silence this)")
+        problem = drafter_type(cfg.heads.head_type).engine_problem("vllm")
+        if cfg.export and cfg.export_vllm and problem is not None and self.env.is_main:
+            log.warning("export_vllm=true is skipped for %s heads: %s (set export_vllm=false to silence this)",
+                        drafter_type(cfg.heads.head_type).title, problem)
         return ds_config
 
     # ---- setup -----------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from medusa_train.data import Collator
 from medusa_train.export import BASE_DIR, load_heads
 from medusa_train.export.configs import export_head_type
-from medusa_train.head_types import expect_head_type
+from medusa_train.drafters.catalog import expect_head_type
 from medusa_train.heads import MedusaHeads
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, check_export_base
@@ -67,7 +67,7 @@ class Medusa2Recipe(BaseRecipe):
         hc = self.cfg.heads
         if hc.init_from:
             config = check_export_base(hc.init_from, self.cfg.model, "heads.init_from")
-            expect_head_type(export_head_type(config), "medusa", f"heads.init_from={hc.init_from}")
+            expect_head_type(export_head_type(config), hc.head_type, f"heads.init_from={hc.init_from}")
         zero3 = ds_config is not None and ds_config["zero_optimization"]["stage"] == 3
         if zero3 and hc.share_lm_head:
             raise ValueError("heads.share_lm_head=true with heads.mode=medusa2 under ZeRO-3: the heads would read the "
@@ -132,7 +132,7 @@ class Medusa2Recipe(BaseRecipe):
         """
         hc = self.cfg.heads
         source = self.init_heads_from
-        heads, _ = load_heads(source, base_model=self.base, head_type="medusa")
+        heads, _ = load_heads(source, base_model=self.base, head_type=hc.head_type)
         check_heads_match_base(heads.spec, self.base)
         asked = {"medusa_num_heads": hc.medusa_num_heads, "medusa_num_layers": hc.medusa_num_layers,
                  "share_lm_head": hc.share_lm_head, "head_vocab_size": hc.head_vocab_size}

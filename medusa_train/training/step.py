@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_train.hydra_heads import shifted_path_tokens
+from medusa_train.drafters.catalog import TargetInputs, drafter_type, shifted_path_tokens
 from medusa_train.training.losses import (
     IGNORE_INDEX,
     HeadLossOutput,
@@ -99,7 +99,8 @@ class LossSpec:
         vocab_size: V of the base model.
         num_heads: K.
         token_map: ``[V']`` long reduced head vocabulary, or None.
-        head_type: ``medusa`` (the heads read the hidden state) or ``hydra`` (also the path tokens' embeddings).
+        head_type: the heads' registered type (:mod:`medusa_train.drafters.catalog`: what they read and how their
+            logits are computed).
     """
 
     target: str
@@ -126,11 +127,11 @@ def heads_on_batch(
     whose distributions are targets, onto the head vocabulary only.
 
     Args:
-        heads: ``MedusaHeads`` or ``HydraHeads`` or its DDP/DeepSpeed wrapper; called as ``heads(hidden,
-            base_lm_head_weight)`` (Hydra: ``heads(hidden, path_embeds, base_lm_head_weight)``).
+        heads: heads of ``spec.head_type`` or their DDP/DeepSpeed wrapper, called through the type's
+            :attr:`~medusa_train.drafters.catalog.DrafterType.logits`.
         base: the frozen base.
         batch: ``labels [B, T]`` and either ``input_ids [B, T]`` (+ ``attention_mask``) or ``hidden [B, T, H]``
-            (+ ``base_argmax [B, T]``; Hydra heads need ``input_ids [B, T]`` too, the path tokens).
+            (+ ``base_argmax [B, T]``; heads that read the path need ``input_ids [B, T]`` too, the path tokens).
         spec: loss settings.
         normalizer: see :func:`~medusa_train.training.losses.medusa_head_loss`.
 
@@ -149,11 +150,11 @@ def heads_on_batch(
     targets = head_targets(labels, spec.num_heads, target=spec.target, base_argmax=base_argmax)  # [K, B, T]
     b, t = counted_positions(labels, spec.num_heads)  # [M] positions some head counts
     targets = targets[:, b, t]  # [K, M]
-    if spec.head_type == "hydra":
-        path = shifted_path_tokens(batch["input_ids"], spec.num_heads)[b, t]  # [M, K]: tokens t+1 .. t+K
-        head_logits = heads(hidden[b, t], base.path_embeddings(path), lm_weight)  # [K, M, V']
-    else:
-        head_logits = heads(hidden[b, t], lm_weight)  # [K, M, V']
+    entry = drafter_type(spec.head_type)
+    path = shifted_path_tokens(batch["input_ids"], spec.num_heads)[b, t] if entry.reads_path else None  # [M, K]
+    inputs = TargetInputs(features={"final": hidden[b, t]}, path_tokens=path, embed=base.path_embeddings,
+                          lm_head_weight=lm_weight)
+    head_logits = entry.logits(heads, inputs, None)  # [K, M, V']
     if normalizer is None:
         normalizer = labelled_tokens(labels)
     out = packed_loss(head_logits, targets, b, t, spec, normalizer,

@@ -1,0 +1,1 @@
+"""Drafter types and their catalog (:mod:`medusa_train.drafters.catalog`)."""

@@ -1,0 +1,304 @@
+"""The drafter catalog: every kind of draft model this medusa-train trains, exports, tunes and decodes.
+
+Each drafter type declares itself next to its own module with :func:`register` (Medusa heads in
+:mod:`medusa_train.heads`, Hydra heads in :mod:`medusa_train.hydra_heads`), the way vLLM's ``speculators`` registers
+one class per algorithm beside its implementation. Every other module asks the catalog (:func:`drafter_type`,
+:func:`type_of`) what a type reads, how it is built, trained, exported and drafted with; none names a type
+(``tests/test_drafter_catalog.py`` fails when one does).
+
+A :class:`DrafterType` says:
+
+- what it is: its spec class (a frozen dataclass deriving :class:`~medusa_train.heads.HeadsSpec`), its ``nn.Module``
+  class (built as ``module_cls(spec, token_map)``, with ``init_from_lm_head``, ``to_base_tokens``, ``token_map``
+  and ``dtype``), and ``options``: the fields of ``heads.*`` (:class:`~medusa_train.config.HeadShape`) only this type
+  reads, passed to its spec;
+- what it reads of the target: ``features`` (names from :mod:`medusa_train.features`, stored by the training cache)
+  and whether it reads the teacher-forced path tokens t+1 .. t+K (``reads_path``);
+- its loss: ``logits(heads, inputs, num_heads)`` gives its K heads' logits ``[K, ..., V']`` at the positions of
+  :class:`TargetInputs`, teacher forced, which the one head loss (:mod:`medusa_train.training.losses`) scores;
+- how it trains: ``joint`` (whether Medusa-2 may fine-tune the base with it);
+- its export: ``layout`` (``medusa``: FasterDecoding's key layout, which FasterDecoding, TGI and vLLM load;
+  ``state_dict``: the module's own parameter names in ``weights_file``), ``config_keys`` (the spec's counts in our
+  ``config.json``) and, per engine, None where the engine serves it or the reason where it cannot (``engines``);
+- its tree drafter: ``tree_drafter``, a class or ``"module:attribute"`` built as ``tree_drafter(model)``
+  (:class:`inference.proposers.heads.TreeDrafter`).
+
+Shapes: K heads, H hidden, V vocabulary (V' the heads').
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+# Export layouts (DrafterType.layout).
+MEDUSA_LAYOUT = "medusa"  # FasterDecoding's keys (medusa_lm_head.safetensors/.pt), TGI's and vLLM's Medusa loaders
+STATE_DICT_LAYOUT = "state_dict"  # the module's own parameter names in the type's weights file
+LAYOUTS = (MEDUSA_LAYOUT, STATE_DICT_LAYOUT)
+ENGINES = ("fasterdecoding", "tgi", "vllm")  # the engines an export may be written for, besides our own decoder
+# The modules that register the built-in types (imported on the first lookup).
+BUILTIN_MODULES = ("medusa_train.heads", "medusa_train.hydra_heads")
+
+
+@dataclass(frozen=True)
+class TargetInputs:
+    """What a drafter reads of the target model at some positions ``[...]``, teacher forced.
+
+    Attributes:
+        features: named target features (:mod:`medusa_train.features`), each ``[..., H]``.
+        path_tokens: long ``[..., K]``, the tokens t+1 .. t+K of each position (None for types that do not read
+            them).
+        embed: the target's frozen input embeddings: long ``[...]`` -> ``[..., H]``.
+        lm_head_weight: the target's lm_head ``[V, H]`` when the heads project with it (``share_lm_head``), else None.
+    """
+
+    features: Mapping[str, torch.Tensor]
+    path_tokens: torch.Tensor | None
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    lm_head_weight: torch.Tensor | None = None
+
+
+# (heads or their DDP/DeepSpeed wrapper, inputs, num_heads: the first K' heads, None: all) -> [K', ..., V']
+LogitsFn = Callable[[Any, TargetInputs, "int | None"], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DrafterType:
+    """One kind of drafter (see the module docstring).
+
+    Attributes:
+        name: the ``head_type`` (``heads.head_type``, an export's ``config.json``).
+        title: its name in messages (``Medusa``).
+        spec_cls: its spec, a frozen dataclass deriving :class:`~medusa_train.heads.HeadsSpec`.
+        module_cls: its ``nn.Module``, built as ``module_cls(spec, token_map)``.
+        logits: its heads' teacher-forced logits (:data:`LogitsFn`).
+        source: the paper it follows (title, section).
+        options: ``heads.*`` fields only this type reads, passed to ``spec_cls`` (e.g. Hydra's ``combine``).
+        features: the target features it reads (:mod:`medusa_train.features` names).
+        reads_path: it also reads the path tokens t+1 .. t+k+1 (:attr:`TargetInputs.path_tokens`).
+        joint: Medusa-2 (``heads.mode=medusa2``) may train it jointly with the base.
+        layout: its export layout (:data:`LAYOUTS`).
+        weights_file: the weights file of a ``state_dict`` layout.
+        config_keys: ``spec.<field>`` -> its key in our ``config.json`` for the spec's own fields (the sizes
+            ``hidden_size``, ``vocab_size``, ``share_lm_head``, ``head_vocab_size`` are common to all types).
+        engines: engine (:data:`ENGINES`) -> None when it serves this type's export, else the reason it cannot.
+        tree_drafter: its tree drafter class, or ``"module:attribute"`` (imported when first asked for).
+    """
+
+    name: str
+    title: str
+    spec_cls: type
+    module_cls: type[nn.Module]
+    logits: LogitsFn
+    source: str
+    options: tuple[str, ...] = ()
+    features: tuple[str, ...] = ("final",)
+    reads_path: bool = False
+    joint: bool = False
+    layout: str = STATE_DICT_LAYOUT
+    weights_file: str | None = None
+    config_keys: Mapping[str, str] = field(default_factory=dict)
+    engines: Mapping[str, str | None] = field(default_factory=dict)
+    tree_drafter: Any = None
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"drafter type {self.name!r}: layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == STATE_DICT_LAYOUT and not self.weights_file:
+            raise ValueError(f"drafter type {self.name!r}: a state_dict layout needs its weights_file")
+        unknown = sorted(set(self.engines) - set(ENGINES))
+        if unknown:
+            raise ValueError(f"drafter type {self.name!r}: engines {unknown} are not among {ENGINES}")
+        spec_fields = {f.name for f in fields(self.spec_cls)}
+        missing = sorted({*self.options, *self.config_keys} - spec_fields)
+        if missing:
+            raise ValueError(f"drafter type {self.name!r}: {missing} are not fields of {self.spec_cls.__name__}")
+
+    def engine_problem(self, engine: str) -> str | None:
+        """Why ``engine`` cannot serve this type's export (None: it can). An engine not listed cannot."""
+        if engine not in self.engines:
+            return f"{self.title} heads have no {engine} layout"
+        return self.engines[engine]
+
+    def make_tree_drafter(self, model: Any) -> Any:
+        """Its tree drafter for ``model`` (a :class:`~medusa_train.model.MedusaModel` holding such heads).
+
+        Raises:
+            ValueError: the type declares no tree drafter.
+        """
+        drafter = self.tree_drafter
+        if drafter is None:
+            raise ValueError(f"{self.title} heads (head_type {self.name!r}) declare no tree drafter")
+        if isinstance(drafter, str):
+            module, _, attribute = drafter.partition(":")
+            drafter = getattr(importlib.import_module(module), attribute)
+        return drafter(model)
+
+    def config_fields(self, spec: Any) -> dict[str, Any]:
+        """The spec's own fields as our ``config.json`` records them (:attr:`config_keys`)."""
+        return {key: getattr(spec, name) for name, key in self.config_keys.items()}
+
+    def spec_options(self, settings: Any) -> dict[str, Any]:
+        """The :attr:`options` read from ``settings`` (an object with those attributes, e.g. ``cfg.heads``)."""
+        return {name: getattr(settings, name) for name in self.options}
+
+
+_CATALOG: dict[str, DrafterType] = {}
+_loaded = False
+
+
+def shifted_path_tokens(tokens: torch.Tensor, num_heads: int, pad: int = 0) -> torch.Tensor:
+    """The teacher-forced path (:attr:`TargetInputs.path_tokens`) of every position: ``tokens [B, T]`` -> ``[B, T, K]`` with ``[b, t, j] = tokens[b, t +
+    1 + j]``, ``pad`` past the end (such positions' heads have no target: t + k + 2 lies beyond T)."""
+    B, T = tokens.shape
+    padded = torch.cat([tokens, tokens.new_full((B, num_heads), pad)], dim=1)
+    return torch.stack([padded[:, 1 + j : 1 + j + T] for j in range(num_heads)], dim=-1)
+
+
+def register(entry: DrafterType) -> DrafterType:
+    """Add ``entry`` to the catalog (a module registers its type on import) and return it.
+
+    Raises:
+        ValueError: another entry already has its name or its spec class.
+    """
+    old = _CATALOG.get(entry.name)
+    if old is not None and old is not entry:
+        raise ValueError(f"drafter type {entry.name!r} is registered twice ({old.module_cls.__module__} and "
+                         f"{entry.module_cls.__module__})")
+    clash = next((e.name for e in _CATALOG.values() if e.spec_cls is entry.spec_cls and e is not entry), None)
+    if clash is not None:
+        raise ValueError(f"drafter types {clash!r} and {entry.name!r} share the spec class {entry.spec_cls.__name__}")
+    _CATALOG[entry.name] = entry
+    return entry
+
+
+def unregister(name: str) -> None:
+    """Remove the type ``name`` (tests that register a type of their own)."""
+    _CATALOG.pop(name, None)
+
+
+@contextmanager
+def registered(entry: DrafterType) -> Iterator[DrafterType]:
+    """``entry`` in the catalog for the ``with`` block only."""
+    register(entry)
+    try:
+        yield entry
+    finally:
+        unregister(entry.name)
+
+
+def _load_builtins() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN_MODULES:
+            importlib.import_module(module)
+
+
+def drafter_types() -> tuple[DrafterType, ...]:
+    """Every registered type, the built-ins first, in registration order."""
+    _load_builtins()
+    return tuple(_CATALOG.values())
+
+
+def head_types() -> tuple[str, ...]:
+    """The registered types' names (``heads.head_type`` values)."""
+    return tuple(e.name for e in drafter_types())
+
+
+def titles(entries: Any) -> str:
+    """``Medusa or Hydra``: the titles of ``entries`` joined for a message."""
+    return " or ".join(e.title for e in entries)
+
+
+def drafter_type(name: object, source: str = "head_type") -> DrafterType:
+    """The registered type ``name``.
+
+    Args:
+        source: where the name was read, for the message (e.g. an export's ``config.json``, ``heads.head_type``).
+
+    Raises:
+        ValueError: no such type, naming ``source`` and the known types.
+    """
+    _load_builtins()
+    entry = _CATALOG.get(name) if isinstance(name, str) else None
+    if entry is None:
+        raise ValueError(f"{source}: head_type {name!r} is not one this medusa-train knows ({', '.join(_CATALOG)}); "
+                         "upgrade medusa-train or check the setting")
+    return entry
+
+
+def type_of(obj: Any) -> DrafterType:
+    """The type of a spec, heads module (DDP/DeepSpeed wrappers unwrapped) or model holding heads.
+
+    Raises:
+        TypeError: ``obj`` is none of those.
+    """
+    _load_builtins()
+    obj = getattr(obj, "module", obj)  # DDP / DeepSpeed engine
+    spec = getattr(obj, "spec", None) or getattr(getattr(obj, "heads", None), "spec", None) or obj
+    for entry in _CATALOG.values():
+        if type(spec) is entry.spec_cls:
+            return entry
+    raise TypeError(f"{type(obj).__name__} is not a registered drafter spec, heads module or model holding heads")
+
+
+def is_drafter(module: Any) -> bool:
+    """``module`` is the heads module of a registered type (not a wrapper, not a model holding heads)."""
+    _load_builtins()
+    spec = getattr(module, "spec", None)
+    return isinstance(module, nn.Module) and any(type(spec) is e.spec_cls for e in _CATALOG.values())
+
+
+def check_head_type(head_type: object, source: str) -> str:
+    """``head_type`` when it is a registered type.
+
+    Raises:
+        ValueError: another value, naming ``source`` (e.g. an export's config.json) and the known types.
+    """
+    return drafter_type(head_type, source).name
+
+
+def expect_head_type(found: str, wanted: str | None, source: str) -> None:
+    """Refuse heads of type ``found`` where ``wanted`` heads were asked for (None: any type).
+
+    Raises:
+        ValueError: naming both head types and ``source``.
+    """
+    if wanted is None or wanted == found:
+        return
+    check_head_type(wanted, "the head type asked for")
+    have, want = drafter_type(found).title, drafter_type(wanted).title
+    raise ValueError(f"{source} holds {have} heads (head_type {found!r}), but {want} heads (head_type {wanted!r}) "
+                     f"were asked for; use an export of {wanted} heads, or load these as {found} heads")
+
+
+def heads_from_spec(spec: Any, token_map: torch.Tensor | None = None) -> nn.Module:
+    """Zero-initialised heads of ``spec``'s type."""
+    return type_of(spec).module_cls(spec, token_map)
+
+
+def new_spec(head_type: str, options: Mapping[str, Any] | None = None, **sizes: Any) -> Any:
+    """The spec of a ``head_type`` drafter: ``sizes`` (the :class:`~medusa_train.heads.HeadsSpec` fields) plus the
+    type's options (others in ``options`` are ignored).
+
+    Raises:
+        ValueError: an unknown type (the known ones named), or an invalid value (from the spec).
+    """
+    _load_builtins()
+    if head_type not in _CATALOG:
+        raise ValueError(f"head_type must be {' or '.join(_CATALOG)}, got {head_type!r}")
+    entry = _CATALOG[head_type]
+    chosen = {k: v for k, v in (options or {}).items() if k in entry.options}
+    return entry.spec_cls(**sizes, **chosen)
+
+
+__all__ = ["BUILTIN_MODULES", "ENGINES", "LAYOUTS", "MEDUSA_LAYOUT", "STATE_DICT_LAYOUT", "DrafterType", "LogitsFn",
+           "TargetInputs", "check_head_type", "drafter_type", "drafter_types", "expect_head_type", "head_types",
+           "heads_from_spec", "is_drafter", "new_spec", "register", "shifted_path_tokens", "registered", "titles", "type_of", "unregister"]
