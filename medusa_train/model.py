@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from medusa_train.features import FINAL, target_features
 from medusa_train.head_types import DraftHeads, heads_from_spec
 from medusa_train.heads import HeadsSpec
 from medusa_train.hydra_heads import HydraHeads, HydraSpec, shifted_path_tokens
@@ -89,9 +90,8 @@ class MedusaModel(nn.Module):
         ``kwargs`` go to the backbone (``attention_mask`` 2-D or a custom 4-D mask, ``position_ids``, ``cache`` (a
         transformers ``Cache``; transformers 5.24 renamed ``past_key_values`` to ``cache``), ``use_cache``).
         """
-        out = self.backbone(input_ids=input_ids, return_dict=True, **kwargs)
-        cache = out.get("cache", None)
-        return out.last_hidden_state, cache if cache is not None else out.get("past_key_values", None)
+        features, cache = target_features(self.backbone, input_ids, **kwargs)
+        return features[FINAL], cache
 
     @property
     def head_type(self) -> str:

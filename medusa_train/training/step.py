@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from medusa_train.features import FINAL, target_features
 from medusa_train.hydra_heads import shifted_path_tokens
 from medusa_train.training.losses import (
     IGNORE_INDEX,
@@ -69,8 +70,7 @@ class FrozenBase:
         """
         if self.backbone is None:
             raise RuntimeError("this FrozenBase has no backbone (hidden-state cache mode): batches must hold 'hidden'")
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
-        return out.last_hidden_state
+        return target_features(self.backbone, input_ids, attention_mask=attention_mask, use_cache=False)[0][FINAL]
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
