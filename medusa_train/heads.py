@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from medusa_train.drafters.catalog import MEDUSA_LAYOUT, DrafterType, TargetInputs, register, type_of
+from medusa_train.features import FINAL
 
 
 @dataclass(frozen=True)
@@ -243,7 +244,7 @@ def build_token_map(token_counts: torch.Tensor, head_vocab_size: int) -> torch.T
 
 def _medusa_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None) -> torch.Tensor:
     """Each head reads the final hidden state alone: ``[K', ..., V']``."""
-    return heads(inputs.features["final"], inputs.lm_head_weight, num_heads)
+    return heads(inputs.features[FINAL], inputs.lm_head_weight, num_heads)
 
 
 MEDUSA = register(DrafterType(

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from medusa_train.drafters.catalog import DrafterType, TargetInputs, register, shifted_path_tokens
+from medusa_train.features import FINAL
 from medusa_train.heads import HeadsSpec, copy_lm_head, project_features, register_token_map
 
 COMBINES = ("concat", "sum")
@@ -168,7 +169,7 @@ class HydraHeads(nn.Module):
 def _hydra_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None) -> torch.Tensor:
     """Head k reads the final hidden state and the embeddings of the path tokens t+1 .. t+k+1: ``[K', ..., V']``
     (every head runs; the first ``num_heads`` are returned)."""
-    logits = heads(inputs.features["final"], inputs.embed(inputs.path_tokens), inputs.lm_head_weight)
+    logits = heads(inputs.features[FINAL], inputs.embed(inputs.path_tokens), inputs.lm_head_weight)
     return logits if num_heads is None else logits[:num_heads]
 
 
@@ -182,3 +183,6 @@ HYDRA = register(DrafterType(
              "vllm": "vLLM's Medusa loader reads Medusa heads only"},
     tree_drafter="inference.proposers.heads:HydraTreeDrafter",
 ))
+
+
+__all__ = ["COMBINES", "HYDRA", "HydraHead", "HydraHeads", "HydraSpec", "shifted_path_tokens"]

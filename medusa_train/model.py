@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from medusa_train.drafters.catalog import TargetInputs, heads_from_spec, new_spec, shifted_path_tokens, titles, type_of
 from medusa_train.drafters.catalog import drafter_types
+from medusa_train.features import FINAL, target_features
 from medusa_train.heads import HeadsSpec
 
 DraftHeads = nn.Module  # any registered drafter type's module (medusa_train.drafters.catalog)
@@ -91,9 +92,8 @@ class MedusaModel(nn.Module):
         ``kwargs`` go to the backbone (``attention_mask`` 2-D or a custom 4-D mask, ``position_ids``, ``cache`` (a
         transformers ``Cache``; transformers 5.24 renamed ``past_key_values`` to ``cache``), ``use_cache``).
         """
-        out = self.backbone(input_ids=input_ids, return_dict=True, **kwargs)
-        cache = out.get("cache", None)
-        return out.last_hidden_state, cache if cache is not None else out.get("past_key_values", None)
+        features, cache = target_features(self.backbone, input_ids, **kwargs)
+        return features[FINAL], cache
 
     @property
     def head_type(self) -> str:
@@ -110,7 +110,7 @@ class MedusaModel(nn.Module):
     def target_inputs(self, hidden: torch.Tensor, path_tokens: torch.Tensor | None = None) -> TargetInputs:
         """What the heads read at positions ``[...]``: the final hidden state ``hidden [..., H]``, the path tokens
         ``[..., K]`` long (for types that read them), the input embeddings and the shared lm_head."""
-        return TargetInputs(features={"final": hidden}, path_tokens=path_tokens, embed=self.embed,
+        return TargetInputs(features={FINAL: hidden}, path_tokens=path_tokens, embed=self.embed,
                             lm_head_weight=self._shared_weight())
 
     def head_logits(self, hidden: torch.Tensor, path_tokens: torch.Tensor | None = None,

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from medusa_train.features import FINAL
+
 # Export layouts (DrafterType.layout).
 MEDUSA_LAYOUT = "medusa"  # FasterDecoding's keys (medusa_lm_head.safetensors/.pt), TGI's and vLLM's Medusa loaders
 STATE_DICT_LAYOUT = "state_dict"  # the module's own parameter names in the type's weights file
@@ -98,7 +100,7 @@ class DrafterType:
     logits: LogitsFn
     source: str
     options: tuple[str, ...] = ()
-    features: tuple[str, ...] = ("final",)
+    features: tuple[str, ...] = (FINAL,)
     reads_path: bool = False
     joint: bool = False
     layout: str = STATE_DICT_LAYOUT

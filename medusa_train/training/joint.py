@@ -26,6 +26,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from medusa_train.config import HeadsConfig
+from medusa_train.features import FINAL, target_features
 from medusa_train.heads import MedusaHeads
 
 # model_type -> LoRA targets: the attention projections (Hu et al. 2021 adapt W_q, W_v; QLoRA-style recipes all four).
@@ -205,8 +206,8 @@ class JointMedusaModel(nn.Module):
     def _logits_and_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
         lm = causal_lm(self.base)
-        out = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
-        hidden = out.last_hidden_state  # [B, T, H], after the final norm
+        features, _ = target_features(lm.base_model, input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = features[FINAL]  # [B, T, H], after the final norm
         return lm.get_output_embeddings()(hidden), hidden
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

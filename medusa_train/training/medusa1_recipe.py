@@ -71,16 +71,17 @@ class Medusa1Recipe(BaseRecipe):
         dtype = self.base.get_output_embeddings().weight.dtype
         out = []
         fingerprints = {}
+        features = drafter_type(self.cfg.heads.head_type).features  # what the heads read of the base
         base_digest = base_weights_digest(self.base)
         for split, dataset in (("train", data.train), ("eval", data.eval)):
             fingerprints[split] = dataset_fingerprint(dataset, base_digest, dtype)
             build_hidden_cache(self.frozen_base, dataset, folder, split=split, fingerprint=fingerprints[split],
                                collator=self.collator, batch_size=batch_size, rank=self.env.rank,
-                               world_size=self.env.world_size, device=self.device)
+                               world_size=self.env.world_size, device=self.device, features=features)
         self.barrier()
         for split, dataset in (("train", data.train), ("eval", data.eval)):
             out.append(CachedHiddenDataset(dataset, folder, split=split, fingerprint=fingerprints[split],
-                                           world_size=self.env.world_size))
+                                           world_size=self.env.world_size, features=features))
         self.frozen_base = FrozenBase.of(self.base, keep_backbone=False)
         self.collator = HiddenCollator()
         return out[0], out[1]

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from medusa_train.drafters.catalog import TargetInputs, drafter_type, shifted_path_tokens
+from medusa_train.features import FINAL, target_features
 from medusa_train.training.losses import (
     IGNORE_INDEX,
     HeadLossOutput,
@@ -69,8 +70,7 @@ class FrozenBase:
         """
         if self.backbone is None:
             raise RuntimeError("this FrozenBase has no backbone (hidden-state cache mode): batches must hold 'hidden'")
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
-        return out.last_hidden_state
+        return target_features(self.backbone, input_ids, attention_mask=attention_mask, use_cache=False)[0][FINAL]
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -152,7 +152,7 @@ def heads_on_batch(
     targets = targets[:, b, t]  # [K, M]
     entry = drafter_type(spec.head_type)
     path = shifted_path_tokens(batch["input_ids"], spec.num_heads)[b, t] if entry.reads_path else None  # [M, K]
-    inputs = TargetInputs(features={"final": hidden[b, t]}, path_tokens=path, embed=base.path_embeddings,
+    inputs = TargetInputs(features={FINAL: hidden[b, t]}, path_tokens=path, embed=base.path_embeddings,
                           lm_head_weight=lm_weight)
     head_logits = entry.logits(heads, inputs, None)  # [K, M, V']
     if normalizer is None:
