@@ -195,3 +195,100 @@ def test_a_registered_type_is_refused_where_it_cannot_go(repeat_type, tmp_path):
     with pytest.raises(ValueError, match=r"heads.combine=sum is for Hydra heads, not Repeat heads"):
         as_dataclass(TrainConfig, compose_train(tiny_overrides(model_dir, data, tmp_path / "run")
                                       + [repeat_type, "heads=repeat", "heads.combine=sum"]))
+
+
+# ---- every registered type, by the catalog ---------------------------------------------------------------------------
+
+def random_drafter(head_type: str, base: nn.Module, seed: int = 0) -> nn.Module:
+    """Random heads of ``head_type`` for ``base`` (every parameter N(0, 0.3^2)), fp32."""
+    from medusa_train.model import new_heads_for
+    from tests.medusa_train.test_export import randomized
+
+    return randomized(new_heads_for(base, 3, head_type=head_type), seed, torch.float32)
+
+
+@pytest.mark.parametrize("head_type", head_types())
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_every_type_decodes_exactly_greedy(family, head_type):
+    from inference.decoders.base import DecodeConfig
+    from inference.decoders.medusa import MedusaDecoder
+    from inference.decoders.vanilla import VanillaDecoder
+    from medusa_train.model import MedusaModel
+    from tests.conftest import make_tiny_model
+
+    base = make_tiny_model(family)
+    decoder = MedusaDecoder(MedusaModel(base, random_drafter(head_type, base)), [[0], [1], [0, 0], [0, 1], [0, 0, 0]],
+                            topk=4)
+    vanilla = VanillaDecoder(base)
+    for prompt in ([1, 5, 9, 33, 20], [1, 70], [1, 44, 12, 90, 3, 3, 61, 8, 17]):
+        request = DecodeConfig(max_new_tokens=30)
+        assert decoder.generate(prompt, request).tokens == vanilla.generate(prompt, request).tokens, prompt
+
+
+@pytest.mark.parametrize("head_type", head_types())
+def test_every_type_round_trips_through_its_export_with_identical_logits(head_type, tmp_path):
+    from medusa_train.export import load_heads, save_export
+    from medusa_train.model import MedusaModel
+    from tests.conftest import make_tiny_model
+
+    base = make_tiny_model("llama")
+    heads = random_drafter(head_type, base, seed=3)
+    save_export(heads, tmp_path, "tiny-llama", vllm=drafter_type(head_type).engine_problem("vllm") is None,
+                base_model=base)
+    loaded, config = load_heads(tmp_path, base_model=base, head_type=head_type)
+    assert type(loaded) is type(heads) and loaded.spec == heads.spec and config.get("head_type", "medusa") == head_type
+    hidden = torch.randn(2, 5, base.config.hidden_size)
+    path = torch.randint(0, base.config.vocab_size, (2, 5, 3)) if drafter_type(head_type).reads_path else None
+    before, after = MedusaModel(base, heads), MedusaModel(base, loaded)
+    torch.testing.assert_close(after.head_logits(hidden, path), before.head_logits(hidden, path), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("head_type", head_types())
+def test_every_type_resumes_a_crashed_run_to_the_same_heads(head_type, tmp_path):
+    from safetensors.torch import load_file
+
+    from medusa_train.training.recipe import build_recipe
+
+    model_dir, data = write_tiny_inputs(tmp_path)
+    overrides = [f"heads.head_type={head_type}"]
+    build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "whole") + overrides)).run()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "crashed") + overrides),
+                     callbacks=[CrashAtStep(6)]).run()
+    build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "crashed", resume="true") + overrides)).run()
+    weights = drafter_type(head_type).weights_file or "medusa_lm_head.safetensors"
+    assert_same_heads(load_file(str(tmp_path / "whole" / "export" / weights)),
+                      load_file(str(tmp_path / "crashed" / "export" / weights)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_type", head_types())
+def test_every_types_tuner_replay_gives_the_decoders_counts(head_type, tmp_path):
+    """Heads trained on stories260K (the default run, 60 steps); the replay of the teacher-forced ranks the tuner
+    records is the tree decoder's count of tokens and passes on the same prompts, where the heads accept more than
+    one token a pass."""
+    from inference.decoders.base import DecodeConfig
+    from inference.decoders.medusa import MedusaDecoder
+    from medusa_train.loading.medusa import load_medusa
+    from medusa_train.training.recipe import build_recipe
+    from medusa_train.tuning.accuracy import measure_head_accuracy
+    from medusa_train.tuning.replay import replay_counts
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[f"output_dir={tmp_path / 'run'}", f"heads.head_type={head_type}",
+                                          "trainer.max_steps=60", "export_vllm=false", "trainer.disable_tqdm=true"])
+    summary = build_recipe(cfg).run()
+    model, tokenizer, _ = load_medusa(summary["export_dir"], dtype="float32", head_type=head_type)
+    tree = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    decoder = MedusaDecoder(model, tree, topk=4)
+    prompts = [tokenizer(t)["input_ids"] for t in ("Once upon a time, there was a little girl named Lily.",
+                                                   "The cat was sad.", "Tom had a big red ball.")]
+    tokens = passes = 0
+    for ids in prompts:
+        result = decoder.generate(ids, DecodeConfig(max_new_tokens=48))
+        tokens, passes = tokens + sum(result.accepted_lengths), passes + result.forward_passes
+    assert tokens / passes > 1.3
+    recorded = measure_head_accuracy(model, prompts, max_new_tokens=48, topk=4, eos_token_id=None)
+    predicted_tokens, predicted_passes = replay_counts(recorded["target_ranks"], tree)
+    assert predicted_tokens == tokens
+    assert abs(predicted_passes - passes) <= 1  # a floating-point tie between cached and teacher-forced logits at most
