@@ -2,7 +2,7 @@
 
 - :class:`VanillaDecoder`: one target forward pass per token (the baseline).
 - :class:`TreeDecoder`: a tree drafter (Medusa or Hydra heads) drafts a tree, one target pass verifies it
-  (``TreeDecoder``: its deprecated name).
+  (``MedusaDecoder``: its deprecated name).
 - :func:`generate`: a chat reply through any decoder (chat template, EOS ids, text).
 """
 
@@ -16,14 +16,14 @@ from inference.decoders.base import (
     aggregate_mean_accepted_tokens,
 )
 from inference.decoders.chat import generate
-from inference.decoders.medusa import TreeDecoder, TreeDecoder, default_medusa_choices, tree_step
+from inference.decoders.medusa import MedusaDecoder, TreeDecoder, default_medusa_choices, tree_step
 from inference.decoders.vanilla import VanillaDecoder, vanilla_step
 
 __all__ = [
     "DecodeConfig",
     "DecodeResult",
     "Decoder",
-    "TreeDecoder",
+    "MedusaDecoder",
     "TokenStreamer",
     "TreeDecoder",
     "VanillaDecoder",

@@ -7,8 +7,8 @@ One step (:func:`tree_step`), following the split of FasterDecoding/Medusa ``med
 (generate candidates -> tree decoding -> evaluate posterior -> update inputs) with all state passed in and out:
 
 a. **candidates**: the tree drafter fills every node from its own state (:mod:`inference.proposers.tree_drafters`):
-   Medusa heads' top-k at the last committed position, laid out as ``cat([root], head0_topk, head1_topk, ...)`` and picked per tree node with
-   ``tree_indices``; Hydra heads (Ankner et al. 2024, which also read the node's path) level by level down the tree;
+   Medusa heads' top-k at the last committed position, laid out as ``cat([root], head0_topk, head1_topk, ...)`` and
+   picked per tree node with ``tree_indices``; Hydra heads (Ankner et al. 2024, which also read the node's path) level by level down the tree;
 b. **tree pass**: ONE backbone pass over the N node tokens on top of the KV cache, with a 4-D additive mask
    ``[B, 1, N, L + N]`` (0 where a node may attend: every committed cache slot and its tree ancestors-or-self; the
    dtype's minimum elsewhere) and ``position_ids = committed length + depth``. transformers 5 passes a prepared 4-D mask through
@@ -295,7 +295,8 @@ def tree_step(
     # (e) the drafter takes the committed path: tokens [B, W] (-1 padded), features {name: [B, W, H]}, lengths [B].
     drafter.accept(torch.where(kept, node_tokens.gather(1, padded), -1),
                    {name: value[rows[:, None], padded] for name, value in features.items()}, length + 1)
-    return TreeStep(tokens=tokens, root=next_token, past_valid=torch.cat([past_valid, kept], dim=1), next_position=next_position + length + 1)
+    return TreeStep(tokens=tokens, root=next_token, past_valid=torch.cat([past_valid, kept], dim=1),
+                    next_position=next_position + length + 1)
 
 
 class TreeDecoder:
@@ -311,6 +312,11 @@ class TreeDecoder:
         posterior_threshold: typical acceptance's epsilon.
         posterior_alpha: typical acceptance's delta.
         tokenizer: optional; needed for ``stop_strings`` and to fill :attr:`DecodeResult.text`.
+
+    Attributes:
+        drafter: the :class:`~inference.proposers.tree_drafters.TreeDrafter` every request starts
+            (:func:`~inference.proposers.tree_drafters.tree_drafter` of ``model``); any drafter of the protocol may
+            replace it.
 
     Raises:
         ValueError: an invalid tree (the message names the path), ``topk`` above the heads' vocabulary, or an

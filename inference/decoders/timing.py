@@ -2,8 +2,8 @@
 
 A step's **drafting** time is its tree drafter's ``draft`` call (:mod:`inference.proposers.tree_drafters`); its
 **verification** time runs from the end of drafting to the end of the step: the tree pass, the acceptance rule, cache
-compaction, the drafter's ``accept`` and the step's bookkeeping. Together they are the decode's time after the prefill. On CUDA the marks are events, read once
-at the end, so timing adds no host synchronisation to a step.
+compaction, the drafter's ``accept`` and the step's bookkeeping. Together they are the decode's time after the
+prefill. On CUDA the marks are events, read once at the end, so timing adds no host synchronisation to a step.
 """
 
 from __future__ import annotations

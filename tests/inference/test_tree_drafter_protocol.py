@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 import inference.decoders.medusa as medusa
-from inference.decoders import DecodeConfig, TreeDecoder
+from inference.decoders import DecodeConfig, MedusaDecoder, TreeDecoder
 from inference.proposers.tree_drafters import FINAL, TreeDrafter
 from inference.tree import TreeBuffers
 from tests.conftest import make_tiny_model
@@ -38,8 +38,8 @@ class Recorder:
         return nodes
 
     def accept(self, tokens: Tensor, features: dict[str, Tensor], length: Tensor) -> None:
-        self.events.append(("accept", {"tokens": tokens.tolist(), "features": {k: v.clone() for k, v in features.items()},
-                                       "length": length.tolist()}))
+        copied = {k: v.clone() for k, v in features.items()}
+        self.events.append(("accept", {"tokens": tokens.tolist(), "features": copied, "length": length.tolist()}))
         self.drafter.accept(tokens, features, length)
 
     def select(self, keep: Tensor) -> None:
@@ -165,3 +165,7 @@ def test_a_stateful_drafter_decodes_exactly_greedy(family):
     # what accept hands it is what makes it draft well: a tiny random model repeats itself, so the root's follower in
     # the sequence so far is often right (2.4 for llama, 3.3 for gpt2; from the prompts alone, without accept: 1.0)
     assert sum(r.mean_accepted_tokens for r in alone) / len(alone) > 2.0
+
+
+def test_the_old_name_of_the_tree_decoder_still_imports():
+    assert MedusaDecoder is TreeDecoder and TreeDecoder.name == "medusa"  # the registry's decoder name is unchanged
