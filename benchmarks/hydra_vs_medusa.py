@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_dir
 
-from inference.decoders import MedusaDecoder, VanillaDecoder
+from inference.decoders import TreeDecoder, VanillaDecoder
 from inference.decoders.chat import eos_ids
 from inference.decoders.choices import resolve_medusa_choices
 from inference.evaluation.results import ResultsLog
@@ -157,7 +157,7 @@ def main() -> None:
     trees = {name: resolve_medusa_choices(None, str(exports[name]), m.heads.spec.num_heads, args.topk)
              for name, m in models.items()}
     decoders = {"vanilla": VanillaDecoder(model.base, tokenizer=tokenizer)}
-    decoders.update({name: MedusaDecoder(m, trees[name], topk=args.topk, acceptance="greedy", tokenizer=tokenizer)
+    decoders.update({name: TreeDecoder(m, trees[name], topk=args.topk, acceptance="greedy", tokenizer=tokenizer)
                      for name, m in models.items()})
 
     offset = args.prompt_offset

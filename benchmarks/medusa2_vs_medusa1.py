@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from inference.decoders import DecodeConfig, MedusaDecoder
+from inference.decoders import DecodeConfig, TreeDecoder
 from inference.decoders.choices import resolve_medusa_choices
 from inference.decoders.medusa import default_medusa_choices
 from medusa_train.data import build_dataset, load_conversations
@@ -82,7 +82,7 @@ def main() -> None:
         own = resolve_medusa_choices(None, export, model.heads.spec.num_heads, args.topk)
         same = default_medusa_choices(model.heads.spec.num_heads, args.topk)
         for tree_name, tree in (("own tree", own), ("mc_sim_7b_63", same)):
-            decoders[name, tree_name] = MedusaDecoder(model, tree, topk=args.topk, acceptance="greedy")
+            decoders[name, tree_name] = TreeDecoder(model, tree, topk=args.topk, acceptance="greedy")
     eos = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
     config = DecodeConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from inference.decoders import DecodeConfig, MedusaDecoder
+from inference.decoders import DecodeConfig, TreeDecoder
 from inference.decoders.choices import resolve_medusa_choices
 from inference.decoders.medusa import default_medusa_choices
 from inference.tree import chain_choices
@@ -71,7 +71,7 @@ def main() -> None:
     trees = {"tuned": tuned, "mc_sim_7b_63": default_medusa_choices(heads, args.topk),
              "chain": chain_choices(max(len(p) for p in tuned))}
     trees = {name: trees[name] for name in ["tuned", *[t for t in args.trees if t != "tuned"]]}
-    decoders = {name: MedusaDecoder(model, tree, topk=args.topk, acceptance="greedy") for name, tree in trees.items()}
+    decoders = {name: TreeDecoder(model, tree, topk=args.topk, acceptance="greedy") for name, tree in trees.items()}
     if args.prompt_source == "sharegpt":
         ordered = sharegpt_prompts(args.offset, args.prompts)
     else:

@@ -8,7 +8,7 @@ base model is loaded once and the variants take turns in every measurement, so d
    ``--sizes``; fastest of ``--repeats``. Also each variant's t(1) relative to the unpacked t(1) of its dtype.
 2. **vanilla**: plain greedy decoding (:class:`~inference.decoders.vanilla.VanillaDecoder`) of
    ``--vanilla-tokens`` tokens after a chat prompt, tokens/s (median of ``--repeats``).
-3. **decoder overhead**: Medusa steps (:func:`inference.decoders.medusa.medusa_step`, greedy, the tree
+3. **decoder overhead**: Medusa steps (:func:`inference.decoders.medusa.tree_step`, greedy, the tree
    ``--tree``) against the bare base forward (backbone + lm_head, mask prepared beforehand) over the same N node
    tokens at the same cache length, pass by pass: overhead = median(step - bare), as a share of median(bare).
    Candidates, mask, verification, compaction, the heads and the host transfer are what the step adds. Heads: an
@@ -38,10 +38,11 @@ from hydra import compose, initialize_config_dir
 from inference.decoders.base import DecodeConfig
 from inference.decoders.batching import additive_mask
 from inference.decoders.choices import resolve_medusa_choices
-from inference.decoders.medusa import make_verifier, medusa_step, medusa_tree
+from inference.decoders.medusa import make_verifier, tree_step, medusa_tree
 from inference.decoders.vanilla import VanillaDecoder
 from inference.kv_cache import preallocated_cache
-from inference.proposers.heads import tree_drafter
+from inference.proposers.tree_drafters import tree_drafter
+from medusa_train.features import FINAL
 from medusa_train.cli.app import register_shared_schemas
 from medusa_train.config import ModelConfig, as_dataclass
 from medusa_train.loading.base import load_base_model
@@ -108,11 +109,11 @@ class OverheadProbe:
         self.verify = make_verifier("greedy", self.tree, DecodeConfig(max_new_tokens=steps), None)
         self.cache = preallocated_cache(len(ids) + (steps + 1) * (self.tree.max_depth + 1) + self.tree.num_nodes)
         x = torch.tensor([ids], device=device)
-        hidden, _ = model.hidden(x, cache=self.cache, use_cache=True)
-        self.root = model.lm_head(hidden[:, -1]).argmax(-1)
-        self.last_hidden = hidden[:, -1]  # [1, H]
-        self.drafter = tree_drafter(model)
+        features, _ = model.features(x, cache=self.cache, use_cache=True)
+        self.root = model.lm_head(features[FINAL][:, -1]).argmax(-1)
         self.past_valid = torch.ones(1, len(ids), dtype=torch.bool, device=device)
+        self.drafter = tree_drafter(model)
+        self.drafter.start(features, x, self.past_valid)
         self.position = torch.tensor([len(ids)], device=device)
         self.step_s: list[float] = []
         self.bare_s: list[float] = []
@@ -122,7 +123,7 @@ class OverheadProbe:
     def run_one(self) -> None:
         model, tree = self.model, self.tree
         n, past = tree.num_nodes, self.past_valid.shape[1]
-        tokens = self.drafter.draft(self.last_hidden, self.root, tree)
+        tokens = self.drafter.draft(self.root, tree)
         mask = additive_mask(self.past_valid, tree.attn_mask, model.base.dtype)
         positions = self.position[:, None] + tree.position_ids[None, :]
         start = time.perf_counter()
@@ -132,12 +133,12 @@ class OverheadProbe:
         self.bare_s.append(time.perf_counter() - start)
         self.cache.crop(-n)
         start = time.perf_counter()
-        step = medusa_step(model, self.cache, tree, self.root, self.last_hidden, self.past_valid, self.position,
-                           self.verify, drafter=self.drafter)
+        step = tree_step(model, self.cache, tree, self.drafter, self.root, self.past_valid, self.position,
+                         self.verify)
         self.step_s.append(time.perf_counter() - start)
         self.accepted += len(step.tokens[0]) - 1
         assert self.cache.get_seq_length() == past + len(step.tokens[0])
-        self.root, self.last_hidden = step.root, step.last_hidden
+        self.root = step.root
         self.past_valid, self.position = step.past_valid, step.next_position
 
     def summary(self) -> dict[str, float]:

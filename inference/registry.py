@@ -80,7 +80,7 @@ class VanillaSettings:
 
 @dataclass
 class MedusaSettings:
-    """Tree decoding with the export's draft heads (:class:`~inference.decoders.medusa.MedusaDecoder`): Medusa heads,
+    """Tree decoding with the export's draft heads (:class:`~inference.decoders.medusa.TreeDecoder`): Medusa heads,
     or Hydra heads drafting level by level (the export's ``head_type``; the run record names it).
 
     Attributes:
@@ -225,7 +225,7 @@ def _build_vanilla(settings: VanillaSettings, ctx: BuildContext) -> BuiltDecoder
 
 def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
     from inference.decoders.choices import resolve_medusa_choices
-    from inference.decoders.medusa import MedusaDecoder
+    from inference.decoders.medusa import TreeDecoder
     from medusa_train.export.tree_files import read_tree_files
 
     spec = ctx.model.heads.spec
@@ -238,7 +238,7 @@ def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
         _check_tuned_for(tuned.get("latency_profile"), ctx)
     else:
         source = "default tree (mc_sim_7b_63 cut to the heads and topk)"
-    decoder = MedusaDecoder(ctx.model, choices, topk=settings.topk, acceptance=settings.acceptance,
+    decoder = TreeDecoder(ctx.model, choices, topk=settings.topk, acceptance=settings.acceptance,
                             posterior_threshold=settings.posterior_threshold,
                             posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer)
     return BuiltDecoder(decoder, {"head_type": ctx.model.head_type, "medusa_choices": [list(p) for p in choices],

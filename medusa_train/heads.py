@@ -252,5 +252,5 @@ MEDUSA = register(DrafterType(
     source="Cai et al. 2024, Medusa, arXiv:2401.10774, Sec. 2.1.1, Eq. (1)",
     joint=True, layout=MEDUSA_LAYOUT, config_keys={"num_heads": "medusa_num_heads", "num_layers": "medusa_num_layers"},
     engines={"fasterdecoding": None, "tgi": None, "vllm": None},
-    tree_drafter="inference.proposers.heads:MedusaTreeDrafter",
+    tree_drafter="inference.proposers.tree_drafters:MedusaTreeDrafter",
 ))

@@ -7,7 +7,7 @@ alone; a Hydra head also reads the tokens of the candidate continuation before i
 at t and the base model's own (frozen) input embeddings of the path tokens t+1 .. t+k+1 (the root, which is the base
 model's next token, and the drafted tokens above the node), and predicts the token at t + k + 2, the position Medusa
 head k predicts. Decoding must therefore run the heads level by level down the tree
-(:mod:`inference.proposers.heads`); training feeds the true tokens (teacher forcing, :func:`shifted_path_tokens`).
+(:mod:`inference.proposers.tree_drafters`); training feeds the true tokens (teacher forcing, :func:`shifted_path_tokens`).
 
 Each head is an MLP of ``num_layers`` residual blocks (``medusa_num_layers``) over the combined inputs, then a
 vocabulary projection exactly as Medusa's (per head, the base lm_head shared, or a reduced head vocabulary with its
@@ -181,7 +181,7 @@ HYDRA = register(DrafterType(
     engines={"fasterdecoding": "Hydra heads have no FasterDecoding form",
              "tgi": "Hydra heads have no TGI layout (TGI's Medusa loader reads Medusa heads only)",
              "vllm": "vLLM's Medusa loader reads Medusa heads only"},
-    tree_drafter="inference.proposers.heads:HydraTreeDrafter",
+    tree_drafter="inference.proposers.tree_drafters:HydraTreeDrafter",
 ))
 
 

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from medusa_train.drafters.catalog import TargetInputs, heads_from_spec, new_spec, shifted_path_tokens, titles, type_of
 from medusa_train.drafters.catalog import drafter_types
-from medusa_train.features import FINAL, target_features
+from medusa_train.features import FINAL, feature_layer, target_features
 from medusa_train.heads import HeadsSpec
 
 DraftHeads = nn.Module  # any registered drafter type's module (medusa_train.drafters.catalog)
@@ -94,6 +94,17 @@ class MedusaModel(nn.Module):
         """
         features, cache = target_features(self.backbone, input_ids, **kwargs)
         return features[FINAL], cache
+
+    def features(self, input_ids: torch.Tensor, **kwargs: Any) -> tuple[dict[str, torch.Tensor], Any]:
+        """Backbone pass: ``input_ids [B, T]`` -> (the named target features the heads' type reads, each
+        ``[B, T, H]``, :attr:`~medusa_train.drafters.catalog.DrafterType.features`, ``final`` always; the cache).
+
+        The same function (:func:`medusa_train.features.target_features`) feeds training, tuning and decoding.
+        ``kwargs`` as :meth:`hidden`.
+        """
+        names = {FINAL, *type_of(self.heads.spec).features}
+        layers = sorted(i for i in map(feature_layer, names) if i is not None)
+        return target_features(self.backbone, input_ids, layers, **kwargs)
 
     @property
     def head_type(self) -> str:

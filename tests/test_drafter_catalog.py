@@ -115,7 +115,7 @@ REPEAT = DrafterType(
     name="repeat", title="Repeat", spec_cls=RepeatSpec, module_cls=RepeatHeads, logits=repeat_logits,
     source="this test", weights_file="repeat_heads.safetensors",
     config_keys={"num_heads": "repeat_num_heads", "num_layers": "repeat_num_layers"},
-    tree_drafter="inference.proposers.heads:MedusaTreeDrafter",  # heads computed at once, read per tree level
+    tree_drafter="inference.proposers.tree_drafters:MedusaTreeDrafter",  # heads computed at once, read per tree level
 )
 PRESET = "defaults:\n  - /schema/heads/base@_here_\n  - _self_\nhead_type: repeat\nmedusa_num_heads: 2\n"
 

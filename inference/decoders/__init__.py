@@ -1,7 +1,8 @@
-"""Decoders behind one interface (:class:`~inference.decoders.base.Decoder`): plain decoding and Medusa.
+"""Decoders behind one interface (:class:`~inference.decoders.base.Decoder`): plain decoding and tree decoding.
 
 - :class:`VanillaDecoder`: one target forward pass per token (the baseline).
-- :class:`MedusaDecoder`: Medusa heads draft a tree, one target pass verifies it.
+- :class:`TreeDecoder`: a tree drafter (Medusa or Hydra heads) drafts a tree, one target pass verifies it
+  (``MedusaDecoder``: its deprecated name).
 - :func:`generate`: a chat reply through any decoder (chat template, EOS ids, text).
 """
 
@@ -15,7 +16,7 @@ from inference.decoders.base import (
     aggregate_mean_accepted_tokens,
 )
 from inference.decoders.chat import generate
-from inference.decoders.medusa import MedusaDecoder, default_medusa_choices, medusa_step
+from inference.decoders.medusa import MedusaDecoder, TreeDecoder, default_medusa_choices, tree_step
 from inference.decoders.vanilla import VanillaDecoder, vanilla_step
 
 __all__ = [
@@ -24,10 +25,11 @@ __all__ = [
     "Decoder",
     "MedusaDecoder",
     "TokenStreamer",
+    "TreeDecoder",
     "VanillaDecoder",
     "aggregate_mean_accepted_tokens",
     "default_medusa_choices",
     "generate",
-    "medusa_step",
+    "tree_step",
     "vanilla_step",
 ]

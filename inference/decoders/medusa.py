@@ -1,13 +1,14 @@
-"""Medusa decoding: draft a tree of continuations with the heads, verify it in one target pass, keep the longest
-accepted path (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads",
-Sec. 2.1.2, tree attention).
+"""Tree decoding: a drafter fills a tree of continuations, one target pass verifies it, the longest accepted path is
+kept (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads",
+Sec. 2.1.2, tree attention). :class:`TreeDecoder` runs any :class:`~inference.proposers.tree_drafters.TreeDrafter`:
+Medusa heads, Hydra heads (``model.head_type``, :func:`~inference.proposers.tree_drafters.tree_drafter`).
 
-One step (:func:`medusa_step`), following the split of FasterDecoding/Medusa ``medusa/model/utils.py`` at 10a2697
+One step (:func:`tree_step`), following the split of FasterDecoding/Medusa ``medusa/model/utils.py`` at 10a2697
 (generate candidates -> tree decoding -> evaluate posterior -> update inputs) with all state passed in and out:
 
-a. **candidates**: the tree drafter fills every node (:mod:`inference.proposers.heads`): Medusa heads' top-k at the
-   last committed position, laid out as ``cat([root], head0_topk, head1_topk, ...)`` and picked per tree node with
-   ``tree_indices``; Hydra heads (Ankner et al. 2024, which also read the node's path) level by level down the tree;
+a. **candidates**: the tree drafter fills every node from its own state (:mod:`inference.proposers.tree_drafters`):
+   Medusa heads' top-k at the last committed position, laid out as ``cat([root], head0_topk, head1_topk, ...)`` and
+   picked per tree node with ``tree_indices``; Hydra heads (Ankner et al. 2024, which also read the node's path) level by level down the tree;
 b. **tree pass**: ONE backbone pass over the N node tokens on top of the KV cache, with a 4-D additive mask
    ``[B, 1, N, L + N]`` (0 where a node may attend: every committed cache slot and its tree ancestors-or-self; the
    dtype's minimum elsewhere) and ``position_ids = committed length + depth``. transformers 5 passes a prepared 4-D mask through
@@ -16,16 +17,18 @@ c. **verification**: base logits of every node (lm_head over the N hidden states
    paths and handed to the acceptance rule (:mod:`inference.acceptance`);
 d. **cache compaction**: the cache keeps the past and the accepted nodes only (:mod:`inference.kv_cache`: a cache
    preallocated for the request, written in place, compacted by an index copy);
-e. **next step**: the drafter reads the hidden state of the last accepted node (one position, no second pass) and
-   computes only the first D heads, D the tree's depth (:func:`medusa_tree`); the recovered or bonus token becomes
-   the next step's root. Its KV entry is written by the next tree pass.
+e. **next step**: the drafter is given the accepted path's tokens and target features (``TreeDrafter.accept``; Medusa
+   and Hydra heads keep the last accepted node's hidden state: one position, no second pass, and compute only the
+   first D heads, D the tree's depth, :func:`medusa_tree`); the recovered or bonus token becomes the next step's
+   root. Its KV entry is written by the next tree pass.
 
 A step validates nothing (the request is checked once, before the prefill) and reads the host once; see
 ``docs/speed.md`` for what that saves and how the decoder overhead is measured.
 
-Several prompts decode as one batch (:meth:`MedusaDecoder.generate_batch`): each row verifies its own tree in the
+Several prompts decode as one batch (:meth:`TreeDecoder.generate_batch`): each row verifies its own tree in the
 shared pass and keeps its own path; rows that accept fewer tokens leave masked slots in the cache
-(:mod:`inference.decoders.batching`), and finished rows leave the batch.
+(:mod:`inference.decoders.batching`), and finished rows leave the batch (and the drafter's state:
+``TreeDrafter.select``).
 
 Acceptance rules (``acceptance``):
 
@@ -64,7 +67,8 @@ from inference.decoders.base import (
 from inference.decoders.batching import Replies, additive_mask, left_pad, positions, prefill_mask, sliding_window
 from inference.decoders.timing import StepTimes
 from inference.kv_cache import check_compactable, compact, preallocated_cache, select_rows, truncate
-from inference.proposers.heads import TreeDrafter, tree_drafter
+from inference.proposers.tree_drafters import TreeDrafter, tree_drafter
+from medusa_train.features import FINAL
 from inference.sampling import greedy_tokens, logits_to_probs
 from inference.tree import (
     TOPK,
@@ -193,14 +197,12 @@ def make_verifier(
 
 
 @dataclass(frozen=True)
-class MedusaStep:
-    """What one :func:`medusa_step` returns (B rows).
+class TreeStep:
+    """What one :func:`tree_step` returns (B rows).
 
     Attributes:
         tokens: per row, the accepted drafted tokens then the recovered or bonus token (A_b + 1 tokens).
         root: long ``[B]``, each row's last token: the next step's root (not yet in the cache).
-        last_hidden: ``[B, H]``, the last hidden state of each row's last accepted node: what the next step drafts
-            from.
         past_valid: bool ``[B, L']``, the cache slots that hold each row's sequence after compaction
             (``L' = L + max_b(A_b + 1)``; a row that accepted fewer leaves masked slots).
         next_position: long ``[B]``, the position of each row's new root.
@@ -208,68 +210,68 @@ class MedusaStep:
 
     tokens: list[list[int]]
     root: Tensor
-    last_hidden: Tensor
     past_valid: Tensor
     next_position: Tensor
 
 
 def tree_pass(model: Any, cache: DynamicCache, tree: TreeBuffers, node_tokens: Tensor, past_valid: Tensor,
-              next_position: Tensor, position_limit: int | None = None) -> Tensor:
+              next_position: Tensor, position_limit: int | None = None) -> dict[str, Tensor]:
     """Step (b): ONE backbone pass over the N nodes ``[B, N]`` on top of the cache (which it extends by N slots),
-    with the tree's 4-D mask; returns the last hidden states ``[B, N, H]``."""
+    with the tree's 4-D mask; returns the nodes' target features ``{name: [B, N, H]}``
+    (:meth:`~medusa_train.model.MedusaModel.features`)."""
     mask = tree_attention_mask(tree.attn_mask, past_valid, model.base.dtype)  # [B, 1, N, L + N]
     node_positions = next_position[:, None] + tree.position_ids[None, :]  # [B, N]
     if position_limit is not None:
         node_positions = node_positions.clamp(max=position_limit - 1)
-    hidden, _ = model.hidden(node_tokens, attention_mask=mask, position_ids=node_positions, cache=cache,
-                             use_cache=True)
-    return hidden
+    features, _ = model.features(node_tokens, attention_mask=mask, position_ids=node_positions, cache=cache,
+                                 use_cache=True)
+    return features
 
 
-def medusa_step(
+def tree_step(
     model: Any,
     cache: DynamicCache,
     tree: TreeBuffers,
+    drafter: TreeDrafter,
     root: Tensor,
-    last_hidden: Tensor,
     past_valid: Tensor,
     next_position: Tensor,
     verify: Verifier,
     position_limit: int | None = None,
-    drafter: TreeDrafter | None = None,
-) -> MedusaStep:
-    """One Medusa decoding step: candidates, one tree pass, verification, cache compaction, next heads.
+) -> TreeStep:
+    """One tree decoding step: candidates (``drafter.draft``), one tree pass, verification, cache compaction, and
+    the accepted path handed to the drafter (``drafter.accept``).
 
     Per-request state (the cache's layer kinds, the tree, the acceptance rule) is checked by the caller once per
-    request (:meth:`MedusaDecoder.generate` does); the step itself validates nothing and synchronises with the host
+    request (:meth:`TreeDecoder.generate` does); the step itself validates nothing and synchronises with the host
     once, to read the accept lengths and emitted tokens together.
 
     Args:
-        model: a :class:`~medusa_train.model.MedusaModel` (``hidden``, ``lm_head``, ``heads``).
+        model: a :class:`~medusa_train.model.MedusaModel` (``hidden``, ``lm_head``).
         cache: KV cache of L slots (``L = past_valid.shape[1]``), compactable (:func:`inference.kv_cache.
             check_compactable`); updated in place.
         tree: buffers on the model's device (:func:`medusa_tree`: built for the D heads it reads, ``tree.num_heads``).
+        drafter: fills the tree; started on this request (``drafter.start``) and given every earlier step's
+            accepted path.
         root: long ``[B]``, each row's token after its committed sequence (already emitted, not yet in the cache).
-        last_hidden: ``[B, H]``, the last hidden state at each row's last committed position.
         past_valid: bool ``[B, L]``, the cache slots of each row's sequence (all True for one prompt).
         next_position: long ``[B]``, the position of each root (its row's committed length).
         verify: the acceptance rule (:func:`make_verifier`).
         position_limit: the model's number of positions; node positions beyond it are clamped. Such nodes lie
             past ``max_new_tokens`` (checked by the caller), so neither they nor their descendants are kept.
-        drafter: fills the tree (:func:`~inference.proposers.heads.tree_drafter` of ``model`` when None).
 
     Returns:
-        :class:`MedusaStep`.
+        :class:`TreeStep`.
     """
     batch, past_length = past_valid.shape
     rows = torch.arange(batch, device=root.device)
     # (a) candidates: the token of every tree node [B, N], base ids, root first.
-    node_tokens = (drafter or tree_drafter(model)).draft(last_hidden, root, tree)
-    # (b) tree pass: hidden states of every node [B, N, H]
-    hidden = tree_pass(model, cache, tree, node_tokens, past_valid, next_position, position_limit)
+    node_tokens = drafter.draft(root, tree)
+    # (b) tree pass: target features of every node {name: [B, N, H]}
+    features = tree_pass(model, cache, tree, node_tokens, past_valid, next_position, position_limit)
     # (c) verification on the base logits of every node [B, N, V]: accepted nodes below the root [B, D] (-1 after
     #     each row's accept length), accept lengths [B], recovered-or-bonus tokens [B]
-    accepted, length, next_token = verify(node_tokens, model.lm_head(hidden))
+    accepted, length, next_token = verify(node_tokens, model.lm_head(features[FINAL]))
 
     # One host transfer: each row's accept length, its accepted tokens and next token, and its path's nodes.
     depth = accepted.shape[1]
@@ -286,20 +288,23 @@ def medusa_step(
     path = path[:, :width]
     kept = path >= 0
     last = path[rows, length]  # [B], each row's last accepted node
+    padded = torch.where(kept, path, last[:, None])  # [B, W]
     if all(row[depth + 2: depth + 2 + width] == list(range(width)) for row in host):
         truncate(cache, past_length + width)
     else:
-        path = torch.where(kept, path, last[:, None])
-        compact(cache, past_length, path[0] if batch == 1 else path)
+        compact(cache, past_length, padded[0] if batch == 1 else padded)
 
-    # (e) what the next step drafts from: each row's last accepted node, [B, H].
-    return MedusaStep(tokens=tokens, root=next_token, last_hidden=hidden[rows, last],
-                      past_valid=torch.cat([past_valid, kept], dim=1), next_position=next_position + length + 1)
+    # (e) the drafter takes the committed path: tokens [B, W] (-1 padded), features {name: [B, W, H]}, lengths [B].
+    drafter.accept(torch.where(kept, node_tokens.gather(1, padded), -1),
+                   {name: value[rows[:, None], padded] for name, value in features.items()}, length + 1)
+    return TreeStep(tokens=tokens, root=next_token, past_valid=torch.cat([past_valid, kept], dim=1),
+                    next_position=next_position + length + 1)
 
 
-class MedusaDecoder:
-    """Tree decoding with draft heads (see the module docstring): Medusa heads, or Hydra heads drafting level by
-    level (``model.head_type``); the verification, acceptance rules and cache handling are the same.
+class TreeDecoder:
+    """Tree decoding with the model's tree drafter (see the module docstring): Medusa heads, or Hydra heads drafting
+    level by level (``model.head_type``, :func:`~inference.proposers.tree_drafters.tree_drafter`); the verification,
+    acceptance rules and cache handling are the same for any drafter. Registered as the decoder ``medusa``.
 
     Args:
         model: a :class:`~medusa_train.model.MedusaModel` (Medusa or Hydra heads).
@@ -309,6 +314,11 @@ class MedusaDecoder:
         posterior_threshold: typical acceptance's epsilon.
         posterior_alpha: typical acceptance's delta.
         tokenizer: optional; needed for ``stop_strings`` and to fill :attr:`DecodeResult.text`.
+
+    Attributes:
+        drafter: the :class:`~inference.proposers.tree_drafters.TreeDrafter` every request starts
+            (:func:`~inference.proposers.tree_drafters.tree_drafter` of ``model``); any drafter of the protocol may
+            replace it.
 
     Raises:
         ValueError: an invalid tree (the message names the path), ``topk`` above the heads' vocabulary, or an
@@ -330,7 +340,7 @@ class MedusaDecoder:
     ) -> None:
         for attr in ("hidden", "head_logits", "heads", "base"):
             if not hasattr(model, attr):
-                raise TypeError(f"MedusaDecoder needs a MedusaModel (missing .{attr}), got {type(model).__name__}")
+                raise TypeError(f"TreeDecoder needs a MedusaModel (missing .{attr}), got {type(model).__name__}")
         check_acceptance(acceptance, DecodeConfig(max_new_tokens=1))
         check_posterior(posterior_threshold, posterior_alpha)
         spec = model.heads.spec
@@ -353,7 +363,7 @@ class MedusaDecoder:
         self.tokenizer = tokenizer
 
     @classmethod
-    def from_pretrained(cls, repo_or_dir: str, revision: str | None = None, **kwargs: Any) -> MedusaDecoder:
+    def from_pretrained(cls, repo_or_dir: str, revision: str | None = None, **kwargs: Any) -> TreeDecoder:
         """Heads and tree from a Hub repository or an export folder, the base model from its
         ``base_model_name_or_path`` (downloaded when the machine reaches the Hub).
 
@@ -413,16 +423,16 @@ class MedusaDecoder:
         # Full-attention layers only (the tree mask replaces the model's own masks), written in place: room for the
         # prompt, the reply and one tree beyond it.
         cache = preallocated_cache(ids.shape[1] + config.max_new_tokens + tree.num_nodes)
-        hidden, _ = model.hidden(ids, attention_mask=prefill_mask(valid, model.base.dtype),
-                                 position_ids=positions(valid), cache=cache, use_cache=True)  # [B, T, H]
-        root = choose_token(model.lm_head(hidden[:, -1]), config, generator)  # [B]
-        last_hidden = hidden[:, -1]  # [B, H]
+        features, _ = model.features(ids, attention_mask=prefill_mask(valid, model.base.dtype),
+                                     position_ids=positions(valid), cache=cache, use_cache=True)  # {name: [B, T, H]}
+        root = choose_token(model.lm_head(features[FINAL][:, -1]), config, generator)  # [B]
+        times = StepTimes(self.device)
+        drafter = times.timed(self.drafter)
+        drafter.start(features, ids, valid)
         replies.first(root.tolist())
         prefill_time = time.perf_counter() - start
         check_compactable(cache)  # once per request: the step compacts without checking
         past_valid, next_position = valid, lengths
-        times = StepTimes(self.device)
-        drafter = times.timed(self.drafter)
         while True:
             keep = replies.prune()
             if not replies.active:
@@ -430,12 +440,14 @@ class MedusaDecoder:
             if keep is not None:
                 keep = keep.to(self.device)
                 select_rows(cache, keep)
-                root, last_hidden = root[keep], last_hidden[keep]
-                past_valid, next_position = past_valid[keep], next_position[keep]
-            step = medusa_step(model, cache, tree, root, last_hidden, past_valid, next_position, verify, limit,
-                               drafter)
+                drafter.select(keep)
+                root, past_valid, next_position = root[keep], past_valid[keep], next_position[keep]
+            step = tree_step(model, cache, tree, drafter, root, past_valid, next_position, verify, limit)
             times.step_done()
             replies.step(step.tokens)
-            root, last_hidden = step.root, step.last_hidden
-            past_valid, next_position = step.past_valid, step.next_position
+            root, past_valid, next_position = step.root, step.past_valid, step.next_position
         return replies.results(lengths.tolist(), time.perf_counter() - start, prefill_time, **times.totals())
+
+
+# Deprecated: the tree decoder runs any tree drafter, Medusa heads or not. Use TreeDecoder.
+MedusaDecoder = TreeDecoder

@@ -1,6 +1,6 @@
-"""A :class:`~inference.decoders.medusa.MedusaDecoder` from a published export (Hub id) or a local export folder.
+"""A :class:`~inference.decoders.medusa.TreeDecoder` from a published export (Hub id) or a local export folder.
 
-What ``MedusaDecoder.from_pretrained`` runs: the heads and tree downloaded (:func:`medusa_train.loading.hub.
+What ``TreeDecoder.from_pretrained`` runs: the heads and tree downloaded (:func:`medusa_train.loading.hub.
 download_export`), the base model loaded as the export records it.
 """
 
@@ -32,7 +32,7 @@ def pretrained_decoder_kwargs(
     trust_remote_code: bool = False,
     **decoder_kwargs: Any,
 ) -> dict[str, Any]:
-    """Keyword arguments of ``MedusaDecoder(...)`` for a published export or a local one.
+    """Keyword arguments of ``TreeDecoder(...)`` for a published export or a local one.
 
     Downloads the heads (``config.json``, weights, token map, ``medusa_choices.json``: not ``vllm/`` nor
     ``eval/``), then loads the base model named by the export (its recorded ``model/`` config, else
@@ -46,7 +46,7 @@ def pretrained_decoder_kwargs(
         cache_dir, endpoint: see :func:`~medusa_train.loading.hub.download_export`.
         trust_remote_code: run the base model's own Python code when it has some; only this argument (or
             ``model``) turns it on, never the downloaded config.json.
-        decoder_kwargs: further ``MedusaDecoder`` arguments (``topk``, ``acceptance``, ``medusa_choices``, ...).
+        decoder_kwargs: further ``TreeDecoder`` arguments (``topk``, ``acceptance``, ``medusa_choices``, ...).
 
     Returns:
         ``{"model": MedusaModel, "tokenizer": ..., "medusa_choices": [[int]], **decoder_kwargs}``; the tree is the

@@ -1,9 +1,9 @@
 """Drafting and verification time of tree decoding, summed over the steps of one decode.
 
-A step's **drafting** time is its tree drafter's call (:mod:`inference.proposers.heads`); its **verification** time
-runs from the end of drafting to the end of the step: the tree pass, the acceptance rule, cache compaction and the
-step's bookkeeping. Together they are the decode's time after the prefill. On CUDA the marks are events, read once
-at the end, so timing adds no host synchronisation to a step.
+A step's **drafting** time is its tree drafter's ``draft`` call (:mod:`inference.proposers.tree_drafters`); its
+**verification** time runs from the end of drafting to the end of the step: the tree pass, the acceptance rule, cache
+compaction, the drafter's ``accept`` and the step's bookkeeping. Together they are the decode's time after the
+prefill. On CUDA the marks are events, read once at the end, so timing adds no host synchronisation to a step.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.proposers.heads import TreeDrafter
+from inference.proposers.tree_drafters import TreeDrafter
 from inference.tree import TreeBuffers
 
 
@@ -38,7 +38,7 @@ class StepTimes:
         return time.perf_counter()
 
     def timed(self, drafter: TreeDrafter) -> TreeDrafter:
-        """``drafter`` with its calls timed."""
+        """``drafter`` with its ``draft`` calls timed (``start``, ``accept`` and ``select`` passed through untimed)."""
         return _TimedDrafter(drafter, self)
 
     def drafted(self, start: Any, end: Any) -> None:
@@ -74,11 +74,20 @@ class _TimedDrafter:
         self.drafter = drafter
         self.times = times
 
-    def draft(self, hidden: Tensor, root: Tensor, tree: TreeBuffers) -> Tensor:
+    def start(self, features: dict[str, Tensor], tokens: Tensor, valid: Tensor) -> None:
+        self.drafter.start(features, tokens, valid)
+
+    def draft(self, root: Tensor, tree: TreeBuffers) -> Tensor:
         start = self.times.mark()
-        tokens = self.drafter.draft(hidden, root, tree)
+        tokens = self.drafter.draft(root, tree)
         self.times.drafted(start, self.times.mark())
         return tokens
+
+    def accept(self, tokens: Tensor, features: dict[str, Tensor], length: Tensor) -> None:
+        self.drafter.accept(tokens, features, length)
+
+    def select(self, keep: Tensor) -> None:
+        self.drafter.select(keep)
 
 
 __all__ = ["StepTimes"]

@@ -4,15 +4,16 @@
 - :class:`LookaheadProposer`: Lookahead decoding's n-gram pool and Jacobi window.
 - :func:`empty_proposal`: nothing drafted; the step decodes one token as plain decoding does.
 
-Tree decoding's drafters fill a whole candidate tree instead (:mod:`inference.proposers.heads`,
-:class:`TreeDrafter`: Medusa heads in one call, Hydra heads level by level).
+Tree decoding's drafters fill a whole candidate tree instead (:mod:`inference.proposers.tree_drafters`,
+:class:`TreeDrafter`: started per request, then draft and accept per step; Medusa heads in one call, Hydra heads
+level by level).
 """
 
 from __future__ import annotations
 
 from inference.proposers.base import AuxBranch, Proposal, Proposer, empty_proposal
 from inference.proposers.draft_model import DraftModelProposer
-from inference.proposers.heads import HydraTreeDrafter, MedusaTreeDrafter, TreeDrafter, tree_drafter
+from inference.proposers.tree_drafters import HydraTreeDrafter, MedusaTreeDrafter, TreeDrafter, tree_drafter
 from inference.proposers.lookahead import LookaheadProposer, NGramPool, check_lookahead_settings, window_layout
 
 __all__ = [

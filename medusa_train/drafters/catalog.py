@@ -21,7 +21,7 @@ A :class:`DrafterType` says:
   ``state_dict``: the module's own parameter names in ``weights_file``), ``config_keys`` (the spec's counts in our
   ``config.json``) and, per engine, None where the engine serves it or the reason where it cannot (``engines``);
 - its tree drafter: ``tree_drafter``, a class or ``"module:attribute"`` built as ``tree_drafter(model)``
-  (:class:`inference.proposers.heads.TreeDrafter`).
+  (:class:`inference.proposers.tree_drafters.TreeDrafter`).
 
 Shapes: K heads, H hidden, V vocabulary (V' the heads').
 """

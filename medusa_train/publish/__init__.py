@@ -6,7 +6,7 @@
 
 Reading an export back from the Hub is not here: :func:`medusa_train.loading.hub.download_export` (Hub id or
 folder -> local folder) and :func:`inference.decoders.pretrained.pretrained_decoder_kwargs`
-(``MedusaDecoder.from_pretrained``).
+(``TreeDecoder.from_pretrained``).
 """
 
 from __future__ import annotations

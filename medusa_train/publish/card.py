@@ -301,9 +301,9 @@ def _usage(contents: ExportContents, repo: str) -> str:
     text = ("## Usage\n\n### medusa-train\n\n"
             "```python\n"
             "from inference.decoders.base import DecodeConfig\n"
-            "from inference.decoders.medusa import MedusaDecoder\n"
+            "from inference.decoders.medusa import TreeDecoder\n"
             "from medusa_train.prompts import encode_prompt\n\n"
-            f'decoder = MedusaDecoder.from_pretrained("{repo}")  # the heads and tree from here, the base model '
+            f'decoder = TreeDecoder.from_pretrained("{repo}")  # the heads and tree from here, the base model '
             "from base_model_name_or_path\n"
             'prompt = encode_prompt(decoder.tokenizer, [{"role": "user", "content": "Why is the sky blue?"}])\n'
             "result = decoder.generate(prompt, DecodeConfig(max_new_tokens=256))\n"
@@ -355,7 +355,7 @@ def _engines(contents: ExportContents, repo: str) -> str:
         text += (f"These heads predict over a reduced vocabulary of {spec.head_vocab_size} of the base model's "
                  f"{spec.vocab_size} tokens, mapped to token ids by `{TOKEN_MAP_FILE}`. FasterDecoding and Text "
                  "Generation Inference read no token map, so they cannot use these heads: the reduced vocabulary is "
-                 "for loaders that apply the map, medusa-train's `MedusaDecoder` and vLLM's Medusa (`vllm/`, "
+                 "for loaders that apply the map, medusa-train's `TreeDecoder` and vLLM's Medusa (`vllm/`, "
                  "`truncated_vocab_size` with `token_map`).\n")
         return text
     fd_reason = fasterdecoding_limitation(spec) if spec is not None else None

@@ -157,7 +157,7 @@ def collect_export(
         if (folder / name).is_file():
             files[name] = folder / name
     if "medusa_choices" not in tree:
-        missing.append(f"No tuned tree (`{CHOICES_FILE}`): `MedusaDecoder` falls back to Medusa's default "
+        missing.append(f"No tuned tree (`{CHOICES_FILE}`): `TreeDecoder` falls back to Medusa's default "
                        "`mc_sim_7b_63` tree cut to these heads. Run `medusa-tune-tree export_dir=EXPORT_DIR` and "
                        "publish again.")
     if "head_accuracy" not in tree:

@@ -13,7 +13,7 @@ At each decoding state s (the position whose hidden state the heads read) ``targ
 true token t + k + 2 among head k's top-k, so the accepted path is found by following, from the root, the child
 whose rank is that head's target rank, for as long as the child is in the tree. The step emits the accepted tokens
 plus one from the base model, and the next state is that many positions on. For greedy decoding this is exactly
-what :class:`inference.decoders.MedusaDecoder` does on the same prompts, up to floating-point ties between a
+what :class:`inference.decoders.TreeDecoder` does on the same prompts, up to floating-point ties between a
 teacher-forced pass and a cached one.
 """
 

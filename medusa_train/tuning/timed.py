@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from inference.decoders.base import DecodeConfig
-from inference.decoders.medusa import MedusaDecoder
+from inference.decoders.medusa import TreeDecoder
 from inference.evaluation.intervals import bounds_text, ratio_interval
 from inference.tree import TOPK
 
@@ -68,7 +68,7 @@ def time_trees(model: Any, prompts: Sequence[Sequence[int]], trees: dict[int, li
         every tree), τ, the mean step time, and the same tokens and seconds per prompt (``[prompts]``).
 
     Raises:
-        ValueError: no prompts, no trees, or an invalid tree (from :class:`~inference.decoders.medusa.MedusaDecoder`).
+        ValueError: no prompts, no trees, or an invalid tree (from :class:`~inference.decoders.medusa.TreeDecoder`).
     """
     if not prompts or not trees:
         raise ValueError("time_trees needs at least one prompt and one tree")
@@ -76,7 +76,7 @@ def time_trees(model: Any, prompts: Sequence[Sequence[int]], trees: dict[int, li
     # The candidates every decoder takes per head: medusa-eval's, or more when a tree ranks deeper.
     deepest = max(1 + max(path) for choices in trees.values() for path in choices)
     topk = min(model.heads.spec.out_size, max(TOPK, deepest))
-    decoders = {n: MedusaDecoder(model, choices, topk=topk) for n, choices in trees.items()}
+    decoders = {n: TreeDecoder(model, choices, topk=topk) for n, choices in trees.items()}
     for decoder in decoders.values():
         decoder.generate(list(prompts[0]), config)  # warm-up: first calls pay allocation and kernel selection
     per_prompt: dict[int, dict[str, list]] = {n: {"tokens": [], "seconds": [], "passes": []} for n in trees}

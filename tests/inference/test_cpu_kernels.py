@@ -12,7 +12,7 @@ from inference.decoders.base import DecodeConfig
 from inference.decoders.draft import DraftDecoder
 from inference.decoders.hf_peers import HfAssistedDecoder, HfPromptLookupDecoder
 from inference.decoders.lookahead import LookaheadDecoder
-from inference.decoders.medusa import MedusaDecoder
+from inference.decoders.medusa import TreeDecoder
 from inference.decoders.vanilla import VanillaDecoder
 from inference.draft_loading import self_layer_draft
 from medusa_train.loading.cpu_kernels import PackedLinear, onednn_available, pack_linear_layers
@@ -40,7 +40,7 @@ def test_every_decoder_equals_plain_greedy_on_the_same_packed_kernels(family, dt
     base = model.base
     assert isinstance(base.get_output_embeddings(), PackedLinear)
     draft = self_layer_draft(base, 1)  # shares the target's packed layers
-    decoders = [MedusaDecoder(model, [[0], [0, 0], [1], [0, 1]], topk=2),
+    decoders = [TreeDecoder(model, [[0], [0, 0], [1], [0, 1]], topk=2),
                 DraftDecoder(base, draft, num_draft_tokens=3),
                 LookaheadDecoder(base, 4, 3, 4),
                 HfPromptLookupDecoder(base, 4),

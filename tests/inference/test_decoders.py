@@ -13,7 +13,7 @@ from transformers import TextStreamer
 
 from inference.decoders import (
     DecodeConfig,
-    MedusaDecoder,
+    TreeDecoder,
     VanillaDecoder,
     aggregate_mean_accepted_tokens,
     default_medusa_choices,
@@ -145,7 +145,7 @@ def test_vanilla_sampling_is_reproducible_by_seed():
 def test_medusa_greedy_equals_vanilla_greedy_random_heads(family, head_type):
     base = make_tiny_model(family)
     model = random_heads(head_type, base)
-    decoder = MedusaDecoder(model, SMALL_TREE, topk=10)
+    decoder = TreeDecoder(model, SMALL_TREE, topk=10)
     calls = count_backbone_calls(model)
     for prompt in PROMPTS:
         before = len(calls)
@@ -200,10 +200,10 @@ def test_a_medusa_step_reads_the_host_once_and_the_cache_is_checked_once_per_req
         finally:
             reads.active = active
 
-    original_step = medusa.medusa_step
-    monkeypatch.setattr(medusa, "medusa_step", step)
+    original_step = medusa.tree_step
+    monkeypatch.setattr(medusa, "tree_step", step)
     monkeypatch.setattr(model, "hidden", hidden)
-    result = MedusaDecoder(model, SMALL_TREE, topk=10).generate(PROMPTS[0], DecodeConfig(max_new_tokens=30))
+    result = TreeDecoder(model, SMALL_TREE, topk=10).generate(PROMPTS[0], DecodeConfig(max_new_tokens=30))
     assert result.tokens == greedy(base, PROMPTS[0], 30)
     assert checks == ["PreallocatedCache"]  # once, after the prefill; never inside a step
     assert len(steps) == result.forward_passes > 5
@@ -222,7 +222,7 @@ def test_perfect_heads_accept_the_whole_depth_every_step(family, choices, num_he
     continuation = greedy(base, prompt, n + num_heads + 2)
     model = LookupHeadsMedusa(base, num_heads, prompt + continuation)
     calls = count_backbone_calls(model)
-    result = MedusaDecoder(model, choices, topk=10).generate(prompt, DecodeConfig(max_new_tokens=n))
+    result = TreeDecoder(model, choices, topk=10).generate(prompt, DecodeConfig(max_new_tokens=n))
     assert result.tokens == continuation[:n]
     assert result.accepted_lengths == [depth + 1] * steps
     assert result.forward_passes == steps and len(calls) == steps + 1
@@ -240,7 +240,7 @@ def _perfect_llama(num_heads: int = 3, n: int = 40):
                                                      (9, [4, 4]), (12, [4, 4, 3])])
 def test_max_new_tokens_is_exact(max_new_tokens, accepted):
     _, model, prompt, continuation = _perfect_llama()
-    result = MedusaDecoder(model, SMALL_TREE, topk=10).generate(prompt, DecodeConfig(max_new_tokens=max_new_tokens))
+    result = TreeDecoder(model, SMALL_TREE, topk=10).generate(prompt, DecodeConfig(max_new_tokens=max_new_tokens))
     assert result.tokens == continuation[:max_new_tokens]
     assert result.accepted_lengths == accepted
     assert result.stop_reason == "max_new_tokens"
@@ -253,7 +253,7 @@ def test_eos_stops_mid_step_and_is_kept():
     j = next(i for i in range(6, len(continuation)) if continuation[i] not in continuation[:i] and i % 4 != 0)
     eos = continuation[j]
     config = DecodeConfig(max_new_tokens=40, eos_token_ids=(eos,))
-    medusa = MedusaDecoder(model, SMALL_TREE, topk=10).generate(prompt, config)
+    medusa = TreeDecoder(model, SMALL_TREE, topk=10).generate(prompt, config)
     vanilla = VanillaDecoder(base).generate(prompt, config)
     assert medusa.tokens == vanilla.tokens == continuation[: j + 1]
     assert medusa.stop_reason == vanilla.stop_reason == "eos"
@@ -265,7 +265,7 @@ def test_eos_stops_mid_step_and_is_kept():
 def test_eos_as_first_token():
     base, model, prompt, continuation = _perfect_llama()
     config = DecodeConfig(max_new_tokens=10, eos_token_ids=(continuation[0],))
-    for decoder in (MedusaDecoder(model, SMALL_TREE, topk=10), VanillaDecoder(base)):
+    for decoder in (TreeDecoder(model, SMALL_TREE, topk=10), VanillaDecoder(base)):
         result = decoder.generate(prompt, config)
         assert result.tokens == continuation[:1] and result.forward_passes == 0 and result.stop_reason == "eos"
 
@@ -277,7 +277,7 @@ def test_stop_strings_cut_at_the_completing_token():
     stop = tokenizer.decode(continuation[j - 1 : j + 1])
     first = next(i for i in range(1, len(continuation)) if stop in tokenizer.decode(continuation[: i + 1]))
     config = DecodeConfig(max_new_tokens=30, stop_strings=(stop,))
-    for decoder in (MedusaDecoder(model, SMALL_TREE, topk=10, tokenizer=tokenizer),
+    for decoder in (TreeDecoder(model, SMALL_TREE, topk=10, tokenizer=tokenizer),
                     VanillaDecoder(base, tokenizer=tokenizer)):
         result = decoder.generate(prompt, config)
         assert result.tokens == continuation[: first + 1]
@@ -293,7 +293,7 @@ def test_stop_strings_cut_at_the_completing_token():
 def test_token_streamer_receives_exactly_the_reply():
     _, model, prompt, continuation = _perfect_llama()
     streamer = Collector()
-    result = MedusaDecoder(model, SMALL_TREE, topk=10).generate(prompt, DecodeConfig(max_new_tokens=10), streamer)
+    result = TreeDecoder(model, SMALL_TREE, topk=10).generate(prompt, DecodeConfig(max_new_tokens=10), streamer)
     assert [t for chunk in streamer.chunks for t in chunk] == result.tokens == continuation[:10]
     assert [len(c) for c in streamer.chunks] == [1, 4, 4, 1] and streamer.ended == 1
 
@@ -301,7 +301,7 @@ def test_token_streamer_receives_exactly_the_reply():
 def test_hf_text_streamer_prints_the_reply(capsys):
     base, model, prompt, continuation = _perfect_llama()
     tokenizer = CharTokenizer()
-    for decoder in (MedusaDecoder(model, SMALL_TREE, topk=10), VanillaDecoder(base)):
+    for decoder in (TreeDecoder(model, SMALL_TREE, topk=10), VanillaDecoder(base)):
         decoder.generate(prompt, DecodeConfig(max_new_tokens=9), TextStreamer(tokenizer, skip_prompt=True))
         assert capsys.readouterr().out == tokenizer.decode(continuation[:9]) + "\n"
 
@@ -311,7 +311,7 @@ def test_hf_text_streamer_prints_the_reply(capsys):
 def test_errors_before_decoding():
     base = make_tiny_model("gpt2")  # 256 positions
     model = random_medusa(base)
-    decoders = (MedusaDecoder(model, SMALL_TREE, topk=10), VanillaDecoder(base))
+    decoders = (TreeDecoder(model, SMALL_TREE, topk=10), VanillaDecoder(base))
     for decoder in decoders:
         with pytest.raises(ValueError, match="empty"):
             decoder.generate([], DecodeConfig(max_new_tokens=4))
@@ -333,20 +333,20 @@ def test_errors_before_decoding():
 def test_invalid_trees_and_settings_are_named():
     model = random_medusa(make_tiny_model("llama"))
     with pytest.raises(ValueError, match=r"\[1, 0\].*prefix \[1\] is missing"):
-        MedusaDecoder(model, [[0], [1, 0]])
+        TreeDecoder(model, [[0], [1, 0]])
     with pytest.raises(ValueError, match=r"\[0, 0, 0, 0\].*exceeds num_heads=3"):
-        MedusaDecoder(model, chain_choices(4))
+        TreeDecoder(model, chain_choices(4))
     with pytest.raises(ValueError, match=r"\[12\].*topk=10"):
-        MedusaDecoder(model, [[12]], topk=10)
+        TreeDecoder(model, [[12]], topk=10)
     with pytest.raises(ValueError, match="topk must be an int in \\[1, 97\\]"):
-        MedusaDecoder(model, [[0]], topk=98)
+        TreeDecoder(model, [[0]], topk=98)
     with pytest.raises(ValueError, match="acceptance must be one of"):
-        MedusaDecoder(model, [[0]], acceptance="optimistic")
+        TreeDecoder(model, [[0]], acceptance="optimistic")
     with pytest.raises(ValueError, match="acceptance='greedy' needs temperature=0"):
-        MedusaDecoder(model, [[0]], acceptance="greedy").generate(PROMPTS[0], DecodeConfig(max_new_tokens=3,
+        TreeDecoder(model, [[0]], acceptance="greedy").generate(PROMPTS[0], DecodeConfig(max_new_tokens=3,
                                                                                          temperature=0.7))
     with pytest.raises(ValueError, match="typical"):
-        MedusaDecoder(model, [[0]], acceptance="typical").generate(
+        TreeDecoder(model, [[0]], acceptance="typical").generate(
             PROMPTS[0], DecodeConfig(max_new_tokens=3, temperature=0.7, top_p=0.9))
 
 
@@ -356,16 +356,16 @@ def test_unsupported_attention_layouts_are_refused_at_construction():
         num_key_value_heads=2, head_dim=8, final_logit_softcapping=None, sliding_window=8)
     base = transformers.AutoModelForCausalLM.from_config(hybrid, attn_implementation="eager").eval()
     with pytest.raises(NotImplementedError, match="sliding_attention"):
-        MedusaDecoder(MedusaModel(base, new_heads_for(base, 2)), [[0]])
+        TreeDecoder(MedusaModel(base, new_heads_for(base, 2)), [[0]])
     llama = make_tiny_model("llama")
     llama.config._attn_implementation = "flash_attention_2"  # a config value, as a flash-attention load sets it
     with pytest.raises(NotImplementedError, match="flash_attention_2"):
-        MedusaDecoder(MedusaModel(llama, new_heads_for(llama, 2)), [[0]])
+        TreeDecoder(MedusaModel(llama, new_heads_for(llama, 2)), [[0]])
 
 
 def test_sliding_window_model_within_its_window():
     base = make_tiny_model("mistral", sliding_window=48)
-    decoder = MedusaDecoder(random_medusa(base), SMALL_TREE, topk=10)
+    decoder = TreeDecoder(random_medusa(base), SMALL_TREE, topk=10)
     assert decoder.generate(PROMPTS[0], DecodeConfig(max_new_tokens=40)).tokens == greedy(base, PROMPTS[0], 40)
     with pytest.raises(ValueError, match="sliding window.*max_new_tokens"):
         decoder.generate(PROMPTS[0], DecodeConfig(max_new_tokens=41))
@@ -382,7 +382,7 @@ def test_batched_greedy_equals_each_prompt_alone(family):
     assert [r.tokens for r in vanilla] == expected
     model = random_medusa(base)
     calls = count_backbone_calls(model)
-    medusa = MedusaDecoder(model, SMALL_TREE, topk=10).generate_batch(prompts, DecodeConfig(max_new_tokens=30))
+    medusa = TreeDecoder(model, SMALL_TREE, topk=10).generate_batch(prompts, DecodeConfig(max_new_tokens=30))
     assert [r.tokens for r in medusa] == expected
     for r in medusa:
         check_counts(r)
@@ -396,13 +396,13 @@ def test_batched_rows_stop_on_their_own():
     other = PROMPTS[1]
     eos = continuation[6]
     config = DecodeConfig(max_new_tokens=20, eos_token_ids=(eos,))
-    alone = [MedusaDecoder(model, SMALL_TREE, topk=10).generate(p, config) for p in (prompt, other)]
-    batch = MedusaDecoder(model, SMALL_TREE, topk=10).generate_batch([prompt, other], config)
+    alone = [TreeDecoder(model, SMALL_TREE, topk=10).generate(p, config) for p in (prompt, other)]
+    batch = TreeDecoder(model, SMALL_TREE, topk=10).generate_batch([prompt, other], config)
     assert [r.tokens for r in batch] == [r.tokens for r in alone]
     assert [r.accepted_lengths for r in batch] == [r.accepted_lengths for r in alone]
     assert batch[0].tokens == continuation[: continuation.index(eos) + 1] and batch[0].stop_reason == "eos"
     with pytest.raises(ValueError, match=r"prompts\[1\]: input_ids is empty"):
-        MedusaDecoder(model, SMALL_TREE, topk=10).generate_batch([prompt, []], config)
+        TreeDecoder(model, SMALL_TREE, topk=10).generate_batch([prompt, []], config)
     with pytest.raises(ValueError, match="streamer needs a single prompt"):
         from inference.decoders.batching import Replies
         Replies(2, config, streamer=Collector())
@@ -410,7 +410,7 @@ def test_batched_rows_stop_on_their_own():
 
 def test_batched_speculative_sampling_is_reproducible():
     base = make_tiny_model("llama")
-    decoder = MedusaDecoder(random_medusa(base), SMALL_TREE, topk=10, acceptance="speculative")
+    decoder = TreeDecoder(random_medusa(base), SMALL_TREE, topk=10, acceptance="speculative")
     config = DecodeConfig(max_new_tokens=15, temperature=0.9, seed=5)
     first = decoder.generate_batch(list(PROMPTS), config)
     assert [r.tokens for r in decoder.generate_batch(list(PROMPTS), config)] == [r.tokens for r in first]
@@ -432,7 +432,7 @@ def random_heads(head_type: str, base: torch.nn.Module) -> MedusaModel:
 @pytest.mark.parametrize("acceptance", ["typical", "speculative"])
 def test_sampling_rules_are_greedy_at_temperature_zero(acceptance, head_type):
     base = make_tiny_model("llama")
-    decoder = MedusaDecoder(random_heads(head_type, base), SMALL_TREE, topk=10, acceptance=acceptance)
+    decoder = TreeDecoder(random_heads(head_type, base), SMALL_TREE, topk=10, acceptance=acceptance)
     assert decoder.generate(PROMPTS[2], DecodeConfig(max_new_tokens=30)).tokens == greedy(base, PROMPTS[2], 30)
 
 
@@ -440,7 +440,7 @@ def test_sampling_rules_are_greedy_at_temperature_zero(acceptance, head_type):
 @pytest.mark.parametrize("acceptance", ["typical", "speculative"])
 def test_sampling_rules_are_reproducible_by_seed(acceptance, head_type):
     base = make_tiny_model("llama")
-    decoder = MedusaDecoder(random_heads(head_type, base), SMALL_TREE, topk=10, acceptance=acceptance)
+    decoder = TreeDecoder(random_heads(head_type, base), SMALL_TREE, topk=10, acceptance=acceptance)
     runs = [decoder.generate(PROMPTS[0], DecodeConfig(max_new_tokens=20, temperature=0.8, seed=s)) for s in (3, 3, 4)]
     assert runs[0].tokens == runs[1].tokens != runs[2].tokens
     for r in runs:
@@ -452,7 +452,7 @@ def test_perfect_heads_typical_acceptance_at_low_temperature_accepts_everything(
     """One-hot heads equal to the greedy path; at temperature 1e-4 the target is one-hot on it too (the tiny model's
     top-2 logit gaps are >= 0.005)."""
     _, model, prompt, continuation = _perfect_llama()
-    result = MedusaDecoder(model, SMALL_TREE, topk=10, acceptance="typical").generate(
+    result = TreeDecoder(model, SMALL_TREE, topk=10, acceptance="typical").generate(
         prompt, DecodeConfig(max_new_tokens=13, temperature=1e-4, seed=0))
     assert result.accepted_lengths == [4, 4, 4]
     assert aggregate_mean_accepted_tokens([result, result]) == 4.0
@@ -479,7 +479,7 @@ def test_speculative_sampling_keeps_the_target_distribution_of_the_first_two_tok
     # The drafts hold a fair share of the mass: both acceptance and the residual resampling are exercised.
     assert 0.2 < float(joint[:, drafted].sum()) < 0.8
 
-    decoder = MedusaDecoder(model, choices, topk=3, acceptance="speculative")
+    decoder = TreeDecoder(model, choices, topk=3, acceptance="speculative")
     samples = 1000
     counts = torch.zeros(8, 8, dtype=torch.float64)
     for seed in range(samples):
@@ -528,8 +528,8 @@ def test_chat_generate_fills_eos_and_text():
 
 def test_a_shallow_tree_reads_only_its_heads():
     base = make_tiny_model("llama")
-    decoder = MedusaDecoder(MedusaModel(base, new_heads_for(base, num_heads=4)), [[0], [1], [0, 0]], topk=2)
+    decoder = TreeDecoder(MedusaModel(base, new_heads_for(base, num_heads=4)), [[0], [1], [0, 0]], topk=2)
     assert decoder.tree.num_heads == 2 and decoder.tree.max_depth == 2
     with pytest.raises(ValueError, match="exceeds num_heads=4"):
-        MedusaDecoder(MedusaModel(base, new_heads_for(base, num_heads=4)), [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0],
+        TreeDecoder(MedusaModel(base, new_heads_for(base, num_heads=4)), [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0],
                                                                              [0, 0, 0, 0, 0]], topk=2)

@@ -117,15 +117,15 @@ def test_a_bf16_eval_explains_every_divergence(tmp_path, monkeypatch):
     # each divergence is judged against vanilla's gap at token 3.
     from dataclasses import replace
 
-    from inference.decoders.medusa import MedusaDecoder
+    from inference.decoders.medusa import TreeDecoder
 
-    original = MedusaDecoder.generate
+    original = TreeDecoder.generate
 
     def broken(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         return replace(result, tokens=result.tokens[:3] + [(result.tokens[3] + 1) % 97] + result.tokens[4:])
 
-    monkeypatch.setattr(MedusaDecoder, "generate", broken)
+    monkeypatch.setattr(TreeDecoder, "generate", broken)
     summary = evaluate(config(tmp_path / "export", prompts, tmp_path / "broken", "dtype=bfloat16",
                               "max_new_tokens=24", "max_turns=1", "noise_positions=16"))
     report = summary["divergences"]

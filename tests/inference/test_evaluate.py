@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from inference.cli.evaluate import register_schemas
-from inference.decoders.medusa import MedusaDecoder
+from inference.decoders.medusa import TreeDecoder
 from inference.decoders.vanilla import VanillaDecoder
 from inference.evaluation.eval_run import evaluate
 from inference.evaluation.results import read_rows
@@ -85,7 +85,7 @@ class CallCounter:
 
     def __init__(self, monkeypatch, fail_class=None, fail_on: int = 0) -> None:
         self.calls = {"vanilla": 0, "medusa": 0}
-        for cls in (VanillaDecoder, MedusaDecoder):
+        for cls in (VanillaDecoder, TreeDecoder):
             original = cls.generate
 
             def counted(decoder, *args, _original=original, _cls=cls, **kwargs):
@@ -223,7 +223,7 @@ def test_a_separate_draft_model_is_loaded_once_and_equal_to_the_target_accepts_e
 def test_interrupted_run_resumes_without_redoing_rows(export, prompts, tmp_path, monkeypatch):
     out = tmp_path / "run"
     cfg = config(export, prompts, out)
-    killed = CallCounter(monkeypatch, fail_class=MedusaDecoder, fail_on=3)
+    killed = CallCounter(monkeypatch, fail_class=TreeDecoder, fail_on=3)
     with pytest.raises(KeyboardInterrupt):
         evaluate(cfg)
     assert killed.calls == {"vanilla": 3, "medusa": 3}

@@ -5,7 +5,7 @@ import json
 import torch
 
 from inference.decoders import DecodeConfig
-from inference.decoders.medusa import MedusaDecoder
+from inference.decoders.medusa import TreeDecoder
 from inference.decoders.vanilla import VanillaDecoder
 from medusa_train.config import ModelConfig
 from medusa_train.export import save_export
@@ -24,7 +24,7 @@ def test_from_pretrained_export_folder_uses_its_tree_and_matches_greedy(tmp_path
     tree = [[0], [1], [0, 0]]
     (tmp_path / "export" / "medusa_choices.json").write_text(json.dumps(tree))
 
-    decoder = MedusaDecoder.from_pretrained(str(tmp_path / "export"), topk=4)
+    decoder = TreeDecoder.from_pretrained(str(tmp_path / "export"), topk=4)
     assert [list(p) for p in decoder.tree.paths] == tree
     prompt = torch.tensor([[1, 10, 20, 30]])
     config = DecodeConfig(max_new_tokens=16)

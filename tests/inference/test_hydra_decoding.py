@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.decoders import DecodeConfig, MedusaDecoder
-from inference.proposers.heads import HydraTreeDrafter, MedusaTreeDrafter, hydra_levels, tree_drafter
+from inference.decoders import DecodeConfig, TreeDecoder
+from inference.proposers.tree_drafters import FINAL, HydraTreeDrafter, MedusaTreeDrafter, hydra_levels, tree_drafter
 from inference.tree import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
 from medusa_train.model import MedusaModel, new_heads_for
 from tests.conftest import VOCAB, chi_square, make_tiny_model
@@ -80,9 +80,12 @@ def test_each_level_reads_the_path_of_the_node_it_expands():
     model = PathLookupHydra(base, 3, sequence)
     tree = build_tree_buffers([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], num_heads=3, topk=2)
     t = len(prompt) - 1
-    hidden = base.base_model(torch.tensor([sequence])).last_hidden_state[:, t]  # [1, H]
+    ids = torch.tensor([sequence[: t + 1]])
+    hidden = base.base_model(torch.tensor([sequence])).last_hidden_state[:, : t + 1]  # [1, t + 1, H]
     root = torch.tensor([sequence[t + 1]])
-    tokens = HydraTreeDrafter(model).draft(hidden, root, tree)[0].tolist()
+    drafter = HydraTreeDrafter(model)
+    drafter.start({FINAL: hidden}, ids, torch.ones_like(ids, dtype=torch.bool))
+    tokens = drafter.draft(root, tree)[0].tolist()
     right = sequence[t + 1 : t + 5]
     # rank 0 of each head on the true path is the true token; rank 1 is the (wrong) lookup's second choice
     assert tokens[0] == right[0] and tokens[1] == right[1] and tokens[3] == right[2] and tokens[6] == right[3]
@@ -106,7 +109,7 @@ def test_hydra_batched_greedy_equals_each_prompt_alone(combine):
     base = make_tiny_model("llama")
     prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[1]]
     expected = [greedy(base, p, 30) for p in prompts]
-    results = MedusaDecoder(random_hydra(base, combine=combine), SMALL_TREE, topk=10).generate_batch(
+    results = TreeDecoder(random_hydra(base, combine=combine), SMALL_TREE, topk=10).generate_batch(
         prompts, DecodeConfig(max_new_tokens=30))
     assert [r.tokens for r in results] == expected
     for r in results:
@@ -125,7 +128,7 @@ def test_perfect_path_heads_accept_the_whole_depth_every_step(choices, num_heads
     prompt = PROMPTS[0]
     continuation = greedy(base, prompt, n + num_heads + 2)
     model = PathLookupHydra(base, num_heads, prompt + continuation)
-    result = MedusaDecoder(model, choices, topk=10).generate(prompt, DecodeConfig(max_new_tokens=n))
+    result = TreeDecoder(model, choices, topk=10).generate(prompt, DecodeConfig(max_new_tokens=n))
     assert result.tokens == continuation[:n]
     assert result.accepted_lengths == [depth + 1] * steps
     assert [k for k, _ in model.calls] == list(range(depth)) * steps  # one head call per level and step
@@ -134,7 +137,7 @@ def test_perfect_path_heads_accept_the_whole_depth_every_step(choices, num_heads
 def test_draft_and_verification_time_are_reported_for_tree_decoding():
     base = make_tiny_model("llama")
     for model in (random_hydra(base), MedusaModel(base, new_heads_for(base, 3))):
-        result = MedusaDecoder(model, SMALL_TREE, topk=10).generate(PROMPTS[0], DecodeConfig(max_new_tokens=20))
+        result = TreeDecoder(model, SMALL_TREE, topk=10).generate(PROMPTS[0], DecodeConfig(max_new_tokens=20))
         assert result.draft_time_s > 0 and result.verify_time_s > 0
         assert result.prefill_time_s + result.draft_time_s + result.verify_time_s <= result.wall_time_s
 
@@ -146,7 +149,7 @@ def test_perfect_path_heads_typical_acceptance_at_low_temperature_accepts_everyt
     prompt = PROMPTS[0]
     continuation = greedy(base, prompt, 20)
     model = PathLookupHydra(base, 3, prompt + continuation)
-    result = MedusaDecoder(model, SMALL_TREE, topk=10, acceptance="typical").generate(
+    result = TreeDecoder(model, SMALL_TREE, topk=10, acceptance="typical").generate(
         prompt, DecodeConfig(max_new_tokens=13, temperature=1e-4, seed=0))
     assert result.accepted_lengths == [4, 4, 4]
 
@@ -164,7 +167,7 @@ def test_hydra_speculative_sampling_keeps_the_target_distribution_of_the_first_t
         p2 = torch.stack([torch.softmax(base(torch.tensor([prompt + [a]])).logits[0, -1].double(), -1)
                           for a in range(8)])
     joint = p1[:, None] * p2
-    decoder = MedusaDecoder(model, choices, topk=3, acceptance="speculative")
+    decoder = TreeDecoder(model, choices, topk=3, acceptance="speculative")
     samples = 1000
     counts = torch.zeros(8, 8, dtype=torch.float64)
     for seed in range(samples):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
-from inference.decoders import DecodeConfig, MedusaDecoder, VanillaDecoder
+from inference.decoders import DecodeConfig, TreeDecoder, VanillaDecoder
 from inference.tree import chain_choices
 from medusa_train.cli.train import register_schemas
 from medusa_train.loading.medusa import load_medusa
@@ -30,7 +30,7 @@ def test_trained_stories260k_heads_decode_exactly_greedy_and_accept_more(tmp_pat
     model, tokenizer, _ = load_medusa(summary["export_dir"])
     vanilla = VanillaDecoder(model.base)
     tree = chain_choices(model.heads.spec.num_heads) + [[1], [0, 1]]
-    medusa = MedusaDecoder(model, tree, topk=4)
+    medusa = TreeDecoder(model, tree, topk=4)
     config = DecodeConfig(max_new_tokens=64)
     passes = tokens = 0
     for text in PROMPTS:
@@ -65,7 +65,7 @@ def test_trained_stories260k_hydra_heads_decode_exactly_greedy_and_the_replay_gi
     assert config["head_type"] == "hydra"
     vanilla = VanillaDecoder(model.base)
     tree = chain_choices(model.heads.spec.num_heads) + [[1], [0, 1], [1, 0], [0, 0, 1]]
-    hydra = MedusaDecoder(model, tree, topk=4)
+    hydra = TreeDecoder(model, tree, topk=4)
     config = DecodeConfig(max_new_tokens=64)
     passes = tokens = 0
     for text in PROMPTS:

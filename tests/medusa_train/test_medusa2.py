@@ -198,7 +198,7 @@ def test_disabled_adapters_give_the_original_model_bit_for_bit_after_training(lo
 
 
 def test_export_holds_the_merged_base_and_decodes_like_it(lora_run, tmp_path):
-    from inference.decoders import DecodeConfig, MedusaDecoder, VanillaDecoder
+    from inference.decoders import DecodeConfig, TreeDecoder, VanillaDecoder
     from inference.tree import SMALL_TREE_15
 
     recipe, out = lora_run
@@ -217,7 +217,7 @@ def test_export_holds_the_merged_base_and_decodes_like_it(lora_run, tmp_path):
     assert Path(model.base.config._name_or_path).resolve() == (moved / "base").resolve()
     assert torch.equal(logits_of(model.base, IDS), logits_of(merged, IDS))
     assert tokenizer.vocab_size == 512
-    decoder = MedusaDecoder(model, [list(p) for p in SMALL_TREE_15 if len(p) <= 2], topk=10)
+    decoder = TreeDecoder(model, [list(p) for p in SMALL_TREE_15 if len(p) <= 2], topk=10)
     for prompt in ([1, 40, 41, 42], [1, 300, 12]):
         medusa = decoder.generate(prompt, DecodeConfig(max_new_tokens=24))
         assert medusa.tokens == VanillaDecoder(merged).generate(prompt, DecodeConfig(max_new_tokens=24)).tokens

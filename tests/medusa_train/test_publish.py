@@ -175,7 +175,7 @@ def test_model_card_metadata_is_valid_yaml_with_base_library_tags_and_eval(hub, 
     assert ('--speculative-config \'{"method": "medusa", "model": "tiny-medusa/vllm", "num_speculative_tokens": 3}\''
             in card)
     assert "The heads project onto 8 of the 97 tokens; vLLM (0.32) loads no token map" in card
-    assert f'MedusaDecoder.from_pretrained("{REPO}")' in card
+    assert f'TreeDecoder.from_pretrained("{REPO}")' in card
     assert "`apache-2.0` (from the alice/tiny-base model card)" in card
     assert "What is missing" not in card
 
@@ -416,7 +416,7 @@ def test_download_export_local_folders_and_errors(hub, export, tmp_path):
 
 
 def test_decoder_arguments_from_the_hub(hub, export, heads, base, tmp_path):
-    from inference.decoders.medusa import MedusaDecoder
+    from inference.decoders.medusa import TreeDecoder
 
     publish_export(export, REPO)
     local_base = tmp_path / "base"
@@ -425,7 +425,7 @@ def test_decoder_arguments_from_the_hub(hub, export, heads, base, tmp_path):
     kwargs = pretrained_decoder_kwargs(REPO, model={"name_or_path": str(local_base)}, cache_dir=tmp_path / "cache",
                                        topk=3)
     assert kwargs["medusa_choices"] == CHOICES and kwargs["topk"] == 3
-    decoder = MedusaDecoder(**kwargs)
+    decoder = TreeDecoder(**kwargs)
     x = torch.randn(1, 2, HIDDEN, generator=torch.Generator().manual_seed(2))
     assert torch.equal(decoder.model.heads(x, base.lm_head.weight), heads(x, base.lm_head.weight))
     # Only what the decoder needs was downloaded: no vllm/, no eval/.

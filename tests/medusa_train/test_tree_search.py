@@ -205,7 +205,7 @@ def test_the_shortlist_times_the_predicted_best_and_the_measured_sizes_near_it()
 
 def test_timed_trees_count_what_the_decoder_decodes():
     from inference.decoders.base import DecodeConfig
-    from inference.decoders.medusa import MedusaDecoder
+    from inference.decoders.medusa import TreeDecoder
     from medusa_train.model import MedusaModel, new_heads_for
     from medusa_train.tuning.timed import fastest, time_trees
     from tests.conftest import make_tiny_model
@@ -218,7 +218,7 @@ def test_timed_trees_count_what_the_decoder_decodes():
     assert set(timed) == {2, 4} and timed[fastest(timed)]["tokens_per_s"] == max(r["tokens_per_s"]
                                                                                   for r in timed.values())
     for n, row in timed.items():
-        direct = [MedusaDecoder(model, trees[n]).generate(p, DecodeConfig(max_new_tokens=12)) for p in prompts]
+        direct = [TreeDecoder(model, trees[n]).generate(p, DecodeConfig(max_new_tokens=12)) for p in prompts]
         passes = sum(r.forward_passes for r in direct)
         assert row["tokens"] == 2 * 11 == sum(r.new_tokens - 1 for r in direct)  # no EOS: every reply is 12
         assert row["mean_accepted_tokens"] == pytest.approx(row["tokens"] / passes)

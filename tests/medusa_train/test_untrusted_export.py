@@ -3,7 +3,7 @@
 The base folder holds a custom modeling file (``auto_map`` in its config.json) that writes a marker file when Python
 imports it; the export records ``trust_remote_code: true``. Loading the export through every front door
 (``medusa-generate``, :func:`load_for_inference` as ``medusa-eval`` and ``medusa-tune-tree`` do, and
-``MedusaDecoder.from_pretrained``) must not import it; asking explicitly does.
+``TreeDecoder.from_pretrained``) must not import it; asking explicitly does.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import transformers.dynamic_module_utils
 from hydra import compose, initialize_config_dir
 
 from inference.cli.generate import register_schemas, run
-from inference.decoders.medusa import MedusaDecoder
+from inference.decoders.medusa import TreeDecoder
 from medusa_train.config import ModelConfig
 from medusa_train.export import save_export
 from medusa_train.loading.medusa import export_extra_config, load_medusa
@@ -81,7 +81,7 @@ def test_eval_and_tune_loader_and_from_pretrained_do_not_run_it_either(tmp_path)
     export, _, marker = make_export(tmp_path)
     model, _, _, _ = load_for_inference(str(export), dtype="float32", echo=None)
     assert type(model.base).__name__ == "LlamaForCausalLM"
-    decoder = MedusaDecoder.from_pretrained(str(export), dtype="float32")
+    decoder = TreeDecoder.from_pretrained(str(export), dtype="float32")
     assert type(decoder.model.base).__name__ == "LlamaForCausalLM"
     assert not marker.exists()
 
