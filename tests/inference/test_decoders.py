@@ -22,6 +22,7 @@ from inference.decoders import (
 from inference.decoders.chat import chat_prompt_ids, eos_ids
 from inference.decoders.medusa import tree_attention_mask
 from inference.tree import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
+from medusa_train.drafters.catalog import head_types
 from medusa_train.model import MedusaModel, new_heads_for
 from tests.conftest import FAMILIES, chi_square, make_tiny_model
 
@@ -140,7 +141,7 @@ def test_vanilla_sampling_is_reproducible_by_seed():
 
 # --- Medusa greedy = plain greedy -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+@pytest.mark.parametrize("head_type", head_types())  # every type in the drafter catalog
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_medusa_greedy_equals_vanilla_greedy_random_heads(family, head_type):
     base = make_tiny_model(family)
@@ -419,16 +420,20 @@ def test_batched_speculative_sampling_is_reproducible():
 
 # --- other acceptance rules -----------------------------------------------------------------------------------------
 
-def random_heads(head_type: str, base: torch.nn.Module) -> MedusaModel:
-    """Random Medusa or Hydra heads on ``base`` (every rule of the decoder serves both)."""
-    if head_type == "hydra":
-        from tests.inference.test_hydra_decoding import random_hydra  # it imports this module
+def random_heads(head_type: str, base: torch.nn.Module, num_heads: int = 3, seed: int = 0) -> MedusaModel:
+    """Random heads of any registered drafter type on ``base`` (every rule of the decoder serves every type): every
+    parameter but the projections (copied from the base lm_head) perturbed by N(0, 0.3^2), so they disagree with the
+    base often and many drafts are rejected."""
+    heads = new_heads_for(base, num_heads, head_type=head_type)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in heads.named_parameters():
+            if name != "lm_head_weight":
+                p.add_(torch.randn(p.shape, generator=generator) * 0.3)
+    return MedusaModel(base, heads)
 
-        return random_hydra(base)
-    return random_medusa(base)
 
-
-@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+@pytest.mark.parametrize("head_type", head_types())  # every type in the drafter catalog
 @pytest.mark.parametrize("acceptance", ["typical", "speculative"])
 def test_sampling_rules_are_greedy_at_temperature_zero(acceptance, head_type):
     base = make_tiny_model("llama")
@@ -436,7 +441,7 @@ def test_sampling_rules_are_greedy_at_temperature_zero(acceptance, head_type):
     assert decoder.generate(PROMPTS[2], DecodeConfig(max_new_tokens=30)).tokens == greedy(base, PROMPTS[2], 30)
 
 
-@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+@pytest.mark.parametrize("head_type", head_types())  # every type in the drafter catalog
 @pytest.mark.parametrize("acceptance", ["typical", "speculative"])
 def test_sampling_rules_are_reproducible_by_seed(acceptance, head_type):
     base = make_tiny_model("llama")
