@@ -11,6 +11,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from inference.evaluation.eval_config import BASELINE
 from inference.evaluation.summary import OVERALL
 from inference.registry import decoder_names
 
@@ -39,7 +40,7 @@ def _grouped_bars(ax: Any, groups: list[str], series: dict[str, list[float]], ro
 
 
 def plot_speedup_by_category(by_category: dict[str, dict[str, dict[str, Any]]], path: str | Path,
-                             baseline: str = "vanilla") -> Path | None:
+                             baseline: str = BASELINE) -> Path | None:
     """Bars of each decoder's speedup over the baseline, per category and overall (a line marks 1.0).
 
     Returns:

@@ -26,6 +26,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from inference.evaluation.eval_config import BASELINE
 from inference.evaluation.eval_folder import RUN_FILE, is_our_run
 from inference.evaluation.recommend import Candidate, candidates_from_rows, recommend, recommendation_markdown
 from inference.evaluation.results import RESULTS_FILE, read_rows
@@ -90,7 +91,7 @@ def _split(override: str) -> tuple[str, str]:
     return key, value
 
 
-def sweep_rows(run_dirs: Sequence[str | Path], baseline: str = "vanilla") -> list[dict[str, Any]]:
+def sweep_rows(run_dirs: Sequence[str | Path], baseline: str = BASELINE) -> list[dict[str, Any]]:
     """Rows of the combined table: ``{"run", "overrides": {key: value}, "decoder", <summary metrics>,
     "baseline_tokens_per_second"}``; the baseline itself only for a run in which it is the only decoder."""
     rows = []
@@ -133,7 +134,7 @@ def sweep_markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def sweep_candidates(run_dirs: Sequence[str | Path], baseline: str = "vanilla") -> list[Candidate]:
+def sweep_candidates(run_dirs: Sequence[str | Path], baseline: str = BASELINE) -> list[Candidate]:
     """Every decoder of every run as a deployment candidate (:mod:`inference.evaluation.recommend`), each scored
     against its own run's baseline, labelled with the run's varying overrides; the baseline once."""
     runs = [Path(d) for d in run_dirs]
