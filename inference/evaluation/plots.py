@@ -14,6 +14,7 @@ from matplotlib.figure import Figure
 from inference.evaluation.eval_config import BASELINE
 from inference.evaluation.summary import OVERALL
 from inference.registry import decoder_names
+from medusa_train.atomic import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def plot_speedup_by_category(by_category: dict[str, dict[str, dict[str, Any]]], 
     ax.set_ylabel(f"speedup over {baseline} (tokens/s ratio)")
     ax.set_title("Speedup by category")
     ax.legend(fontsize="small")
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     return Path(path)
 
 
@@ -80,7 +81,7 @@ def plot_accepted_lengths(histogram: dict[str, dict[int, int]], path: str | Path
     ax.set_ylabel("share of decoding passes")
     ax.set_title("Accepted lengths")
     ax.legend(fontsize="small")
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     return Path(path)
 
 
@@ -104,7 +105,7 @@ def plot_head_accuracy(head_accuracy: dict[str, Any], path: str | Path) -> Path:
     ax.set_ylim(0.0, 1.0)
     ax.set_title("Medusa head accuracy")
     ax.legend(fontsize="small")
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     return Path(path)
 
 

@@ -30,6 +30,7 @@ from inference.evaluation.eval_config import BASELINE
 from inference.evaluation.eval_folder import RUN_FILE, is_our_run
 from inference.evaluation.recommend import Candidate, candidates_from_rows, recommend, recommendation_markdown
 from inference.evaluation.results import RESULTS_FILE, read_rows
+from medusa_train.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +177,8 @@ def write_sweep(out_dir: str | Path, run_dirs: Sequence[str | Path]) -> tuple[Pa
         advice = f"## Recommendation\n\nNone: {e}"
     text = sweep_markdown(rows) + "\n" + advice
     out.mkdir(parents=True, exist_ok=True)
-    (out / SWEEP_JSONL).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (out / SWEEP_MD).write_text(text + "\n")
+    atomic_write_text(out / SWEEP_JSONL, "".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write_text(out / SWEEP_MD, text + "\n")
     return out / SWEEP_MD, rows
 
 
