@@ -3,9 +3,9 @@
 The Trainer writes a checkpoint as many files (weights, optimizer and scheduler states, RNG states, DeepSpeed shards
 from every rank, ``trainer_state.json``); a run killed in the middle leaves a folder that looks like a checkpoint but
 is not one. Here a checkpoint counts only once it holds :data:`COMPLETE_MARKER`, written by the main process after
-every rank finished saving (a barrier), atomically (:func:`medusa_train.atomic.atomic_write`), listing each file with its size
-and sha256. A folder counts as complete while its marker is present and its files keep the recorded sizes (cheap, on
-every rank); before a resume the main process also checks the sha256 of the newest checkpoints
+every rank finished saving (a barrier), atomically (:func:`medusa_train.atomic.atomic_write`), listing each file
+with its size and sha256. A folder counts as complete while its marker is present and its files keep the recorded
+sizes (cheap, on every rank); before a resume the main process also checks the sha256 of the newest checkpoints
 (:func:`remove_incomplete` with ``verify_latest``), so that a file damaged in place (same size) is caught, that
 checkpoint removed with a warning and the previous complete one resumed instead. Rotation (``save_total_limit``) is
 done here too, after marking, so an old complete checkpoint is never deleted before the new one is complete.
