@@ -439,13 +439,15 @@ def default_decoder_names() -> tuple[str, ...]:
 
 def register_decoder_schemas() -> None:
     """Store each registered decoder's settings in Hydra's ConfigStore as ``schema/decoder/<name>``, which
-    ``conf/decoder/<name>.yaml`` extends (idempotent: storing again replaces a node with the same one). Entry points
+    ``conf/decoder/<name>.yaml`` extends, and :class:`~inference.draft_loading.DraftConfig` as ``schema/draft/base``,
+    which ``conf/draft/*.yaml`` extend (idempotent: storing again replaces a node with the same one). Entry points
     call it before composing; importing this module stores nothing."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     for name, entry in REGISTRY.items():
         cs.store(group="schema/decoder", name=name, node=entry.settings)
+    cs.store(group="schema/draft", name="base", node=DraftConfig)
 
 
 def check_decoder_names(names: Sequence[str]) -> list[str]:

@@ -11,9 +11,33 @@ and always at least one token. Temperature 0 means greedy decoding: take the arg
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The default of each sampling setting, defined here once: :class:`~inference.decoders.base.DecodeConfig`,
+    ``medusa-generate``'s and ``medusa-eval``'s settings, :func:`logits_to_probs` and the vLLM engine's ``generate``
+    take theirs from :data:`SAMPLING_DEFAULTS`.
+
+    Attributes:
+        temperature: 0.0, greedy decoding.
+        top_p: 1.0, nucleus filter off.
+        top_k: 0, top-k filter off.
+        max_new_tokens: 256, the reply length of ``medusa-generate`` and ``medusa-eval`` (a
+            :class:`~inference.decoders.base.DecodeConfig` is always given its own).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+
+
+SAMPLING_DEFAULTS = SamplingDefaults()
 
 
 def _check_temperature(temperature: float, allow_zero: bool) -> None:
@@ -43,7 +67,8 @@ def greedy_tokens(logits: Tensor) -> Tensor:
     return logits.max(dim=-1).indices
 
 
-def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+def logits_to_probs(logits: Tensor, temperature: float, top_k: int = SAMPLING_DEFAULTS.top_k,
+                    top_p: float = SAMPLING_DEFAULTS.top_p) -> Tensor:
     """Turn logits into the sampling distribution: divide by temperature, keep top-k, keep top-p, softmax.
 
     Args:

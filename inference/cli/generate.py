@@ -28,6 +28,7 @@ from inference.registry import (
     decoder_settings,
     register_decoder_schemas,
 )
+from inference.sampling import SAMPLING_DEFAULTS
 from medusa_train.cli.app import hydra_app, register_shared_schemas
 from medusa_train.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
 from medusa_train.config import as_dataclass, check_device
@@ -63,10 +64,10 @@ class GenerateConfig:
     system: Optional[str] = None
     decoder_name: str = "medusa"
     decoder: dict[str, Any] = field(default_factory=dict)
-    max_new_tokens: int = field(default=256, metadata=bound(1, cap=MAX_TOKENS))
-    temperature: float = field(default=0.0, metadata=bound(0, hint="0: greedy"))
-    top_p: float = field(default=1.0, metadata=bound(0, 1, low_open=True, hint="1.0: off"))
-    top_k: int = field(default=0, metadata=bound(0, cap=MAX_COUNT, hint="0: off"))
+    max_new_tokens: int = field(default=SAMPLING_DEFAULTS.max_new_tokens, metadata=bound(1, cap=MAX_TOKENS))
+    temperature: float = field(default=SAMPLING_DEFAULTS.temperature, metadata=bound(0, hint="0: greedy"))
+    top_p: float = field(default=SAMPLING_DEFAULTS.top_p, metadata=bound(0, 1, low_open=True, hint="1.0: off"))
+    top_k: int = field(default=SAMPLING_DEFAULTS.top_k, metadata=bound(0, cap=MAX_COUNT, hint="0: off"))
     seed: Optional[int] = field(default=None, metadata=bound(0, MAX_SEED, hint="null: random"))
     stop_strings: list[str] = field(default_factory=list)
     model: Optional[Any] = None

@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from inference.sampling import greedy_tokens, is_greedy, logits_to_probs
+from inference.sampling import SAMPLING_DEFAULTS, greedy_tokens, is_greedy, logits_to_probs
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,9 @@ class DecodeConfig:
     """
 
     max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float = SAMPLING_DEFAULTS.temperature
+    top_p: float = SAMPLING_DEFAULTS.top_p
+    top_k: int = SAMPLING_DEFAULTS.top_k
     eos_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None

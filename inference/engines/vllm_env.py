@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from inference.sampling import SAMPLING_DEFAULTS
 from medusa_train.paths import REPO_ROOT
 
 VENV_VARIABLE = "MEDUSA_VLLM_VENV"
@@ -303,7 +304,8 @@ class VllmWorker:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int, stop_token_ids: Sequence[int],
-        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+        temperature: float = SAMPLING_DEFAULTS.temperature, top_p: float = SAMPLING_DEFAULTS.top_p,
+        top_k: int = SAMPLING_DEFAULTS.top_k, seed: int | None = None,
     ) -> dict[str, Any]:
         """Continue each prompt (token ids, chat template already applied) in one ``LLM.generate`` call.
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from inference.decoders.batching import additive_mask
+from inference.evaluation.eval_config import BASELINE
 from inference.kv_cache import preallocated_cache
 
 
@@ -106,7 +107,7 @@ def rounding_noise(base: Any, sequences: Sequence[tuple[Sequence[int], int]], ks
             "max_top_logit_change": max(top_changes)}
 
 
-def find_divergences(units: Sequence[dict[str, dict[str, Any]]], baseline: str = "vanilla") -> dict[str, list[dict]]:
+def find_divergences(units: Sequence[dict[str, dict[str, Any]]], baseline: str = BASELINE) -> dict[str, list[dict]]:
     """For each decoder but the baseline, its replies that differ from the baseline's.
 
     Args:

@@ -11,6 +11,7 @@ from omegaconf import MISSING
 
 from inference.decoders.base import DecodeConfig
 from inference.registry import REGISTRY, check_decoder_names, check_request, decoder_settings, default_decoder_names
+from inference.sampling import SAMPLING_DEFAULTS
 from medusa_train.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
 from medusa_train.config import check_device
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
@@ -84,10 +85,10 @@ class EvaluateConfig:
     dtype: Optional[str] = DEFAULT_DTYPE
     device: Optional[str] = None
     cpu_kernels: str = DEFAULT_CPU_KERNELS
-    max_new_tokens: int = field(default=256, metadata=bound(1, cap=MAX_TOKENS))
-    temperature: float = field(default=0.0, metadata=bound(0, hint="0: greedy"))
-    top_p: float = field(default=1.0, metadata=bound(0, 1, low_open=True, hint="1.0: off"))
-    top_k: int = field(default=0, metadata=bound(0, cap=MAX_COUNT, hint="0: off"))
+    max_new_tokens: int = field(default=SAMPLING_DEFAULTS.max_new_tokens, metadata=bound(1, cap=MAX_TOKENS))
+    temperature: float = field(default=SAMPLING_DEFAULTS.temperature, metadata=bound(0, hint="0: greedy"))
+    top_p: float = field(default=SAMPLING_DEFAULTS.top_p, metadata=bound(0, 1, low_open=True, hint="1.0: off"))
+    top_k: int = field(default=SAMPLING_DEFAULTS.top_k, metadata=bound(0, cap=MAX_COUNT, hint="0: off"))
     seed: int = field(default=0, metadata=bound(0, MAX_SEED))
     warmup: int = field(default=1, metadata=bound(0, cap=MAX_COUNT))
     warmup_max_new_tokens: int = field(default=16, metadata=bound(1, cap=MAX_TOKENS))

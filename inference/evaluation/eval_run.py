@@ -59,6 +59,7 @@ from inference.evaluation.summary import (
 )
 from inference.evaluation.sweep import RUN_FILE, SUMMARY_FILE
 from inference.registry import REGISTRY, BuildContext, BuiltDecoder, build_decoders, close_decoders
+from medusa_train.atomic import atomic_write_text
 from medusa_train.config import as_dataclass
 from medusa_train.export.files import write_json
 from medusa_train.export.reader import heads_checksum
@@ -397,7 +398,7 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, mod
                                                                   for n, h in histogram.items()},
                                     "step_times": times})
     text = summary_markdown(summary, by_category, command, environment.get("git_commit"), times)
-    (out / SUMMARY_MD).write_text(text)
+    atomic_write_text(out / SUMMARY_MD, text)
     if ec.plots:
         head_accuracy = read_tree_files(export_dir).get("head_accuracy") if export_dir else None
         write_plots(out, by_category, histogram, head_accuracy)

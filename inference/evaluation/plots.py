@@ -11,8 +11,10 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from inference.evaluation.eval_config import BASELINE
 from inference.evaluation.summary import OVERALL
 from inference.registry import decoder_names
+from medusa_train.atomic import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ def _grouped_bars(ax: Any, groups: list[str], series: dict[str, list[float]], ro
 
 
 def plot_speedup_by_category(by_category: dict[str, dict[str, dict[str, Any]]], path: str | Path,
-                             baseline: str = "vanilla") -> Path | None:
+                             baseline: str = BASELINE) -> Path | None:
     """Bars of each decoder's speedup over the baseline, per category and overall (a line marks 1.0).
 
     Returns:
@@ -57,7 +59,7 @@ def plot_speedup_by_category(by_category: dict[str, dict[str, dict[str, Any]]], 
     ax.set_ylabel(f"speedup over {baseline} (tokens/s ratio)")
     ax.set_title("Speedup by category")
     ax.legend(fontsize="small")
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     return Path(path)
 
 
@@ -79,7 +81,7 @@ def plot_accepted_lengths(histogram: dict[str, dict[int, int]], path: str | Path
     ax.set_ylabel("share of decoding passes")
     ax.set_title("Accepted lengths")
     ax.legend(fontsize="small")
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     return Path(path)
 
 
@@ -103,7 +105,7 @@ def plot_head_accuracy(head_accuracy: dict[str, Any], path: str | Path) -> Path:
     ax.set_ylim(0.0, 1.0)
     ax.set_title("Medusa head accuracy")
     ax.legend(fontsize="small")
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     return Path(path)
 
 

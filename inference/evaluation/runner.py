@@ -26,6 +26,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from inference.decoders.base import DecodeConfig, Decoder
+from inference.evaluation.eval_config import BASELINE
 from inference.evaluation.results import ResultsLog, make_row
 from medusa_train.prompts import Prompt, encode_prompt
 
@@ -104,7 +105,7 @@ def evaluate_prompts(
     prompts: Sequence[Prompt],
     request: DecodeConfig,
     results: ResultsLog,
-    baseline: str = "vanilla",
+    baseline: str = BASELINE,
     max_turns: int | None = None,
     warmup: int = 1,
     warmup_max_new_tokens: int = 16,

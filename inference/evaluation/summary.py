@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from inference.decoders.base import aggregate_mean_accepted_tokens
+from inference.evaluation.eval_config import BASELINE
 from inference.evaluation.intervals import bounds_text, paired_interval
 from inference.evaluation.recommend import recommendation_markdown
 from inference.evaluation.results import row_result
@@ -57,7 +58,7 @@ def _none_if_nan(x: float) -> float | None:
 
 
 def decoder_metrics(
-    units: Sequence[dict[str, dict[str, Any]]], greedy: bool, baseline: str = "vanilla"
+    units: Sequence[dict[str, dict[str, Any]]], greedy: bool, baseline: str = BASELINE
 ) -> dict[str, dict[str, Any]]:
     """The per-decoder fields of ``summary.json`` over ``units`` (each {decoder: row} for one prompt turn).
 
@@ -100,7 +101,7 @@ def decoder_metrics(
 
 
 def tables_by_category(
-    rows: Sequence[dict[str, Any]], greedy: bool, baseline: str = "vanilla"
+    rows: Sequence[dict[str, Any]], greedy: bool, baseline: str = BASELINE
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{"overall": metrics, <category>: metrics, ...}`` over the complete pairs of ``rows``, the categories in the
     order the prompt set lists them (Spec-Bench's: MT-Bench's eight, then translation, summarization, QA, math
@@ -156,7 +157,7 @@ def accepted_length_histogram(rows: Sequence[dict[str, Any]]) -> dict[str, dict[
 
 def summarize(
     rows: Sequence[dict[str, Any]], greedy: bool, model: str, device: str, dtype: str, max_new_tokens: int,
-    baseline: str = "vanilla", runtime: dict[str, Any] | None = None,
+    baseline: str = BASELINE, runtime: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``summary.json``'s fields::
 

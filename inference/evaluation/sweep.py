@@ -26,9 +26,11 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from inference.evaluation.eval_config import BASELINE
 from inference.evaluation.eval_folder import RUN_FILE, is_our_run
 from inference.evaluation.recommend import Candidate, candidates_from_rows, recommend, recommendation_markdown
 from inference.evaluation.results import RESULTS_FILE, read_rows
+from medusa_train.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ def _split(override: str) -> tuple[str, str]:
     return key, value
 
 
-def sweep_rows(run_dirs: Sequence[str | Path], baseline: str = "vanilla") -> list[dict[str, Any]]:
+def sweep_rows(run_dirs: Sequence[str | Path], baseline: str = BASELINE) -> list[dict[str, Any]]:
     """Rows of the combined table: ``{"run", "overrides": {key: value}, "decoder", <summary metrics>,
     "baseline_tokens_per_second"}``; the baseline itself only for a run in which it is the only decoder."""
     rows = []
@@ -133,7 +135,7 @@ def sweep_markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def sweep_candidates(run_dirs: Sequence[str | Path], baseline: str = "vanilla") -> list[Candidate]:
+def sweep_candidates(run_dirs: Sequence[str | Path], baseline: str = BASELINE) -> list[Candidate]:
     """Every decoder of every run as a deployment candidate (:mod:`inference.evaluation.recommend`), each scored
     against its own run's baseline, labelled with the run's varying overrides; the baseline once."""
     runs = [Path(d) for d in run_dirs]
@@ -175,8 +177,8 @@ def write_sweep(out_dir: str | Path, run_dirs: Sequence[str | Path]) -> tuple[Pa
         advice = f"## Recommendation\n\nNone: {e}"
     text = sweep_markdown(rows) + "\n" + advice
     out.mkdir(parents=True, exist_ok=True)
-    (out / SWEEP_JSONL).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (out / SWEEP_MD).write_text(text + "\n")
+    atomic_write_text(out / SWEEP_JSONL, "".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write_text(out / SWEEP_MD, text + "\n")
     return out / SWEEP_MD, rows
 
 

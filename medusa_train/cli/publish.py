@@ -7,13 +7,14 @@ from omegaconf import DictConfig
 
 from medusa_train.cli.app import hydra_app, register_shared_schemas
 from medusa_train.config import as_dataclass
-from medusa_train.publish.publish_config import PublishConfig
+from medusa_train.publish.publish_config import PublishConfig, register_publish_schema
 
 
 def register_schemas() -> None:
-    """What ``conf/publish.yaml`` composes from: it extends no schema (:class:`PublishConfig` checks it once composed),
-    so only the shared schemas and resolvers, as for every command (idempotent)."""
+    """What ``conf/publish.yaml`` composes from: ``publish_schema`` (:class:`PublishConfig`), the shared schemas and
+    resolvers (idempotent)."""
     register_shared_schemas()
+    register_publish_schema()
 
 
 def run(cfg: DictConfig) -> object:

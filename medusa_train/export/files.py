@@ -1,7 +1,6 @@
-"""File helpers for exports: atomic per-file writes, tensor/JSON reads whose errors name the file, checksums.
-
-Every file written here gets the mode ``open()`` gives a new file (``0o666`` less the umask, typically ``0o644``):
-some writers (safetensors 0.8's ``save_file``) create theirs ``0o600``, which leaves a shared export half readable.
+"""File helpers for exports: JSON, safetensors and torch files written through the one durable atomic write
+(:func:`medusa_train.atomic.atomic_write`, which also gives each file the default mode), tensor/JSON reads whose
+errors name the file, checksums.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ import hashlib
 import json
 import os
 import pickle
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,28 +16,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from medusa_train.atomic import atomic_write, atomic_write_text, default_mode
 from medusa_train.text_files import read_text
 
 # Errors a damaged file raises in safetensors / torch.load; re-raised as ValueError naming the file.
 _CORRUPT = (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError, UnicodeDecodeError)
-
-
-def umask() -> int:
-    """This process's umask (read from ``/proc/self/status``; elsewhere set and restored at once)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def default_mode(folder: bool = False) -> int:
-    """The permission bits ``open()`` (``0o666``) or ``mkdir`` (``0o777``) gives a new file or folder here."""
-    return (0o777 if folder else 0o666) & ~umask()
 
 
 def set_default_modes(folder: Path) -> None:
@@ -53,24 +34,8 @@ def set_default_modes(folder: Path) -> None:
             os.chmod(os.path.join(root, name), default_mode())
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Write ``path`` through a temporary sibling and ``os.replace``: readers see the old file or the new, never half.
-
-    The file gets :func:`default_mode` whatever ``write`` created it with. Other files in the folder are left alone.
-    """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fchmod(f.fileno(), default_mode())
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_json(path: Path, data: Any) -> None:
-    atomic_write(path, lambda p: p.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -30,6 +30,7 @@ import shutil
 from collections.abc import Callable, Collection
 from pathlib import Path
 
+from medusa_train.atomic import fsync_dir
 from medusa_train.run_lock import EXPORT_LOCK, RunLock
 
 log = logging.getLogger(__name__)
@@ -145,18 +146,7 @@ def _sync_tree(folder: Path) -> None:
 
 def _sync_dirs(folder: Path) -> None:
     for root, _, _ in os.walk(folder):
-        _fsync_dir(Path(root))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some file systems cannot sync a folder
-        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
+        fsync_dir(Path(root))
 
 
 def _swap(target: Path, stage: Path) -> None:
@@ -166,7 +156,7 @@ def _swap(target: Path, stage: Path) -> None:
         os.rename(target, aside)
         os.rename(stage, target)
         shutil.rmtree(aside, ignore_errors=True)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
 
 
 def _exchange(a: Path, b: Path) -> bool:

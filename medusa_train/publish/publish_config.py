@@ -61,3 +61,10 @@ class PublishConfig:
         if self.repo_id is not None:
             check_repo_id(self.repo_id)
         check_base_model(self.base_model)
+
+
+def register_publish_schema() -> None:
+    """Store :class:`PublishConfig` as ``publish_schema`` (``conf/publish.yaml`` extends it; idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="publish_schema", node=PublishConfig)

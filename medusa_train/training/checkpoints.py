@@ -3,9 +3,9 @@
 The Trainer writes a checkpoint as many files (weights, optimizer and scheduler states, RNG states, DeepSpeed shards
 from every rank, ``trainer_state.json``); a run killed in the middle leaves a folder that looks like a checkpoint but
 is not one. Here a checkpoint counts only once it holds :data:`COMPLETE_MARKER`, written by the main process after
-every rank finished saving (a barrier), atomically (temporary file + ``os.replace``), listing each file with its size
-and sha256. A folder counts as complete while its marker is present and its files keep the recorded sizes (cheap, on
-every rank); before a resume the main process also checks the sha256 of the newest checkpoints
+every rank finished saving (a barrier), atomically (:func:`medusa_train.atomic.atomic_write`), listing each file
+with its size and sha256. A folder counts as complete while its marker is present and its files keep the recorded
+sizes (cheap, on every rank); before a resume the main process also checks the sha256 of the newest checkpoints
 (:func:`remove_incomplete` with ``verify_latest``), so that a file damaged in place (same size) is caught, that
 checkpoint removed with a warning and the previous complete one resumed instead. Rotation (``save_total_limit``) is
 done here too, after marking, so an old complete checkpoint is never deleted before the new one is complete.
@@ -24,6 +24,7 @@ import re
 import shutil
 from pathlib import Path
 
+from medusa_train.atomic import atomic_write_text
 from medusa_train.checksums import files_sha256
 
 log = logging.getLogger(__name__)
@@ -40,17 +41,6 @@ def _files_with_sizes(folder: Path) -> dict[str, int]:
     }
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some file systems do not open folders; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def mark_complete(folder: str | os.PathLike[str], step: int, world_size: int = 1) -> Path:
     """Write the completeness marker into a fully saved checkpoint folder (main process, after a barrier), with the
     number of ranks that wrote it (a resume must have as many: see :func:`saved_world_size`).
@@ -65,13 +55,7 @@ def mark_complete(folder: str | os.PathLike[str], step: int, world_size: int = 1
     digests = files_sha256(folder / name for name in files)
     payload = {"global_step": int(step), "world_size": int(world_size), "files": files,
                "sha256": {name: digests[folder / name] for name in files}}
-    tmp = folder / f".{COMPLETE_MARKER}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / COMPLETE_MARKER)
-    _fsync_dir(folder)
+    atomic_write_text(folder / COMPLETE_MARKER, json.dumps(payload, indent=1))
     return folder / COMPLETE_MARKER
 
 

@@ -37,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from medusa_train.atomic import atomic_write, atomic_write_text
 from medusa_train.checksums import file_sha256
 from medusa_train.data.collate import Collator
 from medusa_train.features import FINAL, feature_layer, target_features
@@ -241,15 +242,11 @@ def build_hidden_cache(
                for f in features}
     tensors["base_argmax"] = torch.cat(argmax_parts) if argmax_parts else torch.zeros(0, dtype=torch.int64)
     tensors["offsets"] = offsets
-    tmp = folder / f".{name}.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    os.replace(tmp, target)
+    atomic_write(target, lambda p: save_file(tensors, str(p)))
     info = ShardInfo(fingerprint=fingerprint, rows=rows, hidden_size=H,
                      dtype=str(tensors[feature_key(features[0])].dtype), size=target.stat().st_size,
                      sha256=file_sha256(target), features=list(features))
-    meta_tmp = folder / f".{name}.json.tmp"
-    meta_tmp.write_text(json.dumps(info.to_json()))
-    os.replace(meta_tmp, folder / f"{name}.json")  # written last: a shard without its description is rebuilt
+    atomic_write_text(folder / f"{name}.json", json.dumps(info.to_json()))  # last: a shard without it is rebuilt
     log.info("hidden cache: wrote %s (%d rows, %d tokens)", target, len(rows), int(offsets[-1]))
     return target
 

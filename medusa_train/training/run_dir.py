@@ -72,6 +72,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from medusa_train.atomic import atomic_write_text
 from medusa_train.training import checkpoints
 from medusa_train.training.run_lock import LOCK_FILE
 
@@ -307,9 +308,7 @@ def prepare_output_dir(paths: RunPaths, resolved: dict[str, Any], overwrite: boo
     if overwrite:
         set_aside(paths)
     checkpoints.remove_incomplete(paths.checkpoints, verify_latest=resume)
-    tmp = paths.root / f".{RUN_CONFIG}.tmp"
-    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
-    os.replace(tmp, paths.config)
+    atomic_write_text(paths.config, OmegaConf.to_yaml(OmegaConf.create(resolved)))
 
 
 def _move(names: tuple[str, ...], source: Path, target: Path) -> None:

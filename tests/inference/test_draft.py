@@ -14,12 +14,14 @@ from inference.decoders.draft import DraftDecoder, pass_layout
 from inference.decoders.vanilla import VanillaDecoder
 from inference.draft_loading import DraftConfig, check_draft_compatible, load_draft, self_layer_draft
 from inference.proposers import AuxBranch, DraftModelProposer, Proposal, Proposer, empty_proposal
+from inference.registry import register_decoder_schemas
 from medusa_train.cli.app import register_shared_schemas
 from medusa_train.config import ModelConfig
 from medusa_train.paths import CONF_DIR, assets_dir
 from tests.conftest import chi_square, make_tiny_model, make_tiny_tokenizer
 
 register_shared_schemas()  # draft/ files hold model/ configs: the shared schemas and resolvers
+register_decoder_schemas()  # ... and extend schema/draft/base
 
 PROMPTS = ([1, 5, 9, 33, 20], [1, 70], [1, 44, 12, 90, 3, 3, 61, 8, 17])
 STORY_PROMPTS = ("Once upon a time", "Lily and Tom went to the park", "The dog")

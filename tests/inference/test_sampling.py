@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from inference.sampling import greedy_tokens, is_greedy, logits_to_probs
+from medusa_train.paths import REPO_ROOT
 
 
 def test_temperature_only_is_softmax_of_scaled_logits() -> None:
@@ -109,3 +114,36 @@ def test_greedy_tokens_is_argmax_first_index_among_ties(dtype) -> None:
     logits = (torch.randn(8, 6, 500, generator=torch.Generator().manual_seed(0)) * 3).round().to(dtype)  # many ties
     assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
     assert greedy_tokens(torch.tensor([[1.0, 3.0, 3.0, 2.0]], dtype=dtype)).tolist() == [1]
+
+
+CHANGED_DEFAULTS = """
+import dataclasses, inspect, json
+import inference.sampling as sampling
+sampling.SAMPLING_DEFAULTS = sampling.SamplingDefaults(temperature=0.5, top_p=0.9, top_k=7, max_new_tokens=99)
+from inference.cli.generate import GenerateConfig
+from inference.decoders.base import DecodeConfig
+from inference.engines.vllm_env import VllmWorker
+from inference.evaluation.eval_config import EvaluateConfig
+found = {}
+for cls in (DecodeConfig, GenerateConfig, EvaluateConfig):
+    found[cls.__name__] = {f.name: f.default for f in dataclasses.fields(cls)
+                           if f.name in ("temperature", "top_p", "top_k", "max_new_tokens")
+                           and f.default is not dataclasses.MISSING}
+found["VllmWorker.generate"] = {k: p.default for k, p in inspect.signature(VllmWorker.generate).parameters.items()
+                                if k in ("temperature", "top_p", "top_k")}
+print(json.dumps(found))
+"""
+
+
+def test_every_sampling_default_comes_from_the_one_record() -> None:
+    """The request, medusa-generate's and medusa-eval's settings and the vLLM engine call take their sampling defaults
+    from ``SAMPLING_DEFAULTS``: another record there changes all of them (a fresh interpreter replaces it before the
+    others are defined)."""
+    run = subprocess.run([sys.executable, "-c", CHANGED_DEFAULTS], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.splitlines()[-1])
+    sampling = {"temperature": 0.5, "top_p": 0.9, "top_k": 7}
+    assert found["DecodeConfig"] == sampling  # its max_new_tokens has no default: every request gives its own
+    assert found["GenerateConfig"] == found["EvaluateConfig"] == {**sampling, "max_new_tokens": 99}
+    assert found["VllmWorker.generate"] == sampling

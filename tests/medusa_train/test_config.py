@@ -140,6 +140,46 @@ def test_heads_presets_set_only_what_differs_from_the_schema(preset):
     assert set(values) <= set(defaults)
 
 
+def extended_schema(path: Path) -> type | None:
+    """The dataclass a ``conf/`` file extends through its defaults list (a schema stored in Hydra's ConfigStore by
+    the entry points), or None when it extends none."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.plugins.config_source import ConfigLoadError
+
+    for entry in OmegaConf.load(path).get("defaults", []):
+        if not isinstance(entry, str) or entry == "_self_":
+            continue
+        try:
+            node = ConfigStore.instance().load(entry.split("@")[0].lstrip("/") + ".yaml").node
+        except ConfigLoadError:
+            continue  # another conf/ file (a group option), not a schema
+        return OmegaConf.get_type(node)
+    return None
+
+
+@pytest.mark.parametrize("path", PRIMARY + GROUP_FILES)
+def test_every_conf_file_sets_only_what_differs_from_its_schema(path):
+    """Each default is defined once, in its dataclass schema: every file under conf/ extends its schema and sets
+    only the keys whose value differs from the schema's default, so changing a default changes every shipped run.
+    Kept besides: required keys (``???``), interpolations, and a preset's own name (heads/medusa1's ``mode``,
+    data/sharegpt's ``source``, draft/self_layers's ``kind``: it stays that preset whatever the default)."""
+    file = CONF_DIR / f"{path}.yaml"
+    schema = extended_schema(file)
+    assert schema is not None, f"conf/{path}.yaml extends no schema in its defaults list"
+    defaults = OmegaConf.structured(schema)
+    values = OmegaConf.to_container(OmegaConf.load(file), resolve=False)
+    restated = {}
+    for key, value in values.items():
+        if key in ("defaults", "hydra") or value == "???" or (isinstance(value, str) and "${" in value):
+            continue
+        if value == Path(path).name:
+            continue
+        as_set = OmegaConf.merge(defaults, {key: value})  # the value as the schema types it (1.0e-3, 2 -> 2.0)
+        if OmegaConf.to_container(as_set, resolve=False)[key] == OmegaConf.to_container(defaults, resolve=False)[key]:
+            restated[key] = value
+    assert not restated, f"conf/{path}.yaml restates {schema.__name__}'s defaults: {restated}"
+
+
 def test_every_heads_mode_has_its_recipe():
     """heads.mode is checked once, by the schema; the recipes are keyed by the same modes."""
     from medusa_train.config import HEADS_MODES
