@@ -72,6 +72,20 @@ def test_the_built_in_types_declare_themselves():
         drafter_type("eagle", "heads.head_type")
 
 
+def test_only_a_heads_module_is_a_drafter_not_a_model_that_exposes_its_spec():
+    from medusa_train.drafters.catalog import is_drafter
+    from medusa_train.heads import MedusaHeads
+
+    heads = MedusaHeads(HeadsSpec(2, 1, 8, 11))
+
+    class Wrapper(nn.Module):  # a joint model exposes its heads' spec; its buffers are not the heads'
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads, self.spec = heads, heads.spec
+
+    assert is_drafter(heads) and not is_drafter(Wrapper()) and type_of(Wrapper()) is drafter_type("medusa")
+
+
 # ---- a drafter type defined by this test only ------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -254,8 +254,7 @@ def type_of(obj: Any) -> DrafterType:
 def is_drafter(module: Any) -> bool:
     """``module`` is the heads module of a registered type (not a wrapper, not a model holding heads)."""
     _load_builtins()
-    spec = getattr(module, "spec", None)
-    return isinstance(module, nn.Module) and any(type(spec) is e.spec_cls for e in _CATALOG.values())
+    return any(type(module) is e.module_cls for e in _CATALOG.values())
 
 
 def check_head_type(head_type: object, source: str) -> str:

@@ -420,11 +420,11 @@ def test_batched_speculative_sampling_is_reproducible():
 
 # --- other acceptance rules -----------------------------------------------------------------------------------------
 
-def random_heads(head_type: str, base: torch.nn.Module, num_heads: int = 3, seed: int = 0) -> MedusaModel:
+def random_heads(head_type: str, base: torch.nn.Module, num_heads: int = 3, seed: int = 0, **options) -> MedusaModel:
     """Random heads of any registered drafter type on ``base`` (every rule of the decoder serves every type): every
     parameter but the projections (copied from the base lm_head) perturbed by N(0, 0.3^2), so they disagree with the
-    base often and many drafts are rejected."""
-    heads = new_heads_for(base, num_heads, head_type=head_type)
+    base often and many drafts are rejected. ``options``: the type's own (Hydra's ``combine``)."""
+    heads = new_heads_for(base, num_heads, head_type=head_type, **options)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in heads.named_parameters():

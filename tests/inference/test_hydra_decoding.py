@@ -12,7 +12,7 @@ from inference.proposers.tree_drafters import FINAL, HydraTreeDrafter, MedusaTre
 from inference.tree import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
 from medusa_train.model import MedusaModel, new_heads_for
 from tests.conftest import VOCAB, chi_square, make_tiny_model
-from tests.inference.test_decoders import PROMPTS, check_counts, greedy
+from tests.inference.test_decoders import PROMPTS, check_counts, greedy, random_heads
 
 SMALL_TREE = [list(p) for p in SMALL_TREE_15]  # depth 3, 16 nodes, ranks < 6
 
@@ -21,13 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def random_hydra(base: torch.nn.Module, num_heads: int = 3, seed: int = 0, combine: str = "concat") -> MedusaModel:
     """Hydra heads with random blocks: they disagree with the base often, so many drafts are rejected."""
-    heads = new_heads_for(base, num_heads, head_type="hydra", combine=combine)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in heads.named_parameters():
-            if name != "lm_head_weight":
-                p.add_(torch.randn(p.shape, generator=generator) * 0.3)
-    return MedusaModel(base, heads)
+    return random_heads("hydra", base, num_heads, seed, combine=combine)
 
 
 class PathLookupHydra(MedusaModel):
