@@ -102,7 +102,7 @@ class MedusaModel(nn.Module):
         The same function (:func:`medusa_train.features.target_features`) feeds training, tuning and decoding.
         ``kwargs`` as :meth:`hidden`.
         """
-        names = {FINAL, *type_of(self.heads.spec).features}
+        names = {FINAL, *type_of(self.heads.spec).feature_names(self.heads.spec)}
         layers = sorted(i for i in map(feature_layer, names) if i is not None)
         return target_features(self.backbone, input_ids, layers, **kwargs)
 
@@ -230,8 +230,8 @@ def new_heads_for(
             an unknown ``head_type`` or an invalid option.
     """
     hidden_size, vocab_size = base_sizes(base)
-    spec = new_spec(head_type, options, num_heads=num_heads, num_layers=num_layers, hidden_size=hidden_size,
-                    vocab_size=vocab_size, share_lm_head=share_lm_head,
+    spec = new_spec(head_type, options, base.config, num_heads=num_heads, num_layers=num_layers,
+                    hidden_size=hidden_size, vocab_size=vocab_size, share_lm_head=share_lm_head,
                     head_vocab_size=None if token_map is None else int(token_map.numel()))
     heads = heads_from_spec(spec, token_map)
     heads.init_from_lm_head(base.get_output_embeddings().weight.detach().float())

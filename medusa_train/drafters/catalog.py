@@ -82,7 +82,10 @@ class DrafterType:
         logits: its heads' teacher-forced logits (:data:`LogitsFn`).
         source: the paper it follows (title, section).
         options: ``heads.*`` fields only this type reads, passed to ``spec_cls`` (e.g. Hydra's ``combine``).
-        features: the target features it reads (:mod:`medusa_train.features` names).
+        features: the target features it reads (:mod:`medusa_train.features` names), when the same for every spec.
+        features_of: ``spec -> names``, when they depend on the spec (EAGLE-3's layers); else None.
+        target_fields: ``(target config, options) -> spec fields`` read from the target (EAGLE-3's attention shape and
+            default layers), or None.
         reads_path: it also reads the path tokens t+1 .. t+k+1 (:attr:`TargetInputs.path_tokens`).
         joint: Medusa-2 (``heads.mode=medusa2``) may train it jointly with the base.
         layout: its export layout (:data:`LAYOUTS`).
@@ -101,6 +104,8 @@ class DrafterType:
     source: str
     options: tuple[str, ...] = ()
     features: tuple[str, ...] = (FINAL,)
+    features_of: Callable[[Any], tuple[str, ...]] | None = None
+    target_fields: Callable[[Any, Mapping[str, Any]], dict[str, Any]] | None = None
     reads_path: bool = False
     joint: bool = False
     layout: str = STATE_DICT_LAYOUT
@@ -121,6 +126,10 @@ class DrafterType:
         missing = sorted({*self.options, *self.config_keys} - spec_fields)
         if missing:
             raise ValueError(f"drafter type {self.name!r}: {missing} are not fields of {self.spec_cls.__name__}")
+
+    def feature_names(self, spec: Any) -> tuple[str, ...]:
+        """The target features heads of ``spec`` read (:attr:`features`, or :attr:`features_of` of the spec)."""
+        return self.features if self.features_of is None else tuple(self.features_of(spec))
 
     def engine_problem(self, engine: str) -> str | None:
         """Why ``engine`` cannot serve this type's export (None: it can). An engine not listed cannot."""
@@ -285,18 +294,25 @@ def heads_from_spec(spec: Any, token_map: torch.Tensor | None = None) -> nn.Modu
     return type_of(spec).module_cls(spec, token_map)
 
 
-def new_spec(head_type: str, options: Mapping[str, Any] | None = None, **sizes: Any) -> Any:
-    """The spec of a ``head_type`` drafter: ``sizes`` (the :class:`~medusa_train.heads.HeadsSpec` fields) plus the
-    type's options (others in ``options`` are ignored).
+def new_spec(head_type: str, options: Mapping[str, Any] | None = None, target_config: Any = None,
+             **sizes: Any) -> Any:
+    """The spec of a ``head_type`` drafter: ``sizes`` (the :class:`~medusa_train.heads.HeadsSpec` fields), the
+    type's options (others in ``options`` are ignored) and what it reads of ``target_config`` (the target's
+    ``PretrainedConfig``; :attr:`DrafterType.target_fields`).
 
     Raises:
-        ValueError: an unknown type (the known ones named), or an invalid value (from the spec).
+        ValueError: an unknown type (the known ones named), a type that needs ``target_config`` without it, or an
+            invalid value (from the spec).
     """
     _load_builtins()
     if head_type not in _CATALOG:
         raise ValueError(f"head_type must be {' or '.join(_CATALOG)}, got {head_type!r}")
     entry = _CATALOG[head_type]
     chosen = {k: v for k, v in (options or {}).items() if k in entry.options}
+    if entry.target_fields is not None:
+        if target_config is None:
+            raise ValueError(f"{entry.title} heads take their shape from the target model: pass its config")
+        chosen = {**chosen, **entry.target_fields(target_config, chosen)}
     return entry.spec_cls(**sizes, **chosen)
 
 

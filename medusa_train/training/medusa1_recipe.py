@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from medusa_train.data import Collator
-from medusa_train.drafters.catalog import drafter_type
+from medusa_train.drafters.catalog import drafter_type, type_of
 from medusa_train.training.base_recipe import BaseRecipe
 from medusa_train.training.data_prep import PreparedData
 from medusa_train.training.hidden_cache import (
@@ -59,19 +59,19 @@ class Medusa1Recipe(BaseRecipe):
         self.collator: Any = Collator.from_tokenizer(self.tokenizer)
         train_set, eval_set = data.train, data.eval
         if self.cfg.hidden_cache:
-            train_set, eval_set = self.cached_datasets(data, args.per_device_eval_batch_size)
+            train_set, eval_set = self.cached_datasets(data, args.per_device_eval_batch_size, heads)
         self.eval_set = eval_set
         self.prepare_folder()
         self.trainer = MedusaTrainer(model=heads, frozen_base=self.frozen_base,
                                      **self.trainer_kwargs(args, train_set, eval_set))
 
-    def cached_datasets(self, data: PreparedData, batch_size: int) -> tuple[Any, Any]:
+    def cached_datasets(self, data: PreparedData, batch_size: int, heads: Any) -> tuple[Any, Any]:
         """Build this rank's cache shards, wait for all ranks, and read every shard back; drop the backbone."""
         folder = Path(self.cfg.hidden_cache_dir or self.paths.hidden_cache)
         dtype = self.base.get_output_embeddings().weight.dtype
         out = []
         fingerprints = {}
-        features = drafter_type(self.cfg.heads.head_type).features  # what the heads read of the base
+        features = type_of(heads).feature_names(heads.spec)  # what the heads read of the base
         base_digest = base_weights_digest(self.base)
         for split, dataset in (("train", data.train), ("eval", data.eval)):
             fingerprints[split] = dataset_fingerprint(dataset, base_digest, dtype)
