@@ -35,6 +35,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from medusa_train.drafters.catalog import DrafterType, TargetInputs, register
+from medusa_train.features import FINAL, layer_feature
 from medusa_train.heads import HeadsSpec, register_token_map
 
 
@@ -234,4 +236,33 @@ def eagle3_target_fields(config: Any, feature_layers: Any = None) -> dict[str, A
                 max_position_embeddings=int(getattr(text, "max_position_embeddings", 8192)))
 
 
-__all__ = ["Eagle3Attention", "Eagle3Drafter", "Eagle3Layer", "Eagle3Spec", "eagle3_target_fields"]
+
+
+def _eagle3_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None) -> torch.Tensor:
+    """The training-time test's K steps, teacher forced (see :mod:`medusa_train.training.eagle3_ttt`)."""
+    raise NotImplementedError("EAGLE-3 training-time test logits: being built (issue 30)")
+
+
+def _eagle3_features(spec: Eagle3Spec) -> tuple[str, ...]:
+    """The target features an EAGLE-3 drafter reads: its three layers' (and the final state, for the targets)."""
+    return (FINAL, *(layer_feature(i) for i in spec.feature_layers))
+
+
+EAGLE3 = register(DrafterType(
+    name="eagle3", title="EAGLE-3", spec_cls=Eagle3Spec, module_cls=Eagle3Drafter, logits=_eagle3_logits,
+    source="Li et al. 2025, EAGLE-3, arXiv:2503.01840, Sec. 3",
+    features_of=_eagle3_features, target_fields=lambda config, options: eagle3_target_fields(
+        config, options.get("feature_layers")),
+    options=("feature_layers",), reads_path=True, weights_file="eagle3_drafter.safetensors",
+    config_keys={"num_heads": "eagle3_num_steps", "feature_layers": "eagle3_feature_layers",
+                 "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
+                 "head_dim": "head_dim", "intermediate_size": "intermediate_size", "rms_norm_eps": "rms_norm_eps",
+                 "rope_theta": "rope_theta", "max_position_embeddings": "max_position_embeddings"},
+    engines={"fasterdecoding": "EAGLE-3 drafters have no FasterDecoding form (FasterDecoding loads Medusa heads)",
+             "tgi": "EAGLE-3 drafters have no TGI layout here",
+             "vllm": "vLLM serves EAGLE-3 from the speculators format (being built, issue 30)"},
+    tree_drafter=None,
+))
+
+
+__all__ = ["EAGLE3", "Eagle3Attention", "Eagle3Drafter", "Eagle3Layer", "Eagle3Spec", "eagle3_target_fields"]

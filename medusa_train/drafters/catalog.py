@@ -45,7 +45,7 @@ STATE_DICT_LAYOUT = "state_dict"  # the module's own parameter names in the type
 LAYOUTS = (MEDUSA_LAYOUT, STATE_DICT_LAYOUT)
 ENGINES = ("fasterdecoding", "tgi", "vllm")  # the engines an export may be written for, besides our own decoder
 # The modules that register the built-in types (imported on the first lookup).
-BUILTIN_MODULES = ("medusa_train.heads", "medusa_train.hydra_heads")
+BUILTIN_MODULES = ("medusa_train.heads", "medusa_train.hydra_heads", "medusa_train.eagle3")
 
 
 @dataclass(frozen=True)
