@@ -89,6 +89,9 @@ class MedusaSettings:
         topk: candidates taken from each head.
         medusa_choices: the tree (a list of paths, or a JSON file holding one); None: the export's
             ``medusa_choices.json`` when present, else Medusa's default tree cut to the heads and ``topk``.
+        dynamic_tree: None (the static tree above), or an EAGLE-2 dynamic tree grown every step by drafters that
+            grow one (EAGLE-3): ``{depth, topk, total}`` (:class:`inference.dynamic_tree.DynamicTree`), e.g.
+            ``decoder.medusa.dynamic_tree={depth:5,topk:8,total:48}``; ``medusa_choices`` and ``topk`` are then unused.
     """
 
     acceptance: str = ACCEPTANCE
@@ -97,9 +100,13 @@ class MedusaSettings:
     posterior_alpha: float = field(default=POSTERIOR_ALPHA, metadata=bound(0, low_open=True))
     topk: int = field(default=TOPK, metadata=bound(1, cap=MAX_COUNT))
     medusa_choices: Optional[Any] = None
+    dynamic_tree: Optional[Any] = None
 
     def validate(self) -> None:
+        from inference.dynamic_tree import dynamic_tree
+
         check_acceptance(self.acceptance, DecodeConfig(max_new_tokens=1), "acceptance")
+        dynamic_tree(self.dynamic_tree)
 
 
 @dataclass
@@ -229,6 +236,13 @@ def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
     from medusa_train.export.tree_files import read_tree_files
 
     spec = ctx.model.heads.spec
+    if settings.dynamic_tree is not None:
+        decoder = TreeDecoder(ctx.model, None, acceptance=settings.acceptance, dynamic_tree=settings.dynamic_tree,
+                              posterior_threshold=settings.posterior_threshold,
+                              posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer)
+        return BuiltDecoder(decoder, {"head_type": ctx.model.head_type, "tree_source": "decoder.medusa.dynamic_tree",
+                                      "dynamic_tree": decoder.dynamic_tree.as_dict(),
+                                      "tree_nodes": decoder.dynamic_tree.num_nodes})
     choices = resolve_medusa_choices(settings.medusa_choices, ctx.export_dir, spec.num_heads, settings.topk)
     tuned = read_tree_files(ctx.export_dir)
     if settings.medusa_choices is not None:

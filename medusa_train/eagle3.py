@@ -261,7 +261,7 @@ EAGLE3 = register(DrafterType(
     engines={"fasterdecoding": "EAGLE-3 drafters have no FasterDecoding form (FasterDecoding loads Medusa heads)",
              "tgi": "EAGLE-3 drafters have no TGI layout here",
              "vllm": "vLLM serves EAGLE-3 from the speculators format (being built, issue 30)"},
-    tree_drafter=None,
+    tree_drafter="inference.proposers.eagle3_drafter:Eagle3TreeDrafter",
 ))
 
 

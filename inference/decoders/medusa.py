@@ -1,7 +1,9 @@
 """Tree decoding: a drafter fills a tree of continuations, one target pass verifies it, the longest accepted path is
 kept (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads",
 Sec. 2.1.2, tree attention). :class:`TreeDecoder` runs any :class:`~inference.proposers.tree_drafters.TreeDrafter`:
-Medusa heads, Hydra heads (``model.head_type``, :func:`~inference.proposers.tree_drafters.tree_drafter`).
+Medusa heads, Hydra heads, EAGLE-3 drafters (``model.head_type``,
+:func:`~inference.proposers.tree_drafters.tree_drafter`), over a static tree or, for drafters that grow one, an
+EAGLE-2 dynamic tree built anew every step (``dynamic_tree``, :mod:`inference.dynamic_tree`).
 
 One step (:func:`tree_step`), following the split of FasterDecoding/Medusa ``medusa/model/utils.py`` at 10a2697
 (generate candidates -> tree decoding -> evaluate posterior -> update inputs) with all state passed in and out:
@@ -67,7 +69,8 @@ from inference.decoders.base import (
 from inference.decoders.batching import Replies, additive_mask, left_pad, positions, prefill_mask, sliding_window
 from inference.decoders.timing import StepTimes
 from inference.kv_cache import check_compactable, compact, preallocated_cache, select_rows, truncate
-from inference.proposers.tree_drafters import TreeDrafter, tree_drafter
+from inference.dynamic_tree import DynamicTree, dynamic_tree as to_dynamic_tree
+from inference.proposers.tree_drafters import DynamicTreeDrafter, TreeDrafter, tree_drafter
 from medusa_train.features import FINAL
 from inference.sampling import greedy_tokens, logits_to_probs
 from inference.tree import (
@@ -231,12 +234,12 @@ def tree_pass(model: Any, cache: DynamicCache, tree: TreeBuffers, node_tokens: T
 def tree_step(
     model: Any,
     cache: DynamicCache,
-    tree: TreeBuffers,
+    tree: TreeBuffers | DynamicTree,
     drafter: TreeDrafter,
     root: Tensor,
     past_valid: Tensor,
     next_position: Tensor,
-    verify: Verifier,
+    verify: Verifier | Callable[[TreeBuffers], Verifier],
     position_limit: int | None = None,
 ) -> TreeStep:
     """One tree decoding step: candidates (``drafter.draft``), one tree pass, verification, cache compaction, and
@@ -250,13 +253,16 @@ def tree_step(
         model: a :class:`~medusa_train.model.MedusaModel` (``hidden``, ``lm_head``).
         cache: KV cache of L slots (``L = past_valid.shape[1]``), compactable (:func:`inference.kv_cache.
             check_compactable`); updated in place.
-        tree: buffers on the model's device (:func:`medusa_tree`: built for the D heads it reads, ``tree.num_heads``).
+        tree: buffers on the model's device (:func:`medusa_tree`: built for the D heads it reads, ``tree.num_heads``);
+            or a :class:`~inference.dynamic_tree.DynamicTree`: the drafter grows this step's tree
+            (``drafter.draft_dynamic``, :class:`~inference.proposers.tree_drafters.DynamicTreeDrafter`).
         drafter: fills the tree; started on this request (``drafter.start``) and given every earlier step's
             accepted path.
         root: long ``[B]``, each row's token after its committed sequence (already emitted, not yet in the cache).
         past_valid: bool ``[B, L]``, the cache slots of each row's sequence (all True for one prompt).
         next_position: long ``[B]``, the position of each root (its row's committed length).
-        verify: the acceptance rule (:func:`make_verifier`).
+        verify: the acceptance rule (:func:`make_verifier`); with a dynamic tree, a function of the step's tree
+            returning it (e.g. ``lambda t: make_verifier(acceptance, t, config, generator)``).
         position_limit: the model's number of positions; node positions beyond it are clamped. Such nodes lie
             past ``max_new_tokens`` (checked by the caller), so neither they nor their descendants are kept.
 
@@ -266,7 +272,11 @@ def tree_step(
     batch, past_length = past_valid.shape
     rows = torch.arange(batch, device=root.device)
     # (a) candidates: the token of every tree node [B, N], base ids, root first.
-    node_tokens = drafter.draft(root, tree)
+    if isinstance(tree, DynamicTree):
+        node_tokens, tree = drafter.draft_dynamic(root, tree)
+        verify = verify(tree)
+    else:
+        node_tokens = drafter.draft(root, tree)
     # (b) tree pass: target features of every node {name: [B, N, H]}
     features = tree_pass(model, cache, tree, node_tokens, past_valid, next_position, position_limit)
     # (c) verification on the base logits of every node [B, N, V]: accepted nodes below the root [B, D] (-1 after
@@ -314,6 +324,10 @@ class TreeDecoder:
         posterior_threshold: typical acceptance's epsilon.
         posterior_alpha: typical acceptance's delta.
         tokenizer: optional; needed for ``stop_strings`` and to fill :attr:`DecodeResult.text`.
+        dynamic_tree: None (the static tree ``medusa_choices``), or an EAGLE-2 dynamic tree grown anew every step
+            (:class:`~inference.dynamic_tree.DynamicTree`, or ``(depth, topk, total)``, or a mapping of them), for
+            drafters that grow one (:class:`~inference.proposers.tree_drafters.DynamicTreeDrafter`: EAGLE-3);
+            ``medusa_choices`` and ``topk`` are then not used (``medusa_choices`` may be None).
 
     Attributes:
         drafter: the :class:`~inference.proposers.tree_drafters.TreeDrafter` every request starts
@@ -321,8 +335,8 @@ class TreeDecoder:
             replace it.
 
     Raises:
-        ValueError: an invalid tree (the message names the path), ``topk`` above the heads' vocabulary, or an
-            unknown acceptance rule.
+        ValueError: an invalid tree (the message names the path), ``topk`` above the heads' vocabulary, an
+            unknown acceptance rule, an invalid ``dynamic_tree`` (its field named) or one the drafter cannot grow.
         NotImplementedError: an attention backend or layer layout that cannot take a custom 4-D mask.
     """
 
@@ -331,12 +345,13 @@ class TreeDecoder:
     def __init__(
         self,
         model: Any,
-        medusa_choices: Sequence[Sequence[int]],
+        medusa_choices: Sequence[Sequence[int]] | None,
         topk: int = TOPK,
         acceptance: str = ACCEPTANCE,
         posterior_threshold: float = POSTERIOR_THRESHOLD,
         posterior_alpha: float = POSTERIOR_ALPHA,
         tokenizer: Any = None,
+        dynamic_tree: DynamicTree | Sequence[int] | dict | None = None,
     ) -> None:
         for attr in ("hidden", "head_logits", "heads", "base"):
             if not hasattr(model, attr):
@@ -355,8 +370,18 @@ class TreeDecoder:
         self.window = sliding_window(model.base.config)
         self.model = model
         self.device = model.lm_head.weight.device
-        self.tree = medusa_tree(medusa_choices, spec.num_heads, topk, device=self.device)
         self.drafter = tree_drafter(model)
+        self.dynamic_tree = to_dynamic_tree(dynamic_tree)
+        if self.dynamic_tree is None:
+            self.tree: TreeBuffers | DynamicTree = medusa_tree(medusa_choices, spec.num_heads, topk, device=self.device)
+        else:
+            if not isinstance(self.drafter, DynamicTreeDrafter):
+                raise ValueError(f"dynamic_tree: {type(self.drafter).__name__} drafts a static tree only "
+                                 f"({model.head_type} heads); give medusa_choices and dynamic_tree=None")
+            if self.dynamic_tree.topk > spec.out_size:
+                raise ValueError(f"dynamic_tree.topk must be at most {spec.out_size} (the drafter's vocabulary), "
+                                 f"got {self.dynamic_tree.topk}")
+            self.tree = self.dynamic_tree
         self.acceptance = acceptance
         self.posterior_threshold = posterior_threshold
         self.posterior_alpha = posterior_alpha
@@ -415,8 +440,15 @@ class TreeDecoder:
                           "the sliding window (the tree's depth is reserved)", reserve=tree.max_depth)
         replies = Replies(len(prompts), config, self.tokenizer, streamer)
         generator = None if config.greedy else make_generator(config, self.device)
-        verify = make_verifier(self.acceptance, tree, config, generator, self.posterior_threshold,
-                               self.posterior_alpha)
+        if isinstance(tree, DynamicTree):
+            check_acceptance(self.acceptance, config)
+
+            def verify(step_tree: TreeBuffers) -> Verifier:
+                return make_verifier(self.acceptance, step_tree, config, generator, self.posterior_threshold,
+                                     self.posterior_alpha)
+        else:
+            verify = make_verifier(self.acceptance, tree, config, generator, self.posterior_threshold,
+                                   self.posterior_alpha)
 
         start = time.perf_counter()
         replies.feed.start(ids)

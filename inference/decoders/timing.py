@@ -83,6 +83,12 @@ class _TimedDrafter:
         self.times.drafted(start, self.times.mark())
         return tokens
 
+    def draft_dynamic(self, root: Tensor, shape: Any) -> tuple[Tensor, TreeBuffers]:
+        start = self.times.mark()
+        tokens, tree = self.drafter.draft_dynamic(root, shape)
+        self.times.drafted(start, self.times.mark())
+        return tokens, tree
+
     def accept(self, tokens: Tensor, features: dict[str, Tensor], length: Tensor) -> None:
         self.drafter.accept(tokens, features, length)
 

@@ -21,6 +21,9 @@ feature of each row's last committed position, :class:`LastFeatureDrafter`) and 
   tree's depth) where Medusa's costs one, and grows with the number of expanded nodes: decoders report it apart
   (``DecodeResult.draft_time_s``).
 
+An autoregressive drafter with a KV cache of its own, :class:`inference.proposers.eagle3_drafter.Eagle3TreeDrafter`
+(EAGLE-3), also grows EAGLE-2 dynamic trees (:class:`DynamicTreeDrafter`, :mod:`inference.dynamic_tree`).
+
 Both are deterministic functions of the committed sequence and the root, so speculative sampling may treat each
 drafted token as a point mass (see :mod:`inference.decoders.medusa`).
 
@@ -89,6 +92,26 @@ class TreeDrafter(Protocol):
 
     def select(self, keep: Tensor) -> None:
         """Keep only rows ``keep`` (long ``[B']``, increasing batch indices), in that order: finished rows left."""
+        ...
+
+
+@runtime_checkable
+class DynamicTreeDrafter(TreeDrafter, Protocol):
+    """A :class:`TreeDrafter` that can also grow its own tree every step (an EAGLE-2 dynamic tree,
+    :mod:`inference.dynamic_tree`): the tree decoder calls :meth:`draft_dynamic` in place of :meth:`draft` when it
+    is given ``dynamic_tree``, then verifies the returned tree (its mask, positions and paths) in the one pass."""
+
+    def draft_dynamic(self, root: Tensor, shape: Any) -> tuple[Tensor, TreeBuffers]:
+        """This step's tree and the token of every node.
+
+        Args:
+            root: as :meth:`TreeDrafter.draft`.
+            shape: the :class:`~inference.dynamic_tree.DynamicTree` (depth, topk, total).
+
+        Returns:
+            ``(tokens long [B, N], tree)``: base-vocabulary ids with ``[:, 0] == root``, and the step's buffers
+            (N = ``tree.num_nodes`` <= ``shape.total + 1``, depth <= ``shape.depth``), shared by the batch rows.
+        """
         ...
 
 
@@ -223,5 +246,5 @@ def tree_drafter(model: Any) -> TreeDrafter:
     return type_of(model.heads).make_tree_drafter(model)
 
 
-__all__ = ["HydraTreeDrafter", "LastFeatureDrafter", "MedusaTreeDrafter", "TreeDrafter", "hydra_levels",
-           "tree_drafter"]
+__all__ = ["DynamicTreeDrafter", "HydraTreeDrafter", "LastFeatureDrafter", "MedusaTreeDrafter", "TreeDrafter",
+           "hydra_levels", "tree_drafter"]

@@ -22,7 +22,8 @@ from inference.decoders import (
 from inference.decoders.chat import chat_prompt_ids, eos_ids
 from inference.decoders.medusa import tree_attention_mask
 from inference.tree import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
-from medusa_train.drafters.catalog import head_types
+from medusa_train.drafters.catalog import drafter_type, head_types
+from medusa_train.features import count_layers
 from medusa_train.model import MedusaModel, new_heads_for
 from tests.conftest import FAMILIES, chi_square, make_tiny_model
 
@@ -424,6 +425,9 @@ def random_heads(head_type: str, base: torch.nn.Module, num_heads: int = 3, seed
     """Random heads of any registered drafter type on ``base`` (every rule of the decoder serves every type): every
     parameter but the projections (copied from the base lm_head) perturbed by N(0, 0.3^2), so they disagree with the
     base often and many drafts are rejected. ``options``: the type's own (Hydra's ``combine``)."""
+    if "feature_layers" in drafter_type(head_type).options and "feature_layers" not in options \
+            and count_layers(base.config) < 7:  # too shallow for vLLM's default taps: the input of every layer
+        options["feature_layers"] = tuple(range(3))
     heads = new_heads_for(base, num_heads, head_type=head_type, **options)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
