@@ -208,3 +208,21 @@ def test_eagle3_settings_for_other_flows_are_refused_before_any_model_loads(over
 
     with pytest.raises(ValueError, match=message):
         as_dataclass(TrainConfig, compose_train(tiny_overrides(*tiny_inputs, tmp_path / "run") + overrides))
+
+
+# ---- two ranks -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("trainer,cache", [("ddp", "true"), ("deepspeed_zero3", "false")])
+def test_two_ranks_train_the_same_drafter_as_one_process(trainer, cache, tiny_inputs, tmp_path):
+    """The training-time test runs through the wrapper's forward: DDP averages, ZeRO-3 gathers every weight."""
+    from tests.medusa_train.test_distributed import RANK_BATCH, check_ok, launch
+
+    model_dir, data = tiny_inputs
+    build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "single", hidden_cache=cache) + EAGLE3)).run()
+    out = tmp_path / trainer
+    check_ok(launch([f"trainer={trainer}", *tiny_overrides(model_dir, data, out, hidden_cache=cache, **RANK_BATCH),
+                     *EAGLE3]))
+    assert_same_heads(load_file(str(tmp_path / "single" / "export" / WEIGHTS)),
+                      load_file(str(out / "export" / WEIGHTS)))
