@@ -235,9 +235,15 @@ def _load_builtins() -> None:
 
 
 def drafter_types() -> tuple[DrafterType, ...]:
-    """Every registered type, the built-ins first, in registration order."""
+    """Every registered type: the built-ins first, in :data:`BUILTIN_MODULES` order (whichever module was imported
+    first), then the others in registration order."""
     _load_builtins()
-    return tuple(_CATALOG.values())
+
+    def rank(entry: DrafterType) -> int:
+        module = entry.module_cls.__module__
+        return BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
+
+    return tuple(sorted(_CATALOG.values(), key=rank))
 
 
 def head_types() -> tuple[str, ...]:

@@ -95,3 +95,113 @@ def test_vllm_serves_a_random_eagle3_export_with_plain_replies(smollm2, base, co
     assert len(eagle3["accepted_per_pos"]) == K and eagle3["accepted_per_pos"] == sorted(eagle3["accepted_per_pos"],
                                                                                         reverse=True)
     assert plain["num_drafts"] == 0
+
+
+REPLY = 40  # tokens vLLM generates per prompt; our reference continues K further (vLLM verifies drafts past the end)
+
+
+@pytest.fixture(scope="module")
+def long_continuations(base) -> list[list[int]]:
+    """Four MT-Bench first turns + SmolLM2's greedy fp32 reply of REPLY + K tokens (no EOS stop)."""
+    from inference.decoders.base import DecodeConfig
+    from inference.decoders.vanilla import VanillaDecoder
+    from medusa_train.prompts import encode_prompt, load_prompts
+
+    model, tokenizer = base
+    decoder = VanillaDecoder(model, tokenizer=tokenizer)
+    sequences = []
+    for prompt in load_prompts("mt_bench", num_prompts=4):
+        ids = encode_prompt(tokenizer, prompt.first_turn_messages())
+        reply = decoder.generate(ids, DecodeConfig(max_new_tokens=REPLY + K, eos_token_ids=()))
+        sequences.append((len(ids), ids + reply.tokens))
+    return sequences
+
+
+def drafter_inputs(model, drafter: Eagle3Drafter, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fused target features [1, T, H], embeddings [1, T, H])`` of a sequence (the drafter's step-1 inputs:
+    position t reads the feature at t and the embedding of token t + 1)."""
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        features, _ = target_features(model.model, tokens, layers=drafter.spec.feature_layers)
+        embeds = model.get_input_embeddings()(tokens)
+    taps = [features[layer_feature(i)] for i in drafter.spec.feature_layers]
+    return torch.cat(taps, dim=-1), embeds
+
+
+def overfit(drafter: Eagle3Drafter, data: list[tuple[torch.Tensor, torch.Tensor, list[int]]], steps: int) -> float:
+    """Train the drafter's first step to predict token t + 2 at every position of ``data`` (taps, embeddings, ids);
+    returns its final top-1 accuracy."""
+    opt = torch.optim.Adam(drafter.parameters(), lr=2e-3)
+    inverse = torch.full((drafter.spec.vocab_size,), -100, dtype=torch.long)
+    inverse[drafter.token_map] = torch.arange(drafter.spec.out_size)
+    for _ in range(steps):
+        correct = total = 0
+        opt.zero_grad()
+        for taps, embeds, ids in data:
+            T = len(ids) - 2
+            hidden = drafter.fc(taps[:, :T])
+            logits, _ = drafter(hidden, embeds[:, 1:T + 1], torch.arange(T)[None])
+            labels = inverse[torch.tensor(ids[2:])]
+            torch.nn.functional.cross_entropy(logits[0], labels).backward()
+            correct += int((logits[0].argmax(-1) == labels).sum())
+            total += T
+        opt.step()
+    return correct / total
+
+
+@torch.no_grad()
+def chain_acceptance(drafter: Eagle3Drafter, taps: torch.Tensor, embed, ids: list[int], prompt_len: int,
+                     reply: int) -> tuple[int, list[int]]:
+    """vLLM's chain drafting replayed with our drafter on a greedy sequence: after the prefill (token ``prompt_len``
+    sampled), each pass drafts K tokens from the last committed position (own features after the first), accepts
+    the longest prefix equal to the sequence and commits one more; passes run while fewer than ``reply`` tokens are
+    out. Returns ``(passes, accepted per draft position [K])``."""
+    fused = drafter.fc(taps)  # [1, T, H]
+    passes, per_pos = 0, [0] * K
+    committed = prompt_len + 1  # tokens 0..prompt_len; target features at 0..prompt_len - 1
+    while committed - prompt_len < reply:
+        n = committed - 1  # positions 0..n-1 read target features, the first draft comes out at n - 1
+        hidden, tokens, drafts = fused[:, :n], list(ids[1:n + 1]), []
+        for _ in range(K):
+            logits, out = drafter(hidden, embed(torch.tensor([tokens])), torch.arange(len(tokens))[None])
+            drafts.append(int(drafter.to_base_tokens(logits[0, -1].argmax())))
+            hidden, tokens = torch.cat([hidden, out[:, -1:]], dim=1), tokens + drafts[-1:]
+        accepted = 0
+        while accepted < K and drafts[accepted] == ids[committed + accepted]:
+            accepted += 1
+        passes += 1
+        for j in range(accepted):
+            per_pos[j] += 1
+        committed += accepted + 1
+    return passes, per_pos
+
+
+@vllm
+@pytest.mark.slow
+def test_vllm_accepts_an_overfit_eagle3_drafter_as_our_chain_does(smollm2, base, long_continuations, tmp_path):
+    """The export is faithful: vLLM's per-position acceptance of a drafter that knows these replies equals the
+    acceptance our drafter's own chain gets on them within 0.05 (a shifted tap, a skipped tensor or another norm
+    would drop vLLM's to near zero), and it accepts more than 1.1 tokens per step."""
+    model, _ = base
+    embed = model.get_input_embeddings()
+    all_ids = torch.tensor([t for _, ids in long_continuations for t in ids])
+    drafter = eagle3_drafter(model, extra_tokens=all_ids)
+    inputs = [(*drafter_inputs(model, drafter, ids), ids) for _, ids in long_continuations]
+    accuracy = overfit(drafter, inputs, steps=120)
+    assert accuracy > 0.9, accuracy
+    drafter.eval()
+    passes, ours = 0, [0] * K
+    for (prompt_len, ids), (taps, _, _) in zip(long_continuations, inputs):
+        p, pos = chain_acceptance(drafter, taps, embed, ids, prompt_len, REPLY)
+        passes, ours = passes + p, [a + b for a, b in zip(ours, pos)]
+    export = save_export(drafter, tmp_path / "export", TARGET, base_model=model)
+    prompts = [ids[:n] for n, ids in long_continuations]
+    served = serve(engine_model_path(smollm2), prompts, REPLY, eagle3_speculative_config(export))
+    assert served["tokens"] == [ids[n:n + REPLY] for n, ids in long_continuations]  # fp32 greedy
+    ours_rate = [a / passes for a in ours]
+    vllm_rate = [a / served["num_drafts"] for a in served["accepted_per_pos"]]
+    print(f"passes ours {passes} vLLM {served['num_drafts']}; acceptance per position ours {ours_rate}, "
+          f"vLLM {vllm_rate}")
+    assert ours_rate[0] > 0.5  # the drafter knows these replies
+    assert all(abs(a - b) <= 0.05 for a, b in zip(ours_rate, vllm_rate)), (ours_rate, vllm_rate)
+    assert 1 + served["num_accepted_tokens"] / served["num_drafts"] > 1.1
