@@ -5,7 +5,7 @@ missing required settings) by :func:`decoder_settings` before any model is loade
 them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model.
 
 Names: ``vanilla``, ``medusa``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the real engine
-``vllm`` / ``vllm_medusa``. The two vLLM decoders run in vLLM's own environment (``bash
+``vllm`` / ``vllm_medusa`` / ``vllm_eagle3``. The vLLM decoders run in vLLM's own environment (``bash
 launch/install_vllm.sh``) and only when listed in ``decoders``: they are left out of the default list.
 """
 
@@ -197,6 +197,21 @@ class VllmMedusaSettings(VllmSettings):
     num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
 
 
+@dataclass
+class VllmEagle3Settings(VllmSettings):
+    """vLLM's EAGLE-3 speculator with the export's ``speculators/`` drafter
+    (:class:`~inference.decoders.vllm.VllmDecoder`, ``method: eagle3``): a chain of K drafted tokens per step, each
+    drafted from the drafter's own output feature, verified by the target in one pass; τ from vLLM's spec-decode
+    counters. The fields of :class:`VllmSettings`, and:
+
+    Attributes:
+        num_speculative_tokens: drafted tokens per step (K >= 1); None: the export's ``speculative_tokens`` (the
+            drafter's training-time-test steps).
+    """
+
+    num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
+
+
 # --- request checks (run before any model loads) ---------------------------------------------------------------
 
 
@@ -352,7 +367,7 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
     import torch
 
     from inference.decoders.vllm import VllmDecoder
-    from inference.engines.vllm_env import VllmWorker, speculative_config
+    from inference.engines.vllm_env import VllmWorker, eagle3_speculative_config, speculative_config
     from medusa_train.export.configs import dtype_name
     from medusa_train.loading.base import engine_model_path
 
@@ -362,6 +377,8 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
     spec = None
     if isinstance(settings, VllmMedusaSettings):
         spec = speculative_config(ctx.export_dir, settings.num_speculative_tokens)
+    elif isinstance(settings, VllmEagle3Settings):  # refuses a non-EAGLE-3 export before vLLM starts
+        spec = eagle3_speculative_config(ctx.export_dir, settings.num_speculative_tokens)
     model_path = engine_model_path(ctx.model_config)
     dtype = dtype_name(ctx.model.base.dtype)  # the dtype our decoders run in, whatever the config said
     # Timed beside ours: as many compute threads as our decoders on a CPU, and stopped between its turns, so
@@ -379,6 +396,10 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
 
 def _build_vllm_medusa(settings: VllmMedusaSettings, ctx: BuildContext) -> BuiltDecoder:
     return _build_vllm(settings, ctx, "vllm_medusa")
+
+
+def _build_vllm_eagle3(settings: VllmEagle3Settings, ctx: BuildContext) -> BuiltDecoder:
+    return _build_vllm(settings, ctx, "vllm_eagle3")
 
 
 # --- the registry ---------------------------------------------------------------------------------------------
@@ -436,6 +457,9 @@ for _entry in (
                  _check_vllm_request, default=False),
     DecoderEntry("vllm_medusa", VllmMedusaSettings, _build_vllm_medusa,
                  "vLLM's Medusa speculator with the export's vllm/ heads (a chain of top-1 drafts)",
+                 _check_vllm_request, uses_heads=True, default=False),
+    DecoderEntry("vllm_eagle3", VllmEagle3Settings, _build_vllm_eagle3,
+                 "vLLM's EAGLE-3 speculator with the export's speculators/ drafter (a chain of K drafts)",
                  _check_vllm_request, uses_heads=True, default=False),
 ):
     register_decoder(_entry)

@@ -423,7 +423,8 @@ EAGLE3 = register(DrafterType(
                  "rope_theta": "rope_theta", "max_position_embeddings": "max_position_embeddings"},
     engines={"fasterdecoding": "EAGLE-3 drafters have no FasterDecoding form (FasterDecoding loads Medusa heads)",
              "tgi": "EAGLE-3 drafters have no TGI layout here",
-             "vllm": "vLLM serves EAGLE-3 from the speculators format (being built, issue 30)"},
+             "vllm": None},
+    engine_writers={"vllm": "medusa_train.export.speculators:speculators_writer"},  # speculators/, not vllm/
     tree_drafter="inference.proposers.eagle3_drafter:Eagle3TreeDrafter",
 ))
 

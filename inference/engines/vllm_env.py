@@ -155,6 +155,54 @@ def speculative_config(export_dir: str | os.PathLike[str], num_speculative_token
     return {"method": "medusa", "model": str(folder.resolve()), "num_speculative_tokens": k}
 
 
+def eagle3_speculative_config(export_dir: str | os.PathLike[str], num_speculative_tokens: int | None = None
+                               ) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for an EAGLE-3 export: ``{"method": "eagle3", "model": <export>/speculators,
+    "num_speculative_tokens": K}`` (:mod:`medusa_train.export.speculators` writes that folder). vLLM drafts K tokens
+    as one chain, each step feeding the drafter its own output feature, so any K >= 1 works.
+
+    Args:
+        export_dir: the export folder (its ``config.json`` and ``speculators/``).
+        num_speculative_tokens: drafted tokens per step; None: the export's ``speculative_tokens`` (the drafter's
+            training-time-test steps).
+
+    Raises:
+        FileNotFoundError: no export ``config.json``, or no ``speculators/config.json`` (re-export with
+            ``export_vllm=true``).
+        ValueError: the export's ``head_type`` is a drafter vLLM does not serve as ``eagle3`` (Medusa heads: use the
+            ``vllm_medusa`` decoder), ``speculators/config.json`` is not an EAGLE-3 speculators config, or
+            ``num_speculative_tokens`` < 1. All before vLLM starts.
+    """
+    from medusa_train.drafters.catalog import drafter_type
+    from medusa_train.export.configs import export_head_type
+    from medusa_train.export.files import read_json
+    from medusa_train.export.reader import read_export_config
+    from medusa_train.export.speculators import CONFIG_FILE, SPECULATORS_DIR, SPECULATORS_MODEL_TYPE, \
+        speculators_writer
+
+    head_type = export_head_type(read_export_config(export_dir))
+    entry = drafter_type(head_type, f"{Path(export_dir) / CONFIG_FILE}")
+    if entry.engine_writer("vllm") is not speculators_writer:
+        raise ValueError(f"{Path(export_dir) / CONFIG_FILE}: head_type {head_type!r} ({entry.title} heads) is not a "
+                         "drafter vLLM serves as method eagle3 (it serves EAGLE-3 drafters, head_type 'eagle3', from "
+                         "speculators/); decode Medusa heads with the vllm_medusa decoder, or pass an EAGLE-3 export")
+    folder = Path(export_dir) / SPECULATORS_DIR
+    if not (folder / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{folder / CONFIG_FILE} not found: re-export the drafter with export_vllm=true "
+                                "(it writes speculators/, what vLLM serves as eagle3)")
+    config = read_json(folder / CONFIG_FILE)
+    proposals = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    default_k = proposals[0].get("speculative_tokens")
+    if config.get("speculators_model_type") != SPECULATORS_MODEL_TYPE or not isinstance(default_k, int):
+        raise ValueError(f"{folder / CONFIG_FILE}: not an EAGLE-3 speculators config (speculators_model_type "
+                         f"{config.get('speculators_model_type')!r}, speculative_tokens {default_k!r}); re-export the "
+                         "drafter")
+    k = default_k if num_speculative_tokens is None else num_speculative_tokens
+    if k < 1:
+        raise ValueError(f"num_speculative_tokens must be at least 1, got {k}")
+    return {"method": SPECULATORS_MODEL_TYPE, "model": str(folder.resolve()), "num_speculative_tokens": k}
+
+
 _REAPER = """
 import os, signal, sys, time
 parent, group = int(sys.argv[1]), int(sys.argv[2])
@@ -189,7 +237,8 @@ class VllmWorker:
         model: the target model vLLM loads (an HF folder or Hub id; GGUF and llama2.c bases: the HF folder
             :func:`medusa_train.loading.base.engine_model_path` converts them into).
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
-        speculative_config: vLLM's ``speculative_config`` (None: plain decoding).
+        speculative_config: vLLM's ``speculative_config`` (None: plain decoding; :func:`speculative_config` for an
+            export's Medusa heads, :func:`eagle3_speculative_config` for its EAGLE-3 drafter).
         max_model_len: context length vLLM reserves per sequence (None: the model's).
         max_num_seqs: sequences vLLM decodes together.
         enforce_eager: skip vLLM's ``torch.compile`` (engine start about 45 s instead of 2-3 min on the test CPU).
@@ -381,4 +430,4 @@ class VllmWorker:
 
 
 __all__ = ["INSTALL_COMMAND", "VENV_VARIABLE", "VllmError", "VllmUnavailable", "VllmWorker", "bound_cores",
-           "speculative_config", "start_reaper", "vllm_available", "vllm_python", "vllm_venv", "worker_environment"]
+           "eagle3_speculative_config", "speculative_config", "start_reaper", "vllm_available", "vllm_python", "vllm_venv", "worker_environment"]

@@ -9,7 +9,8 @@ kept for replies only.
 Requests (``op``) and replies (``{"ok": true, ...}`` or ``{"ok": false, "error", "traceback"}``):
 
 - ``start``: ``model`` (an HF folder or Hub id), ``dtype``, ``speculative_config`` (None, or vLLM's dict, e.g.
-  ``{"method": "medusa", "model": <export>/vllm, "num_speculative_tokens": K}``), ``max_model_len``,
+  ``{"method": "medusa", "model": <export>/vllm, "num_speculative_tokens": K}``, or ``{"method": "eagle3",
+  "model": <export>/speculators, "num_speculative_tokens": K}``), ``max_model_len``,
   ``max_num_seqs``, ``enforce_eager``, ``seed``, ``gpu_memory_utilization`` (CUDA only) -> ``vllm_version``,
   ``start_s``. The engine is built once and reused by every later request (starting it takes 30-180 s on a CPU).
 - ``generate``: ``prompts`` (lists of token ids: the chat template is applied by the caller, so both sides see the
@@ -17,7 +18,8 @@ Requests (``op``) and replies (``{"ok": true, ...}`` or ``{"ok": false, "error",
   ``temperature``, ``top_p``, ``top_k``, ``seed`` -> ``outputs`` (per prompt: ``token_ids``, stop token included;
   ``finish_reason`` "stop" or "length"; ``first_token_s``), ``wall_s`` (the ``LLM.generate`` call) and ``spec``:
   vLLM's speculative-decoding counters accumulated during the call (``num_drafts``, ``num_draft_tokens``,
-  ``num_accepted_tokens``, ``accepted_per_pos``; zeros without speculation).
+  ``num_accepted_tokens``, ``accepted_per_pos``: per draft position j, the drafts whose token j was accepted; zeros
+  without speculation). The counters are the same for every method (``vllm:spec_decode_*`` of ``get_metrics``).
 - ``drafts``: ``hidden`` (a safetensors file with ``hidden [N, H]``: target hidden states after the final norm) ->
   ``drafts [N, K]``: the token each Medusa head proposes, computed by the drafter vLLM loaded, exactly as its
   ``MedusaProposer.propose`` does (``model(hidden)``, ``compute_logits``, argmax). Only with ``start`` given

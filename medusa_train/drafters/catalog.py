@@ -21,6 +21,9 @@ A :class:`DrafterType` says:
 - its export: ``layout`` (``medusa``: FasterDecoding's key layout, which FasterDecoding, TGI and vLLM load;
   ``state_dict``: the module's own parameter names in ``weights_file``), ``config_keys`` (the spec's counts in our
   ``config.json``) and, per engine, None where the engine serves it or the reason where it cannot (``engines``);
+- its engine files: ``engine_writers``, per engine that serves it in a format of its own (EAGLE-3's ``speculators/``
+  for vLLM), a function or ``"module:function"`` that checks the heads and returns the writer of those files
+  (:meth:`DrafterType.engine_writer`); engines without one get the layout's own files (Medusa's ``vllm/``);
 - its tree drafter: ``tree_drafter``, a class or ``"module:attribute"`` built as ``tree_drafter(model)``
   (:class:`inference.proposers.tree_drafters.TreeDrafter`).
 
@@ -104,6 +107,10 @@ class DrafterType:
             ``hidden_size``, ``vocab_size``, ``share_lm_head``, ``head_vocab_size`` are common to all types).
         engines: engine (:data:`ENGINES`) -> None when it serves this type's export, else the reason it cannot.
         tree_drafter: its tree drafter class, or ``"module:attribute"`` (imported when first asked for).
+        engine_writers: engine -> a function or ``"module:function"`` called as ``(heads, *,
+            base_model_name_or_path, base_model)``: it checks the heads for that engine (raising ``ValueError``
+            naming what does not fit) and returns ``write(folder)``, which writes the engine's files into the export
+            folder; only for engines that serve the type (``engines[engine]`` None).
     """
 
     name: str
@@ -124,6 +131,7 @@ class DrafterType:
     config_keys: Mapping[str, str] = field(default_factory=dict)
     engines: Mapping[str, str | None] = field(default_factory=dict)
     tree_drafter: Any = None
+    engine_writers: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -133,6 +141,10 @@ class DrafterType:
         unknown = sorted(set(self.engines) - set(ENGINES))
         if unknown:
             raise ValueError(f"drafter type {self.name!r}: engines {unknown} are not among {ENGINES}")
+        unserved = sorted(e for e in self.engine_writers if e not in self.engines or self.engines[e] is not None)
+        if unserved:
+            raise ValueError(f"drafter type {self.name!r}: engine_writers {unserved} are for engines it declares it "
+                             "cannot serve (engines)")
         spec_fields = {f.name for f in fields(self.spec_cls)}
         missing = sorted({*self.options, *self.config_keys} - spec_fields)
         if missing:
@@ -154,13 +166,15 @@ class DrafterType:
         Raises:
             ValueError: the type declares no tree drafter.
         """
-        drafter = self.tree_drafter
-        if drafter is None:
+        if self.tree_drafter is None:
             raise ValueError(f"{self.title} heads (head_type {self.name!r}) declare no tree drafter")
-        if isinstance(drafter, str):
-            module, _, attribute = drafter.partition(":")
-            drafter = getattr(importlib.import_module(module), attribute)
-        return drafter(model)
+        return _resolve(self.tree_drafter)(model)
+
+    def engine_writer(self, engine: str) -> Callable[..., Callable[[Any], None]] | None:
+        """The function writing this type's own files for ``engine`` (:attr:`engine_writers`, imported), or None
+        when the engine reads the layout's own files."""
+        writer = self.engine_writers.get(engine)
+        return None if writer is None else _resolve(writer)
 
     def config_fields(self, spec: Any) -> dict[str, Any]:
         """The spec's own fields as our ``config.json`` records them (:attr:`config_keys`)."""
@@ -169,6 +183,14 @@ class DrafterType:
     def spec_options(self, settings: Any) -> dict[str, Any]:
         """The :attr:`options` read from ``settings`` (an object with those attributes, e.g. ``cfg.heads``)."""
         return {name: getattr(settings, name) for name in self.options}
+
+
+def _resolve(obj: Any) -> Any:
+    """``obj``, or the attribute a ``"module:attribute"`` string names (its module imported)."""
+    if isinstance(obj, str):
+        module, _, attribute = obj.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+    return obj
 
 
 _CATALOG: dict[str, DrafterType] = {}
@@ -224,9 +246,15 @@ def _load_builtins() -> None:
 
 
 def drafter_types() -> tuple[DrafterType, ...]:
-    """Every registered type, the built-ins first, in registration order."""
+    """Every registered type: the built-ins first, in :data:`BUILTIN_MODULES` order (whichever module was imported
+    first), then the others in registration order."""
     _load_builtins()
-    return tuple(_CATALOG.values())
+
+    def rank(entry: DrafterType) -> int:
+        module = entry.module_cls.__module__
+        return BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
+
+    return tuple(sorted(_CATALOG.values(), key=rank))
 
 
 def head_types() -> tuple[str, ...]:

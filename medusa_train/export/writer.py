@@ -32,6 +32,11 @@ layout here: their folder holds ``config.json`` (``head_type``, see :mod:`~medus
 would read them as Medusa heads), and the files of other types left by an earlier export into the folder are removed,
 so no loader finds heads of another kind there.
 
+A type with its own engine files (``DrafterType.engine_writers``) gets them instead of ``vllm/`` when ``vllm=True``:
+EAGLE-3 drafters write ``speculators/`` (``config.json``, ``model.safetensors``), what vLLM serves with
+``method: eagle3`` (:mod:`medusa_train.export.speculators`, which refuses a tensor vLLM would not load, by name,
+before anything is written).
+
 Heads holding NaN or Inf are refused before anything is written.
 
 ``vllm/`` is what vLLM 0.32 loads (``vllm/model_executor/models/medusa.py``), whose Medusa proposes each head's
@@ -78,6 +83,7 @@ from medusa_train.export.configs import VLLM_TOKEN_MAP, export_config, vllm_conf
 from medusa_train.export.files import write_json, write_safetensors, write_torch
 from medusa_train.export.folder_swap import replace_folder
 from medusa_train.export.layouts import FASTERDECODING, VLLM, check_finite, fasterdecoding_limitation, split_heads
+from medusa_train.export.speculators import FILES as SPECULATORS_FILES
 from medusa_train.drafters.catalog import MEDUSA_LAYOUT, drafter_types, type_of
 from medusa_train.heads import MedusaHeads
 from medusa_train.model import DraftHeads, check_heads_match_base
@@ -101,7 +107,7 @@ def owned_files() -> tuple[str, ...]:
     """Every path save_export writes for any drafter type (relative to the export folder): never carried over from
     an earlier export."""
     return (CONFIG_FILE, *weights_files(), LEGACY_WEIGHTS_FILE, TOKEN_MAP_FILE, f"{VLLM_DIR}/{VLLM_WEIGHTS_FILE}",
-            f"{VLLM_DIR}/{CONFIG_FILE}")
+            f"{VLLM_DIR}/{CONFIG_FILE}", *SPECULATORS_FILES)
 
 
 def save_export(
@@ -129,7 +135,7 @@ def save_export(
         out_dir: the export folder.
         base_model_name_or_path: Hub id or path of the base model, recorded for loaders (FasterDecoding, TGI).
         extra_config: more JSON-serialisable fields for config.json (never one of the fields written here).
-        vllm: also write ``vllm/``.
+        vllm: also write ``vllm/`` (or the type's own vLLM files, e.g. an EAGLE-3 drafter's ``speculators/``).
         base_model: the base ``*ForCausalLM``; checked against the heads and its class recorded. Required with
             ``share_lm_head`` when ``vllm`` or ``medusa_lm_head.pt`` is written (its lm_head goes into them).
         fasterdecoding: also write ``medusa_lm_head.pt`` for FasterDecoding's loader (when it can reproduce the
@@ -147,7 +153,8 @@ def save_export(
         ValueError: heads holding NaN or Inf (tensor and head named); ``extra_config`` clashes with a written field
             or is not JSON-serialisable; ``share_lm_head`` with ``vllm`` or ``medusa_lm_head.pt`` but without
             ``base_model``; ``vllm`` with heads vLLM cannot serve (Hydra heads), or for heads vLLM cannot reproduce (:func:`vllm_problem`, the
-            reason given); ``base_model`` does not match the heads (field named). All before anything is written.
+            reason given), or whose tensors vLLM would not load as written (the type's engine writer, tensor
+            named); ``base_model`` does not match the heads (field named). All before anything is written.
         LockHeldError: another process holds the export folder (a ``medusa-tune-tree`` run, or another export into
             it), named; nothing is written.
         OSError: writing failed (e.g. the disk is full); the previous export is left as it was.
@@ -160,7 +167,8 @@ def save_export(
     if vllm_reason is not None and vllm:
         raise ValueError(f"vllm=True: {vllm_reason} and these are {entry.title} heads (head_type {entry.name!r}); "
                          "pass vllm=False (export_vllm=false)")
-    problem = vllm_problem(spec.head_vocab_size) if vllm else None
+    engine_writer = entry.engine_writer("vllm") if vllm else None
+    problem = vllm_problem(spec.head_vocab_size) if vllm and engine_writer is None else None
     if problem is not None:
         raise ValueError(f"cannot write vllm/ for these heads: {problem}; export with vllm=False (export_vllm=false) "
                          "to skip it")
@@ -180,6 +188,8 @@ def save_export(
                          "save_export, or vllm=False and fasterdecoding=False to write neither")
     if base_model is not None:
         check_heads_match_base(spec, base_model)
+    write_engine = None if engine_writer is None else engine_writer(
+        heads, base_model_name_or_path=base_model_name_or_path, base_model=base_model)
     dtype = heads.block_weight.dtype if medusa_layout else heads.dtype
     config = export_config(
         spec, base_model_name_or_path, dtype,
@@ -203,7 +213,9 @@ def save_export(
             write_torch(folder / LEGACY_WEIGHTS_FILE, _fasterdecoding_state(heads, tensors, base_model))
         if token_map is not None:
             write_safetensors(folder / TOKEN_MAP_FILE, {"token_map": token_map})
-        if vllm:
+        if write_engine is not None:
+            write_engine(folder)
+        elif vllm:
             base_lm_head = None if base_model is None else base_model.get_output_embeddings().weight
             _write_vllm(heads, folder / VLLM_DIR, token_map, base_lm_head if spec.share_lm_head else None)
         write_json(folder / CONFIG_FILE, config)

@@ -1,0 +1,136 @@
+"""An EAGLE-3 drafter's ``speculators/`` export: the config vLLM 0.32 reads, the tensors under the names its
+``Eagle3LlamaForCausalLM`` loads, and every tensor vLLM would not load refused by name before anything is written.
+(The real vLLM serving it: ``tests/inference/test_vllm_eagle3.py``.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from medusa_train.drafters.catalog import drafter_type, new_spec
+from medusa_train.eagle3 import Eagle3Drafter
+from medusa_train.export import save_export
+from medusa_train.export.speculators import NORM_FLAGS, expected_tensors
+from medusa_train.features import layer_feature, target_features
+from tests.conftest import VOCAB, make_tiny_model
+
+HEAD_VOCAB = 40
+
+
+def drafter(target, feature_layers=None, head_vocab: int | None = HEAD_VOCAB, seed: int = 0) -> Eagle3Drafter:
+    """A random EAGLE-3 drafter for ``target`` (an 8-layer tiny Llama: default taps (2, 4, 5))."""
+    options = {} if feature_layers is None else {"feature_layers": feature_layers}
+    spec = new_spec("eagle3", options, target.config, num_heads=3, num_layers=1, hidden_size=target.config.hidden_size,
+                    vocab_size=VOCAB, head_vocab_size=head_vocab)
+    gen = torch.Generator().manual_seed(seed)
+    token_map = None if head_vocab is None else torch.sort(torch.randperm(VOCAB, generator=gen)[:head_vocab]).values
+    module = Eagle3Drafter(spec, token_map)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return module
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_model(num_hidden_layers=8)
+
+
+def test_eagle3_export_writes_speculators_for_vllm(tmp_path, target):
+    heads = drafter(target)
+    out = save_export(heads, tmp_path / "export", "org/tiny-llama", vllm=True, base_model=target)
+    config = json.loads((out / "speculators" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and "model_type" not in config
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM's (2, L // 2, L - 3) for L = 8
+    assert config["draft_vocab_size"] == HEAD_VOCAB and config["target_hidden_size"] == target.config.hidden_size
+    assert {k: config[k] for k in NORM_FLAGS} == {"norm_before_residual": False, "norm_before_fc": False,
+                                                 "fc_norm": False, "norm_output": False}
+    method = config["speculators_config"]["proposal_methods"][0]
+    assert method["proposal_type"] == "greedy" and method["speculative_tokens"] == 3
+    assert config["speculators_config"]["verifier"] == {"name_or_path": "org/tiny-llama",
+                                                        "architectures": ["LlamaForCausalLM"]}
+    layer = config["transformer_layer_config"]
+    assert (layer["model_type"], layer["num_hidden_layers"], layer["vocab_size"]) == ("llama", 1, VOCAB)
+    assert (layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]) == (4, 2, 8)
+
+    tensors = load_file(str(out / "speculators" / "model.safetensors"))
+    table = expected_tensors(heads.spec, torch.float32)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} == table
+    assert table["fc.weight"][0] == (32, 96) and table["midlayer.self_attn.q_proj.weight"][0] == (32, 64)
+    assert torch.equal(tensors["d2t"] + torch.arange(HEAD_VOCAB), heads.token_map)  # target id = draft id + d2t
+    assert torch.equal(tensors["t2d"].nonzero().flatten(), heads.token_map)
+    assert torch.equal(tensors["midlayer.mlp.down_proj.weight"], heads.midlayer.mlp.down_proj.weight)
+    assert not (out / "vllm").exists()  # vLLM's Medusa layout is for Medusa heads only
+    assert (out / drafter_type("eagle3").weights_file).is_file()
+
+
+def test_full_vocabulary_drafter_has_no_d2t(tmp_path, target):
+    out = save_export(drafter(target, head_vocab=None), tmp_path / "export", "org/tiny", base_model=target)
+    tensors = load_file(str(out / "speculators" / "model.safetensors"))
+    assert "d2t" not in tensors and "t2d" not in tensors and tensors["lm_head.weight"].shape == (VOCAB, 32)
+
+
+def test_unsorted_taps_are_written_in_vllms_ascending_order(tmp_path, target):
+    """vLLM concatenates the taps in ascending layer order: fc's column blocks follow, so the fused feature is ours."""
+    heads = drafter(target, feature_layers=(5, 1, 3))
+    out = save_export(heads, tmp_path / "export", "org/tiny", base_model=target)
+    config = json.loads((out / "speculators" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    fc = load_file(str(out / "speculators" / "model.safetensors"))["fc.weight"]
+    ids = torch.tensor([[3, 7, 11, 13]])
+    with torch.no_grad():
+        features, _ = target_features(target.model, ids, layers=(1, 3, 5))
+        ours = heads.fuse([features[layer_feature(i)] for i in heads.spec.feature_layers])
+        vllms = torch.cat([features[layer_feature(i)] for i in (1, 3, 5)], dim=-1) @ fc.T
+    assert not torch.equal(fc, heads.fc.weight)
+    torch.testing.assert_close(vllms, ours)
+
+
+def _edited_state(heads, edit):
+    state = heads.state_dict()
+
+    def patched(*args, **kwargs):
+        return edit(dict(state))
+    return patched
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: {("midlayer.self_attn.qkv.weight" if k == "midlayer.self_attn.q_proj.weight" else k): v
+                for k, v in s.items()},
+     r"midlayer\.self_attn\.q_proj\.weight is missing.*midlayer\.self_attn\.qkv\.weight \[32, 64\] is not a tensor "
+     r"vLLM's Eagle3LlamaForCausalLM reads"),
+    (lambda s: {**s, "midlayer.mlp.up_proj.weight": s["midlayer.mlp.up_proj.weight"][:, :16]},
+     r"midlayer\.mlp\.up_proj\.weight is \[64, 16\] float32, vLLM reads \[64, 32\] float32"),
+    (lambda s: {k: v for k, v in s.items() if k != "token_map"}, r"d2t is missing \(vLLM reads \[40\] int64\)"),
+], ids=["renamed", "reshaped", "no_d2t"])
+def test_a_tensor_vllm_would_not_load_is_refused_by_name_before_writing(tmp_path, target, monkeypatch, edit, message):
+    out = tmp_path / "export"
+    save_export(drafter(target), out, "org/tiny", base_model=target)
+    before = {p.name: p.read_bytes() for p in (out / "speculators").iterdir()}
+    heads = drafter(target, seed=1)
+    monkeypatch.setattr(heads, "state_dict", _edited_state(heads, edit))
+    with pytest.raises(ValueError, match=message):
+        save_export(heads, out, "org/tiny", base_model=target)
+    assert {p.name: p.read_bytes() for p in (out / "speculators").iterdir()} == before  # the old export untouched
+
+
+def test_a_tap_at_the_last_layer_is_refused_for_vllm(tmp_path, target):
+    heads = drafter(target, feature_layers=(2, 4, 8))
+    with pytest.raises(ValueError, match=r"heads\.feature_layers=\[2, 4, 8\] reads layer 8.*before the final norm"):
+        save_export(heads, tmp_path / "export", "org/tiny", base_model=target)
+    assert not (tmp_path / "export").exists()
+    out = save_export(heads, tmp_path / "export", "org/tiny", vllm=False, base_model=target)
+    assert not (out / "speculators").exists()
+
+
+def test_a_medusa_export_into_the_folder_drops_the_stale_speculators(tmp_path, target):
+    from medusa_train.heads import HeadsSpec, MedusaHeads
+
+    out = save_export(drafter(target), tmp_path / "export", "org/tiny", base_model=target)
+    assert (out / "speculators" / "config.json").is_file()
+    medusa = MedusaHeads(HeadsSpec(2, 1, 32, VOCAB))
+    save_export(medusa, out, "org/tiny", base_model=target)
+    assert not (out / "speculators").exists() and (out / "vllm" / "config.json").is_file()
