@@ -119,15 +119,20 @@ class HeadShape:
     """What the draft heads are (``heads.*``; recorded in their export).
 
     Attributes:
-        head_type: ``medusa`` (head k reads the hidden state at t) or ``hydra`` (it also reads the base model's
+        head_type: ``medusa`` (head k reads the hidden state at t), ``hydra`` (it also reads the base model's
             input embeddings of the path tokens t+1 .. t+k+1: Ankner et al. 2024, arXiv:2402.05109, Sec. 3;
-            :mod:`medusa_train.hydra_heads`). Hydra heads train on a frozen base (``mode=medusa1``).
+            :mod:`medusa_train.hydra_heads`) or ``eagle3`` (one decoder layer over three target layers, its K draft
+            steps unrolled in training: :mod:`medusa_train.eagle3`). Hydra and EAGLE-3 train on a frozen base
+            (``mode=medusa1``).
         combine: Hydra only: ``concat`` (hidden state and path embeddings concatenated, the paper's) or ``sum``.
         medusa_num_heads: K heads (Medusa or Hydra); head k predicts token t+k+2.
         medusa_num_layers: residual blocks per head.
         share_lm_head: all heads project with the base lm_head (vLLM's ``original_lm_head``): much smaller.
         head_vocab_size: reduced head vocabulary of the most frequent training tokens (vLLM's
-            ``truncated_vocab_size``); None keeps the full vocabulary.
+            ``truncated_vocab_size``; EAGLE-3's draft vocabulary); None keeps the full vocabulary.
+        feature_layers: EAGLE-3 only: the three target layers fused by the drafter (:mod:`medusa_train.features`
+            indices: the input of decoder layer i, as vLLM's ``eagle_aux_hidden_state_layer_ids``); None: vLLM's
+            default taps ``(2, L // 2, L - 3)`` of an L-layer target. Checked against the target once it loads.
     """
 
     head_type: str = "medusa"
@@ -136,6 +141,7 @@ class HeadShape:
     medusa_num_layers: int = field(default=1, metadata=bound(1, cap=MAX_COUNT))
     share_lm_head: bool = False
     head_vocab_size: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
+    feature_layers: Optional[list[int]] = None
 
     def validate_shape(self) -> None:
         if self.head_type not in head_types():
@@ -143,7 +149,8 @@ class HeadShape:
         if self.combine not in COMBINES:
             raise ValueError(f"heads.combine must be one of {COMBINES}, got {self.combine!r}")
         entry, unset = drafter_type(self.head_type), HeadShape()
-        for name in ("combine",):  # the drafter types' options (DrafterType.options) that heads.* holds
+        options = dict.fromkeys(o for e in drafter_types() for o in e.options)  # every type's (DrafterType.options)
+        for name in options:
             if name not in entry.options and getattr(self, name) != getattr(unset, name):
                 owners = [e for e in drafter_types() if name in e.options]
                 owner = owners[0].name

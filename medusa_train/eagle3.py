@@ -26,6 +26,7 @@ Shapes: B batch, T positions, L cached positions, H hidden, V' draft vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
 from medusa_train.drafters.catalog import DrafterType, TargetInputs, register
 from medusa_train.features import FINAL, layer_feature
@@ -75,8 +76,8 @@ class Eagle3Spec(HeadsSpec):
             raise ValueError("heads.share_lm_head=true: an EAGLE-3 drafter projects with its own lm_head over the "
                              "draft vocabulary (vLLM loads it from the export); set heads.share_lm_head=false")
         if len(self.feature_layers) != 3:
-            raise ValueError(f"EAGLE-3 fuses three target layers (low, middle, high), got feature_layers="
-                             f"{list(self.feature_layers)}")
+            raise ValueError(f"heads.feature_layers={list(self.feature_layers)}: EAGLE-3 fuses three target layers "
+                             "(low, middle, high); give three indices")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -115,17 +116,54 @@ class Eagle3Attention(nn.Module):
                 cached positions; None: causal over the T positions (no cache).
             cache: the drafter's KV cache (``cache.update(k, v, 0)`` appends these T positions and returns all L + T).
         """
+        q, k, v = self.project(x, rope)
+        if cache is not None:
+            k, v = cache.update(k, v, 0)
+        k, v = self.expand(k), self.expand(v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and cache is None)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """``x [B, T, 2H]`` -> ``(q [B, heads, T, d], k, v [B, kv_heads, T, d])``, RoPE applied to q and k."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # [B, heads, T, d]
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *rope)
-        if cache is not None:
-            k, v = cache.update(k, v, 0)
-        groups = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and cache is None)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return q, k, v
+
+    def expand(self, kv: torch.Tensor) -> torch.Tensor:
+        """Keys or values ``[B, kv_heads, ..., d]`` repeated for each query head of their group:
+        ``[B, heads, ..., d]``."""
+        return kv.repeat_interleave(self.heads // self.kv_heads, dim=1)
+
+    def attend_unrolled(self, q: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor], context_mask: torch.Tensor,
+                        drafted: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Attention of one unrolled draft step at every position t at once (the training-time test's mask).
+
+        Query t reads the ``context`` keys/values at the positions ``context_mask`` allows it, and ``drafted``'s
+        keys/values at t only (the steps drafted from t so far, this one's included).
+
+        Args:
+            q: ``[B, heads, T, d]``.
+            context: ``(k, v)`` ``[B, kv_heads, T, d]`` each (step 0's).
+            context_mask: additive ``[B, 1, T, T]`` (query, key): 0 where query t may read key s.
+            drafted: ``(k, v)`` pairs ``[B, kv_heads, T, d]``, each read at its own position only.
+
+        Returns:
+            ``[B, T, H]`` (after ``o_proj``).
+        """
+        k0, v0 = self.expand(context[0]), self.expand(context[1])
+        scale = self.head_dim ** -0.5
+        scores = [(q @ k0.transpose(-1, -2)) * scale + context_mask]  # [B, heads, T, T]
+        values = [self.expand(v) for _, v in drafted]
+        scores += [((q * self.expand(k)).sum(-1, keepdim=True)) * scale for k, _ in drafted]  # [B, heads, T, 1] each
+        weights = torch.cat(scores, dim=-1).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+        T = k0.shape[2]
+        out = weights[..., :T] @ v0
+        for j, v in enumerate(values):
+            out = out + weights[..., T + j : T + j + 1] * v
+        return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
 class Eagle3Layer(nn.Module):
@@ -162,7 +200,6 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = Eagle3Layer(spec)
         self.norm = LlamaRMSNorm(H, eps=spec.rms_norm_eps)
         self.lm_head = nn.Linear(H, spec.out_size, bias=False)
-        self.rotary = LlamaRotaryEmbedding(spec.layer_config())
         register_token_map(self, spec, token_map)
 
     @property
@@ -180,14 +217,29 @@ class Eagle3Drafter(nn.Module):
         """Draft ids (any shape, long) -> target ids; the identity without a token map."""
         return head_token_ids if self.token_map is None else self.token_map[head_token_ids]
 
+    def rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's ``(cos, sin)`` ``[B, T, d]`` in ``x``'s dtype at ``position_ids [B, T]``: Llama's default rotary
+        embedding (transformers' ``LlamaRotaryEmbedding`` of :meth:`Eagle3Spec.layer_config`), computed in fp32 on
+        each call and kept in no buffer (so that nothing but weights is saved, cast or built on the meta device)."""
+        d = self.spec.head_dim
+        exponents = torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d
+        inv_freq = 1.0 / (self.spec.rope_theta ** exponents)  # [d / 2]
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
     def fuse(self, taps: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The target features of :attr:`Eagle3Spec.feature_layers` (each ``[..., H]``, in that order) -> the fused
         feature ``[..., H]`` (``fc`` over their concatenation)."""
         return self.fc(torch.cat([t.to(self.dtype) for t in taps], dim=-1))
 
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
-                mask: torch.Tensor | None = None, cache: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None = None, cache: Any = None, *,
+                unroll: dict[str, Any] | None = None) -> Any:
         """One draft step at T positions.
+
+        With ``unroll`` (training): ``self.unroll(**unroll)`` instead, the other arguments None (the training-time
+        test runs through ``forward`` so that DDP and DeepSpeed wrappers see it).
 
         Args:
             hidden: ``[B, T, H]``, the feature at each position: the fused target feature (:meth:`fuse`) at a
@@ -201,14 +253,111 @@ class Eagle3Drafter(nn.Module):
             ``(logits [B, T, V'], out [B, T, H])``: draft-vocabulary logits for the token two after each position,
             and the drafter's feature there (what the next step reads as ``hidden``).
         """
+        if unroll is not None:
+            return self.unroll(**unroll)
+        x, residual = self._layer_input(hidden, embeds)
+        s = self.midlayer.self_attn(x, self.rope(x, position_ids), mask, cache) + residual
+        out = self._layer_output(s)
+        return self.project(out), out
+
+    def _layer_input(self, hidden: torch.Tensor, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x [B, T, 2H], residual [B, T, H])``: the normed embedding and feature side by side, the raw feature."""
         layer = self.midlayer
         hidden, embeds = hidden.to(self.dtype), embeds.to(self.dtype)
-        residual = hidden
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        rope = self.rotary(x, position_ids)
-        s = layer.self_attn(x, rope, mask, cache) + residual
-        out = layer.mlp(layer.post_attention_layernorm(s)) + s
-        return self.lm_head(self.norm(out)), out
+        return torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1), hidden
+
+    def _layer_output(self, s: torch.Tensor) -> torch.Tensor:
+        """The attention's output plus residual ``[B, T, H]`` -> the drafter's feature ``out`` (after the MLP)."""
+        return self.midlayer.mlp(self.midlayer.post_attention_layernorm(s)) + s
+
+    def unrolled_step(self, hidden: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
+                      context_mask: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      drafted: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> tuple[Any, ...]:
+        """One step of the training-time test at every position t of whole sequences (no KV cache).
+
+        Step 0 (``context`` None) is :meth:`forward` under ``context_mask``; its keys/values become the ``context``
+        of the later steps. Step k > 0 at query t reads the context where ``context_mask`` allows it and the
+        keys/values of steps 1..k at t (``drafted``, then its own): what draft step k at position t + k reads in
+        decoding (the committed context up to t, then the drafted positions t+1 .. t+k).
+
+        Args:
+            hidden: ``[B, T, H]``, the fused target feature (step 0) or the step before's ``out``.
+            embeds: ``[B, T, H]``, the embeddings of the tokens t + k + 1.
+            position_ids: long ``[B, T]``, t + k.
+            context_mask: additive ``[B, 1, T, T]`` (query t, key s), 0 where query t may read step 0's key s.
+            context: step 0's ``(k, v)`` ``[B, kv_heads, T, d]``, or None at step 0.
+            drafted: steps 1 .. k-1's ``(k, v)``.
+
+        Returns:
+            ``(out [B, T, H], context, drafted)``: the step's feature (:meth:`project` gives its logits) and the
+            keys/values the next step reads.
+        """
+        x, residual = self._layer_input(hidden, embeds)
+        attn = self.midlayer.self_attn
+        q, k, v = attn.project(x, self.rope(x, position_ids))
+        if context is None:
+            context = (k, v)
+        else:
+            drafted = (*drafted, (k, v))
+        s = attn.attend_unrolled(q, context, context_mask, list(drafted)) + residual
+        return self._layer_output(s), context, drafted
+
+    def project(self, out: torch.Tensor) -> torch.Tensor:
+        """The drafter's feature ``out [..., H]`` -> draft-vocabulary logits ``[..., V']`` (final norm, lm_head)."""
+        return self.lm_head(self.norm(out))
+
+    def unroll(self, taps: Sequence[torch.Tensor], path_embeds: torch.Tensor,
+               attention_mask: torch.Tensor | None = None, num_steps: int | None = None,
+               at: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The training-time test (EAGLE-3 paper, Sec. 3.2): K draft steps unrolled over whole sequences, teacher
+        forced, each step's own feature fed to the next.
+
+        Step 0 at position t reads the fused target feature at t and the embedding of token t+1, at position t, and
+        attends causally to step 0 at s <= t (same sequence, not padding). Step k > 0 reads step k-1's ``out`` at t
+        and the embedding of token t+k+1, at position t+k, and attends to step 0 at s <= t and steps 1..k at t
+        (:meth:`unrolled_step`): what decoding computes when the drafts are right. Step k at t predicts token
+        t+k+2, Medusa head k's target.
+
+        Args:
+            taps: the target features of :attr:`Eagle3Spec.feature_layers`, ``[B, T, H]`` each, in that order.
+            path_embeds: ``[B, T, K, H]``, the input embeddings of the tokens t+1 .. t+K (frozen).
+            attention_mask: ``[B, T]``, 1 on real tokens, 0 on padding (None: all real).
+            num_steps: the first K' <= K steps (None: K, all embeddings given).
+            at: ``(b, t)`` ``[M]`` long each: the logits there only (None: everywhere).
+
+        Returns:
+            float ``[K', B, T, V']``, or ``[K', M, V']`` with ``at``.
+
+        Raises:
+            ValueError: fewer embeddings per position than steps, or taps not matching ``feature_layers``.
+        """
+        K = path_embeds.shape[2] if num_steps is None else num_steps
+        if len(taps) != len(self.spec.feature_layers) or path_embeds.shape[2] < K:
+            raise ValueError(f"unroll needs {len(self.spec.feature_layers)} taps and >= {K} path embeddings per "
+                             f"position, got {len(taps)} taps and path_embeds {tuple(path_embeds.shape)}")
+        B, T = path_embeds.shape[:2]
+        mask = unrolled_context_mask(attention_mask, B, T, self.dtype, path_embeds.device)
+        positions = torch.arange(T, device=path_embeds.device).expand(B, T)
+        hidden, context, drafted, logits = self.fuse(taps), None, (), []
+        for k in range(K):
+            hidden, context, drafted = self.unrolled_step(hidden, path_embeds[:, :, k], positions + k, mask, context,
+                                                          drafted)
+            logits.append(self.project(hidden if at is None else hidden[at]))
+        return torch.stack(logits)
+
+
+def unrolled_context_mask(attention_mask: torch.Tensor | None, batch: int, length: int, dtype: torch.dtype,
+                          device: torch.device | str) -> torch.Tensor:
+    """The additive mask ``[B, 1, T, T]`` (query t, key s) of step 0's keys in the training-time test: 0 where
+    s <= t and s is a real token (``attention_mask [B, T]``, None: all real) or s = t, the dtype's minimum
+    elsewhere (a padding query reads itself, so that no row is empty)."""
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    allowed = causal.expand(batch, length, length)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.to(device=device, dtype=torch.bool)[:, None, :]
+        allowed = allowed | torch.eye(length, dtype=torch.bool, device=device)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
 
 
 def eagle3_target_fields(config: Any, feature_layers: Any = None) -> dict[str, Any]:
@@ -223,7 +372,12 @@ def eagle3_target_fields(config: Any, feature_layers: Any = None) -> dict[str, A
 
     text = getattr(config, "get_text_config", lambda: config)()
     num_layers = count_layers(text)
-    layers = default_eagle3_layers(num_layers) if feature_layers is None else tuple(feature_layers)
+    try:
+        layers = default_eagle3_layers(num_layers) if feature_layers is None else tuple(feature_layers)
+    except ValueError as e:
+        raise ValueError(f"heads.feature_layers=null (vLLM's default taps): {e}: give three distinct indices "
+                         f"0..{num_layers - 1} in heads.feature_layers (layer {num_layers} is read after the final "
+                         "norm here, before it in vLLM)") from None
     check_feature_layers(layers, num_layers, "heads.feature_layers")
     heads = int(getattr(text, "num_attention_heads"))
     rope = getattr(text, "rope_parameters", None) or {}
@@ -239,8 +393,16 @@ def eagle3_target_fields(config: Any, feature_layers: Any = None) -> dict[str, A
 
 
 def _eagle3_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None) -> torch.Tensor:
-    """The training-time test's K steps, teacher forced (see :mod:`medusa_train.training.eagle3_ttt`)."""
-    raise NotImplementedError("EAGLE-3 training-time test logits: being built (issue 30)")
+    """The training-time test's steps, teacher forced (:meth:`Eagle3Drafter.unroll`), over whole sequences: the
+    inputs' features and path tokens ``[B, T, ...]`` -> ``[K', B, T, V']``, or ``[K', M, V']`` at
+    ``inputs.positions``."""
+    spec = getattr(heads, "module", heads).spec
+    taps = [inputs.features[layer_feature(i)] for i in spec.feature_layers]
+    steps = spec.num_heads if num_heads is None else num_heads
+    with torch.no_grad():
+        path_embeds = inputs.embed(inputs.path_tokens[..., :steps])  # [B, T, K', H], frozen
+    return heads(None, None, None, unroll=dict(taps=taps, path_embeds=path_embeds, num_steps=steps,
+                                                attention_mask=inputs.attention_mask, at=inputs.positions))
 
 
 def _eagle3_features(spec: Eagle3Spec) -> tuple[str, ...]:
@@ -253,8 +415,9 @@ EAGLE3 = register(DrafterType(
     source="Li et al. 2025, EAGLE-3, arXiv:2503.01840, Sec. 3",
     features_of=_eagle3_features, target_fields=lambda config, options: eagle3_target_fields(
         config, options.get("feature_layers")),
-    options=("feature_layers",), reads_path=True, weights_file="eagle3_drafter.safetensors",
-    config_keys={"num_heads": "eagle3_num_steps", "feature_layers": "eagle3_feature_layers",
+    options=("feature_layers",), reads_path=True, sequence=True, weights_file="eagle3_drafter.safetensors",
+    config_keys={"num_heads": "eagle3_num_steps", "num_layers": "eagle3_num_layers",
+                 "feature_layers": "eagle3_feature_layers",
                  "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
                  "head_dim": "head_dim", "intermediate_size": "intermediate_size", "rms_norm_eps": "rms_norm_eps",
                  "rope_theta": "rope_theta", "max_position_embeddings": "max_position_embeddings"},
@@ -265,4 +428,5 @@ EAGLE3 = register(DrafterType(
 ))
 
 
-__all__ = ["EAGLE3", "Eagle3Attention", "Eagle3Drafter", "Eagle3Layer", "Eagle3Spec", "eagle3_target_fields"]
+__all__ = ["EAGLE3", "Eagle3Attention", "Eagle3Drafter", "Eagle3Layer", "Eagle3Spec", "eagle3_target_fields",
+           "unrolled_context_mask"]

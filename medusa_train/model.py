@@ -9,6 +9,7 @@ Architectures that post-process logits (e.g. Gemma-2's final soft-capping) are r
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,28 +119,40 @@ class MedusaModel(nn.Module):
         """The base model's input embeddings of ``tokens [...]`` long: ``[..., H]`` (what Hydra heads read)."""
         return self.base.get_input_embeddings()(tokens)
 
-    def target_inputs(self, hidden: torch.Tensor, path_tokens: torch.Tensor | None = None) -> TargetInputs:
-        """What the heads read at positions ``[...]``: the final hidden state ``hidden [..., H]``, the path tokens
-        ``[..., K]`` long (for types that read them), the input embeddings and the shared lm_head."""
-        return TargetInputs(features={FINAL: hidden}, path_tokens=path_tokens, embed=self.embed,
-                            lm_head_weight=self._shared_weight())
+    def target_inputs(self, hidden: torch.Tensor | Mapping[str, torch.Tensor], path_tokens: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None) -> TargetInputs:
+        """What the heads read at positions ``[...]``: the final hidden state ``hidden [..., H]`` (or the named
+        features, :meth:`features`), the path tokens ``[..., K]`` long (for types that read them), the input
+        embeddings, the shared lm_head and (whole sequences) the ``attention_mask [B, T]``."""
+        features = {FINAL: hidden} if isinstance(hidden, torch.Tensor) else dict(hidden)
+        return TargetInputs(features=features, path_tokens=path_tokens, embed=self.embed,
+                            lm_head_weight=self._shared_weight(), attention_mask=attention_mask)
 
-    def head_logits(self, hidden: torch.Tensor, path_tokens: torch.Tensor | None = None,
-                    num_heads: int | None = None) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor | Mapping[str, torch.Tensor], path_tokens: torch.Tensor | None = None,
+                    num_heads: int | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[..., H]`` -> ``[K, ..., V']`` logits of all heads, as their type computes them
         (:attr:`~medusa_train.drafters.catalog.DrafterType.logits`).
 
         Args:
-            hidden: ``[..., H]`` last hidden states at positions t.
-            path_tokens: for types that read the path (Hydra), ``[..., K]`` long, the tokens t+1 .. t+K (head k reads
-                the first k + 1).
+            hidden: ``[..., H]`` last hidden states at positions t, or the named features the type reads
+                (:meth:`features`; a :attr:`~medusa_train.drafters.catalog.DrafterType.sequence` type, EAGLE-3,
+                needs them, ``[B, T, H]`` each: whole sequences).
+            path_tokens: for types that read the path (Hydra, EAGLE-3), ``[..., K]`` long, the tokens t+1 .. t+K
+                (head k reads the first k + 1).
             num_heads: K' <= K: the first K' heads' logits ``[K', ..., V']`` (what a tree of depth K' reads), for
                 types that compute heads independently (Medusa); None: all.
+            attention_mask: for sequence types, ``[B, T]`` (1 real, 0 padding); None: all real.
 
         Raises:
-            ValueError: heads that read the path without ``path_tokens``, or others given some.
+            ValueError: heads that read the path without ``path_tokens``, or others given some; a feature the type
+                reads missing.
         """
         entry = type_of(self.heads.spec)
+        features = {FINAL: hidden} if isinstance(hidden, torch.Tensor) else hidden
+        missing = [n for n in entry.feature_names(self.heads.spec) if n not in features]
+        if missing:
+            raise ValueError(f"{entry.title} heads read the target features {missing}: pass them by name, "
+                             "{name: [B, T, H]} as MedusaModel.features gives them")
         if entry.reads_path and path_tokens is None:
             raise ValueError(f"{entry.title} heads read the path tokens t+1 .. t+k+1: pass path_tokens [..., K], or "
                              "draft level by level with head_logits_at()")
@@ -147,7 +160,7 @@ class MedusaModel(nn.Module):
             readers = [e for e in drafter_types() if e.reads_path]
             raise ValueError(f"{entry.title} heads read the hidden state alone: path_tokens is for "
                              f"{titles(readers)} heads")
-        return entry.logits(self.heads, self.target_inputs(hidden, path_tokens), num_heads)
+        return entry.logits(self.heads, self.target_inputs(hidden, path_tokens, attention_mask), num_heads)
 
     def head_logits_at(self, k: int, hidden: torch.Tensor, path_tokens: torch.Tensor) -> torch.Tensor:
         """Head k alone, for heads drafted level by level (Hydra: ``heads.head_logits``): ``hidden [..., H]`` and
@@ -168,20 +181,30 @@ class MedusaModel(nn.Module):
 
         Hydra heads are teacher forced: head k at position t reads ``input_ids[t+1 .. t+k+1]`` as its path (the true
         tokens), so ``head_logits`` is meaningful where that path lies inside ``input_ids`` (t + k + 1 < T); later
-        positions read padding (token 0).
+        positions read padding (token 0). EAGLE-3 drafters (sequence types) read the features they declare
+        (:meth:`features`) over the whole sequence, their draft steps unrolled teacher forced the same way.
 
         Args:
             input_ids: ``[B, T]`` long.
             with_heads: compute head logits ``[K, B, T, V']``.
             **kwargs: passed to the backbone (see :meth:`hidden`).
         """
-        hidden, cache = self.hidden(input_ids, **kwargs)
+        entry = type_of(self.heads.spec)
+        if with_heads and entry.sequence:
+            features, cache = self.features(input_ids, **kwargs)
+            hidden = features[FINAL]
+        else:
+            hidden, cache = self.hidden(input_ids, **kwargs)
         logits = self.lm_head(hidden)
         heads = None
         if with_heads:
-            reads_path = type_of(self.heads.spec).reads_path
-            path = shifted_path_tokens(input_ids, self.heads.spec.num_heads) if reads_path else None
-            heads = self.head_logits(hidden, path)
+            path = shifted_path_tokens(input_ids, self.heads.spec.num_heads) if entry.reads_path else None
+            if entry.sequence:
+                mask = kwargs.get("attention_mask")
+                heads = self.head_logits(features, path, attention_mask=mask if mask is None or mask.dim() == 2
+                                         else None)
+            else:
+                heads = self.head_logits(hidden, path)
         return MedusaOutput(logits=logits, head_logits=heads, hidden_states=hidden, past_key_values=cache)
 
 

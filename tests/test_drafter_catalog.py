@@ -213,12 +213,25 @@ def test_a_registered_type_is_refused_where_it_cannot_go(repeat_type, tmp_path):
 
 # ---- every registered type, by the catalog (greedy = plain greedy: tests/inference/test_decoders.py) ----------------
 
+def layer_options(head_type: str, num_layers: int) -> dict[str, list[int]]:
+    """Explicit target layers for a type that reads some (``feature_layers`` among its options; the tiny models are
+    too shallow for vLLM's default EAGLE-3 taps), else nothing."""
+    return {"feature_layers": [0, num_layers // 2, num_layers]} if "feature_layers" in drafter_type(
+        head_type).options else {}
+
+
+def layer_overrides(head_type: str, num_layers: int) -> list[str]:
+    """:func:`layer_options` as Hydra overrides of ``heads.*``."""
+    return [f"heads.{k}=[{','.join(map(str, v))}]" for k, v in layer_options(head_type, num_layers).items()]
+
+
 def random_drafter(head_type: str, base: nn.Module, seed: int = 0) -> nn.Module:
     """Random heads of ``head_type`` for ``base`` (every parameter N(0, 0.3^2)), fp32."""
     from medusa_train.model import new_heads_for
     from tests.medusa_train.test_export import randomized
 
-    return randomized(new_heads_for(base, 3, head_type=head_type), seed, torch.float32)
+    options = layer_options(head_type, base.config.num_hidden_layers)
+    return randomized(new_heads_for(base, 3, head_type=head_type, **options), seed, torch.float32)
 
 
 @pytest.mark.parametrize("head_type", head_types())
@@ -233,7 +246,7 @@ def test_every_type_round_trips_through_its_export_with_identical_logits(head_ty
                 base_model=base)
     loaded, config = load_heads(tmp_path, base_model=base, head_type=head_type)
     assert type(loaded) is type(heads) and loaded.spec == heads.spec and config.get("head_type", "medusa") == head_type
-    hidden = torch.randn(2, 5, base.config.hidden_size)
+    hidden = {name: torch.randn(2, 5, base.config.hidden_size) for name in type_of(heads).feature_names(heads.spec)}
     path = torch.randint(0, base.config.vocab_size, (2, 5, 3)) if drafter_type(head_type).reads_path else None
     before, after = MedusaModel(base, heads), MedusaModel(base, loaded)
     torch.testing.assert_close(after.head_logits(hidden, path), before.head_logits(hidden, path), rtol=0, atol=0)
@@ -246,7 +259,7 @@ def test_every_type_resumes_a_crashed_run_to_the_same_heads(head_type, tmp_path)
     from medusa_train.training.recipe import build_recipe
 
     model_dir, data = write_tiny_inputs(tmp_path)
-    overrides = [f"heads.head_type={head_type}"]
+    overrides = [f"heads.head_type={head_type}", *layer_overrides(head_type, 2)]  # write_tiny_inputs: 2 layers
     build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "whole") + overrides)).run()
     with pytest.raises(RuntimeError, match="simulated crash"):
         build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "crashed") + overrides),
@@ -272,6 +285,8 @@ def test_every_types_tuner_replay_gives_the_decoders_counts(head_type, tmp_path)
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"output_dir={tmp_path / 'run'}", f"heads.head_type={head_type}",
+                                          *layer_overrides(head_type, 4),  # stories260K: 5 layers, too few for
+                                          # vLLM's default EAGLE-3 taps; layers 0, 2, 4 (the last layer's input)
                                           "trainer.max_steps=60", "export_vllm=false", "trainer.disable_tqdm=true"])
     summary = build_recipe(cfg).run()
     model, tokenizer, _ = load_medusa(summary["export_dir"], dtype="float32", head_type=head_type)

@@ -15,7 +15,8 @@ A :class:`DrafterType` says:
 - what it reads of the target: ``features`` (names from :mod:`medusa_train.features`, stored by the training cache)
   and whether it reads the teacher-forced path tokens t+1 .. t+K (``reads_path``);
 - its loss: ``logits(heads, inputs, num_heads)`` gives its K heads' logits ``[K, ..., V']`` at the positions of
-  :class:`TargetInputs`, teacher forced, which the one head loss (:mod:`medusa_train.training.losses`) scores;
+  :class:`TargetInputs`, teacher forced, which the one head loss (:mod:`medusa_train.training.losses`) scores
+  (``sequence`` types read whole sequences and give the logits at the positions asked for);
 - how it trains: ``joint`` (whether Medusa-2 may fine-tune the base with it);
 - its export: ``layout`` (``medusa``: FasterDecoding's key layout, which FasterDecoding, TGI and vLLM load;
   ``state_dict``: the module's own parameter names in ``weights_file``), ``config_keys`` (the spec's counts in our
@@ -58,12 +59,18 @@ class TargetInputs:
             them).
         embed: the target's frozen input embeddings: long ``[...]`` -> ``[..., H]``.
         lm_head_weight: the target's lm_head ``[V, H]`` when the heads project with it (``share_lm_head``), else None.
+        attention_mask: for a :attr:`DrafterType.sequence` type, whose ``[...]`` is ``[B, T]`` (whole sequences):
+            ``[B, T]``, 1 on real tokens, 0 on padding; None: all real.
+        positions: for a :attr:`DrafterType.sequence` type: ``(b, t)``, ``[M]`` long each, the positions whose
+            logits are wanted (``[K', M, V']``); None: every position (``[K', B, T, V']``).
     """
 
     features: Mapping[str, torch.Tensor]
     path_tokens: torch.Tensor | None
     embed: Callable[[torch.Tensor], torch.Tensor]
     lm_head_weight: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    positions: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 # (heads or their DDP/DeepSpeed wrapper, inputs, num_heads: the first K' heads, None: all) -> [K', ..., V']
@@ -87,6 +94,9 @@ class DrafterType:
         target_fields: ``(target config, options) -> spec fields`` read from the target (EAGLE-3's attention shape and
             default layers), or None.
         reads_path: it also reads the path tokens t+1 .. t+k+1 (:attr:`TargetInputs.path_tokens`).
+        sequence: its logits read whole sequences (EAGLE-3's training-time test attends to the positions before):
+            :class:`TargetInputs` holds ``[B, T, ...]`` features and path tokens, the ``attention_mask`` and the
+            ``positions`` wanted; else any positions ``[...]``, each on its own.
         joint: Medusa-2 (``heads.mode=medusa2``) may train it jointly with the base.
         layout: its export layout (:data:`LAYOUTS`).
         weights_file: the weights file of a ``state_dict`` layout.
@@ -107,6 +117,7 @@ class DrafterType:
     features_of: Callable[[Any], tuple[str, ...]] | None = None
     target_fields: Callable[[Any, Mapping[str, Any]], dict[str, Any]] | None = None
     reads_path: bool = False
+    sequence: bool = False
     joint: bool = False
     layout: str = STATE_DICT_LAYOUT
     weights_file: str | None = None

@@ -33,11 +33,11 @@ from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, se
 from medusa_train.config import ModelConfig, TrainConfig, as_dataclass
 from medusa_train.export import save_base_model, save_export
 from medusa_train.export.files import write_json
-from medusa_train.drafters.catalog import drafter_type, heads_from_spec, is_drafter, type_of
+from medusa_train.drafters.catalog import drafter_type, heads_from_spec, is_drafter, new_spec, type_of
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.medusa import export_extra_config
 from medusa_train.heads import build_token_map
-from medusa_train.model import DraftHeads, check_supported, new_heads_for
+from medusa_train.model import DraftHeads, base_sizes, check_supported, new_heads_for
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import (
     DistEnv,
@@ -87,7 +87,8 @@ def resolve_config(cfg: TrainConfig | DictConfig | dict[str, Any]) -> tuple[Trai
 
 def gather_trainable_state(trainer: MedusaTrainer) -> dict[str, torch.Tensor]:
     """Full fp32 trained weights (parameters that require grad: the heads, and Medusa-2's adapters or base) and the
-    heads' buffers, on the CPU, on every rank (collective under DeepSpeed); names as in ``trainer.model``.
+    heads' persistent buffers (their state_dict's), on the CPU, on every rank (collective under DeepSpeed); names as
+    in ``trainer.model``.
 
     Under ZeRO-3 the parameters are sharded and under ZeRO-1/2 with bf16/fp16 the module holds low-precision copies;
     ``safe_get_full_fp32_param`` assembles the optimizer's fp32 master weights in both cases. Frozen base weights are
@@ -97,8 +98,10 @@ def gather_trainable_state(trainer: MedusaTrainer) -> dict[str, torch.Tensor]:
     buffers = {}
     for prefix, module in model.named_modules():
         if is_drafter(module):
+            saved = module.state_dict(keep_vars=True)  # persistent buffers only (not EAGLE-3's RoPE tables)
             for name, buf in module.named_buffers():
-                buffers[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu().clone()
+                if name in saved:
+                    buffers[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu().clone()
     if trainer.is_deepspeed_enabled:
         from deepspeed.utils import safe_get_full_fp32_param
 
@@ -212,8 +215,15 @@ class BaseRecipe:
         return args
 
     def check_base(self, base: PreTrainedModel) -> None:
-        """Checks of the loaded base that must pass before the data is prepared (a flow adds its own)."""
+        """Checks of the loaded base that must pass before the data is prepared (a flow adds its own): a supported
+        architecture, and heads of ``heads.*``'s shape buildable for it (e.g. EAGLE-3's ``heads.feature_layers``
+        within its layers, the fields named), before the data is prepared and the folder changed."""
         check_supported(base)
+        hc = self.cfg.heads
+        hidden_size, vocab_size = base_sizes(base)
+        new_spec(hc.head_type, drafter_type(hc.head_type).spec_options(hc), base.config,
+                 num_heads=hc.medusa_num_heads, num_layers=hc.medusa_num_layers, hidden_size=hidden_size,
+                 vocab_size=vocab_size, share_lm_head=hc.share_lm_head, head_vocab_size=hc.head_vocab_size)
 
     def load_base_and_data(self, args: TrainingArguments) -> PreparedData:
         """The base model and tokenizer (``self.base``, ``self.tokenizer``; on this rank's device, converted once by
@@ -261,7 +271,7 @@ class BaseRecipe:
         return LossSpec(target=hc.target, decay=hc.loss_decay, share_lm_head=hc.share_lm_head, vocab_size=vocab_size,
                         num_heads=heads.spec.num_heads,
                         token_map=None if heads.token_map is None else heads.token_map.to(self.device),
-                        head_type=heads.spec.head_type)
+                        head_type=heads.spec.head_type, features=type_of(heads).feature_names(heads.spec))
 
     def prepare_folder(self) -> None:
         """The run is known to start: only now is the folder changed (main process), then every rank waits."""

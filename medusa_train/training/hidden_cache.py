@@ -41,15 +41,13 @@ from medusa_train.atomic import atomic_write, atomic_write_text
 from medusa_train.checksums import file_sha256
 from medusa_train.data.collate import Collator
 from medusa_train.features import FINAL, feature_layer, target_features
-from medusa_train.training.step import FrozenBase
+from medusa_train.training.step import FrozenBase, feature_key
 
 log = logging.getLogger(__name__)
 
 # 2: descriptions hold the shard's size and sha256; 3: the base is named by its weights' digest; 4: shards hold the
 # named target features the drafter reads (descriptions list them)
 CACHE_VERSION = 4
-# The batch key and shard tensor name of the last hidden state (FINAL); other features keep their own names.
-HIDDEN_KEY = "hidden"
 # The per-token entries of a cached row that are not target features.
 TOKEN_KEYS = ("base_argmax", "labels", "input_ids")
 # Elements read from each base tensor for its digest (at an odd stride): a few MB for any model size.
@@ -84,12 +82,6 @@ def dataset_fingerprint(dataset: Any, base_digest: str, dtype: torch.dtype) -> s
         digest.update(np.asarray(row, dtype=np.int64).tobytes())
         digest.update(b"|")
     return digest.hexdigest()[:16]
-
-
-def feature_key(name: str) -> str:
-    """The shard tensor and batch key of target feature ``name``: ``hidden`` for :data:`FINAL` (what the training
-    step reads), else the name itself (``layer3``)."""
-    return HIDDEN_KEY if name == FINAL else name
 
 
 def check_features(features: Sequence[str]) -> tuple[str, ...]:

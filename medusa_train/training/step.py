@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from medusa_train.drafters.catalog import TargetInputs, drafter_type, shifted_path_tokens
-from medusa_train.features import FINAL, target_features
+from medusa_train.features import FINAL, feature_layer, target_features
 from medusa_train.training.losses import (
     IGNORE_INDEX,
     HeadLossOutput,
@@ -27,6 +27,15 @@ from medusa_train.training.losses import (
     packed_head_loss,
     valid_mask,
 )
+
+# The batch key (and hidden-cache shard tensor name) of the last hidden state (FINAL); other features keep their names.
+HIDDEN_KEY = "hidden"
+
+
+def feature_key(name: str) -> str:
+    """The batch key (and hidden-cache shard tensor name) of target feature ``name``: ``hidden`` for :data:`FINAL`,
+    else the name itself (``layer3``)."""
+    return HIDDEN_KEY if name == FINAL else name
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,21 @@ class FrozenBase:
         return target_features(self.backbone, input_ids, attention_mask=attention_mask, use_cache=False)[0][FINAL]
 
     @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """``input_ids [B, T]`` long -> the named target features (:mod:`medusa_train.features`) ``[B, T, H]`` each,
+        :data:`FINAL` always, in the base dtype (one backbone pass).
+
+        Raises:
+            RuntimeError: built without a backbone (hidden-state cache mode).
+        """
+        if self.backbone is None:
+            raise RuntimeError(f"this FrozenBase has no backbone (hidden-state cache mode): batches must hold "
+                               f"{[feature_key(n) for n in names]}")
+        layers = [i for i in map(feature_layer, names) if i is not None]
+        return target_features(self.backbone, input_ids, layers, attention_mask=attention_mask, use_cache=False)[0]
+
+    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, T, H]`` -> base logits ``[B, T, V]`` (the lm_head's dtype)."""
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))
@@ -101,6 +125,8 @@ class LossSpec:
         token_map: ``[V']`` long reduced head vocabulary, or None.
         head_type: the heads' registered type (:mod:`medusa_train.drafters.catalog`: what they read and how their
             logits are computed).
+        features: the target features the heads read (``DrafterType.feature_names(spec)``): from the batch (the
+            hidden cache's keys, :func:`feature_key`) or computed by the base.
     """
 
     target: str
@@ -110,6 +136,7 @@ class LossSpec:
     num_heads: int
     token_map: torch.Tensor | None = None
     head_type: str = "medusa"
+    features: tuple[str, ...] = (FINAL,)
 
 
 def heads_on_batch(
@@ -130,8 +157,9 @@ def heads_on_batch(
         heads: heads of ``spec.head_type`` or their DDP/DeepSpeed wrapper, called through the type's
             :attr:`~medusa_train.drafters.catalog.DrafterType.logits`.
         base: the frozen base.
-        batch: ``labels [B, T]`` and either ``input_ids [B, T]`` (+ ``attention_mask``) or ``hidden [B, T, H]``
-            (+ ``base_argmax [B, T]``; heads that read the path need ``input_ids [B, T]`` too, the path tokens).
+        batch: ``labels [B, T]`` and either ``input_ids [B, T]`` (+ ``attention_mask``) or the cached features
+            ``spec.features`` (``hidden [B, T, H]``, ``layer<i> [B, T, H]``, :func:`feature_key`; + ``base_argmax
+            [B, T]``; heads that read the path need ``input_ids [B, T]`` too, the path tokens).
         spec: loss settings.
         normalizer: see :func:`~medusa_train.training.losses.medusa_head_loss`.
 
@@ -139,11 +167,13 @@ def heads_on_batch(
         ``(loss output, head logits)``: head logits ``[K, M, V']`` at the M counted positions.
     """
     labels = batch["labels"]
-    hidden = batch.get("hidden")
+    names = (FINAL, *(n for n in spec.features if n != FINAL))
+    features = {n: batch[feature_key(n)] for n in names if feature_key(n) in batch}
     base_argmax = batch.get("base_argmax")
     with torch.no_grad():
-        if hidden is None:
-            hidden = base.hidden(batch["input_ids"], batch.get("attention_mask"))
+        if len(features) < len(names):
+            features = base.features(batch["input_ids"], batch.get("attention_mask"), names)
+        hidden = features[FINAL]
         if spec.target != "labels" and base_argmax is None:
             base_argmax = base.logits(hidden).argmax(-1)
     lm_weight = base.lm_head.weight if spec.share_lm_head else None
@@ -151,9 +181,13 @@ def heads_on_batch(
     b, t = counted_positions(labels, spec.num_heads)  # [M] positions some head counts
     targets = targets[:, b, t]  # [K, M]
     entry = drafter_type(spec.head_type)
-    path = shifted_path_tokens(batch["input_ids"], spec.num_heads)[b, t] if entry.reads_path else None  # [M, K]
-    inputs = TargetInputs(features={FINAL: hidden[b, t]}, path_tokens=path, embed=base.path_embeddings,
-                          lm_head_weight=lm_weight)
+    path = shifted_path_tokens(batch["input_ids"], spec.num_heads) if entry.reads_path else None  # [B, T, K]
+    if entry.sequence:  # whole sequences in, the logits at (b, t) out
+        inputs = TargetInputs(features=features, path_tokens=path, embed=base.path_embeddings,
+                              lm_head_weight=lm_weight, attention_mask=batch.get("attention_mask"), positions=(b, t))
+    else:
+        inputs = TargetInputs(features={FINAL: hidden[b, t]}, path_tokens=None if path is None else path[b, t],
+                              embed=base.path_embeddings, lm_head_weight=lm_weight)
     head_logits = entry.logits(heads, inputs, None)  # [K, M, V']
     if normalizer is None:
         normalizer = labelled_tokens(labels)

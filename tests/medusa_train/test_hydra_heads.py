@@ -3,10 +3,13 @@ time, fresh heads, and settings refused before any model loads."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from medusa_train.drafters.catalog import drafter_types, head_types, titles
 from medusa_train.heads import HeadsSpec
 from medusa_train.hydra_heads import HydraHeads, HydraSpec, shifted_path_tokens
 from medusa_train.model import MedusaModel, new_heads_for
@@ -102,7 +105,8 @@ def test_model_helpers_refuse_the_wrong_call_for_the_heads():
     hidden = torch.randn(3, HIDDEN)
     with pytest.raises(ValueError, match="Hydra heads read the path tokens"):
         hydra.head_logits(hidden)
-    with pytest.raises(ValueError, match="path_tokens is for Hydra heads"):
+    readers = titles(e for e in drafter_types() if e.reads_path)  # Hydra, and every type added since that reads it
+    with pytest.raises(ValueError, match=f"path_tokens is for {readers} heads"):
         medusa.head_logits(hidden, torch.zeros(3, 2, dtype=torch.long))
     with pytest.raises(TypeError, match="these are Medusa heads"):
         medusa.head_logits_at(0, hidden, torch.zeros(3, 1, dtype=torch.long))
@@ -127,7 +131,7 @@ def test_invalid_specs_are_refused():
     (["heads=hydra", "heads.combine=mean"], r"heads.combine must be one of \('concat', 'sum'\)"),
     (["heads.combine=sum"], "heads.combine=sum is for Hydra heads"),
     (["heads=hydra", "heads.mode=medusa2"], "heads.head_type=hydra trains the heads on a frozen base"),
-    (["heads.head_type=eagle"], r"heads.head_type must be one of \('medusa', 'hydra'\)"),
+    (["heads.head_type=eagle"], re.escape(f"heads.head_type must be one of {head_types()}")),  # every type
     (["heads=hydra", "push_to_hub=true", "hub_repo_id=me/heads"], "medusa-publish publishes Medusa heads"),
     (["heads=hydra", "heads.medusa_num_layers=0"], "heads.medusa_num_layers must be >= 1"),
 ])

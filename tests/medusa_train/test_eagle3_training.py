@@ -1,0 +1,210 @@
+"""EAGLE-3 drafters trained by our pipeline: the training-time test against the inference chain it stands for, the
+recipe (loss, accuracy, hidden cache, resume, token map) and the settings refused before any training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from medusa_train.drafters.catalog import drafter_type, shifted_path_tokens
+from medusa_train.features import layer_feature
+from medusa_train.model import MedusaModel, new_heads_for
+from medusa_train.training import base_recipe
+from medusa_train.training.recipe import build_recipe
+from tests.conftest import make_tiny_model
+from tests.medusa_train.test_export import randomized
+from tests.medusa_train.test_training import (
+    CrashAtStep,
+    assert_same_heads,
+    compose_train,
+    tiny_overrides,
+    write_tiny_inputs,
+)
+
+K = 3
+WEIGHTS = drafter_type("eagle3").weights_file
+# heads=eagle3 on write_tiny_inputs' 2-layer Llama (vocab 512): explicit layers, a draft vocabulary of 256 tokens.
+EAGLE3 = ["heads=eagle3", "heads.feature_layers=[0,1,2]", "heads.head_vocab_size=256"]
+
+
+@pytest.fixture(scope="module")
+def eagle3_model() -> MedusaModel:
+    """An 8-layer tiny Llama (vLLM's default taps 2, 4, 5) with a random fp32 drafter of K steps."""
+    base = make_tiny_model("llama", num_hidden_layers=8)
+    return MedusaModel(base, randomized(new_heads_for(base, K, head_type="eagle3"), 5, torch.float32))
+
+
+def inference_chain(model: MedusaModel, ids: torch.Tensor, t: int) -> list[torch.Tensor]:
+    """Draft steps 0.. from position t of one sequence ``ids [T]`` as decoding runs them when every draft is right:
+    the drafter over the context 0..t with its own KV cache (fused target features, embeddings of tokens s+1), then
+    one step at a time at positions t+1, t+2, ..., reading its own ``out`` and the true next token's embedding.
+    Returns the logits ``[V']`` of each step whose token lies inside ``ids``."""
+    heads = model.heads
+    features, _ = model.features(ids[None, : t + 2])
+    taps = [features[layer_feature(i)][:, : t + 1] for i in heads.spec.feature_layers]
+    cache = DynamicCache()
+    causal = torch.full((t + 1, t + 1), torch.finfo(torch.float32).min).triu(1)[None, None]
+    logits, out = heads(heads.fuse(taps), model.embed(ids[None, 1 : t + 2]), torch.arange(t + 1)[None], causal, cache)
+    chain, hidden = [logits[0, -1]], out[:, -1:]
+    for k in range(1, K):
+        if t + k + 1 >= len(ids):
+            break
+        logits, hidden = heads(hidden, model.embed(ids[None, t + k + 1 : t + k + 2]), torch.tensor([[t + k]]),
+                               None, cache)
+        chain.append(logits[0, -1])
+    return chain
+
+
+def test_the_training_time_test_is_the_inference_chain_with_the_true_tokens(eagle3_model):
+    model = eagle3_model
+    assert model.heads.spec.feature_layers == (2, 4, 5)  # vLLM's (2, L // 2, L - 3) for L = 8
+    ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ttt = model(ids).head_logits  # [K, B, T, V']
+        assert ttt.shape == (K, 2, 11, model.heads.spec.out_size)
+        compared = 0
+        for b in range(2):
+            for t in range(10):
+                for k, logits in enumerate(inference_chain(model, ids[b], t)):
+                    torch.testing.assert_close(ttt[k, b, t], logits, atol=1e-5, rtol=0, msg=f"step {k} at {t}")
+                    compared += 1
+    assert compared == 2 * (10 + 9 + 8)
+    # the steps are not interchangeable: step 1 differs from what step 0 gives one position later
+    assert (ttt[1, :, :8] - ttt[0, :, 1:9]).abs().max() > 1e-2
+
+
+def test_padding_changes_no_real_positions_logits(eagle3_model):
+    model = eagle3_model
+    ids = torch.randint(3, 90, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # row 1: 6 real tokens, then padding holding other tokens
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask).head_logits
+        alone = model(ids[1:, :6]).head_logits
+    for k in range(K):  # step k at t reads the tokens up to t + k + 1: real ones for t < 5 - k
+        torch.testing.assert_close(padded[k, 1, : 5 - k], alone[k, 0, : 5 - k], atol=1e-5, rtol=0)
+    assert torch.isfinite(padded).all()
+    assert (padded[0, 1, 5] - alone[0, 0, 5]).abs().max() > 1e-3  # token 6: a padding token, not the end
+
+
+def test_rope_is_transformers_llama_rotary_embedding(eagle3_model):
+    heads = eagle3_model.heads
+    x, positions = torch.zeros(1, 7, 2 * heads.spec.hidden_size), torch.arange(3, 10)[None]
+    expected = LlamaRotaryEmbedding(heads.spec.layer_config())(x, positions)
+    for got, want in zip(heads.rope(x, positions), expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert not any(name.startswith("rot") for name in heads.state_dict())
+
+
+def test_sequence_types_need_their_named_features(eagle3_model):
+    with pytest.raises(ValueError, match=r"EAGLE-3 heads read the target features \['layer2', 'layer4', 'layer5'\]"):
+        eagle3_model.head_logits(torch.zeros(1, 4, eagle3_model.heads.spec.hidden_size),
+                                 shifted_path_tokens(torch.ones(1, 4, dtype=torch.long), K))
+
+
+# ---- the recipe ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_inputs(tmp_path_factory) -> tuple[Path, Path]:
+    return write_tiny_inputs(tmp_path_factory.mktemp("tiny"))
+
+
+def test_eagle3_training_lowers_the_loss_and_raises_head_0_accuracy(tiny_inputs, tmp_path):
+    model_dir, data = tiny_inputs
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "run", **{
+        "trainer.max_steps": 16, "trainer.save_steps": 16}) + EAGLE3))
+    try:
+        recipe.setup()
+        heads = recipe.trainer.model
+        assert heads.spec.num_heads == 2 and heads.token_map.numel() == 256  # from the training replies' tokens
+        torch.testing.assert_close(heads.lm_head.weight, recipe.base.get_output_embeddings().weight[heads.token_map])
+        before = recipe.accuracy_table(heads, recipe.frozen_base)
+        recipe.train()
+        recipe.save()
+    finally:
+        recipe.cleanup()
+    after = recipe.summary["accuracy"]
+    losses = [e["loss"] for e in recipe.trainer.state.log_history if "loss" in e]
+    assert losses[-1] < 0.8 * losses[0]
+    assert after["top1"][0] > before["top1"][0] + 0.1
+    assert after["loss"][0] < before["loss"][0]
+    assert (tmp_path / "run" / "export" / WEIGHTS).is_file()
+
+
+def test_cached_and_uncached_training_give_the_same_drafter(tiny_inputs, tmp_path):
+    model_dir, data = tiny_inputs
+    for name, cache in (("plain", "false"), ("cached", "true")):
+        build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / name, hidden_cache=cache) + EAGLE3)).run()
+    shards = load_file(str(next((tmp_path / "cached" / "hidden_cache").glob("train-*.safetensors"))))
+    assert {"hidden", "layer0", "layer1", "layer2"} <= set(shards)  # the three taps (layer 2 is also FINAL's)
+    assert_same_heads(load_file(str(tmp_path / "plain" / "export" / WEIGHTS)),
+                      load_file(str(tmp_path / "cached" / "export" / WEIGHTS)))
+
+
+def test_a_crashed_cached_run_resumes_to_the_same_drafter(tiny_inputs, tmp_path):
+    model_dir, data = tiny_inputs
+    overrides = [*EAGLE3, "hidden_cache=true"]
+    build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "whole") + overrides)).run()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "crashed") + overrides),
+                     callbacks=[CrashAtStep(6)]).run()
+    build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "crashed", resume="true") + overrides)).run()
+    whole = load_file(str(tmp_path / "whole" / "export" / WEIGHTS))
+    assert "fc.weight" in whole and not any(k.startswith("rot") for k in whole)
+    assert_same_heads(whole, load_file(str(tmp_path / "crashed" / "export" / WEIGHTS)))
+
+
+# ---- refused before training -----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_data_preparation(monkeypatch):
+    """Fail loudly if a run gets as far as preparing its data."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the data was prepared before the setting was refused")
+
+    monkeypatch.setattr(base_recipe, "prepare_data", refuse)
+
+
+def four_layer_inputs(folder: Path, tiny_inputs: tuple[Path, Path]) -> Path:
+    """write_tiny_inputs' model with 4 layers (too few for vLLM's default taps), same tokenizer."""
+    from transformers import AutoTokenizer
+
+    model_dir = folder / "four_layers"
+    make_tiny_model("llama", vocab_size=512, num_hidden_layers=4).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(tiny_inputs[0]).save_pretrained(model_dir)
+    return model_dir
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["heads=eagle3", "heads.head_vocab_size=256"], r"heads.feature_layers=null \(vLLM's default taps\).*L = 4"),
+    (["heads=eagle3", "heads.head_vocab_size=256", "heads.feature_layers=[0,2,5]"],
+     r"heads.feature_layers: layer 5 is out of range for a target with 4 layers"),
+    ([EAGLE3[0], EAGLE3[2], "heads.feature_layers=[1,3]"], r"heads.feature_layers=\[1, 3\]: EAGLE-3 fuses three"),
+    ([*EAGLE3, "heads.share_lm_head=true"], r"heads.share_lm_head=true: an EAGLE-3 drafter projects with its own"),
+])
+def test_bad_eagle3_settings_are_refused_once_the_target_loads_before_its_data(
+        overrides, message, tiny_inputs, tmp_path, no_data_preparation):
+    model_dir = four_layer_inputs(tmp_path, tiny_inputs)
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match=message):
+        build_recipe(compose_train(tiny_overrides(model_dir, tiny_inputs[1], run) + overrides)).run()
+    assert not (run / "train_config.yaml").exists()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["heads=eagle3", "heads.mode=medusa2"], r"heads.head_type=eagle3 trains the heads on a frozen base"),
+    (["heads.feature_layers=[0,1,2]"], r"heads.feature_layers=\[0, 1, 2\] is for EAGLE-3 heads, not Medusa heads: "
+                                       r"set heads=eagle3"),
+    (["heads=hydra", "heads.feature_layers=[0,1,2]"], r"heads.feature_layers=\[0, 1, 2\] is for EAGLE-3 heads, not "
+                                                      r"Hydra heads"),
+])
+def test_eagle3_settings_for_other_flows_are_refused_before_any_model_loads(overrides, message, tiny_inputs, tmp_path):
+    from medusa_train.config import TrainConfig, as_dataclass
+
+    with pytest.raises(ValueError, match=message):
+        as_dataclass(TrainConfig, compose_train(tiny_overrides(*tiny_inputs, tmp_path / "run") + overrides))
