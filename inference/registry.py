@@ -89,9 +89,12 @@ class MedusaSettings:
         topk: candidates taken from each head.
         medusa_choices: the tree (a list of paths, or a JSON file holding one); None: the export's
             ``medusa_choices.json`` when present, else Medusa's default tree cut to the heads and ``topk``.
-        dynamic_tree: None (the static tree above), or an EAGLE-2 dynamic tree grown every step by drafters that
-            grow one (EAGLE-3): ``{depth, topk, total}`` (:class:`inference.dynamic_tree.DynamicTree`), e.g.
-            ``decoder.medusa.dynamic_tree={depth:5,topk:8,total:48}``; ``medusa_choices`` and ``topk`` are then unused.
+        dynamic_tree: an EAGLE-2 dynamic tree grown every step by drafters that grow one (EAGLE-3):
+            ``{depth, topk, total}`` (:class:`inference.dynamic_tree.DynamicTree`), e.g.
+            ``decoder.medusa.dynamic_tree={depth:5,topk:8,total:48}``; ``medusa_choices`` and ``topk`` are then
+            unused. None: for such drafters the export's ``dynamic_tree.json`` (``medusa-tune-tree``) when present
+            and ``medusa_choices`` is not set, else the static tree above (the run record's ``tree_source`` says
+            which).
     """
 
     acceptance: str = ACCEPTANCE
@@ -246,16 +249,20 @@ def _build_vanilla(settings: VanillaSettings, ctx: BuildContext) -> BuiltDecoder
 
 
 def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
-    from inference.decoders.choices import resolve_medusa_choices
+    from inference.decoders.choices import resolve_dynamic_tree, resolve_medusa_choices
     from inference.decoders.medusa import TreeDecoder
-    from medusa_train.export.tree_files import read_tree_files
+    from medusa_train.export.tree_files import CHOICES_FILE, DYNAMIC_TREE_FILE, read_tree_files
 
     spec = ctx.model.heads.spec
-    if settings.dynamic_tree is not None:
-        decoder = TreeDecoder(ctx.model, None, acceptance=settings.acceptance, dynamic_tree=settings.dynamic_tree,
+    shape, source = resolve_dynamic_tree(settings.dynamic_tree, settings.medusa_choices, ctx.export_dir, ctx.model,
+                                         "decoder.medusa.dynamic_tree")
+    if shape is not None:
+        if settings.dynamic_tree is None:
+            _check_tuned_for(read_tree_files(ctx.export_dir).get("latency_profile"), ctx, DYNAMIC_TREE_FILE)
+        decoder = TreeDecoder(ctx.model, None, acceptance=settings.acceptance, dynamic_tree=shape,
                               posterior_threshold=settings.posterior_threshold,
                               posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer)
-        return BuiltDecoder(decoder, {"head_type": ctx.model.head_type, "tree_source": "decoder.medusa.dynamic_tree",
+        return BuiltDecoder(decoder, {"head_type": ctx.model.head_type, "tree_source": source,
                                       "dynamic_tree": decoder.dynamic_tree.as_dict(),
                                       "tree_nodes": decoder.dynamic_tree.num_nodes})
     choices = resolve_medusa_choices(settings.medusa_choices, ctx.export_dir, spec.num_heads, settings.topk)
@@ -264,7 +271,7 @@ def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
         source = "decoder.medusa.medusa_choices"
     elif "medusa_choices" in tuned:
         source = "export medusa_choices.json"
-        _check_tuned_for(tuned.get("latency_profile"), ctx)
+        _check_tuned_for(tuned.get("latency_profile"), ctx, CHOICES_FILE)
     else:
         source = "default tree (mc_sim_7b_63 cut to the heads and topk)"
     decoder = TreeDecoder(ctx.model, choices, topk=settings.topk, acceptance=settings.acceptance,
@@ -274,9 +281,9 @@ def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
                                   "tree_source": source, "tree_nodes": len(choices) + 1})
 
 
-def _check_tuned_for(profile: Optional[dict[str, Any]], ctx: BuildContext) -> None:
-    """Warn when the export's tree was tuned on the latency of another dtype or other kernels than this run's: the
-    best tree size follows the cost of a k-token pass, which both change."""
+def _check_tuned_for(profile: Optional[dict[str, Any]], ctx: BuildContext, tuned_file: str) -> None:
+    """Warn when the export's tree (``tuned_file``) was tuned on the latency of another dtype or other kernels than
+    this run's: the best tree size follows the cost of a k-token pass, which both change."""
     if not profile:
         return
     tuned = {"dtype": profile.get("dtype"), "kernels": (profile.get("cpu_kernels") or {}).get("kernels")}
@@ -284,7 +291,7 @@ def _check_tuned_for(profile: Optional[dict[str, Any]], ctx: BuildContext) -> No
     differ = [f"{key} {tuned[key]} (tuned) vs {now[key]} (this run)" for key in tuned
               if tuned[key] is not None and now[key] is not None and tuned[key] != now[key]]
     if differ:
-        warnings.warn(f"{ctx.export_dir}/medusa_choices.json was tuned on other latency: {'; '.join(differ)}; rerun "
+        warnings.warn(f"{ctx.export_dir}/{tuned_file} was tuned on other latency: {'; '.join(differ)}; rerun "
                       "medusa-tune-tree with this run's dtype and cpu_kernels for the tree that fits", RuntimeWarning,
                       stacklevel=2)
 

@@ -1,4 +1,5 @@
-"""Which tree a Medusa decoder uses: the setting, else the export's tuned ``medusa_choices.json``, else a default."""
+"""Which tree a tree decoder uses: the setting, else the export's tuned ``medusa_choices.json``, else a default; and
+for drafters that grow an EAGLE-2 dynamic tree, whether it grows one (:func:`resolve_dynamic_tree`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from inference.tree import default_medusa_choices
-from medusa_train.export.tree_files import read_tree_files
+from medusa_train.export.tree_files import DYNAMIC_TREE_FILE, read_tree_files
 from medusa_train.text_files import read_text
 
 
@@ -45,3 +46,36 @@ def resolve_medusa_choices(setting: Any, export_dir: str, num_heads: int, topk: 
     if OmegaConf.is_config(setting):
         return OmegaConf.to_container(setting)
     return [list(p) for p in setting]
+
+
+def resolve_dynamic_tree(setting: Any, medusa_choices: Any, export_dir: str, model: Any,
+                         setting_name: str = "dynamic_tree") -> tuple[Any, str | None]:
+    """The dynamic tree to decode over, and where it came from: the ``dynamic_tree`` setting when given; else, when
+    no static tree is set (``medusa_choices`` None) and ``model``'s drafter grows dynamic trees
+    (:func:`~inference.proposers.tree_drafters.grows_dynamic_trees`), the export's tuned ``dynamic_tree.json``
+    (``medusa-tune-tree``); else None (the static tree).
+
+    Args:
+        setting: ``dynamic_tree`` as given (``{depth, topk, total}``, a triple, or None).
+        medusa_choices: the static tree as given (None: not set).
+        export_dir: the export folder.
+        model: the :class:`~medusa_train.model.MedusaModel` that will decode.
+        setting_name: the setting's name in ``source`` (e.g. ``decoder.medusa.dynamic_tree``).
+
+    Returns:
+        ``(shape, source)``: ``shape`` the setting as given or ``{"depth", "topk", "total"}`` from the file, None for
+        the static tree; ``source`` ``setting_name``, ``"export dynamic_tree.json"`` or None.
+
+    Raises:
+        ValueError: ``dynamic_tree.json`` that is not UTF-8 JSON of its shape (the file and field named).
+    """
+    from inference.proposers.tree_drafters import grows_dynamic_trees
+
+    if setting is not None:
+        return setting, setting_name
+    if medusa_choices is not None:
+        return None, None
+    tuned = read_tree_files(export_dir, head_vocab=model.heads.spec.out_size).get("dynamic_tree")
+    if tuned is None or not grows_dynamic_trees(model):
+        return None, None
+    return {key: tuned[key] for key in ("depth", "topk", "total")}, f"export {DYNAMIC_TREE_FILE}"

@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Any
 
-from inference.decoders.choices import resolve_medusa_choices
+from inference.decoders.choices import resolve_dynamic_tree, resolve_medusa_choices
 from inference.tree import TOPK
 from medusa_train.export.tree_files import CHOICES_FILE
 from medusa_train.export.writer import weights_files
@@ -34,8 +34,8 @@ def pretrained_decoder_kwargs(
 ) -> dict[str, Any]:
     """Keyword arguments of ``TreeDecoder(...)`` for a published export or a local one.
 
-    Downloads the heads (``config.json``, weights, token map, ``medusa_choices.json``: not ``vllm/`` nor
-    ``eval/``), then loads the base model named by the export (its recorded ``model/`` config, else
+    Downloads the heads (``config.json``, weights, token map, ``medusa_choices.json``, ``dynamic_tree.json``: not
+    ``vllm/`` nor ``eval/``), then loads the base model named by the export (its recorded ``model/`` config, else
     ``base_model_name_or_path``, from the Hub when it is an id) with :func:`~medusa_train.loading.medusa.load_medusa`.
 
     Args:
@@ -50,7 +50,9 @@ def pretrained_decoder_kwargs(
 
     Returns:
         ``{"model": MedusaModel, "tokenizer": ..., "medusa_choices": [[int]], **decoder_kwargs}``; the tree is the
-        export's ``medusa_choices.json``, else the decoder's default tree (a warning).
+        export's ``medusa_choices.json``, else the decoder's default tree (a warning); for drafters that grow an
+        EAGLE-2 dynamic tree, ``dynamic_tree`` is the export's ``dynamic_tree.json`` unless ``dynamic_tree`` or
+        ``medusa_choices`` is given (:func:`~inference.decoders.choices.resolve_dynamic_tree`).
 
     Raises:
         FileNotFoundError: see :func:`~medusa_train.loading.hub.download_export`. ValueError: a malformed file in
@@ -64,6 +66,11 @@ def pretrained_decoder_kwargs(
                                  cache_dir=cache_dir, endpoint=endpoint)
     medusa_model, tokenizer, _ = load_medusa(str(folder), model=model, dtype=dtype, device=device,
                                              trust_remote_code=trust_remote_code)
+    shape, source = resolve_dynamic_tree(decoder_kwargs.get("dynamic_tree"), decoder_kwargs.get("medusa_choices"),
+                                         str(folder), medusa_model)
+    if shape is not None and decoder_kwargs.get("dynamic_tree") is None:
+        log.info("%s: decoding over the dynamic tree of %s", repo_or_dir, source)
+        decoder_kwargs["dynamic_tree"] = shape
     if decoder_kwargs.get("medusa_choices") is None:
         choices = resolve_medusa_choices(None, str(folder), medusa_model.heads.spec.num_heads,
                                          decoder_kwargs.get("topk") or TOPK)

@@ -246,5 +246,15 @@ def tree_drafter(model: Any) -> TreeDrafter:
     return type_of(model.heads).make_tree_drafter(model)
 
 
+def grows_dynamic_trees(model: Any) -> bool:
+    """Whether ``model``'s tree drafter (:func:`tree_drafter`) also grows EAGLE-2 dynamic trees
+    (:class:`DynamicTreeDrafter`): decided by the protocol, for any drafter type.
+
+    Raises:
+        ValueError: a type without a tree drafter.
+    """
+    return isinstance(tree_drafter(model), DynamicTreeDrafter)
+
+
 __all__ = ["DynamicTreeDrafter", "HydraTreeDrafter", "LastFeatureDrafter", "MedusaTreeDrafter", "TreeDrafter",
-           "hydra_levels", "tree_drafter"]
+           "grows_dynamic_trees", "hydra_levels", "tree_drafter"]

@@ -71,7 +71,33 @@ def _run(tc: TuneTreeConfig) -> dict:
           f"{result['replayed_accept_length']:.3f} replayed on the tuning prompts "
           f"({result['expected_accept_length']:.3f} by the independent-heads formula); written to {tc.export_dir}")
     print(json.dumps(result["medusa_choices"]))
+    if result["dynamic_tree"] is not None:
+        print_dynamic_tree(result["dynamic_tree"], tc.export_dir)
     return result
+
+
+def print_dynamic_tree(dynamic: dict, export_dir: str) -> None:
+    """The dynamic tree's timed shortlist and choice (:func:`medusa_train.tuning.dynamic.tune_dynamic_tree`)."""
+    from medusa_train.tuning.timed import describe_choice
+
+    def shape(d: dict) -> str:
+        return f"depth {d['depth']}, topk {d['topk']}, total {d['total']}"
+
+    chosen = dynamic["chosen"]
+    if chosen["by"] == "timed":
+        print(f"decoding {chosen['timed_prompts']} tuning prompts x {chosen['timed_new_tokens']} tokens over each "
+              "shortlisted dynamic tree:")
+        print("  depth  topk  total  tokens/s   tau  ms a step")
+        for row in chosen["timed"]:
+            reference = "  (reference)" if shape(row) == shape(chosen["reference"]) else ""
+            print(f"  {row['depth']:>5d}  {row['topk']:>4d}  {row['total']:>5d}  {row['tokens_per_s']:8.2f}  "
+                  f"{row['mean_accepted_tokens']:4.2f}  {row['step_ms']:9.1f}{reference}")
+        print(f"kept the dynamic tree of {shape(dynamic)} (the reference: {shape(chosen['reference'])}; "
+              f"{describe_choice(chosen.get('margin'), 'reference', 'reference')})")
+    else:
+        print(f"dynamic tree: {shape(dynamic)}, the reference, not decoded (timed_prompts=0)")
+    print(f"written to {export_dir}/dynamic_tree.json: the decoder's default for this drafter "
+          "(decoder.medusa.dynamic_tree or medusa_choices overrides it)")
 
 
 @hydra_app("tune_tree", example='medusa-tune-tree export_dir=runs/stories/export',

@@ -8,6 +8,9 @@ profile reused by another export's tuning run).
 - ``head_accuracy.json``: ``acc[k][i]``, head k's rank-i accuracy on held-out continuations, with the prompts used.
 - ``latency_profile.json``: verification latency in ms by tree size (``latency_ms``), the device, the dtype and the
   kernels it was measured on.
+- ``dynamic_tree.json`` (drafters that grow an EAGLE-2 dynamic tree, :mod:`inference.dynamic_tree`): the shape
+  ``depth``, ``topk``, ``total`` chosen by decoding, its ``tokens_per_s`` and ``mean_accepted_tokens`` on the tuning
+  prompts (null when it was not decoded), and ``chosen`` (how: :mod:`medusa_train.tuning.dynamic`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from medusa_train.text_files import read_text
 CHOICES_FILE = "medusa_choices.json"
 ACCURACY_FILE = "head_accuracy.json"
 LATENCY_FILE = "latency_profile.json"
-TREE_FILES = {"medusa_choices": CHOICES_FILE, "head_accuracy": ACCURACY_FILE, "latency_profile": LATENCY_FILE}
+DYNAMIC_TREE_FILE = "dynamic_tree.json"
+TREE_FILES = {"medusa_choices": CHOICES_FILE, "head_accuracy": ACCURACY_FILE, "latency_profile": LATENCY_FILE,
+              "dynamic_tree": DYNAMIC_TREE_FILE}
 _UNBOUNDED = 1 << 62  # no bound on ranks when the heads' vocabulary is not known
 
 
@@ -104,10 +109,46 @@ def check_latency_profile(data: Any, path: Path) -> dict[str, Any]:
     return {**data, "latency_ms": out}
 
 
+def check_dynamic_tree(data: Any, path: Path, head_vocab: int | None) -> dict[str, Any]:
+    """Check ``dynamic_tree.json`` and return it: an object whose ``depth``, ``topk`` and ``total`` make a valid
+    :class:`~inference.dynamic_tree.DynamicTree` with ``topk`` at most ``head_vocab`` (the drafter's vocabulary;
+    unchecked when None), ``tokens_per_s`` and ``mean_accepted_tokens`` finite numbers > 0 or null, and ``chosen``
+    an object.
+
+    Raises:
+        ValueError: the file and the field named.
+    """
+    from inference.dynamic_tree import DynamicTree
+
+    fix = "run medusa-tune-tree again to rewrite it"
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}; {fix}")
+    missing = [k for k in ("depth", "topk", "total", "tokens_per_s", "mean_accepted_tokens", "chosen")
+               if k not in data]
+    if missing:
+        raise ValueError(f"{path} has no {missing}; {fix}")
+    try:
+        DynamicTree(data["depth"], data["topk"], data["total"])
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}; {fix}") from e
+    if head_vocab is not None and data["topk"] > head_vocab:
+        raise ValueError(f"{path}: dynamic_tree.topk = {data['topk']} exceeds the drafter's vocabulary of "
+                         f"{head_vocab}; {fix}")
+    for key in ("tokens_per_s", "mean_accepted_tokens"):
+        value = data[key]
+        if value is not None and (not _number(value) or value <= 0):
+            raise ValueError(f"{path}: {key} = {value!r} must be a finite number > 0 or null; {fix}")
+    if not isinstance(data["chosen"], dict):
+        raise ValueError(f"{path}: chosen must be an object (how the shape was chosen), got "
+                         f"{str(data['chosen'])[:80]}; {fix}")
+    return data
+
+
 def read_tree_files(export_dir: str | Path, num_heads: int | None = None,
                     head_vocab: int | None = None) -> dict[str, Any]:
     """The tuned files of an export that exist, checked: ``{"medusa_choices": [[int]], "head_accuracy": {...},
-    "latency_profile": {...}}`` (keys of :data:`TREE_FILES`; a missing file is a missing key), each as written.
+    "latency_profile": {...}, "dynamic_tree": {...}}`` (keys of :data:`TREE_FILES`; a missing file is a missing
+    key), each as written.
 
     Args:
         export_dir: the export folder.
@@ -116,7 +157,8 @@ def read_tree_files(export_dir: str | Path, num_heads: int | None = None,
 
     Raises:
         ValueError: a file that is not UTF-8, not valid JSON, or not of its shape (the file and the field named;
-            :func:`check_medusa_choices`, :func:`check_head_accuracy`, :func:`check_latency_profile`).
+            :func:`check_medusa_choices`, :func:`check_head_accuracy`, :func:`check_latency_profile`,
+            :func:`check_dynamic_tree`).
     """
     out: dict[str, Any] = {}
     for key, name in TREE_FILES.items():
@@ -129,6 +171,8 @@ def read_tree_files(export_dir: str | Path, num_heads: int | None = None,
         check_head_accuracy(out["head_accuracy"], Path(export_dir) / ACCURACY_FILE, num_heads)
     if "latency_profile" in out:
         check_latency_profile(out["latency_profile"], Path(export_dir) / LATENCY_FILE)
+    if "dynamic_tree" in out:
+        check_dynamic_tree(out["dynamic_tree"], Path(export_dir) / DYNAMIC_TREE_FILE, head_vocab)
     return out
 
 
@@ -151,5 +195,6 @@ def read_latency_profile(export_dir: str | Path) -> dict[str, Any]:
     return {**profile, "latency_ms": raw["latency_ms"]}
 
 
-__all__ = ["ACCURACY_FILE", "CHOICES_FILE", "LATENCY_FILE", "TREE_FILES", "check_head_accuracy",
-           "check_latency_profile", "check_medusa_choices", "read_latency_profile", "read_tree_files"]
+__all__ = ["ACCURACY_FILE", "CHOICES_FILE", "DYNAMIC_TREE_FILE", "LATENCY_FILE", "TREE_FILES", "check_dynamic_tree",
+           "check_head_accuracy", "check_latency_profile", "check_medusa_choices", "read_latency_profile",
+           "read_tree_files"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from medusa_train.export.tree_files import CHOICES_FILE
+from medusa_train.export.tree_files import CHOICES_FILE, DYNAMIC_TREE_FILE
 from medusa_train.export.writer import CONFIG_FILE, LEGACY_WEIGHTS_FILE, TOKEN_MAP_FILE, weights_files
 
 
@@ -17,9 +17,9 @@ from medusa_train.export.writer import CONFIG_FILE, LEGACY_WEIGHTS_FILE, TOKEN_M
 def decoder_files() -> list[str]:
     """What a decoder needs from a published export (vllm/ and eval/ are not downloaded for it): config.json, every
     drafter type's weights file (:func:`~medusa_train.export.writer.weights_files`), the token map and the tuned
-    tree. FasterDecoding's .pt (:data:`FASTERDECODING_WEIGHTS`) only when a repository has none of these weights
-    files (a FasterDecoding repository of its own)."""
-    return [CONFIG_FILE, *weights_files(), TOKEN_MAP_FILE, CHOICES_FILE]
+    trees (static, and dynamic for drafters that grow one). FasterDecoding's .pt (:data:`FASTERDECODING_WEIGHTS`)
+    only when a repository has none of these weights files (a FasterDecoding repository of its own)."""
+    return [CONFIG_FILE, *weights_files(), TOKEN_MAP_FILE, CHOICES_FILE, DYNAMIC_TREE_FILE]
 
 
 FASTERDECODING_WEIGHTS = LEGACY_WEIGHTS_FILE

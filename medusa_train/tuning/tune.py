@@ -13,7 +13,15 @@ from medusa_train.model import MedusaModel
 from medusa_train.prompts import Prompt, encode_prompt
 from medusa_train.tuning.accuracy import measure_head_accuracy
 from medusa_train.tuning.tune_tree_config import TuneTreeConfig
-from medusa_train.export.tree_files import ACCURACY_FILE, CHOICES_FILE, LATENCY_FILE, read_latency_profile
+from inference.proposers.tree_drafters import grows_dynamic_trees
+from medusa_train.export.tree_files import (
+    ACCURACY_FILE,
+    CHOICES_FILE,
+    DYNAMIC_TREE_FILE,
+    LATENCY_FILE,
+    read_latency_profile,
+)
+from medusa_train.tuning.dynamic import tune_dynamic_tree
 from medusa_train.tuning.latency import check_profile_runtime, measure_verification_latency
 from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length, greedy_tree
 from medusa_train.tuning.timed import choose, describe_choice, shortlist, time_trees
@@ -22,7 +30,10 @@ log = logging.getLogger(__name__)
 
 def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: TuneTreeConfig,
               runtime: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Measure, search, and write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json``.
+    """Measure, search, and write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json``, and for
+    drafters that grow an EAGLE-2 dynamic tree (:func:`~inference.proposers.tree_drafters.grows_dynamic_trees`)
+    ``dynamic_tree.json``: its shape chosen by decoding (:mod:`medusa_train.tuning.dynamic`; no accuracy table
+    needed).
 
     The caller holds ``cfg.export_dir``'s lock (:data:`~medusa_train.run_lock.EXPORT_LOCK`), as ``medusa-tune-tree``
     does from before the model loads: nothing else writes the folder, or times trees on it, meanwhile.
@@ -32,13 +43,14 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
 
     Returns:
         ``{"medusa_choices", "expected_accept_length", "replayed_accept_length", "head_accuracy",
-        "latency_profile", "rates", "chosen"}``: the two τ predictions of the chosen tree, by the formula
-        (:func:`~medusa_train.tuning.search.expected_accept_length`) and replayed on the tuning prompts
+        "latency_profile", "rates", "chosen", "dynamic_tree"}``: the two τ predictions of the chosen tree, by the
+        formula (:func:`~medusa_train.tuning.search.expected_accept_length`) and replayed on the tuning prompts
         (:func:`~medusa_train.tuning.replay.replayed_accept_length`, what the decoder measures on them); ``chosen``:
         how the size was chosen (``by``: ``timed``, the shortlist decoded on ``timed_prompts`` tuning prompts and
         the fastest kept when it beats the predicted best beyond the noise, ``margin`` its speed over the predicted
         best's with the interval, :func:`medusa_train.tuning.timed.choose`; or ``predicted``), the predicted best's
-        nodes, and the timing (also in ``latency_profile.json``).
+        nodes, and the timing (also in ``latency_profile.json``); ``dynamic_tree``: what ``dynamic_tree.json``
+        holds (:func:`~medusa_train.tuning.dynamic.tune_dynamic_tree`), None for drafters of static trees only.
     """
     cfg.validate()
     cfg.check_context(max_positions(model.base.config))  # before the accuracy pass, not after it
@@ -48,6 +60,14 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
         check_profile_runtime(reused, model.base, cfg.latency_from,
                               kernels=((runtime or {}).get("cpu_kernels") or {}).get("kernels"))
         reused["measured_for"] = str(cfg.latency_from)
+    grid = None
+    if grows_dynamic_trees(model):  # its grid checked before the accuracy pass too
+        vocab = model.heads.spec.out_size
+        for i, k in enumerate(cfg.dynamic_topks):
+            if k > vocab:
+                raise ValueError(f"dynamic_topks[{i}] = {k} exceeds the drafter's vocabulary of {vocab}; lower it")
+        _, reference, shapes = cfg.check_dynamic_grid(reused["latency_ms"] if reused else cfg.latency_sizes)
+        grid = reference, shapes
     token_prompts = [encode_prompt(tokenizer, p.first_turn_messages()) for p in prompts]
     accuracy = measure_head_accuracy(model, token_prompts, max_new_tokens=cfg.max_new_tokens, topk=cfg.topk,
                                      eos_token_id=tokenizer.eos_token_id, batch_size=cfg.generation_batch_size,
@@ -69,6 +89,9 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
         log.info("decoded %d tuning prompts with trees of %s nodes: kept %d (the latency profile's best: %d; %s)",
                  len(timed_prompts), ", ".join(str(n - 1) for n in sorted(timed)), len(choices), predicted_nodes,
                  describe_choice(margin))
+    dynamic = None
+    if grid is not None:
+        dynamic = tune_dynamic_tree(model, timed_prompts, *grid, max_new_tokens=cfg.timed_new_tokens)
     expected = expected_accept_length(accuracy["acc"], choices)
     replayed = rates[len(choices) + 1]["replayed_tokens"]
     out = Path(cfg.export_dir)
@@ -85,8 +108,11 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
                                     "predicted": {str(k): v for k, v in rates.items()}, "chosen": chosen,
                                     **(runtime or {})})
     write_json(out / CHOICES_FILE, choices)
+    if dynamic is not None:
+        write_json(out / DYNAMIC_TREE_FILE, dynamic)
     log.info("tree of %d nodes, mean accepted tokens: %.3f replayed on the prompts' continuations, %.3f by the "
              "independent-heads formula", len(choices), replayed, expected)
     return {"medusa_choices": choices, "expected_accept_length": expected, "replayed_accept_length": replayed,
-            "head_accuracy": accuracy, "latency_profile": latency, "rates": rates, "chosen": chosen}
+            "head_accuracy": accuracy, "latency_profile": latency, "rates": rates, "chosen": chosen,
+            "dynamic_tree": dynamic}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -69,6 +70,12 @@ class TuneTreeConfig:
             tree predicted near the best (:mod:`medusa_train.tuning.timed`), and the fastest measured is kept; 0
             keeps the predicted best.
         timed_new_tokens: tokens per reply in that timing.
+        dynamic_depths, dynamic_topks, dynamic_totals: for drafters that grow an EAGLE-2 dynamic tree (EAGLE-3):
+            the depths, topks and totals (nodes kept, root excluded) its shape is chosen from, by decoding the
+            timed prompts with a shortlist of them (:mod:`medusa_train.tuning.dynamic`); written to
+            ``dynamic_tree.json``. ``dynamic_totals`` None: the latency profile's sizes less the root, up to
+            ``max_nodes`` (:meth:`dynamic_tree_totals`). Unused for drafters that draft static trees only; the
+            grid is checked once the drafter is known (:meth:`check_dynamic_grid`), before the accuracy pass.
     """
 
     export_dir: str = MISSING
@@ -89,6 +96,12 @@ class TuneTreeConfig:
     timed_prompts: int = field(default=4, metadata=bound(0, cap=MAX_COUNT, hint=(
         "tuning prompts decoded with each candidate tree; 0: keep the predicted best")))
     timed_new_tokens: int = field(default=64, metadata=bound(8, cap=MAX_TOKENS, hint="tokens per timed reply"))
+    dynamic_depths: list[int] = field(default_factory=lambda: [3, 4, 5, 6], metadata=bound(
+        1, cap=MAX_COUNT, hint="depths of a dynamic tree"))
+    dynamic_topks: list[int] = field(default_factory=lambda: [4, 8], metadata=bound(
+        1, cap=MAX_COUNT, hint="tokens drafted per expanded node of a dynamic tree"))
+    dynamic_totals: Optional[list[int]] = field(default=None, metadata=bound(
+        1, cap=MAX_COUNT, hint="nodes a dynamic tree keeps, root excluded"))
 
     def validate(self) -> None:
         """Check every setting before any model is loaded.
@@ -109,9 +122,44 @@ class TuneTreeConfig:
         if self.context_length + max(self.latency_sizes) > MAX_TOKENS:
             raise ValueError(f"context_length + max(latency_sizes) = {self.context_length + max(self.latency_sizes)}"
                              f" exceeds the hard cap of {MAX_TOKENS} positions; lower context_length")
+        for i, total in enumerate(self.dynamic_totals or ()):
+            if total > self.max_nodes:
+                raise ValueError(f"dynamic_totals[{i}] = {total} exceeds max_nodes={self.max_nodes} (the tree node "
+                                 "budget): lower it or raise max_nodes")
         if self.latency_from is not None:
             read_latency_profile(self.latency_from)
         check_export_dir(self.export_dir)
+
+    def check_dynamic_grid(self, profile_sizes: Iterable[int]) -> tuple[list[int], Any, list[Any]]:
+        """The dynamic tree's grid for a latency profile of ``profile_sizes``: ``(totals, reference, shapes)``
+        (:meth:`dynamic_tree_totals`, :func:`medusa_train.tuning.dynamic.dynamic_shortlist`).
+
+        Raises:
+            ValueError: an empty list or a grid that holds no dynamic tree (the settings named).
+        """
+        from medusa_train.tuning.dynamic import dynamic_shortlist
+
+        totals = self.dynamic_tree_totals(profile_sizes)
+        return (totals, *dynamic_shortlist(self.dynamic_depths, self.dynamic_topks, totals))
+
+    def dynamic_tree_totals(self, profile_sizes: Iterable[int]) -> list[int]:
+        """The totals a dynamic tree's shape is chosen from: ``dynamic_totals``, else the latency profile's sizes
+        (tokens a pass) less the root, from 1 to ``max_nodes``, ascending.
+
+        Raises:
+            ValueError: ``dynamic_totals`` empty, or no profile size in that range (``latency_sizes`` and
+                ``max_nodes`` named).
+        """
+        if self.dynamic_totals is not None:
+            if not self.dynamic_totals:
+                raise ValueError("dynamic_totals is empty: give at least one total, or null for the latency "
+                                 "profile's sizes")
+            return sorted(set(self.dynamic_totals))
+        totals = sorted({n - 1 for n in profile_sizes if 1 <= n - 1 <= self.max_nodes})
+        if not totals:
+            raise ValueError(f"no latency_sizes between 2 and max_nodes + 1 = {self.max_nodes + 1}: a dynamic tree's "
+                             "totals come from them; add such a size or set dynamic_totals")
+        return totals
 
     def check_context(self, max_positions: Optional[int]) -> None:
         """Refuse lengths beyond the loaded model's context of ``max_positions`` tokens (None: unknown, no check),
