@@ -141,7 +141,8 @@ class HeadShape:
     medusa_num_layers: int = field(default=1, metadata=bound(1, cap=MAX_COUNT))
     share_lm_head: bool = False
     head_vocab_size: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
-    feature_layers: Optional[list[int]] = None
+    feature_layers: Optional[list[int]] = field(default=None, metadata=bound(
+        0, cap=MAX_COUNT, hint="target layer indices (the input of layer i); null: vLLM's default taps"))
 
     def validate_shape(self) -> None:
         if self.head_type not in head_types():
