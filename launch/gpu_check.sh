@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with NVIDIA GPUs, meant to finish in under 10 minutes (pip caches warm), printing
+# One prepared check for a machine with NVIDIA GPUs, meant to finish in under 15 minutes (pip caches warm), printing
 # one table at the end:
 #   1. install: the project's venv (launch/install.sh: torch==2.13.0 pinned, PyPI's Linux wheel is the CUDA build)
 #      and checks that torch sees CUDA; vLLM's own venv with launch/install_vllm.sh when that script exists;
@@ -7,7 +7,10 @@
 #      rank, then two ranks when the machine has 2+ GPUs;
 #   3. medusa-tune-tree on the GPU (dtype=auto: bf16 there), then medusa-eval: vanilla, Medusa, the draft model,
 #      Lookahead and the Hugging Face peers on MT-Bench first turns (one per category);
-#   4. vLLM: benchmarks/serve_vllm.py, plain decoding against vLLM's Medusa speculator on the same export.
+#   4. vLLM: benchmarks/serve_vllm.py, plain decoding against vLLM's Medusa speculator on the same export;
+#   5. EAGLE-3, the same path for its drafter (heads=eagle3 on SmolLM2): train a few steps with nccl (one rank, two
+#      with 2+ GPUs) and export it with the speculators/ folder vLLM reads, medusa-tune-tree (static and dynamic
+#      tree), medusa-eval of our tree decoder on it against vanilla, and vLLM serving the drafter (serve_vllm.py --k 3).
 # Every step's output goes to $GPU_CHECK_OUT/logs/<step>.log; a failed step is reported and the steps that need it
 # are skipped. Options:
 #   --dry-run       the same steps at toy size on a CPU (gloo instead of nccl, fp32 training, two CPU ranks, no
@@ -84,21 +87,25 @@ if [[ "$dry" == true ]]; then
   # toy size on the CPU: fp32, gloo, one thread per rank
   train=(model=smollm2_135m model.dtype=float32 trainer=ddp trainer.use_cpu=true trainer.ddp_backend=gloo
          trainer.precision=fp32 trainer.max_steps=2 trainer.per_device_train_batch_size=2 trainer.logging_steps=1
-         data=sharegpt data.max_conversations=24 data.eval_fraction=0.1 max_length=96 heads.head_vocab_size=2048
-         export_vllm=true)
+         data=sharegpt data.max_conversations=24 data.eval_fraction=0.1 max_length=96 export_vllm=true)
+  medusa_heads=(heads.head_vocab_size=2048)
+  eagle3_heads=(heads=eagle3 heads.head_vocab_size=2048)
   launcher=(env OMP_NUM_THREADS=1 torchrun)  # two CPU ranks on a shared machine: one thread each
   tune=(device=cpu dtype=float32 prompts.num_prompts=2 max_new_tokens=8 'latency_sizes=[1,2,4]' context_length=32 repeats=1
         max_nodes=7 timed_prompts=1 timed_new_tokens=8)
+  tune_dynamic=('dynamic_depths=[2]' 'dynamic_topks=[2]')  # EAGLE-3's dynamic tree: one shape per total
   eval_args=(device=cpu dtype=float32 num_prompts=1 max_new_tokens=8 warmup=0 decoder.draft.num_layers=4
              decoder.hf_assisted.num_layers=4)
   ranks2=true
 else
-  # full-vocabulary heads: vLLM 0.32's Medusa loader needs per-head lm_heads of the whole vocabulary
   train=(model=smollm2_135m model.dtype=bfloat16 trainer=ddp trainer.ddp_backend=nccl trainer.precision=bf16
          trainer.max_steps=30 trainer.per_device_train_batch_size=8 trainer.logging_steps=5 trainer.learning_rate=1e-3
          data=sharegpt data.max_conversations=600 max_length=256 export_vllm=true)
+  medusa_heads=()  # full-vocabulary heads: vLLM 0.32's Medusa loader needs per-head lm_heads of the whole vocabulary
+  eagle3_heads=(heads=eagle3)  # vLLM's default taps (2, 15, 27) and a reduced draft vocabulary (d2t, t2d)
   tune=(device=cuda prompts.num_prompts=8 max_new_tokens=48 'latency_sizes=[1,2,4,8,16,32,64]' repeats=5
         max_nodes=63)
+  tune_dynamic=('dynamic_depths=[3,5]' 'dynamic_topks=[8]')  # EAGLE-3's dynamic tree: a short shortlist
   eval_args=(device=cuda per_category=1 max_new_tokens=64)
   launcher=(torchrun)
   ranks2=$([[ "$gpus" -ge 2 ]] && echo true || echo false)
@@ -106,10 +113,10 @@ fi
 export_dir="$out/single/export"
 trained=false
 step train_1rank 420 "${launcher[@]}" --standalone --nproc_per_node=1 -m medusa_train.cli.train "${train[@]}" \
-  output_dir="$out/single" hydra.run.dir="$out/single/hydra" && trained=true
+  "${medusa_heads[@]}" output_dir="$out/single" hydra.run.dir="$out/single/hydra" && trained=true
 if [[ "$ranks2" == true ]]; then
   step train_2ranks 420 "${launcher[@]}" --standalone --nproc_per_node=2 -m medusa_train.cli.train "${train[@]}" \
-    output_dir="$out/ddp2" hydra.run.dir="$out/ddp2/hydra"
+    "${medusa_heads[@]}" output_dir="$out/ddp2" hydra.run.dir="$out/ddp2/hydra"
 else skip train_2ranks "one GPU"; fi
 
 # --- 3. tune the tree, then every decoder side by side -------------------------------------------------------------
@@ -120,14 +127,43 @@ if [[ "$trained" == true ]]; then
 else skip tune_tree "no export"; skip eval "no export"; fi
 
 # --- 4. vLLM: plain decoding against its Medusa speculator -----------------------------------------------------------
+# serve_vllm.py reads the export's base itself; batches of 1 and 8 prompts (its default)
+serve=(--num-prompts 8 --max-new-tokens 64 --dtype bfloat16 --max-model-len 2048)
+[[ "$vllm_ready" == true ]] && export MEDUSA_VLLM_VENV="${MEDUSA_VLLM_VENV:-$root/.venv-vllm}"
 if [[ "$dry" == true ]]; then skip vllm "dry run (vLLM's Medusa speculator needs CUDA)"
 elif [[ "$skip_vllm" == true ]]; then skip vllm "--skip-vllm"
 elif [[ "$trained" != true ]]; then skip vllm "no export"
 else
-  base="$("$py" benchmarks/gpu_check.py base "$export_dir")"
-  [[ "$vllm_ready" == true ]] && export MEDUSA_VLLM_VENV="${MEDUSA_VLLM_VENV:-$root/.venv-vllm}"
-  step vllm 420 "$py" benchmarks/serve_vllm.py --export "$export_dir" --base "$base" --num-prompts 8 \
-    --max-new-tokens 64 --dtype bfloat16 --max-model-len 2048 --output "$out/vllm.json"
+  step vllm 420 "$py" benchmarks/serve_vllm.py --export "$export_dir" "${serve[@]}" --output "$out/vllm.json"
+fi
+
+# --- 5. EAGLE-3: train with nccl, export (speculators/ included), tune, our tree decoder, vLLM serving the drafter ---
+eagle3_export="$out/eagle3/export"
+eagle3_trained=false
+step train_eagle3_1rank 420 "${launcher[@]}" --standalone --nproc_per_node=1 -m medusa_train.cli.train \
+  "${train[@]}" "${eagle3_heads[@]}" output_dir="$out/eagle3" hydra.run.dir="$out/eagle3/hydra" && eagle3_trained=true
+speculators=false  # the folder vLLM serves, written by the export (export_vllm=true) after the exporter's checks
+if [[ "$eagle3_trained" == true ]]; then
+  step export_eagle3 60 "$py" -c "import json, sys; c = json.load(open(sys.argv[1])); \
+assert c['speculators_model_type'] == 'eagle3', c; print({k: c.get(k) for k in ('speculators_model_type', \
+'draft_vocab_size', 'eagle_aux_hidden_state_layer_ids', 'norm_before_residual')})" \
+    "$eagle3_export/speculators/config.json" && speculators=true
+else skip export_eagle3 "no EAGLE-3 export"; fi
+if [[ "$ranks2" == true ]]; then
+  step train_eagle3_2ranks 420 "${launcher[@]}" --standalone --nproc_per_node=2 -m medusa_train.cli.train \
+    "${train[@]}" "${eagle3_heads[@]}" output_dir="$out/eagle3_ddp2" hydra.run.dir="$out/eagle3_ddp2/hydra"
+else skip train_eagle3_2ranks "one GPU"; fi
+if [[ "$eagle3_trained" == true ]]; then
+  step tune_tree_eagle3 300 medusa-tune-tree export_dir="$eagle3_export" "${tune[@]}" "${tune_dynamic[@]}" \
+    && step eval_eagle3 420 medusa-eval export_dir="$eagle3_export" output_dir="$out/eval_eagle3" prompts=mt_bench \
+         max_turns=1 progress=false plots=false "${eval_args[@]}" 'decoders=[vanilla,medusa]'
+else skip tune_tree_eagle3 "no EAGLE-3 export"; skip eval_eagle3 "no EAGLE-3 export"; fi
+if [[ "$dry" == true ]]; then skip vllm_eagle3 "dry run"
+elif [[ "$skip_vllm" == true ]]; then skip vllm_eagle3 "--skip-vllm"
+elif [[ "$speculators" != true ]]; then skip vllm_eagle3 "no speculators/ in the EAGLE-3 export"
+else
+  step vllm_eagle3 420 "$py" benchmarks/serve_vllm.py --export "$eagle3_export" --k 3 "${serve[@]}" \
+    --output "$out/vllm_eagle3.json"
 fi
 
 echo

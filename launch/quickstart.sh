@@ -10,6 +10,11 @@
 #      predicted best, each decoded on 4 of those prompts: the fastest kept when it beats the prediction beyond the noise;
 #   4. medusa-eval: every decoder on MT-Bench first turns (one per category), the summary table printed at the end;
 #   5. with vLLM's environment (bash launch/install_vllm.sh): plain vLLM against vLLM with these heads, batch 1 and 8.
+# QUICKSTART_DRAFTER=eagle3 trains an EAGLE-3 drafter instead (heads=eagle3: one decoder layer over three target
+# layers, a 4,096-token draft vocabulary, the training-time test), =both trains both: on the same self-distilled
+# replies (generated once, in $QUICKSTART_OUT/self_distill), in $QUICKSTART_OUT/eagle3; tuned with the EAGLE-2
+# dynamic tree (a short shortlist: depths 3 and 5, top-8) and evaluated by the same medusa-eval (our tree decoder
+# runs the drafter) beside vanilla, and vLLM plain and with the drafter (vllm, vllm_eagle3) when vLLM is installed.
 # Self-distillation runs in vLLM when its environment is installed (bf16 where the CPU has bf16 units or on a GPU:
 # docs/vllm.md measures it against HF generate), else with HF generate on the training model; the log says which.
 # Every step resumes: re-running after a kill continues where it stopped. Knobs (environment variables):
@@ -20,10 +25,17 @@
 #   between prompts), QUICKSTART_EVAL (true; false stops after the tree, as launch/recipe_long.sh does),
 #   QUICKSTART_EVAL_TOKENS (64), QUICKSTART_DISTILL_ENGINE (auto: vllm when its environment is installed, else hf),
 #   QUICKSTART_DISTILL_DTYPE (auto: vLLM generates in bf16 where the hardware multiplies bf16 natively; hf generates
-#   with the fp32 training model).
+#   with the fp32 training model), QUICKSTART_DRAFTER (medusa: Medusa-1 heads; eagle3: an EAGLE-3 drafter in
+#   $QUICKSTART_OUT/eagle3; both: both, each summary printed).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+drafter="${QUICKSTART_DRAFTER:-medusa}"
+case "$drafter" in
+  medusa|eagle3|both) ;;
+  *) echo "QUICKSTART_DRAFTER=$drafter: choose medusa (Medusa-1 heads), eagle3 (an EAGLE-3 drafter) or both" >&2
+     exit 2 ;;
+esac
 bash launch/install.sh
 venv="${MEDUSA_VENV:-$root/.venv}"
 export PATH="$venv/bin:$PATH" WANDB_MODE="${WANDB_MODE:-offline}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -35,8 +47,9 @@ eval_tokens="${QUICKSTART_EVAL_TOKENS:-64}"
 run_eval="${QUICKSTART_EVAL:-true}"
 head_vocab="${QUICKSTART_HEAD_VOCAB:-4096}"
 tune_prompts="${QUICKSTART_TUNE_PROMPTS:-64}"
-resume=false
-[[ -d "$out/checkpoints" || -d "$out/export" || -d "$out/self_distill" ]] && resume=true
+resumes() {  # resumes DIR: true when DIR holds what a killed run of it left (checkpoints, export, replies)
+  [[ -d "$1/checkpoints" || -d "$1/export" || -d "$1/self_distill" ]] && echo true || echo false
+}
 vllm_venv="${MEDUSA_VLLM_VENV:-$root/.venv-vllm}"
 vllm_ready=false
 [[ -f "$vllm_venv/.medusa-vllm-installed" ]] && vllm_ready=true
@@ -48,28 +61,60 @@ distill=(data.self_distill_engine="$engine")
 echo "== self-distillation engine: $engine ($([[ "$engine" == vllm ]] && echo "dtype $distill_dtype" || echo "the fp32 training model"))" \
   "$([[ "$vllm_ready" == true ]] || echo "- vLLM's environment is not installed: bash launch/install_vllm.sh makes it")"
 
-echo "== 1/3 medusa-train: SmolLM2-135M-Instruct, replies self-distilled for the short first turns of $conversations ShareGPT conversations -> $out/export"
-medusa-train model=smollm2_135m model.dtype=float32 data=sharegpt data.self_distill=true "${distill[@]}" \
-  data.max_conversations="$conversations" data.max_prompt_tokens=128 data.max_new_tokens=192 \
-  data.generation_batch_size=128 data.eval_fraction=0.03 max_length=320 hidden_cache=true heads.head_vocab_size="$head_vocab" \
-  trainer=cpu trainer.precision=fp32 trainer.learning_rate=2e-3 \
-  trainer.num_train_epochs="$epochs" trainer.per_device_train_batch_size=8 trainer.save_steps=100 \
-  output_dir="$out" resume="$resume"
+# the data and trainer settings both drafters train with (the EAGLE-3 run reads the Medusa run's replies)
+train=(model=smollm2_135m model.dtype=float32 data=sharegpt data.self_distill=true "${distill[@]}"
+       data.max_conversations="$conversations" data.max_prompt_tokens=128 data.max_new_tokens=192
+       data.generation_batch_size=128 data.eval_fraction=0.03 max_length=320 hidden_cache=true
+       heads.head_vocab_size="$head_vocab" trainer=cpu trainer.precision=fp32 trainer.learning_rate=2e-3
+       trainer.num_train_epochs="$epochs" trainer.per_device_train_batch_size=8 trainer.save_steps=100)
+tune=(dtype="$dtype" prompts.num_prompts="$tune_prompts" max_new_tokens=96 latency_sizes='[1,2,4,8,12,16,24,32]'
+      max_nodes=31 repeats=3)
+evaluate=(prompts=mt_bench per_category=1 max_turns=1 max_new_tokens="$eval_tokens" dtype="$dtype")
 
-echo "== 2/3 medusa-tune-tree: head accuracy on held-out ShareGPT prompts, latency on this CPU (dtype=$dtype, as decoded)"
-medusa-tune-tree export_dir="$out/export" dtype="$dtype" prompts.num_prompts="$tune_prompts" max_new_tokens=96 \
-  latency_sizes='[1,2,4,8,12,16,24,32]' max_nodes=31 repeats=3
+if [[ "$drafter" != eagle3 ]]; then
+  echo "== medusa 1/3 medusa-train: SmolLM2-135M-Instruct, replies self-distilled for the short first turns of $conversations ShareGPT conversations -> $out/export"
+  medusa-train "${train[@]}" output_dir="$out" resume="$(resumes "$out")"
+  echo "== medusa 2/3 medusa-tune-tree: head accuracy on held-out ShareGPT prompts, latency on this CPU (dtype=$dtype, as decoded)"
+  medusa-tune-tree export_dir="$out/export" "${tune[@]}"
+fi
+if [[ "$drafter" != medusa ]]; then
+  echo "== eagle3 1/3 medusa-train heads=eagle3: the same replies ($out/self_distill) -> $out/eagle3/export"
+  # replies generated once: read from (or, without a Medusa run, written to) the Medusa run's self_distill/
+  medusa-train "${train[@]}" heads=eagle3 data.self_distill_dir="$out/self_distill" output_dir="$out/eagle3" \
+    resume="$(resumes "$out/eagle3")"
+  echo "== eagle3 2/3 medusa-tune-tree: static and dynamic trees on this CPU (dtype=$dtype, as decoded)"
+  medusa-tune-tree export_dir="$out/eagle3/export" "${tune[@]}" 'dynamic_depths=[3,5]' 'dynamic_topks=[8]'
+fi
 
 if [[ "$run_eval" != true ]]; then
-  echo "QUICKSTART_EVAL=$run_eval: no evaluation; heads and tree are in $out/export (head accuracy: head_accuracy.json)"
+  exports=("$out/export" "$out/eagle3/export")
+  [[ "$drafter" == medusa ]] && exports=("$out/export")
+  [[ "$drafter" == eagle3 ]] && exports=("$out/eagle3/export")
+  echo "QUICKSTART_EVAL=$run_eval: no evaluation; drafter and tree in ${exports[*]} (head accuracy: head_accuracy.json)"
   exit 0
 fi
-echo "== 3/3 medusa-eval: MT-Bench first turns, one per category, every decoder side by side"
-medusa-eval export_dir="$out/export" output_dir="$out/eval" prompts=mt_bench per_category=1 max_turns=1 \
-  max_new_tokens="$eval_tokens" dtype="$dtype"
-echo
-cat "$out/eval/summary.md"
-if [[ "$vllm_ready" == true ]]; then
+if [[ "$drafter" != eagle3 ]]; then
+  echo "== medusa 3/3 medusa-eval: MT-Bench first turns, one per category, every decoder side by side"
+  medusa-eval export_dir="$out/export" output_dir="$out/eval" "${evaluate[@]}"
+fi
+if [[ "$drafter" != medusa ]]; then
+  # our tree decoder (medusa) runs the EAGLE-3 drafter over its tuned dynamic tree; vLLM with it: vllm_eagle3
+  decoders=vanilla,medusa
+  [[ "$vllm_ready" == true ]] && decoders+=,vllm,vllm_eagle3
+  echo "== eagle3 3/3 medusa-eval: MT-Bench first turns, one per category: $decoders"
+  medusa-eval export_dir="$out/eagle3/export" output_dir="$out/eagle3/eval" "${evaluate[@]}" "decoders=[$decoders]"
+fi
+if [[ "$drafter" != eagle3 ]]; then
+  echo
+  echo "== Medusa heads ($out/eval/summary.md)"
+  cat "$out/eval/summary.md"
+fi
+if [[ "$drafter" != medusa ]]; then
+  echo
+  echo "== EAGLE-3 drafter ($out/eagle3/eval/summary.md)"
+  cat "$out/eagle3/eval/summary.md"
+fi
+if [[ "$vllm_ready" == true && "$drafter" != eagle3 ]]; then
   echo
   echo "== vLLM: plain against these heads (vllm/), MT-Bench first turns, batch 1 and 8 -> $out/vllm_serve.json"
   "$venv/bin/python" benchmarks/serve_vllm.py --export "$out/export" --num-prompts 8 \
