@@ -53,7 +53,8 @@ def resolve_dynamic_tree(setting: Any, medusa_choices: Any, export_dir: str, mod
     """The dynamic tree to decode over, and where it came from: the ``dynamic_tree`` setting when given; else, when
     no static tree is set (``medusa_choices`` None) and ``model``'s drafter grows dynamic trees
     (:func:`~inference.proposers.tree_drafters.grows_dynamic_trees`), the export's tuned ``dynamic_tree.json``
-    (``medusa-tune-tree``); else None (the static tree).
+    (``medusa-tune-tree``) unless it records the static tree as faster beyond the noise (``chosen.static_faster``,
+    :func:`medusa_train.tuning.dynamic.prefer_faster_kind`); else None (the static tree).
 
     Args:
         setting: ``dynamic_tree`` as given (``{depth, topk, total}``, a triple, or None).
@@ -76,6 +77,6 @@ def resolve_dynamic_tree(setting: Any, medusa_choices: Any, export_dir: str, mod
     if medusa_choices is not None:
         return None, None
     tuned = read_tree_files(export_dir, head_vocab=model.heads.spec.out_size).get("dynamic_tree")
-    if tuned is None or not grows_dynamic_trees(model):
-        return None, None
+    if tuned is None or not grows_dynamic_trees(model) or tuned["chosen"].get("static_faster", False):
+        return None, None  # no tuned dynamic tree, or the static tree decoded faster beyond the noise
     return {key: tuned[key] for key in ("depth", "topk", "total")}, f"export {DYNAMIC_TREE_FILE}"

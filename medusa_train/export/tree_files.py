@@ -113,7 +113,7 @@ def check_dynamic_tree(data: Any, path: Path, head_vocab: int | None) -> dict[st
     """Check ``dynamic_tree.json`` and return it: an object whose ``depth``, ``topk`` and ``total`` make a valid
     :class:`~inference.dynamic_tree.DynamicTree` with ``topk`` at most ``head_vocab`` (the drafter's vocabulary;
     unchecked when None), ``tokens_per_s`` and ``mean_accepted_tokens`` finite numbers > 0 or null, and ``chosen``
-    an object.
+    an object (its ``static_faster``, when present, a bool).
 
     Raises:
         ValueError: the file and the field named.
@@ -141,6 +141,9 @@ def check_dynamic_tree(data: Any, path: Path, head_vocab: int | None) -> dict[st
     if not isinstance(data["chosen"], dict):
         raise ValueError(f"{path}: chosen must be an object (how the shape was chosen), got "
                          f"{str(data['chosen'])[:80]}; {fix}")
+    if not isinstance(data["chosen"].get("static_faster", False), bool):
+        raise ValueError(f"{path}: chosen.static_faster must be true or false (the static tree decoded faster "
+                         f"beyond the noise), got {data['chosen']['static_faster']!r}; {fix}")
     return data
 
 

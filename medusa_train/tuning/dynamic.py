@@ -119,10 +119,34 @@ def tune_dynamic_tree(model: Any, prompts: Sequence[Sequence[int]], reference: D
                        "timed_prompts": len(prompts), "timed_new_tokens": max_new_tokens, "margin": margin}}
 
 
+def prefer_faster_kind(dynamic: dict[str, Any], static_row: dict[str, Any], static_nodes: int) -> None:
+    """Record in ``dynamic`` (:func:`tune_dynamic_tree`'s, timed) whether the static tree kept beside it decoded
+    faster beyond the noise on the same prompts: ``chosen.over_static`` (the dynamic tree's speed over the static
+    tree's, with its paired interval) and ``chosen.static_faster`` (True when that interval lies below 1). The decoder
+    then keeps the static tree by default (:func:`inference.decoders.choices.resolve_dynamic_tree`): the dynamic tree
+    is the default for drafters that grow one unless the static tree is measurably faster.
+
+    Args:
+        static_row: the kept static tree's row of :func:`~medusa_train.tuning.timed.time_trees`' table.
+        static_nodes: its nodes below the root.
+    """
+    from inference.evaluation.intervals import bounds_text, ratio_interval
+
+    chosen = dynamic["chosen"]
+    row = timed_table(chosen)[DynamicTree(dynamic["depth"], dynamic["topk"], dynamic["total"])]
+    margin = ratio_interval(row["prompt_tokens"], row["prompt_seconds"], static_row["prompt_tokens"],
+                            static_row["prompt_seconds"])
+    chosen["over_static"] = {"static_nodes": static_nodes, **margin.record()}
+    chosen["static_faster"] = bool(margin.separated and margin.estimate < 1)
+    print(f"the dynamic tree ran {margin.estimate:.3f}x the static tree's speed ({static_nodes} nodes) "
+          f"{bounds_text(chosen['over_static'], '.3f')}: the decoder's default is the "
+          + ("static tree (faster beyond the noise)" if chosen["static_faster"] else "dynamic tree"))
+
+
 def timed_table(chosen: dict[str, Any]) -> dict[DynamicTree, dict[str, Any]]:
     """The timed table ``{shape: row}`` of a ``chosen`` record (:func:`tune_dynamic_tree`), as
     :func:`~medusa_train.tuning.timed.choose` takes it."""
     return {DynamicTree(row["depth"], row["topk"], row["total"]): row for row in chosen.get("timed", [])}
 
 
-__all__ = ["dynamic_shortlist", "time_dynamic_trees", "timed_table", "tune_dynamic_tree"]
+__all__ = ["dynamic_shortlist", "prefer_faster_kind", "time_dynamic_trees", "timed_table", "tune_dynamic_tree"]

@@ -21,7 +21,7 @@ from medusa_train.export.tree_files import (
     LATENCY_FILE,
     read_latency_profile,
 )
-from medusa_train.tuning.dynamic import tune_dynamic_tree
+from medusa_train.tuning.dynamic import prefer_faster_kind, tune_dynamic_tree
 from medusa_train.tuning.latency import check_profile_runtime, measure_verification_latency
 from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length, greedy_tree
 from medusa_train.tuning.timed import choose, describe_choice, shortlist, time_trees
@@ -92,6 +92,8 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
     dynamic = None
     if grid is not None:
         dynamic = tune_dynamic_tree(model, timed_prompts, *grid, max_new_tokens=cfg.timed_new_tokens)
+        if timed is not None:
+            prefer_faster_kind(dynamic, timed[len(choices) + 1], len(choices))
     expected = expected_accept_length(accuracy["acc"], choices)
     replayed = rates[len(choices) + 1]["replayed_tokens"]
     out = Path(cfg.export_dir)

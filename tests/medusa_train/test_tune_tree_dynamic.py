@@ -170,6 +170,7 @@ def test_the_decoder_built_from_the_export_decodes_over_its_tuned_dynamic_tree(e
     ({"topk": 98, "total": 7}, r"dynamic_tree\.topk = 98 exceeds the drafter's vocabulary of 97"),
     ({"tokens_per_s": -1.0}, r"tokens_per_s = -1\.0 must be a finite number > 0 or null"),
     ({"chosen": [1]}, r"chosen must be an object"),
+    ({"chosen": {"static_faster": "yes"}}, r"chosen\.static_faster must be true or false"),
 ])
 def test_a_bad_dynamic_tree_json_is_refused_naming_the_file_and_field(exports, fields, message):
     eagle3, _, _ = exports
@@ -210,3 +211,30 @@ def test_dynamic_tree_settings_are_refused_by_name_before_the_accuracy_pass(expo
         _tune(eagle3, prompts, "dynamic_totals=[]")
     with pytest.raises(AssertionError, match="head accuracy measured"):  # unused for Medusa heads
         _tune(medusa, prompts, "dynamic_depths=[]")
+
+
+def test_the_decoder_keeps_the_static_tree_when_it_decoded_faster_beyond_the_noise(exports):
+    eagle3, _, _ = exports
+    _write_shape(eagle3, chosen={"by": "timed", "static_faster": True})
+    decoder = TreeDecoder.from_pretrained(str(eagle3), dtype="float32")
+    assert decoder.dynamic_tree is None
+    _write_shape(eagle3, chosen={"by": "timed", "static_faster": False})
+    assert TreeDecoder.from_pretrained(str(eagle3), dtype="float32").dynamic_tree == DynamicTree(**SHAPE)
+
+
+def test_the_tuner_records_the_dynamic_tree_against_the_static_one_on_the_same_prompts(exports, capsys):
+    from inference.evaluation.intervals import ratio_interval
+    from medusa_train.tuning.dynamic import timed_table
+
+    eagle3, _, prompts = exports
+    result = _tune(eagle3, prompts, "dynamic_depths=[2,3]", "dynamic_topks=[2,4]", "timed_prompts=3")
+    written = json.loads((eagle3 / "dynamic_tree.json").read_text())
+    chosen, static = written["chosen"], result["chosen"]["timed"][str(len(result["medusa_choices"]) + 1)]
+    row = timed_table(chosen)[DynamicTree(written["depth"], written["topk"], written["total"])]
+    margin = ratio_interval(row["prompt_tokens"], row["prompt_seconds"], static["prompt_tokens"],
+                            static["prompt_seconds"])
+    assert chosen["over_static"] == {"static_nodes": len(result["medusa_choices"]), **margin.record()}
+    assert chosen["static_faster"] == (margin.separated and margin.estimate < 1)
+    assert "the dynamic tree ran" in capsys.readouterr().out
+    decoder = TreeDecoder.from_pretrained(str(eagle3), dtype="float32")
+    assert (decoder.dynamic_tree is None) == chosen["static_faster"]
