@@ -60,15 +60,16 @@ def additive_mask(past_valid: Tensor, new_mask: Tensor, dtype: torch.dtype) -> T
 
     Args:
         past_valid: bool ``[B, L]``, True at the cache slots each row may attend.
-        new_mask: bool ``[Q, Q]`` or ``[B, Q, Q]``, which new tokens each new token may attend (causal for a
-            prompt, ancestor-or-self for a tree).
+        new_mask: bool ``[Q, N]`` or ``[B, Q, N]``, which of the N keys written after the cache each new token may
+            attend (N = Q: causal for a prompt, ancestor-or-self for a tree; N > Q when earlier entries of the same
+            step precede the Q new ones, as a drafter's deeper tree levels).
         dtype: the attention dtype.
 
     Returns:
-        ``[B, 1, Q, L + Q]``: 0 where attention is allowed, ``finfo(dtype).min`` elsewhere.
+        ``[B, 1, Q, L + N]``: 0 where attention is allowed, ``finfo(dtype).min`` elsewhere.
     """
-    b, q = past_valid.shape[0], new_mask.shape[-1]
-    allowed = torch.cat([past_valid[:, None, :].expand(b, q, -1), new_mask.expand(b, q, q)], dim=-1)
+    b, q = past_valid.shape[0], new_mask.shape[-2]
+    allowed = torch.cat([past_valid[:, None, :].expand(b, q, -1), new_mask.expand(b, q, -1)], dim=-1)
     zero = torch.zeros((), dtype=dtype, device=past_valid.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min).unsqueeze(1)
 

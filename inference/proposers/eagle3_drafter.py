@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.decoders.batching import positions
+from inference.decoders.batching import additive_mask, positions
 from inference.dynamic_tree import DynamicTree, tree_of_paths
 from inference.kv_cache import preallocated_cache, select_rows, truncate
 from inference.proposers.tree_drafters import hydra_levels
@@ -252,9 +252,8 @@ class Eagle3TreeDrafter:
         causal = torch.ones(width, width, dtype=torch.bool, device=root.device).tril()
         eye = torch.eye(width, dtype=torch.bool, device=root.device)
         new = (causal[None] & p.valid[:, None, :]) | eye  # padding queries see themselves only
-        allowed = torch.cat([self.cache_valid[:, None, :].expand(batch, width, -1), new], dim=-1)
-        logits, out = self.heads(p.hidden, self.model.embed(following), p.position, self._additive(allowed),
-                                 self.cache)
+        mask = additive_mask(self.cache_valid, new, self.heads.dtype)
+        logits, out = self.heads(p.hidden, self.model.embed(following), p.position, mask, self.cache)
         self.cache_valid = torch.cat([self.cache_valid, p.valid], dim=1)
         self.pending = None
         return out[rows, p.last], logits[rows, p.last]
@@ -264,16 +263,9 @@ class Eagle3TreeDrafter:
         at position ``last + depth``, each attending to the committed slots and the drafted entries ``drafted``
         (bool ``[Q, E + Q]``) allows; appends Q entries. Returns ``(logits [B, Q, V'], out [B, Q, H])``."""
         batch, queries = tokens.shape
-        allowed = torch.cat([self.cache_valid[:, None, :].expand(batch, queries, -1),
-                             drafted[None].expand(batch, -1, -1)], dim=-1)
+        mask = additive_mask(self.cache_valid, drafted, self.heads.dtype)
         position = (self.last + depth)[:, None].expand(batch, queries)
-        return self.heads(hidden, self.model.embed(tokens), position, self._additive(allowed), self.cache)
-
-    def _additive(self, allowed: Tensor) -> Tensor:
-        """bool ``[B, Q, K]`` -> the additive mask ``[B, 1, Q, K]`` in the drafter's dtype."""
-        dtype = self.heads.dtype
-        return torch.where(allowed, torch.zeros((), dtype=dtype, device=allowed.device),
-                           torch.finfo(dtype).min).unsqueeze(1)
+        return self.heads(hidden, self.model.embed(tokens), position, mask, self.cache)
 
 
 __all__ = ["Eagle3TreeDrafter", "static_plan"]

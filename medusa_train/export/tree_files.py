@@ -59,6 +59,12 @@ def check_medusa_choices(choices: Any, path: Path, num_heads: int | None, head_v
         raise ValueError(f"{path}: {e} (run medusa-tune-tree again to rewrite it)") from e
 
 
+def _check_object(data: Any, path: Path, fix: str) -> None:
+    """``data`` (a tuned file's parsed JSON) is an object, else ``ValueError`` naming ``path`` and ``fix``."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}; {fix}")
+
+
 def check_head_accuracy(data: Any, path: Path, num_heads: int | None) -> None:
     """Check ``head_accuracy.json``: an object whose ``acc`` holds one non-empty list of accuracies in [0, 1] per
     head (``num_heads`` of them when given).
@@ -67,8 +73,7 @@ def check_head_accuracy(data: Any, path: Path, num_heads: int | None) -> None:
         ValueError: the file and the field named.
     """
     fix = "run medusa-tune-tree again to rewrite it"
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}; {fix}")
+    _check_object(data, path, fix)
     acc = data.get("acc")
     if not isinstance(acc, list) or not acc or not all(isinstance(row, list) and row for row in acc):
         raise ValueError(f"{path}: 'acc' must be a non-empty list of non-empty lists (acc[k][i]: head k's rank-i "
@@ -89,8 +94,7 @@ def check_latency_profile(data: Any, path: Path) -> dict[str, Any]:
         ValueError: the file and the field named.
     """
     fix = "run medusa-tune-tree again to measure it"
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}; {fix}")
+    _check_object(data, path, fix)
     missing = [k for k in ("latency_ms", "device", "dtype") if k not in data]
     if missing:
         raise ValueError(f"{path} has no {missing}; {fix}")
@@ -121,8 +125,7 @@ def check_dynamic_tree(data: Any, path: Path, head_vocab: int | None) -> dict[st
     from inference.dynamic_tree import DynamicTree
 
     fix = "run medusa-tune-tree again to rewrite it"
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}; {fix}")
+    _check_object(data, path, fix)
     missing = [k for k in ("depth", "topk", "total", "tokens_per_s", "mean_accepted_tokens", "chosen")
                if k not in data]
     if missing:
