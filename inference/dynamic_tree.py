@@ -20,6 +20,8 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from inference.tree import Path, TreeBuffers, build_tree_buffers
 
 
@@ -89,13 +91,21 @@ def dynamic_tree(value: DynamicTree | dict | tuple | list | None) -> DynamicTree
 
 
 @functools.lru_cache(maxsize=512)
-def _buffers(paths: tuple[Path, ...], depth: int, topk: int, device: str) -> TreeBuffers:
-    return build_tree_buffers([list(p) for p in paths], depth, topk, device=device)
+def _buffers(paths: tuple[Path, ...], device: str) -> TreeBuffers:
+    depth = max(len(p) for p in paths)
+    return build_tree_buffers([list(p) for p in paths], depth, 1 + max(max(p) for p in paths), device=device)
 
 
-def tree_of_paths(paths: tuple[Path, ...], shape: DynamicTree, device: str) -> TreeBuffers:
-    """The :class:`TreeBuffers` of a prefix-closed set of rank paths (built once per distinct set and device)."""
-    return _buffers(tuple(sorted(paths, key=lambda p: (len(p), p))), shape.depth, shape.topk, str(device))
+def tree_of_paths(paths: tuple[Path, ...], device: str | torch.device) -> TreeBuffers:
+    """The :class:`TreeBuffers` of a non-empty, prefix-closed set of rank paths (built once per distinct set and
+    device; validated against their own depth and largest rank: ``num_heads`` and ``topk`` of the buffers).
+
+    Raises:
+        ValueError: an empty or not prefix-closed set (:func:`inference.tree.validate_medusa_choices`).
+    """
+    if not paths:
+        raise ValueError("tree_of_paths: a tree needs at least one node below the root")
+    return _buffers(tuple(sorted(paths, key=lambda p: (len(p), p))), str(device))
 
 
 __all__ = ["DynamicTree", "dynamic_tree", "tree_of_paths"]

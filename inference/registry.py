@@ -4,7 +4,7 @@ Adding a decoder is one :class:`DecoderEntry` in :data:`REGISTRY`: its settings 
 missing required settings) by :func:`decoder_settings` before any model is loaded, and :func:`build_decoder` turns
 them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model.
 
-Names: ``vanilla``, ``medusa``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the real engine
+Names: ``vanilla``, ``medusa``, ``composite``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the real engine
 ``vllm`` / ``vllm_medusa`` / ``vllm_eagle3``. The vLLM decoders run in vLLM's own environment (``bash
 launch/install_vllm.sh``) and only when listed in ``decoders``: they are left out of the default list.
 """
@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from inference.decoders.base import DecodeConfig, Decoder
 from inference.decoders.medusa import ACCEPTANCE, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, check_acceptance
+from inference.proposers.prompt_lookup import LOOKUP_LENGTH, MAX_MATCHING_NGRAM_SIZE
 from inference.tree import TOPK
 from inference.draft_loading import DraftConfig
 from medusa_train.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
@@ -113,6 +114,41 @@ class MedusaSettings:
 
 
 @dataclass
+class CompositeSettings(MedusaSettings):
+    """The composite tree decoder (:class:`~inference.decoders.medusa.TreeDecoder` with ``composite``): every step's
+    tree merges the export's heads' candidates with prompt lookup's drafts of the prompt and the reply so far, within
+    a node budget, verified in one pass (:mod:`inference.proposers.composite`). The fields of
+    :class:`MedusaSettings` (the heads' tree: ``medusa_choices`` None takes ``composite_tree.json``'s, the heads'
+    best tree of the whole budget), and the budget split; each None takes the export's ``composite_tree.json``
+    (``medusa-tune-tree``), else the default:
+
+    Attributes:
+        nodes: the node budget of a step (root excluded); default: the heads' tree's nodes plus the lookup drafts'.
+        lookup_length: tokens per lookup draft; default transformers' 10.
+        lookup_matches: distinct lookup drafts per step; default 1.
+        max_matching_ngram_size: the longest n-gram matched; default transformers' 2.
+    """
+
+    nodes: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT, hint="the node budget of a step"))
+    lookup_length: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT,
+                                                                      hint="tokens per lookup draft"))
+    lookup_matches: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT,
+                                                                       hint="lookup drafts per step"))
+    max_matching_ngram_size: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
+
+    def validate(self) -> None:
+        from inference.proposers.composite import CompositeTree, LOOKUP_MATCHES
+        from inference.proposers.prompt_lookup import LOOKUP_LENGTH
+
+        super().validate()
+        if self.nodes is not None:  # the rest is checked once the export's split is read
+            try:
+                CompositeTree(self.nodes, self.lookup_length or LOOKUP_LENGTH, self.lookup_matches or LOOKUP_MATCHES)
+            except ValueError as e:
+                raise ValueError(str(e).replace("composite.", "decoder.composite.")) from None
+
+
+@dataclass
 class DraftSettings(DraftConfig):
     """Speculative decoding with a draft model (:class:`~inference.decoders.draft.DraftDecoder`); the fields of
     :class:`inference.draft_loading.DraftConfig`: ``kind`` (``self_layers``: the target's first ``num_layers``
@@ -160,8 +196,8 @@ class HfPromptLookupSettings:
         max_matching_ngram_size: longest n-gram matched against the prompt.
     """
 
-    num_draft_tokens: int = field(default=10, metadata=bound(1, cap=MAX_COUNT))
-    max_matching_ngram_size: int = field(default=2, metadata=bound(1, cap=MAX_COUNT))
+    num_draft_tokens: int = field(default=LOOKUP_LENGTH, metadata=bound(1, cap=MAX_COUNT))
+    max_matching_ngram_size: int = field(default=MAX_MATCHING_NGRAM_SIZE, metadata=bound(1, cap=MAX_COUNT))
 
     def validate(self) -> None:
         return None
@@ -226,8 +262,10 @@ def _greedy_only(name: str) -> Callable[[Any, DecodeConfig], None]:
     return check
 
 
-def _check_medusa_request(settings: MedusaSettings, request: DecodeConfig) -> None:
-    check_acceptance(settings.acceptance, request, "decoder.medusa.acceptance")
+def _check_tree_request(name: str) -> Callable[[MedusaSettings, DecodeConfig], None]:
+    def check(settings: MedusaSettings, request: DecodeConfig) -> None:
+        check_acceptance(settings.acceptance, request, f"decoder.{name}.acceptance")
+    return check
 
 
 def _check_vllm_request(settings: VllmSettings, request: DecodeConfig) -> None:
@@ -249,11 +287,10 @@ def _build_vanilla(settings: VanillaSettings, ctx: BuildContext) -> BuiltDecoder
 
 
 def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
-    from inference.decoders.choices import resolve_dynamic_tree, resolve_medusa_choices
+    from inference.decoders.choices import resolve_dynamic_tree
     from inference.decoders.medusa import TreeDecoder
-    from medusa_train.export.tree_files import CHOICES_FILE, DYNAMIC_TREE_FILE, read_tree_files
+    from medusa_train.export.tree_files import DYNAMIC_TREE_FILE, read_tree_files
 
-    spec = ctx.model.heads.spec
     shape, source = resolve_dynamic_tree(settings.dynamic_tree, settings.medusa_choices, ctx.export_dir, ctx.model,
                                          "decoder.medusa.dynamic_tree")
     if shape is not None:
@@ -265,20 +302,57 @@ def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
         return BuiltDecoder(decoder, {"head_type": ctx.model.head_type, "tree_source": source,
                                       "dynamic_tree": decoder.dynamic_tree.as_dict(),
                                       "tree_nodes": decoder.dynamic_tree.num_nodes})
-    choices = resolve_medusa_choices(settings.medusa_choices, ctx.export_dir, spec.num_heads, settings.topk)
-    tuned = read_tree_files(ctx.export_dir)
-    if settings.medusa_choices is not None:
-        source = "decoder.medusa.medusa_choices"
-    elif "medusa_choices" in tuned:
-        source = "export medusa_choices.json"
-        _check_tuned_for(tuned.get("latency_profile"), ctx, CHOICES_FILE)
-    else:
-        source = "default tree (mc_sim_7b_63 cut to the heads and topk)"
+    choices, source = _static_tree(settings, ctx, settings.medusa_choices, "decoder.medusa.medusa_choices")
     decoder = TreeDecoder(ctx.model, choices, topk=settings.topk, acceptance=settings.acceptance,
-                            posterior_threshold=settings.posterior_threshold,
-                            posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer)
+                          posterior_threshold=settings.posterior_threshold,
+                          posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer)
     return BuiltDecoder(decoder, {"head_type": ctx.model.head_type, "medusa_choices": [list(p) for p in choices],
                                   "tree_source": source, "tree_nodes": len(choices) + 1})
+
+
+def _static_tree(settings: MedusaSettings, ctx: BuildContext, choices: Any, key: str) -> tuple[list, str]:
+    """The static tree a tree decoder takes and where it came from: ``choices`` (the setting ``key``), else the
+    export's ``medusa_choices.json`` (warned when tuned on other latency), else Medusa's default tree."""
+    from inference.decoders.choices import resolve_medusa_choices
+    from medusa_train.export.tree_files import CHOICES_FILE, read_tree_files
+
+    resolved = resolve_medusa_choices(choices, ctx.export_dir, ctx.model.heads.spec.num_heads, settings.topk)
+    tuned = read_tree_files(ctx.export_dir)
+    if choices is not None:
+        return resolved, key
+    if "medusa_choices" in tuned:
+        _check_tuned_for(tuned.get("latency_profile"), ctx, CHOICES_FILE)
+        return resolved, "export medusa_choices.json"
+    return resolved, "default tree (mc_sim_7b_63 cut to the heads and topk)"
+
+
+def _build_composite(settings: CompositeSettings, ctx: BuildContext) -> BuiltDecoder:
+    from inference.decoders.choices import resolve_composite
+    from inference.decoders.medusa import TreeDecoder
+    from inference.dynamic_tree import dynamic_tree
+    from medusa_train.export.tree_files import COMPOSITE_FILE, read_tree_files
+
+    tuned = read_tree_files(ctx.export_dir, head_vocab=ctx.model.heads.spec.out_size).get("composite_tree")
+    if tuned is not None and settings.medusa_choices is None and settings.dynamic_tree is None:
+        _check_tuned_for(read_tree_files(ctx.export_dir).get("latency_profile"), ctx, COMPOSITE_FILE)
+        choices, tree_source = tuned["medusa_choices"], f"export {COMPOSITE_FILE}"
+    elif settings.dynamic_tree is not None:
+        choices, tree_source = None, "decoder.composite.dynamic_tree"
+    else:
+        choices, tree_source = _static_tree(settings, ctx, settings.medusa_choices, "decoder.composite.medusa_choices")
+    heads_nodes = dynamic_tree(settings.dynamic_tree).total if choices is None else len(choices)
+    composite, source = resolve_composite(settings, tuned, heads_nodes)
+    topk = max(settings.topk, 1 + max(max(p) for p in choices)) if choices is not None else settings.topk
+    decoder = TreeDecoder(ctx.model, choices, topk=min(topk, ctx.model.heads.spec.out_size),
+                          acceptance=settings.acceptance, posterior_threshold=settings.posterior_threshold,
+                          posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer,
+                          dynamic_tree=settings.dynamic_tree, composite=composite)
+    decoder.name = "composite"
+    info = {"head_type": ctx.model.head_type, "tree_source": tree_source, "composite": composite.as_dict(),
+            "composite_source": source, "tree_nodes": composite.nodes + 1}
+    if choices is not None:
+        info["medusa_choices"] = [list(p) for p in choices]
+    return BuiltDecoder(decoder, info)
 
 
 def _check_tuned_for(profile: Optional[dict[str, Any]], ctx: BuildContext, tuned_file: str) -> None:
@@ -452,7 +526,10 @@ for _entry in (
     DecoderEntry("vanilla", VanillaSettings, _build_vanilla, "plain decoding, one target pass per token"),
     DecoderEntry("medusa", MedusaSettings, _build_medusa,
                  "the export's heads (Medusa or Hydra) draft a tree, one target pass verifies it",
-                 _check_medusa_request, uses_heads=True),
+                 _check_tree_request("medusa"), uses_heads=True),
+    DecoderEntry("composite", CompositeSettings, _build_composite,
+                 "the export's heads' candidates and prompt lookup's in one tree, one target pass verifies it",
+                 _check_tree_request("composite"), uses_heads=True),
     DecoderEntry("draft", DraftSettings, _build_draft, "a draft model proposes K tokens, one target pass verifies"),
     DecoderEntry("lookahead", LookaheadSettings, _build_lookahead, "Jacobi n-gram pool, no draft model (greedy)",
                  _greedy_only("lookahead")),

@@ -1,5 +1,6 @@
-"""Which tree a tree decoder uses: the setting, else the export's tuned ``medusa_choices.json``, else a default; and
-for drafters that grow an EAGLE-2 dynamic tree, whether it grows one (:func:`resolve_dynamic_tree`)."""
+"""Which tree a tree decoder uses: the setting, else the export's tuned ``medusa_choices.json``, else a default; for
+drafters that grow an EAGLE-2 dynamic tree, whether it grows one (:func:`resolve_dynamic_tree`); and the composite
+tree's budget split (:func:`resolve_composite`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from inference.tree import default_medusa_choices
-from medusa_train.export.tree_files import DYNAMIC_TREE_FILE, read_tree_files
+from medusa_train.export.tree_files import COMPOSITE_FILE, DYNAMIC_TREE_FILE, read_tree_files
 from medusa_train.text_files import read_text
 
 
@@ -80,3 +81,44 @@ def resolve_dynamic_tree(setting: Any, medusa_choices: Any, export_dir: str, mod
     if tuned is None or not grows_dynamic_trees(model) or tuned["chosen"].get("static_faster", False):
         return None, None  # no tuned dynamic tree, or the static tree decoded faster beyond the noise
     return {key: tuned[key] for key in ("depth", "topk", "total")}, f"export {DYNAMIC_TREE_FILE}"
+
+
+def resolve_composite(settings: Any, tuned: dict[str, Any] | None, heads_nodes: int) -> tuple[Any, str]:
+    """The composite tree's budget split: each of ``settings``' fields (``nodes``, ``lookup_length``,
+    ``lookup_matches``, ``max_matching_ngram_size``) as set, else the export's ``composite_tree.json`` (``tuned``),
+    else the default (transformers' prompt lookup: 10 tokens, n-grams up to 2; one match; ``nodes`` the heads'
+    ``heads_nodes`` plus the lookup drafts').
+
+    Returns:
+        ``(composite, source)``: a :class:`~inference.proposers.composite.CompositeTree` and where its fields came
+        from (``settings``, ``export composite_tree.json``, ``default``, joined by ``+`` when mixed).
+
+    Raises:
+        ValueError: a split that is not valid (``decoder.composite.<field>`` named, e.g. ``nodes`` below the lookup
+            drafts' tokens).
+    """
+    from inference.proposers.composite import KEYS, LOOKUP_MATCHES, CompositeTree
+    from inference.proposers.prompt_lookup import LOOKUP_LENGTH, MAX_MATCHING_NGRAM_SIZE
+
+    defaults = {"lookup_length": LOOKUP_LENGTH, "lookup_matches": LOOKUP_MATCHES,
+                "max_matching_ngram_size": MAX_MATCHING_NGRAM_SIZE}
+    values, sources = {}, []
+    for key in KEYS:
+        if getattr(settings, key) is not None:
+            values[key], where = getattr(settings, key), "settings"
+        elif tuned is not None:
+            values[key], where = tuned[key], f"export {COMPOSITE_FILE}"
+        elif key != "nodes":
+            values[key], where = defaults[key], "default"
+        else:
+            continue
+        if where not in sources:
+            sources.append(where)
+    if "nodes" not in values:
+        values["nodes"] = heads_nodes + values["lookup_length"] * values["lookup_matches"]
+        if "default" not in sources:
+            sources.append("default")
+    try:
+        return CompositeTree(**values), "+".join(sources)
+    except ValueError as e:
+        raise ValueError(str(e).replace("composite.", "decoder.composite.")) from None

@@ -70,6 +70,8 @@ from inference.decoders.batching import Replies, additive_mask, left_pad, positi
 from inference.decoders.timing import StepTimes
 from inference.kv_cache import check_compactable, compact, preallocated_cache, select_rows, truncate
 from inference.dynamic_tree import DynamicTree, dynamic_tree as to_dynamic_tree
+from inference.proposers.composite import CompositeShape, CompositeTree, CompositeTreeDrafter, priority_order
+from inference.proposers.composite import composite_tree as to_composite_tree
 from inference.proposers.tree_drafters import DynamicTreeDrafter, TreeDrafter, tree_drafter
 from medusa_train.features import FINAL
 from inference.sampling import greedy_tokens, logits_to_probs
@@ -234,7 +236,7 @@ def tree_pass(model: Any, cache: DynamicCache, tree: TreeBuffers, node_tokens: T
 def tree_step(
     model: Any,
     cache: DynamicCache,
-    tree: TreeBuffers | DynamicTree,
+    tree: TreeBuffers | DynamicTree | CompositeShape,
     drafter: TreeDrafter,
     root: Tensor,
     past_valid: Tensor,
@@ -254,8 +256,10 @@ def tree_step(
         cache: KV cache of L slots (``L = past_valid.shape[1]``), compactable (:func:`inference.kv_cache.
             check_compactable`); updated in place.
         tree: buffers on the model's device (:func:`medusa_tree`: built for the D heads it reads, ``tree.num_heads``);
-            or a :class:`~inference.dynamic_tree.DynamicTree`: the drafter grows this step's tree
-            (``drafter.draft_dynamic``, :class:`~inference.proposers.tree_drafters.DynamicTreeDrafter`).
+            or the shape of a tree the drafter grows this step (``drafter.draft_dynamic``,
+            :class:`~inference.proposers.tree_drafters.DynamicTreeDrafter`): a
+            :class:`~inference.dynamic_tree.DynamicTree`, or a :class:`~inference.proposers.composite.CompositeShape`
+            (the drafter's candidates and prompt lookup's in one tree).
         drafter: fills the tree; started on this request (``drafter.start``) and given every earlier step's
             accepted path.
         root: long ``[B]``, each row's token after its committed sequence (already emitted, not yet in the cache).
@@ -272,7 +276,7 @@ def tree_step(
     batch, past_length = past_valid.shape
     rows = torch.arange(batch, device=root.device)
     # (a) candidates: the token of every tree node [B, N], base ids, root first.
-    if isinstance(tree, DynamicTree):
+    if not isinstance(tree, TreeBuffers):  # the drafter grows this step's tree
         node_tokens, tree = drafter.draft_dynamic(root, tree)
         verify = verify(tree)
     else:
@@ -328,6 +332,11 @@ class TreeDecoder:
             (:class:`~inference.dynamic_tree.DynamicTree`, or ``(depth, topk, total)``, or a mapping of them), for
             drafters that grow one (:class:`~inference.proposers.tree_drafters.DynamicTreeDrafter`: EAGLE-3);
             ``medusa_choices`` and ``topk`` are then not used (``medusa_choices`` may be None).
+        composite: None, or a :class:`~inference.proposers.composite.CompositeTree` (or a mapping of its fields):
+            every step's tree merges the drafter's candidates (over ``medusa_choices`` or ``dynamic_tree``) with
+            prompt lookup's drafts of the prompt and the reply so far, within its node budget
+            (:mod:`inference.proposers.composite`); the drafter is then a
+            :class:`~inference.proposers.composite.CompositeTreeDrafter` around the model's.
 
     Attributes:
         drafter: the :class:`~inference.proposers.tree_drafters.TreeDrafter` every request starts
@@ -336,7 +345,9 @@ class TreeDecoder:
 
     Raises:
         ValueError: an invalid tree (the message names the path), ``topk`` above the heads' vocabulary, an
-            unknown acceptance rule, an invalid ``dynamic_tree`` (its field named) or one the drafter cannot grow.
+            unknown acceptance rule, an invalid ``dynamic_tree`` (its field named) or one the drafter cannot grow, an
+            invalid ``composite`` (``composite.<field>`` named: e.g. a lookup length of 0, or a node budget below
+            the lookup drafts).
         NotImplementedError: an attention backend or layer layout that cannot take a custom 4-D mask.
     """
 
@@ -352,6 +363,7 @@ class TreeDecoder:
         posterior_alpha: float = POSTERIOR_ALPHA,
         tokenizer: Any = None,
         dynamic_tree: DynamicTree | Sequence[int] | dict | None = None,
+        composite: CompositeTree | dict | None = None,
     ) -> None:
         for attr in ("hidden", "head_logits", "heads", "base"):
             if not hasattr(model, attr):
@@ -382,6 +394,11 @@ class TreeDecoder:
                 raise ValueError(f"dynamic_tree.topk must be at most {spec.out_size} (the drafter's vocabulary), "
                                  f"got {self.dynamic_tree.topk}")
             self.tree = self.dynamic_tree
+        self.composite = to_composite_tree(composite)
+        if self.composite is not None:
+            order = () if self.dynamic_tree is not None else priority_order(medusa_choices, self.tree)
+            self.drafter = CompositeTreeDrafter(self.drafter, self.composite.max_matching_ngram_size)
+            self.tree = CompositeShape(self.composite, self.tree, order)
         self.acceptance = acceptance
         self.posterior_threshold = posterior_threshold
         self.posterior_alpha = posterior_alpha
@@ -440,7 +457,7 @@ class TreeDecoder:
                           "the sliding window (the tree's depth is reserved)", reserve=tree.max_depth)
         replies = Replies(len(prompts), config, self.tokenizer, streamer)
         generator = None if config.greedy else make_generator(config, self.device)
-        if isinstance(tree, DynamicTree):
+        if not isinstance(tree, TreeBuffers):  # a tree per step
             check_acceptance(self.acceptance, config)
 
             def verify(step_tree: TreeBuffers) -> Verifier:

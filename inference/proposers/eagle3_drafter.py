@@ -212,7 +212,7 @@ class Eagle3TreeDrafter:
         for node in sorted(order):
             parent = parent_of[node]
             path_of[node] = (path_of[parent] if parent >= 0 else ()) + (rank_of[node],)
-        tree = tree_of_paths(tuple(path_of.values()), shape, device)
+        tree = tree_of_paths(tuple(path_of.values()), device)
         node_of = {path: node for node, path in path_of.items()}
         index = torch.tensor([node_of[p] for p in tree.paths], dtype=torch.long, device=device)
         tokens = torch.cat([root[:, None], self.heads.to_base_tokens(torch.cat(drafts, dim=1)[:, index])], dim=1)

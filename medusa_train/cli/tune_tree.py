@@ -73,6 +73,8 @@ def _run(tc: TuneTreeConfig) -> dict:
     print(json.dumps(result["medusa_choices"]))
     if result["dynamic_tree"] is not None:
         print_dynamic_tree(result["dynamic_tree"], tc.export_dir)
+    if result["composite_tree"] is not None:
+        print_composite_tree(result["composite_tree"], tc.export_dir)
     return result
 
 
@@ -98,6 +100,31 @@ def print_dynamic_tree(dynamic: dict, export_dir: str) -> None:
         print(f"dynamic tree: {shape(dynamic)}, the reference, not decoded (timed_prompts=0)")
     print(f"written to {export_dir}/dynamic_tree.json: the decoder's default for this drafter "
           "(decoder.medusa.dynamic_tree or medusa_choices overrides it)")
+
+
+def print_composite_tree(composite: dict, export_dir: str) -> None:
+    """The composite tree's timed splits and choice (:func:`medusa_train.tuning.composite.tune_composite`)."""
+    from medusa_train.tuning.timed import describe_choice
+
+    def split(d: dict) -> str:
+        return (f"{d['heads_nodes']} heads' nodes + {d['lookup_matches']} x {d['lookup_length']} lookup tokens "
+                f"({d['nodes']} nodes)")
+
+    chosen = composite["chosen"]
+    if chosen["by"] == "timed":
+        print(f"decoding {chosen['timed_prompts']} tuning prompts x {chosen['timed_new_tokens']} tokens with each "
+              "composite tree (heads' candidates and prompt lookup's in one tree):")
+        print("  heads  lookup  matches  nodes  tokens/s   tau  ms a step")
+        for row in chosen["timed"]:
+            reference = "  (reference)" if split(row) == split(chosen["reference"]) else ""
+            print(f"  {row['heads_nodes']:>5d}  {row['lookup_length']:>6d}  {row['lookup_matches']:>7d}  "
+                  f"{row['nodes']:>5d}  {row['tokens_per_s']:8.2f}  {row['mean_accepted_tokens']:4.2f}  "
+                  f"{row['step_ms']:9.1f}{reference}")
+        print(f"kept {split(composite)} (the reference: {split(chosen['reference'])}; "
+              f"{describe_choice(chosen.get('margin'), 'reference', 'reference')})")
+    else:
+        print(f"composite tree: {split(composite)}, the reference, not decoded (timed_prompts=0)")
+    print(f"written to {export_dir}/composite_tree.json: medusa-eval's composite decoder reads it")
 
 
 @hydra_app("tune_tree", example='medusa-tune-tree export_dir=runs/stories/export',

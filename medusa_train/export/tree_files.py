@@ -11,6 +11,10 @@ profile reused by another export's tuning run).
 - ``dynamic_tree.json`` (drafters that grow an EAGLE-2 dynamic tree, :mod:`inference.dynamic_tree`): the shape
   ``depth``, ``topk``, ``total`` chosen by decoding, its ``tokens_per_s`` and ``mean_accepted_tokens`` on the tuning
   prompts (null when it was not decoded), and ``chosen`` (how: :mod:`medusa_train.tuning.dynamic`).
+- ``composite_tree.json``: the composite tree's budget split (``nodes``, ``lookup_length``, ``lookup_matches``,
+  ``max_matching_ngram_size``, :class:`inference.proposers.composite.CompositeTree`), the heads' nodes beside the
+  lookup (``heads_nodes``), the heads' tree of the whole budget best node first (``medusa_choices``), its speed and
+  τ on the tuning prompts (null when not decoded) and ``chosen`` (:mod:`medusa_train.tuning.composite`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ CHOICES_FILE = "medusa_choices.json"
 ACCURACY_FILE = "head_accuracy.json"
 LATENCY_FILE = "latency_profile.json"
 DYNAMIC_TREE_FILE = "dynamic_tree.json"
+COMPOSITE_FILE = "composite_tree.json"
 TREE_FILES = {"medusa_choices": CHOICES_FILE, "head_accuracy": ACCURACY_FILE, "latency_profile": LATENCY_FILE,
-              "dynamic_tree": DYNAMIC_TREE_FILE}
+              "dynamic_tree": DYNAMIC_TREE_FILE, "composite_tree": COMPOSITE_FILE}
 _UNBOUNDED = 1 << 62  # no bound on ranks when the heads' vocabulary is not known
 
 
@@ -113,6 +118,18 @@ def check_latency_profile(data: Any, path: Path) -> dict[str, Any]:
     return {**data, "latency_ms": out}
 
 
+def _check_timed(data: dict[str, Any], path: Path, fix: str) -> None:
+    """A decoded choice's ``tokens_per_s`` and ``mean_accepted_tokens`` (finite numbers > 0, or null when nothing
+    was decoded) and its ``chosen`` record (an object), else ``ValueError`` naming ``path``, the field and ``fix``."""
+    for key in ("tokens_per_s", "mean_accepted_tokens"):
+        value = data[key]
+        if value is not None and (not _number(value) or value <= 0):
+            raise ValueError(f"{path}: {key} = {value!r} must be a finite number > 0 or null; {fix}")
+    if not isinstance(data["chosen"], dict):
+        raise ValueError(f"{path}: chosen must be an object (how it was chosen), got "
+                         f"{str(data['chosen'])[:80]}; {fix}")
+
+
 def check_dynamic_tree(data: Any, path: Path, head_vocab: int | None) -> dict[str, Any]:
     """Check ``dynamic_tree.json`` and return it: an object whose ``depth``, ``topk`` and ``total`` make a valid
     :class:`~inference.dynamic_tree.DynamicTree` with ``topk`` at most ``head_vocab`` (the drafter's vocabulary;
@@ -137,23 +154,43 @@ def check_dynamic_tree(data: Any, path: Path, head_vocab: int | None) -> dict[st
     if head_vocab is not None and data["topk"] > head_vocab:
         raise ValueError(f"{path}: dynamic_tree.topk = {data['topk']} exceeds the drafter's vocabulary of "
                          f"{head_vocab}; {fix}")
-    for key in ("tokens_per_s", "mean_accepted_tokens"):
-        value = data[key]
-        if value is not None and (not _number(value) or value <= 0):
-            raise ValueError(f"{path}: {key} = {value!r} must be a finite number > 0 or null; {fix}")
-    if not isinstance(data["chosen"], dict):
-        raise ValueError(f"{path}: chosen must be an object (how the shape was chosen), got "
-                         f"{str(data['chosen'])[:80]}; {fix}")
+    _check_timed(data, path, fix)
     if not isinstance(data["chosen"].get("static_faster", False), bool):
         raise ValueError(f"{path}: chosen.static_faster must be true or false (the static tree decoded faster "
                          f"beyond the noise), got {data['chosen']['static_faster']!r}; {fix}")
     return data
 
 
+def check_composite_tree(data: Any, path: Path, num_heads: int | None, head_vocab: int | None) -> dict[str, Any]:
+    """Check ``composite_tree.json`` and return it: an object whose split makes a valid
+    :class:`~inference.proposers.composite.CompositeTree`, whose ``medusa_choices`` is a valid tree for the heads
+    (:func:`check_medusa_choices`), with ``tokens_per_s``, ``mean_accepted_tokens`` and ``chosen`` as
+    ``dynamic_tree.json``'s.
+
+    Raises:
+        ValueError: the file and the field named.
+    """
+    from inference.proposers.composite import KEYS, CompositeTree
+
+    fix = "run medusa-tune-tree again to rewrite it"
+    _check_object(data, path, fix)
+    missing = [k for k in (*KEYS, "medusa_choices", "tokens_per_s", "mean_accepted_tokens", "chosen")
+               if k not in data]
+    if missing:
+        raise ValueError(f"{path} has no {missing}; {fix}")
+    try:
+        CompositeTree(**{key: data[key] for key in KEYS})
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}; {fix}") from e
+    check_medusa_choices(data["medusa_choices"], path, num_heads, head_vocab)
+    _check_timed(data, path, fix)
+    return data
+
+
 def read_tree_files(export_dir: str | Path, num_heads: int | None = None,
                     head_vocab: int | None = None) -> dict[str, Any]:
     """The tuned files of an export that exist, checked: ``{"medusa_choices": [[int]], "head_accuracy": {...},
-    "latency_profile": {...}, "dynamic_tree": {...}}`` (keys of :data:`TREE_FILES`; a missing file is a missing
+    "latency_profile": {...}, "dynamic_tree": {...}, "composite_tree": {...}}`` (keys of :data:`TREE_FILES`; a missing file is a missing
     key), each as written.
 
     Args:
@@ -164,7 +201,7 @@ def read_tree_files(export_dir: str | Path, num_heads: int | None = None,
     Raises:
         ValueError: a file that is not UTF-8, not valid JSON, or not of its shape (the file and the field named;
             :func:`check_medusa_choices`, :func:`check_head_accuracy`, :func:`check_latency_profile`,
-            :func:`check_dynamic_tree`).
+            :func:`check_dynamic_tree`, :func:`check_composite_tree`).
     """
     out: dict[str, Any] = {}
     for key, name in TREE_FILES.items():
@@ -179,6 +216,8 @@ def read_tree_files(export_dir: str | Path, num_heads: int | None = None,
         check_latency_profile(out["latency_profile"], Path(export_dir) / LATENCY_FILE)
     if "dynamic_tree" in out:
         check_dynamic_tree(out["dynamic_tree"], Path(export_dir) / DYNAMIC_TREE_FILE, head_vocab)
+    if "composite_tree" in out:
+        check_composite_tree(out["composite_tree"], Path(export_dir) / COMPOSITE_FILE, num_heads, head_vocab)
     return out
 
 

@@ -17,10 +17,12 @@ from inference.proposers.tree_drafters import grows_dynamic_trees
 from medusa_train.export.tree_files import (
     ACCURACY_FILE,
     CHOICES_FILE,
+    COMPOSITE_FILE,
     DYNAMIC_TREE_FILE,
     LATENCY_FILE,
     read_latency_profile,
 )
+from medusa_train.tuning.composite import composite_shortlist, tune_composite
 from medusa_train.tuning.dynamic import prefer_faster_kind, tune_dynamic_tree
 from medusa_train.tuning.latency import check_profile_runtime, measure_verification_latency
 from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length, greedy_tree
@@ -30,7 +32,8 @@ log = logging.getLogger(__name__)
 
 def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: TuneTreeConfig,
               runtime: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Measure, search, and write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json``, and for
+    """Measure, search, and write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json``,
+    ``composite_tree.json`` (unless ``composite=false``), and for
     drafters that grow an EAGLE-2 dynamic tree (:func:`~inference.proposers.tree_drafters.grows_dynamic_trees`)
     ``dynamic_tree.json``: its shape chosen by decoding (:mod:`medusa_train.tuning.dynamic`; no accuracy table
     needed).
@@ -43,14 +46,17 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
 
     Returns:
         ``{"medusa_choices", "expected_accept_length", "replayed_accept_length", "head_accuracy",
-        "latency_profile", "rates", "chosen", "dynamic_tree"}``: the two τ predictions of the chosen tree, by the
+        "latency_profile", "rates", "chosen", "dynamic_tree", "composite_tree"}``: the two τ predictions of the chosen tree, by the
         formula (:func:`~medusa_train.tuning.search.expected_accept_length`) and replayed on the tuning prompts
         (:func:`~medusa_train.tuning.replay.replayed_accept_length`, what the decoder measures on them); ``chosen``:
         how the size was chosen (``by``: ``timed``, the shortlist decoded on ``timed_prompts`` tuning prompts and
         the fastest kept when it beats the predicted best beyond the noise, ``margin`` its speed over the predicted
         best's with the interval, :func:`medusa_train.tuning.timed.choose`; or ``predicted``), the predicted best's
         nodes, and the timing (also in ``latency_profile.json``); ``dynamic_tree``: what ``dynamic_tree.json``
-        holds (:func:`~medusa_train.tuning.dynamic.tune_dynamic_tree`), None for drafters of static trees only.
+        holds (:func:`~medusa_train.tuning.dynamic.tune_dynamic_tree`), None for drafters of static trees only;
+        ``composite_tree``: what ``composite_tree.json`` holds (:func:`~medusa_train.tuning.composite.tune_composite`:
+        the heads' candidates and prompt lookup's in one tree, the budget split chosen by decoding), None with
+        ``composite=false``.
     """
     cfg.validate()
     cfg.check_context(max_positions(model.base.config))  # before the accuracy pass, not after it
@@ -94,6 +100,12 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
         dynamic = tune_dynamic_tree(model, timed_prompts, *grid, max_new_tokens=cfg.timed_new_tokens)
         if timed is not None:
             prefer_faster_kind(dynamic, timed[len(choices) + 1], len(choices))
+    composite = None
+    if cfg.composite:
+        reference, splits = composite_shortlist(len(choices), cfg.composite_heads, cfg.composite_lengths,
+                                                cfg.composite_matches, cfg.max_nodes)
+        composite = tune_composite(model, timed_prompts, accuracy["acc"], reference, splits,
+                                   max_new_tokens=cfg.timed_new_tokens, topk=cfg.topk)
     expected = expected_accept_length(accuracy["acc"], choices)
     replayed = rates[len(choices) + 1]["replayed_tokens"]
     out = Path(cfg.export_dir)
@@ -112,9 +124,11 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
     write_json(out / CHOICES_FILE, choices)
     if dynamic is not None:
         write_json(out / DYNAMIC_TREE_FILE, dynamic)
+    if composite is not None:
+        write_json(out / COMPOSITE_FILE, composite)
     log.info("tree of %d nodes, mean accepted tokens: %.3f replayed on the prompts' continuations, %.3f by the "
              "independent-heads formula", len(choices), replayed, expected)
     return {"medusa_choices": choices, "expected_accept_length": expected, "replayed_accept_length": replayed,
             "head_accuracy": accuracy, "latency_profile": latency, "rates": rates, "chosen": chosen,
-            "dynamic_tree": dynamic}
+            "dynamic_tree": dynamic, "composite_tree": composite}
 

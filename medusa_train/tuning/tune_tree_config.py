@@ -76,6 +76,13 @@ class TuneTreeConfig:
             ``dynamic_tree.json``. ``dynamic_totals`` None: the latency profile's sizes less the root, up to
             ``max_nodes`` (:meth:`dynamic_tree_totals`). Unused for drafters that draft static trees only; the
             grid is checked once the drafter is known (:meth:`check_dynamic_grid`), before the accuracy pass.
+        composite: also choose the composite tree's budget split (the heads' candidates and prompt lookup's in one
+            tree, :mod:`medusa_train.tuning.composite`) by decoding the timed prompts; written to
+            ``composite_tree.json``, which medusa-eval's ``composite`` decoder reads.
+        composite_heads: the heads' node counts tried beside the lookup drafts; None: half, once and twice the
+            static tree kept.
+        composite_lengths: lookup draft lengths tried (transformers' ``prompt_lookup_num_tokens``).
+        composite_matches: distinct lookup drafts per step tried.
     """
 
     export_dir: str = MISSING
@@ -103,6 +110,14 @@ class TuneTreeConfig:
     dynamic_totals: Optional[list[int]] = field(default=None, metadata=bound(
         1, cap=MAX_COUNT, hint="nodes a dynamic tree keeps, root excluded"))
 
+    composite: bool = True
+    composite_heads: Optional[list[int]] = field(default=None, metadata=bound(
+        1, cap=MAX_COUNT, hint="the heads' nodes of a composite tree"))
+    composite_lengths: list[int] = field(default_factory=lambda: [4, 6, 10, 16], metadata=bound(
+        1, cap=MAX_COUNT, hint="tokens of a lookup draft"))
+    composite_matches: list[int] = field(default_factory=lambda: [1, 2], metadata=bound(
+        1, cap=MAX_COUNT, hint="lookup drafts per step"))
+
     def validate(self) -> None:
         """Check every setting before any model is loaded.
 
@@ -126,6 +141,11 @@ class TuneTreeConfig:
             if total > self.max_nodes:
                 raise ValueError(f"dynamic_totals[{i}] = {total} exceeds max_nodes={self.max_nodes} (the tree node "
                                  "budget): lower it or raise max_nodes")
+        if self.composite:
+            from medusa_train.tuning.composite import composite_shortlist
+
+            composite_shortlist(1, self.composite_heads, self.composite_lengths, self.composite_matches,
+                                self.max_nodes)
         if self.latency_from is not None:
             read_latency_profile(self.latency_from)
         check_export_dir(self.export_dir)

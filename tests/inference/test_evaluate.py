@@ -177,7 +177,7 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
 
 def test_every_decoder_runs_and_the_lossless_ones_match_vanilla(export, prompts, tmp_path):
     out = tmp_path / "all"
-    cfg = config(export, prompts, out, "decoders=[medusa,draft,lookahead,hf_assisted,hf_prompt_lookup]",
+    cfg = config(export, prompts, out, "decoders=[medusa,composite,draft,lookahead,hf_assisted,hf_prompt_lookup]",
                  "num_prompts=2", "decoder.draft.num_layers=1", "decoder.hf_assisted.num_layers=1")
     summary = evaluate(cfg)
     assert list(summary["decoders"]) == list(default_decoder_names())  # vanilla added first, then the order asked for
