@@ -45,7 +45,8 @@ class GenerateConfig:
         export_dir: the export folder (heads, ``config.json``, optionally ``medusa_choices.json``).
         prompt: the user message (the tokenizer's chat template is applied when it has one).
         system: an optional system message.
-        decoder_name: the decoder to run (``medusa``, or ``vanilla`` for the plain-decoding baseline).
+        decoder_name: the decoder to run (``medusa``; ``composite``: the heads' and prompt lookup's drafts in one
+            tree; or ``vanilla`` for the plain-decoding baseline).
         decoder: settings per decoder name (``conf/decoder/<name>.yaml``).
         max_new_tokens: most tokens in the reply.
         temperature: 0 for greedy; > 0 samples (Medusa: with ``decoder.medusa.acceptance`` speculative or typical).
