@@ -18,7 +18,13 @@ config's.
 Reported per batch size and engine (``vllm``, then ``vllm_medusa_k{k}`` or ``vllm_eagle3_k{k}``): tokens/s (all new
 tokens over the wall time of the ``generate`` calls), the speedup over plain vLLM, τ (vLLM's spec-decode counters:
 1 + accepted draft tokens / drafts; 1.0 without speculation), the acceptance rate at each drafted position, drafts,
-accepted draft tokens and the share of replies identical to plain vLLM's; then, per batch size, the fastest k. vLLM
+accepted draft tokens and the share of replies identical to plain vLLM's; then, per batch size, the fastest k. The
+speedups carry a 95% paired-bootstrap interval over the ``generate`` calls (the engines take turns per call).
+``--record`` writes the length to serve into the export (``vllm_speculative.json``: the fastest k at the smallest
+batch size when it beats the export's default k beyond the noise, else the default), which ``medusa-eval``'s
+``vllm_medusa`` / ``vllm_eagle3`` rows then take by default:
+
+    python benchmarks/serve_vllm.py --export runs/eagle3/export --batch-sizes 1 8 --k 1 2 3 5 --record vLLM
 drafts a chain (Medusa: each head's top-1 token, so k is at most the number of heads; EAGLE-3: k steps of the
 drafter, each fed its own output feature, any k >= 1). Each engine holds its own KV cache (``VLLM_CPU_KVCACHE_SPACE``
 GiB on a CPU, 2 unless set): 1 + len(--k) of them at once.
@@ -64,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="CUDA only: each engine's share of GPU memory (default: 0.8 shared equally by the engines)")
     p.add_argument("--output", default=None, help="where the JSON summary goes (default: print only)")
+    p.add_argument("--record", action="store_true",
+                   help="write the length to serve into the export (vllm_speculative.json): the fastest k at the "
+                        "smallest batch size when it beats the export's default k beyond the noise, else the default "
+                        "(added to --k when missing); vLLM's decoders in medusa-eval then default to it")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.max_new_tokens < 1 or min(args.batch_sizes) < 1:
         p.error("--num-prompts, --max-new-tokens and --batch-sizes must be >= 1")
@@ -71,13 +81,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--k must be distinct values >= 1 (num_speculative_tokens), got {args.k}")
     if args.serve and args.k is not None and len(args.k) > 1:
         p.error(f"--serve starts one server: give one --k, got {args.k}")
+    if args.record and args.serve:
+        p.error("--record measures; --serve serves: give one of them")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     return args
 
 
-def drafter_config(export: Path, k: int | None) -> tuple[str, dict[str, Any]]:
+def drafter_config(export: Path, k: int | None, tuned: bool = True) -> tuple[str, dict[str, Any]]:
     """``(row name, vLLM's speculative_config)`` of the export's drafter with ``k`` drafted tokens (None: the
+    recorded length, :data:`~inference.engines.vllm_env.SPECULATIVE_FILE`, unless ``tuned`` is False, else the
     export's default): ``vllm_eagle3`` and ``speculators/`` where the drafter type writes that folder for vLLM
     (EAGLE-3), else ``vllm_medusa`` and ``vllm/`` (Medusa heads).
 
@@ -94,8 +107,8 @@ def drafter_config(export: Path, k: int | None) -> tuple[str, dict[str, Any]]:
 
     entry = drafter_type(export_head_type(read_export_config(export)), str(export / "config.json"))
     if entry.engine_writer("vllm") is speculators_writer:
-        return "vllm_eagle3", eagle3_speculative_config(export, k)
-    return "vllm_medusa", speculative_config(export, k)
+        return "vllm_eagle3", eagle3_speculative_config(export, k, recorded=tuned)
+    return "vllm_medusa", speculative_config(export, k, recorded=tuned)
 
 
 def prompt_ids(tokenizer: Any, path: str | None, num_prompts: int) -> list[list[int]]:
@@ -128,14 +141,19 @@ def measure(workers: dict[str, Any], prompts: list[list[int]], batch: int, max_n
             eos: tuple[int, ...]) -> dict[str, dict[str, Any]]:
     """Each engine on every prompt in batches of ``batch``, the engines taking turns per batch; ``workers`` starts
     with plain vLLM (``vllm``), the reference of the speedups and replies."""
+    from inference.evaluation.intervals import ratio_interval
+
     totals = {name: {"new_tokens": 0, "wall_time_s": 0.0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                     "accepted_per_pos": [], "outputs": []} for name in workers}
+                     "accepted_per_pos": [], "outputs": [], "call_tokens": [], "call_seconds": []}
+              for name in workers}
     for i in range(0, len(prompts), batch):
         for name, worker in workers.items():
             reply = worker.generate(prompts[i:i + batch], max_new_tokens, eos)
             t, spec = totals[name], reply["spec"]
             t["outputs"].extend(o["token_ids"] for o in reply["outputs"])
-            t["new_tokens"] += sum(len(o["token_ids"]) for o in reply["outputs"])
+            t["call_tokens"].append(sum(len(o["token_ids"]) for o in reply["outputs"]))
+            t["call_seconds"].append(reply["wall_s"])
+            t["new_tokens"] += t["call_tokens"][-1]
             t["wall_time_s"] += reply["wall_s"]
             t["drafts"] += spec["num_drafts"]
             t["draft_tokens"] += spec["num_draft_tokens"]
@@ -150,33 +168,76 @@ def measure(workers: dict[str, Any], prompts: list[list[int]], batch: int, max_n
     plain = totals["vllm"]
     for t in totals.values():
         t["speedup"] = t["tokens_per_second"] / plain["tokens_per_second"]
+        # over plain vLLM, paired by generate call (the engines take turns per call), with its 95% interval
+        t["over_plain"] = ratio_interval(t["call_tokens"], t["call_seconds"], plain["call_tokens"],
+                                         plain["call_seconds"]).record()
         t["exact_match_vs_vllm"] = sum(a == b for a, b in zip(t["outputs"], plain["outputs"])) / len(prompts)
     return totals
 
 
 def fastest(runs: dict[str, dict[str, Any]], ks: dict[str, int]) -> dict[str, Any]:
     """The speculative engine with the most tokens/s in one batch size's ``runs``: ``{"k", "engine", "speedup",
-    "tokens_per_second", "beats_plain"}`` (``ks``: engine name -> its k)."""
+    "over_plain", "tokens_per_second", "beats_plain"}`` (``ks``: engine name -> its k); ``beats_plain``: faster than
+    plain vLLM beyond the noise (the paired interval over the generate calls lies above 1)."""
     name = max(ks, key=lambda n: runs[n]["tokens_per_second"])
     r = runs[name]
-    return {"k": ks[name], "engine": name, "speedup": r["speedup"], "tokens_per_second": r["tokens_per_second"],
-            "beats_plain": r["speedup"] > 1.0}
+    return {"k": ks[name], "engine": name, "speedup": r["speedup"], "over_plain": r["over_plain"],
+            "tokens_per_second": r["tokens_per_second"],
+            "beats_plain": r["over_plain"]["separated"] and r["over_plain"]["estimate"] > 1.0}
+
+
+def choose_k(runs: dict[str, dict[str, Any]], ks: dict[str, int], reference: int) -> dict[str, Any]:
+    """The drafted length to serve, from one batch size's ``runs``: the fastest k when it beats the ``reference``
+    (the export's default) beyond the noise, else the reference (:func:`medusa_train.tuning.timed.choose`, the rule
+    the tree tuner follows): ``{"num_speculative_tokens", "reference", "margin"}``."""
+    from medusa_train.tuning.timed import choose
+
+    timed = {k: {"tokens_per_s": runs[name]["tokens_per_second"], "prompt_tokens": runs[name]["call_tokens"],
+                 "prompt_seconds": runs[name]["call_seconds"]} for name, k in ks.items()}
+    kept, margin = choose(timed, reference)
+    return {"num_speculative_tokens": kept, "reference": reference, "margin": margin}
+
+
+def record(export: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """Write :data:`~inference.engines.vllm_env.SPECULATIVE_FILE` into ``export`` (atomically, holding the export's
+    lock): the length chosen at the smallest batch measured (:func:`choose_k`), what vLLM's decoders then default to,
+    with the measurement it came from."""
+    from inference.engines.vllm_env import SPECULATIVE_FILE
+    from medusa_train.atomic import atomic_write_text
+    from medusa_train.run_lock import EXPORT_LOCK, RunLock
+
+    batch = min(summary["batches"], key=int)
+    method = next(iter(summary["speculative_configs"].values()))["method"]
+    chosen = choose_k(summary["batches"][batch], summary["ks"], summary["default_k"])
+    data = {"method": method, "num_speculative_tokens": chosen["num_speculative_tokens"],
+            "chosen": {"by": "timed", "batch": int(batch), **chosen,
+                       "timed": {str(summary["ks"][name]): {key: r[key] for key in (
+                           "tokens_per_second", "speedup", "over_plain", "mean_accepted_tokens",
+                           "acceptance_per_position")} for name, r in summary["batches"][batch].items()
+                                 if name in summary["ks"]}},
+            **{key: summary[key] for key in ("engine", "dtype", "compute_threads", "prompts", "max_new_tokens")}}
+    with RunLock.acquire(export, EXPORT_LOCK, field="--export"):
+        atomic_write_text(export / SPECULATIVE_FILE, json.dumps(data, indent=2) + "\n")
+    return data
 
 
 def table(summary: dict[str, Any]) -> str:
-    lines = ["| batch | engine | k | tokens/s | speedup | τ | acceptance per position | drafts | accepted | "
+    from inference.evaluation.intervals import bounds_text
+
+    lines = ["| batch | engine | k | tokens/s | speedup [95%] | τ | acceptance per position | drafts | accepted | "
              "same as vllm |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     ks = summary["ks"]
     for batch, runs in summary["batches"].items():
         for name, r in runs.items():
             rates = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
             lines.append(f"| {batch} | {name} | {ks.get(name, '-')} | {r['tokens_per_second']:.1f} | "
-                         f"{r['speedup']:.2f} | {r['mean_accepted_tokens']:.2f} | {rates} | {r['drafts']} | "
-                         f"{r['accepted_tokens']} | {r['exact_match_vs_vllm']:.0%} |")
+                         f"{r['speedup']:.2f} {bounds_text(r['over_plain'])} | {r['mean_accepted_tokens']:.2f} | "
+                         f"{rates} | {r['drafts']} | {r['accepted_tokens']} | {r['exact_match_vs_vllm']:.0%} |")
     for batch, best in summary["fastest"].items():
-        verdict = "faster than" if best["beats_plain"] else "not faster than"
+        verdict = ("faster than plain vLLM beyond the noise" if best["beats_plain"] else
+                   "not faster than plain vLLM beyond the noise")
         lines.append(f"batch {batch}: fastest k = {best['k']} ({best['engine']}, {best['tokens_per_second']:.1f} "
-                     f"tokens/s, {best['speedup']:.2f}x plain vLLM: {verdict} plain vLLM)")
+                     f"tokens/s, {best['speedup']:.2f}x plain vLLM {bounds_text(best['over_plain'])}: {verdict})")
     return "\n".join(lines)
 
 
@@ -212,8 +273,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     vllm_python()  # the install command named, before anything is downloaded or converted
     args.dtype = resolve_dtype(args.dtype)
     export = download_export(args.export, args.revision)
+    if args.record and not Path(args.export).is_dir():
+        raise SystemExit(f"--record writes into the export folder: {args.export} is not a local folder")
     specs: dict[str, dict[str, Any]] = {}  # engine name -> speculative_config, all checked before any engine starts
-    for k in args.k or [None]:
+    default_k = drafter_config(export, None, tuned=False)[1]["num_speculative_tokens"]
+    sweep = list(args.k or [default_k])
+    if args.record and default_k not in sweep:
+        sweep.append(default_k)  # the reference the fastest must beat
+    for k in sweep:
         row, spec = drafter_config(export, k)
         specs[f"{row}_k{spec['num_speculative_tokens']}"] = spec
     if args.serve:
@@ -250,13 +317,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         for r in runs.values():
             r.pop("outputs")
     summary = {"engine": f"vllm {version}", "model": path, "export": str(args.export), "speculative_configs": specs,
-               "ks": ks, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+               "ks": ks, "default_k": default_k, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
                "compute_threads": threads, "paused_between_turns": True, "enforce_eager": args.enforce_eager,
                "engines_start_s": start_s, "batches": batches,
                "fastest": {batch: fastest(runs, ks) for batch, runs in batches.items()}}
+    for runs in batches.values():
+        for r in runs.values():
+            r.pop("accepted_per_pos")
+    if args.record:
+        summary["recorded"] = record(export, summary)
     if args.output:
         Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
     print(table(summary))
+    if args.record:
+        from medusa_train.tuning.timed import describe_choice
+
+        chosen = summary["recorded"]["chosen"]
+        print(f"recorded num_speculative_tokens = {chosen['num_speculative_tokens']} in {export}/vllm_speculative.json "
+              f"(batch {chosen['batch']}; the export's default k = {chosen['reference']}; "
+              + describe_choice(chosen["margin"], "default k", "default") + ")")
     return summary
 
 

@@ -230,7 +230,8 @@ class VllmMedusaSettings(VllmSettings):
     :class:`VllmSettings`, and:
 
     Attributes:
-        num_speculative_tokens: drafted tokens per step, 1..K (the first heads); None: all K heads.
+        num_speculative_tokens: drafted tokens per step, 1..K (the first heads); None: the length measured fastest
+            (the export's ``vllm_speculative.json``, ``benchmarks/serve_vllm.py --record``), else all K heads.
     """
 
     num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
@@ -244,8 +245,9 @@ class VllmEagle3Settings(VllmSettings):
     counters. The fields of :class:`VllmSettings`, and:
 
     Attributes:
-        num_speculative_tokens: drafted tokens per step (K >= 1); None: the export's ``speculative_tokens`` (the
-            drafter's training-time-test steps).
+        num_speculative_tokens: drafted tokens per step (K >= 1); None: the length measured fastest on this machine
+            (the export's ``vllm_speculative.json``, ``benchmarks/serve_vllm.py --record``), else the export's
+            ``speculative_tokens`` (the drafter's training-time-test steps).
     """
 
     num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
@@ -448,14 +450,25 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
     import torch
 
     from inference.decoders.vllm import VllmDecoder
-    from inference.engines.vllm_env import VllmWorker, eagle3_speculative_config, speculative_config
+    from inference.engines.vllm_env import (
+        SPECULATIVE_FILE,
+        VllmWorker,
+        eagle3_speculative_config,
+        speculative_config,
+        tuned_speculative_tokens,
+    )
     from medusa_train.export.configs import dtype_name
     from medusa_train.loading.base import engine_model_path
 
     if ctx.model_config is None:
         raise ValueError(f"decoder {name!r} runs in medusa-eval and benchmarks/serve_vllm.py (it needs the target's "
                          "model config, BuildContext.model_config, and does not stream)")
-    spec = None
+    spec, k_source = None, None
+    if isinstance(settings, (VllmMedusaSettings, VllmEagle3Settings)):
+        k_source = (f"decoder.{name}.num_speculative_tokens" if settings.num_speculative_tokens is not None else
+                    f"export {SPECULATIVE_FILE}" if tuned_speculative_tokens(
+                        ctx.export_dir, "medusa" if isinstance(settings, VllmMedusaSettings) else "eagle3") else
+                    "the export's default")
     if isinstance(settings, VllmMedusaSettings):
         spec = speculative_config(ctx.export_dir, settings.num_speculative_tokens)
     elif isinstance(settings, VllmEagle3Settings):  # refuses a non-EAGLE-3 export before vLLM starts
@@ -470,7 +483,8 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
                         gpu_memory_utilization=settings.gpu_memory_utilization, compute_threads=threads,
                         pause_when_idle=True)
     info = {"engine": f"vllm {worker.vllm_version}", "engine_model": model_path, "engine_dtype": dtype,
-            "engine_start_s": worker.info["start_s"], "speculative_config": spec, "engine_log": str(worker.log_path),
+            "engine_start_s": worker.info["start_s"], "speculative_config": spec,
+            "num_speculative_tokens_source": k_source, "engine_log": str(worker.log_path),
             "compute_threads": threads, "paused_between_turns": True}
     return BuiltDecoder(VllmDecoder(worker, name, settings.max_model_len), info)
 

@@ -123,15 +123,49 @@ def worker_environment(venv: Path, reserved_cpus: int | None = None,
     return env
 
 
-def speculative_config(export_dir: str | os.PathLike[str], num_speculative_tokens: int | None = None
-                       ) -> dict[str, Any]:
+# The drafted length vLLM serves an export's drafter with fastest on this machine, measured by
+# benchmarks/serve_vllm.py --record (a sweep of num_speculative_tokens against the export's default, the fastest kept
+# only beyond the noise); the vllm_medusa / vllm_eagle3 decoders' default when present.
+SPECULATIVE_FILE = "vllm_speculative.json"
+
+
+def tuned_speculative_tokens(export_dir: str | os.PathLike[str], method: str) -> int | None:
+    """``num_speculative_tokens`` recorded in the export's :data:`SPECULATIVE_FILE` for ``method`` (``medusa`` or
+    ``eagle3``); None when there is no such file or it was measured for the other method.
+
+    Raises:
+        ValueError: a file that is not JSON, not an object, or whose ``num_speculative_tokens`` is not a positive
+            int (the file and the field named).
+    """
+    from medusa_train.export.files import read_json
+
+    path = Path(export_dir) / SPECULATIVE_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = read_json(path)
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}; rerun benchmarks/serve_vllm.py --record") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object; rerun benchmarks/serve_vllm.py --record")
+    k = data.get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"{path}: num_speculative_tokens must be a positive int, got {k!r}; rerun "
+                         "benchmarks/serve_vllm.py --record")
+    return k if data.get("method") == method else None
+
+
+def speculative_config(export_dir: str | os.PathLike[str], num_speculative_tokens: int | None = None,
+                       recorded: bool = True) -> dict[str, Any]:
     """vLLM's ``speculative_config`` for the heads of an export: ``{"method": "medusa", "model": <export>/vllm,
     "num_speculative_tokens": K}``. vLLM's Medusa drafts one chain of each head's top-1 token, so K is the number
     of heads (``medusa_choices.json``, a tree, is not used by vLLM).
 
     Args:
         export_dir: the export folder (holding ``vllm/``).
-        num_speculative_tokens: 1..K drafted tokens per step (the first heads); None: all K heads.
+        num_speculative_tokens: 1..K drafted tokens per step (the first heads); None: the length measured fastest
+            (:data:`SPECULATIVE_FILE`, :func:`tuned_speculative_tokens`; not with ``recorded=False``), else all K
+            heads.
 
     Raises:
         FileNotFoundError: no ``vllm/config.json`` (re-export with ``export_vllm=true``).
@@ -149,22 +183,25 @@ def speculative_config(export_dir: str | os.PathLike[str], num_speculative_token
         raise ValueError(f"{folder / CONFIG_FILE}: not vLLM's Medusa config (model_type "
                          f"{config.get('model_type')!r}, num_heads {config.get('num_heads')!r})")
     heads = config["num_heads"]
-    k = heads if num_speculative_tokens is None else num_speculative_tokens
+    k = num_speculative_tokens
+    if k is None:
+        k = (tuned_speculative_tokens(export_dir, "medusa") if recorded else None) or heads
     if not 1 <= k <= heads:
         raise ValueError(f"num_speculative_tokens must be in [1, {heads}] (the export has {heads} heads), got {k}")
     return {"method": "medusa", "model": str(folder.resolve()), "num_speculative_tokens": k}
 
 
-def eagle3_speculative_config(export_dir: str | os.PathLike[str], num_speculative_tokens: int | None = None
-                               ) -> dict[str, Any]:
+def eagle3_speculative_config(export_dir: str | os.PathLike[str], num_speculative_tokens: int | None = None,
+                              recorded: bool = True) -> dict[str, Any]:
     """vLLM's ``speculative_config`` for an EAGLE-3 export: ``{"method": "eagle3", "model": <export>/speculators,
     "num_speculative_tokens": K}`` (:mod:`medusa_train.export.speculators` writes that folder). vLLM drafts K tokens
     as one chain, each step feeding the drafter its own output feature, so any K >= 1 works.
 
     Args:
         export_dir: the export folder (its ``config.json`` and ``speculators/``).
-        num_speculative_tokens: drafted tokens per step; None: the export's ``speculative_tokens`` (the drafter's
-            training-time-test steps).
+        num_speculative_tokens: drafted tokens per step; None: the length measured fastest
+            (:data:`SPECULATIVE_FILE`, :func:`tuned_speculative_tokens`; not with ``recorded=False``), else the
+            export's ``speculative_tokens`` (the drafter's training-time-test steps).
 
     Raises:
         FileNotFoundError: no export ``config.json``, or no ``speculators/config.json`` (re-export with
@@ -197,7 +234,9 @@ def eagle3_speculative_config(export_dir: str | os.PathLike[str], num_speculativ
         raise ValueError(f"{folder / CONFIG_FILE}: not an EAGLE-3 speculators config (speculators_model_type "
                          f"{config.get('speculators_model_type')!r}, speculative_tokens {default_k!r}); re-export the "
                          "drafter")
-    k = default_k if num_speculative_tokens is None else num_speculative_tokens
+    k = num_speculative_tokens
+    if k is None:
+        k = (tuned_speculative_tokens(export_dir, SPECULATORS_MODEL_TYPE) if recorded else None) or default_k
     if k < 1:
         raise ValueError(f"num_speculative_tokens must be at least 1, got {k}")
     return {"method": SPECULATORS_MODEL_TYPE, "model": str(folder.resolve()), "num_speculative_tokens": k}
@@ -429,5 +468,5 @@ class VllmWorker:
         return f"\n--- last lines of the vLLM log {self.log_path} ---\n{tail}" if tail else ""
 
 
-__all__ = ["INSTALL_COMMAND", "VENV_VARIABLE", "VllmError", "VllmUnavailable", "VllmWorker", "bound_cores",
-           "eagle3_speculative_config", "speculative_config", "start_reaper", "vllm_available", "vllm_python", "vllm_venv", "worker_environment"]
+__all__ = ["INSTALL_COMMAND", "SPECULATIVE_FILE", "VENV_VARIABLE", "VllmError", "VllmUnavailable", "VllmWorker", "bound_cores",
+           "eagle3_speculative_config", "speculative_config", "start_reaper", "tuned_speculative_tokens", "vllm_available", "vllm_python", "vllm_venv", "worker_environment"]

@@ -103,16 +103,47 @@ def test_serve_script_sweeps_the_drafters_k_and_names_the_fastest(tmp_path, caps
         with pytest.raises(SystemExit):
             script.parse_args(["--export", "x", *argv])
         assert message in capsys.readouterr().err
-    runs = {"vllm": {"tokens_per_second": 20.0, "speedup": 1.0},
-            "vllm_eagle3_k1": {"tokens_per_second": 22.0, "speedup": 1.1},
-            "vllm_eagle3_k2": {"tokens_per_second": 24.0, "speedup": 1.2},
-            "vllm_eagle3_k3": {"tokens_per_second": 18.0, "speedup": 0.9}}
-    ks = {"vllm_eagle3_k1": 1, "vllm_eagle3_k2": 2, "vllm_eagle3_k3": 3}
-    assert script.fastest(runs, ks) == {"k": 2, "engine": "vllm_eagle3_k2", "speedup": 1.2, "tokens_per_second": 24.0,
-                                        "beats_plain": True}
-    slower = {name: {**r, "tokens_per_second": r["tokens_per_second"] - 5, "speedup": r["speedup"] - 0.3}
-              for name, r in runs.items() if name != "vllm"}
-    assert script.fastest({**runs, **slower}, ks)["beats_plain"] is False
+    def run(per_call: list[float], plain: list[float] | None = None) -> dict:
+        """An engine's record over 6 generate calls of 10 tokens, taking ``per_call`` seconds each."""
+        from inference.evaluation.intervals import ratio_interval
+
+        plain = plain or [0.5] * 6
+        tokens = [10] * 6
+        return {"tokens_per_second": 60 / sum(per_call), "speedup": sum(plain) / sum(per_call),
+                "call_tokens": tokens, "call_seconds": per_call, "mean_accepted_tokens": 1.5,
+                "acceptance_per_position": [0.5],
+                "over_plain": ratio_interval(tokens, per_call, tokens, plain).record()}
+
+    runs = {"vllm": run([0.5] * 6), "vllm_eagle3_k1": run([0.45, 0.46, 0.44, 0.45, 0.46, 0.44]),
+            "vllm_eagle3_k2": run([0.40, 0.42, 0.41, 0.40, 0.42, 0.41]),
+            "vllm_eagle3_k4": run([0.55, 0.56, 0.54, 0.55, 0.56, 0.54])}
+    ks = {"vllm_eagle3_k1": 1, "vllm_eagle3_k2": 2, "vllm_eagle3_k4": 4}
+    best = script.fastest(runs, ks)
+    assert (best["k"], best["engine"], best["beats_plain"]) == (2, "vllm_eagle3_k2", True)
+    assert best["over_plain"] == runs["vllm_eagle3_k2"]["over_plain"] and best["over_plain"]["low"] > 1
+    noisy = {**runs, "vllm_eagle3_k2": run([0.1, 0.7, 0.1, 0.7, 0.1, 0.7])}  # fastest, but not beyond the noise
+    assert script.fastest(noisy, ks)["k"] == 2 and script.fastest(noisy, ks)["beats_plain"] is False
+    # the length to serve: the fastest only when it beats the export's default beyond the noise
+    assert script.choose_k(runs, ks, 4)["num_speculative_tokens"] == 2
+    assert script.choose_k(noisy, ks, 4)["num_speculative_tokens"] == 4
+    summary = {"batches": {"1": runs, "8": runs}, "ks": ks, "default_k": 4, "engine": "vllm 0.32.0",
+               "speculative_configs": {"vllm_eagle3_k1": {"method": "eagle3"}}, "dtype": "bfloat16",
+               "compute_threads": 2, "prompts": 6, "max_new_tokens": 10}
+    recorded = script.record(eagle3, summary)
+    assert recorded["num_speculative_tokens"] == 2 and recorded["chosen"]["batch"] == 1
+    assert json.loads((eagle3 / "vllm_speculative.json").read_text()) == json.loads(json.dumps(recorded))
+    # vLLM's EAGLE-3 row now defaults to it; a setting or recorded=False does not; the Medusa export ignores it
+    assert eagle3_speculative_config(eagle3)["num_speculative_tokens"] == 2
+    assert eagle3_speculative_config(eagle3, 3)["num_speculative_tokens"] == 3
+    assert script.drafter_config(eagle3, None, tuned=False)[1]["num_speculative_tokens"] == 4
+    (medusa / "vllm_speculative.json").write_text(json.dumps({**recorded}))
+    assert script.drafter_config(medusa, None)[1]["num_speculative_tokens"] == 2  # method eagle3: not Medusa's
+    (eagle3 / "vllm_speculative.json").write_text(json.dumps({"method": "eagle3", "num_speculative_tokens": 0}))
+    with pytest.raises(ValueError, match=r"vllm_speculative\.json: num_speculative_tokens must be a positive int"):
+        eagle3_speculative_config(eagle3)
+    with pytest.raises(SystemExit):
+        script.parse_args(["--export", "x", "--serve", "--record"])
+    assert "--record measures; --serve serves" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the real vLLM
