@@ -8,6 +8,7 @@ would interleave, and the last writer's tree would win).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
@@ -78,53 +79,44 @@ def _run(tc: TuneTreeConfig) -> dict:
     return result
 
 
-def print_dynamic_tree(dynamic: dict, export_dir: str) -> None:
-    """The dynamic tree's timed shortlist and choice (:func:`medusa_train.tuning.dynamic.tune_dynamic_tree`)."""
+def print_timed_choice(record: dict, what: str, columns: list[tuple[str, str]], describe: Callable[[dict], str],
+                       written: str) -> None:
+    """A choice made by decoding a shortlist (a dynamic tree's shape, the composite tree's split): the timed rows,
+    ``columns`` (header, key) first, then what was kept and why (:func:`medusa_train.tuning.timed.choose`)."""
     from medusa_train.tuning.timed import describe_choice
 
-    def shape(d: dict) -> str:
-        return f"depth {d['depth']}, topk {d['topk']}, total {d['total']}"
-
-    chosen = dynamic["chosen"]
+    chosen = record["chosen"]
     if chosen["by"] == "timed":
-        print(f"decoding {chosen['timed_prompts']} tuning prompts x {chosen['timed_new_tokens']} tokens over each "
-              "shortlisted dynamic tree:")
-        print("  depth  topk  total  tokens/s   tau  ms a step")
+        print(f"decoding {chosen['timed_prompts']} tuning prompts x {chosen['timed_new_tokens']} tokens with each "
+              f"shortlisted {what}:")
+        print("  " + "  ".join(header for header, _ in columns) + "  tokens/s   tau  ms a step")
         for row in chosen["timed"]:
-            reference = "  (reference)" if shape(row) == shape(chosen["reference"]) else ""
-            print(f"  {row['depth']:>5d}  {row['topk']:>4d}  {row['total']:>5d}  {row['tokens_per_s']:8.2f}  "
-                  f"{row['mean_accepted_tokens']:4.2f}  {row['step_ms']:9.1f}{reference}")
-        print(f"kept the dynamic tree of {shape(dynamic)} (the reference: {shape(chosen['reference'])}; "
+            reference = "  (reference)" if describe(row) == describe(chosen["reference"]) else ""
+            print("  " + "  ".join(f"{row[key]:>{len(header)}d}" for header, key in columns)
+                  + f"  {row['tokens_per_s']:8.2f}  {row['mean_accepted_tokens']:4.2f}  {row['step_ms']:9.1f}"
+                  + reference)
+        print(f"kept the {what} of {describe(record)} (the reference: {describe(chosen['reference'])}; "
               f"{describe_choice(chosen.get('margin'), 'reference', 'reference')})")
     else:
-        print(f"dynamic tree: {shape(dynamic)}, the reference, not decoded (timed_prompts=0)")
-    print(f"written to {export_dir}/dynamic_tree.json: the decoder's default for this drafter "
-          "(decoder.medusa.dynamic_tree or medusa_choices overrides it)")
+        print(f"{what}: {describe(record)}, the reference, not decoded (timed_prompts=0)")
+    print(f"written to {written}")
+
+
+def print_dynamic_tree(dynamic: dict, export_dir: str) -> None:
+    """The dynamic tree's timed shortlist and choice (:func:`medusa_train.tuning.dynamic.tune_dynamic_tree`)."""
+    print_timed_choice(dynamic, "dynamic tree", [("depth", "depth"), ("topk", "topk"), ("total", "total")],
+                       lambda d: f"depth {d['depth']}, topk {d['topk']}, total {d['total']}",
+                       f"{export_dir}/dynamic_tree.json: the decoder's default for this drafter "
+                       "(decoder.medusa.dynamic_tree or medusa_choices overrides it)")
 
 
 def print_composite_tree(composite: dict, export_dir: str) -> None:
     """The composite tree's timed splits and choice (:func:`medusa_train.tuning.composite.tune_composite`)."""
-    from medusa_train.tuning.timed import describe_choice
-
-    def split(d: dict) -> str:
-        return (f"{d['heads_nodes']} heads' nodes + {d['lookup_matches']} x {d['lookup_length']} lookup tokens "
-                f"({d['nodes']} nodes)")
-
-    chosen = composite["chosen"]
-    if chosen["by"] == "timed":
-        print(f"decoding {chosen['timed_prompts']} tuning prompts x {chosen['timed_new_tokens']} tokens with each "
-              "composite tree (heads' candidates and prompt lookup's in one tree):")
-        print("  heads  lookup  matches  nodes  tokens/s   tau  ms a step")
-        for row in chosen["timed"]:
-            reference = "  (reference)" if split(row) == split(chosen["reference"]) else ""
-            print(f"  {row['heads_nodes']:>5d}  {row['lookup_length']:>6d}  {row['lookup_matches']:>7d}  "
-                  f"{row['nodes']:>5d}  {row['tokens_per_s']:8.2f}  {row['mean_accepted_tokens']:4.2f}  "
-                  f"{row['step_ms']:9.1f}{reference}")
-        print(f"kept {split(composite)} (the reference: {split(chosen['reference'])}; "
-              f"{describe_choice(chosen.get('margin'), 'reference', 'reference')})")
-    else:
-        print(f"composite tree: {split(composite)}, the reference, not decoded (timed_prompts=0)")
-    print(f"written to {export_dir}/composite_tree.json: medusa-eval's composite decoder reads it")
+    print_timed_choice(composite, "composite tree", [("heads", "heads_nodes"), ("lookup", "lookup_length"),
+                                                     ("matches", "lookup_matches"), ("nodes", "nodes")],
+                       lambda d: (f"{d['heads_nodes']} heads' nodes + {d['lookup_matches']} x {d['lookup_length']} "
+                                  f"lookup tokens ({d['nodes']} nodes)"),
+                       f"{export_dir}/composite_tree.json: medusa-eval's composite decoder reads it")
 
 
 @hydra_app("tune_tree", example='medusa-tune-tree export_dir=runs/stories/export',

@@ -52,7 +52,10 @@ def test_tune_tree_chooses_the_split_by_decoding_and_the_composite_decoder_uses_
     assert written["medusa_choices"] == greedy_tree(head_accuracy["acc"], written["nodes"])  # the whole budget
     for row in timed.values():  # no EOS: 3 prompts x 9 tokens after the prefill's
         assert row["tokens"] == 3 * 9 and row["mean_accepted_tokens"] >= 1.0
-    assert "composite tree (heads' candidates and prompt lookup's in one tree)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "with each shortlisted composite tree:" in out and "heads  lookup  matches  nodes  tokens/s" in out
+    assert (f"kept the composite tree of {written['heads_nodes']} heads' nodes + {written['lookup_matches']} x "
+            f"{written['lookup_length']} lookup tokens ({written['nodes']} nodes)") in out
 
     model, tokenizer, _, _ = load_for_inference(str(medusa), dtype="float32")
     ctx = BuildContext(model=model, tokenizer=tokenizer, export_dir=str(medusa), dtype="float32")
