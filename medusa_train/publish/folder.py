@@ -46,7 +46,7 @@ from medusa_train.export.writer import (
 from medusa_train.heads import HeadsSpec
 from medusa_train.loading.medusa import EXPORT_MODEL_KEY, ORIGINAL_BASE_KEY
 from medusa_train.publish.local_paths import published_base, scrub, scrub_text
-from medusa_train.export.tree_files import ACCURACY_FILE, CHOICES_FILE, DYNAMIC_TREE_FILE, LATENCY_FILE, read_tree_files
+from medusa_train.export.tree_files import ACCURACY_FILE, CHOICES_FILE, TREE_FILES, read_tree_files
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def collect_export(
 
     tree = read_tree_files(folder)
     _check_choices(tree.get("medusa_choices"), folder / CHOICES_FILE)
-    for name in (CHOICES_FILE, ACCURACY_FILE, LATENCY_FILE, DYNAMIC_TREE_FILE):
+    for name in TREE_FILES.values():  # the tuned files: tree, accuracy, latency, dynamic and composite trees
         if (folder / name).is_file():
             files[name] = folder / name
     if "medusa_choices" not in tree:

@@ -46,8 +46,11 @@ SUMMARY = {"model": BASE, "device": "cpu", "dtype": "float32", "prompts": 4, "ma
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256))  # copied as bytes, never decoded
 HEADS_COMMIT = ["config.json", "medusa_lm_head.safetensors", "token_map.safetensors", "vllm/config.json",
                 "vllm/model.safetensors"]
-REST_COMMIT = ["README.md", "eval/speedup.png", "eval/summary.json", "eval/summary.md", "head_accuracy.json",
-               "latency_profile.json", "medusa_choices.json"]
+REST_COMMIT = ["README.md", "composite_tree.json", "eval/speedup.png", "eval/summary.json", "eval/summary.md",
+               "head_accuracy.json", "latency_profile.json", "medusa_choices.json"]
+COMPOSITE = {"nodes": 6, "lookup_length": 2, "lookup_matches": 1, "max_matching_ngram_size": 2, "heads_nodes": 4,
+             "medusa_choices": [[0], [1], [0, 0], [2], [0, 1], [1, 0]], "tokens_per_s": None,
+             "mean_accepted_tokens": None, "chosen": {"by": "default"}}
 
 
 def tree_of(folder: Path) -> dict[str, bytes]:
@@ -81,6 +84,7 @@ def write_export(folder: Path, heads: MedusaHeads, base: torch.nn.Module, tuned:
         (folder / "medusa_choices.json").write_text(json.dumps(CHOICES))
         (folder / "head_accuracy.json").write_text(json.dumps(ACCURACY))
         (folder / "latency_profile.json").write_text(json.dumps(LATENCY))
+        (folder / "composite_tree.json").write_text(json.dumps(COMPOSITE))
     if evaluated:
         (folder / "eval").mkdir()
         (folder / "eval" / "summary.json").write_text(json.dumps(SUMMARY))
