@@ -84,7 +84,8 @@ def test_the_dry_run_trains_tunes_and_evaluates_at_toy_size(tmp_path):
                      ["train_eagle3_1rank", "ok"], ["export_eagle3", "ok"], ["train_eagle3_2ranks", "ok"],
                      ["tune_tree_eagle3", "ok"], ["eval_eagle3", "ok"], ["vllm_eagle3", "skipped: dry run"]]
     summary = json.loads((tmp_path / "out" / "eval" / "summary.json").read_text())
-    assert set(summary["decoders"]) == {"vanilla", "medusa", "draft", "lookahead", "hf_assisted", "hf_prompt_lookup"}
+    assert set(summary["decoders"]) == {"vanilla", "medusa", "composite", "draft", "lookahead", "hf_assisted",
+                                        "hf_prompt_lookup"}
     assert "| hf_prompt_lookup | measured |" in run.stdout
     eagle3 = tmp_path / "out" / "eagle3" / "export"
     assert json.loads((eagle3 / "speculators" / "config.json").read_text())["speculators_model_type"] == "eagle3"
