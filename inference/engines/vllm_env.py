@@ -475,5 +475,7 @@ class VllmWorker:
         return f"\n--- last lines of the vLLM log {self.log_path} ---\n{tail}" if tail else ""
 
 
-__all__ = ["INSTALL_COMMAND", "SPECULATIVE_FILE", "SPECULATIVE_METHODS", "VENV_VARIABLE", "VllmError", "VllmUnavailable", "VllmWorker", "bound_cores",
-           "eagle3_speculative_config", "speculative_config", "start_reaper", "tuned_speculative_tokens", "vllm_available", "vllm_python", "vllm_venv", "worker_environment"]
+__all__ = ["INSTALL_COMMAND", "SPECULATIVE_FILE", "SPECULATIVE_METHODS", "VENV_VARIABLE", "VllmError",
+           "VllmUnavailable", "VllmWorker", "bound_cores", "eagle3_speculative_config", "speculative_config",
+           "start_reaper", "tuned_speculative_tokens", "vllm_available", "vllm_python", "vllm_venv",
+           "worker_environment"]
