@@ -83,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--serve starts one server: give one --k, got {args.k}")
     if args.record and args.serve:
         p.error("--record measures; --serve serves: give one of them")
+    if args.record and not Path(args.export).is_dir():  # before vLLM's environment is checked or anything downloaded
+        p.error(f"--record writes into the export folder: {args.export} is not a local folder")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     return args
@@ -273,8 +275,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     vllm_python()  # the install command named, before anything is downloaded or converted
     args.dtype = resolve_dtype(args.dtype)
     export = download_export(args.export, args.revision)
-    if args.record and not Path(args.export).is_dir():
-        raise SystemExit(f"--record writes into the export folder: {args.export} is not a local folder")
     specs: dict[str, dict[str, Any]] = {}  # engine name -> speculative_config, all checked before any engine starts
     default_k = drafter_config(export, None, tuned=False)[1]["num_speculative_tokens"]
     sweep = list(args.k or [default_k])

@@ -137,13 +137,12 @@ class CompositeSettings(MedusaSettings):
     max_matching_ngram_size: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
 
     def validate(self) -> None:
-        from inference.proposers.composite import CompositeTree, LOOKUP_MATCHES
-        from inference.proposers.prompt_lookup import LOOKUP_LENGTH
+        from inference.proposers.composite import CompositeTree
 
         super().validate()
-        if self.nodes is not None:  # the rest is checked once the export's split is read
+        if self.nodes is not None:  # against the lookup fields set; the rest once the export's split is read
             try:
-                CompositeTree(self.nodes, self.lookup_length or LOOKUP_LENGTH, self.lookup_matches or LOOKUP_MATCHES)
+                CompositeTree(self.nodes, self.lookup_length or 1, self.lookup_matches or 1)
             except ValueError as e:
                 raise ValueError(str(e).replace("composite.", "decoder.composite.")) from None
 
@@ -332,9 +331,11 @@ def _build_composite(settings: CompositeSettings, ctx: BuildContext) -> BuiltDec
     from inference.decoders.choices import resolve_composite
     from inference.decoders.medusa import TreeDecoder
     from inference.dynamic_tree import dynamic_tree
+    from inference.tree import validate_medusa_choices
     from medusa_train.export.tree_files import COMPOSITE_FILE, read_tree_files
 
-    tuned = read_tree_files(ctx.export_dir, head_vocab=ctx.model.heads.spec.out_size).get("composite_tree")
+    spec = ctx.model.heads.spec
+    tuned = read_tree_files(ctx.export_dir, spec.num_heads, spec.out_size).get("composite_tree")
     if tuned is not None and settings.medusa_choices is None and settings.dynamic_tree is None:
         _check_tuned_for(read_tree_files(ctx.export_dir).get("latency_profile"), ctx, COMPOSITE_FILE)
         choices, tree_source = tuned["medusa_choices"], f"export {COMPOSITE_FILE}"
@@ -342,10 +343,12 @@ def _build_composite(settings: CompositeSettings, ctx: BuildContext) -> BuiltDec
         choices, tree_source = None, "decoder.composite.dynamic_tree"
     else:
         choices, tree_source = _static_tree(settings, ctx, settings.medusa_choices, "decoder.composite.medusa_choices")
+    if choices is not None:  # the tree's own ranks may exceed settings.topk (a tuned tree of the whole budget)
+        validate_medusa_choices(choices, spec.num_heads, spec.out_size)
     heads_nodes = dynamic_tree(settings.dynamic_tree).total if choices is None else len(choices)
     composite, source = resolve_composite(settings, tuned, heads_nodes)
     topk = max(settings.topk, 1 + max(max(p) for p in choices)) if choices is not None else settings.topk
-    decoder = TreeDecoder(ctx.model, choices, topk=min(topk, ctx.model.heads.spec.out_size),
+    decoder = TreeDecoder(ctx.model, choices, topk=min(topk, spec.out_size),
                           acceptance=settings.acceptance, posterior_threshold=settings.posterior_threshold,
                           posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer,
                           dynamic_tree=settings.dynamic_tree, composite=composite)

@@ -46,7 +46,9 @@ def resolve_medusa_choices(setting: Any, export_dir: str, num_heads: int, topk: 
             raise ValueError(f"medusa_choices file {path} is not valid JSON: {e}") from e
     if OmegaConf.is_config(setting):
         return OmegaConf.to_container(setting)
-    return [list(p) for p in setting]
+    if not isinstance(setting, (list, tuple)):
+        return setting  # not a list of paths: refused by the tree's validation, the value named
+    return [list(p) if isinstance(p, (list, tuple)) else p for p in setting]
 
 
 def resolve_dynamic_tree(setting: Any, medusa_choices: Any, export_dir: str, model: Any,

@@ -127,6 +127,7 @@ def worker_environment(venv: Path, reserved_cpus: int | None = None,
 # benchmarks/serve_vllm.py --record (a sweep of num_speculative_tokens against the export's default, the fastest kept
 # only beyond the noise); the vllm_medusa / vllm_eagle3 decoders' default when present.
 SPECULATIVE_FILE = "vllm_speculative.json"
+SPECULATIVE_METHODS = ("medusa", "eagle3")  # vLLM's speculative_config methods an export's drafter serves as
 
 
 def tuned_speculative_tokens(export_dir: str | os.PathLike[str], method: str) -> int | None:
@@ -134,8 +135,8 @@ def tuned_speculative_tokens(export_dir: str | os.PathLike[str], method: str) ->
     ``eagle3``); None when there is no such file or it was measured for the other method.
 
     Raises:
-        ValueError: a file that is not JSON, not an object, or whose ``num_speculative_tokens`` is not a positive
-            int (the file and the field named).
+        ValueError: a file that is not JSON, not an object, whose ``num_speculative_tokens`` is not a positive int,
+            or whose ``method`` is not ``medusa`` or ``eagle3`` (the file and the field named).
     """
     from medusa_train.export.files import read_json
 
@@ -152,7 +153,10 @@ def tuned_speculative_tokens(export_dir: str | os.PathLike[str], method: str) ->
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"{path}: num_speculative_tokens must be a positive int, got {k!r}; rerun "
                          "benchmarks/serve_vllm.py --record")
-    return k if data.get("method") == method else None
+    if data.get("method") not in SPECULATIVE_METHODS:  # a misspelt method would be ignored silently
+        raise ValueError(f"{path}: method must be one of {list(SPECULATIVE_METHODS)} (the drafter it was measured "
+                         f"with), got {data.get('method')!r}; rerun benchmarks/serve_vllm.py --record")
+    return k if data["method"] == method else None
 
 
 def speculative_config(export_dir: str | os.PathLike[str], num_speculative_tokens: int | None = None,
@@ -186,6 +190,9 @@ def speculative_config(export_dir: str | os.PathLike[str], num_speculative_token
     k = num_speculative_tokens
     if k is None:
         k = (tuned_speculative_tokens(export_dir, "medusa") if recorded else None) or heads
+        if k > heads:  # a file hand-edited or recorded for another export
+            raise ValueError(f"{Path(export_dir) / SPECULATIVE_FILE}: num_speculative_tokens={k} exceeds the export's "
+                             f"{heads} heads; rerun benchmarks/serve_vllm.py --record, or set num_speculative_tokens")
     if not 1 <= k <= heads:
         raise ValueError(f"num_speculative_tokens must be in [1, {heads}] (the export has {heads} heads), got {k}")
     return {"method": "medusa", "model": str(folder.resolve()), "num_speculative_tokens": k}
@@ -468,5 +475,7 @@ class VllmWorker:
         return f"\n--- last lines of the vLLM log {self.log_path} ---\n{tail}" if tail else ""
 
 
-__all__ = ["INSTALL_COMMAND", "SPECULATIVE_FILE", "VENV_VARIABLE", "VllmError", "VllmUnavailable", "VllmWorker", "bound_cores",
-           "eagle3_speculative_config", "speculative_config", "start_reaper", "tuned_speculative_tokens", "vllm_available", "vllm_python", "vllm_venv", "worker_environment"]
+__all__ = ["INSTALL_COMMAND", "SPECULATIVE_FILE", "SPECULATIVE_METHODS", "VENV_VARIABLE", "VllmError",
+           "VllmUnavailable", "VllmWorker", "bound_cores", "eagle3_speculative_config", "speculative_config",
+           "start_reaper", "tuned_speculative_tokens", "vllm_available", "vllm_python", "vllm_venv",
+           "worker_environment"]

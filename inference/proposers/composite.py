@@ -99,9 +99,10 @@ def composite_tree(value: CompositeTree | Mapping[str, Any] | None) -> Composite
         return value
     if not (isinstance(value, Mapping) or hasattr(value, "keys")):
         raise ValueError(f"composite must be a mapping of {list(KEYS)}, got {value!r}")
-    unknown = sorted(set(value.keys()) - set(KEYS))
-    if unknown or "nodes" not in value:
-        raise ValueError(f"composite takes the keys {list(KEYS)} (nodes required), got {sorted(value.keys())}")
+    unknown = set(value.keys()) - set(KEYS)
+    if unknown or "nodes" not in value:  # sorted by str: the keys need not be strings
+        raise ValueError(f"composite takes the keys {list(KEYS)} (nodes required), got "
+                         f"{sorted(value.keys(), key=str)}")
     return CompositeTree(**{key: value[key] for key in value.keys()})
 
 
@@ -122,8 +123,10 @@ class CompositeShape:
 
     @property
     def num_nodes(self) -> int:
-        """N, at most: the budget and the root."""
-        return self.composite.nodes + 1
+        """N, at most: the root and the budget, or fewer when the drafter's nodes and the lookup drafts cannot fill
+        it (the request's KV cache is sized by it: a budget far beyond them allocates nothing for it)."""
+        split = self.composite
+        return 1 + min(split.nodes, self.heads.num_nodes - 1 + split.lookup_length * split.lookup_matches)
 
     @property
     def max_depth(self) -> int:
