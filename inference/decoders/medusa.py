@@ -3,7 +3,8 @@ kept (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
 Sec. 2.1.2, tree attention). :class:`TreeDecoder` runs any :class:`~inference.proposers.tree_drafters.TreeDrafter`:
 Medusa heads, Hydra heads, EAGLE-3 drafters (``model.head_type``,
 :func:`~inference.proposers.tree_drafters.tree_drafter`), over a static tree or, for drafters that grow one, an
-EAGLE-2 dynamic tree built anew every step (``dynamic_tree``, :mod:`inference.dynamic_tree`).
+EAGLE-2 dynamic tree built anew every step (``dynamic_tree``, :mod:`inference.dynamic_tree`); with ``composite``, every
+step's tree also holds prompt lookup's drafts (:mod:`inference.proposers.composite`).
 
 One step (:func:`tree_step`), following the split of FasterDecoding/Medusa ``medusa/model/utils.py`` at 10a2697
 (generate candidates -> tree decoding -> evaluate posterior -> update inputs) with all state passed in and out:

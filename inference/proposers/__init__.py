@@ -6,7 +6,8 @@
 
 Tree decoding's drafters fill a whole candidate tree instead (:mod:`inference.proposers.tree_drafters`,
 :class:`TreeDrafter`: started per request, then draft and accept per step; Medusa heads in one call, Hydra heads
-level by level).
+level by level); :mod:`inference.proposers.composite` merges any of them with prompt lookup's drafts
+(:mod:`inference.proposers.prompt_lookup`) in one tree per step.
 """
 
 from __future__ import annotations
