@@ -238,8 +238,8 @@ def table(summary: dict[str, Any]) -> str:
     for batch, best in summary["fastest"].items():
         verdict = ("faster than plain vLLM beyond the noise" if best["beats_plain"] else
                    "not faster than plain vLLM beyond the noise")
-        lines.append(f"batch {batch}: fastest k = {best['k']} ({best['engine']}, {best['tokens_per_second']:.1f} "
-                     f"tokens/s, {best['speedup']:.2f}x plain vLLM {bounds_text(best['over_plain'])}: {verdict})")
+        lines.append(f"batch {batch}: of the drafted lengths, the fastest is k = {best['k']} ({best['engine']}, "
+                     f"{best['tokens_per_second']:.1f} tokens/s, {best['speedup']:.2f}x plain vLLM {bounds_text(best['over_plain'])}: {verdict})")
     return "\n".join(lines)
 
 

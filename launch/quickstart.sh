@@ -7,8 +7,9 @@
 #      top-1 of 0.16 on the model's greedy continuations, 12k self-distilled tokens 0.21. Prompts of at most 128
 #      tokens, 192-token replies and 128 rows per generate call make about 6x the tokens per minute of 16 rows;
 #   3. medusa-tune-tree: head accuracy on held-out ShareGPT prompts + this CPU's verification latency -> the tree sizes
-#      predicted best, each decoded on 4 of those prompts: the fastest kept when it beats the prediction beyond the noise;
-#   4. medusa-eval: every decoder on MT-Bench first turns (one per category), the summary table printed at the end;
+#      predicted best, each decoded on 8 of those prompts: the fastest kept when it beats the prediction beyond the noise;
+#      and the composite tree's split (the heads' nodes and prompt lookup's draft in one tree), decoded the same way;
+#   4. medusa-eval: our decoders on MT-Bench first turns (one per category), the summary table printed at the end;
 #   5. with vLLM's environment (bash launch/install_vllm.sh): plain vLLM against vLLM with these heads, batch 1 and 8.
 # QUICKSTART_DRAFTER=eagle3 trains an EAGLE-3 drafter instead (heads=eagle3: one decoder layer over three target
 # layers, a 4,096-token draft vocabulary, the training-time test), =both trains both: on the same self-distilled
@@ -26,7 +27,8 @@
 #   QUICKSTART_EVAL_TOKENS (64), QUICKSTART_DISTILL_ENGINE (auto: vllm when its environment is installed, else hf),
 #   QUICKSTART_DISTILL_DTYPE (auto: vLLM generates in bf16 where the hardware multiplies bf16 natively; hf generates
 #   with the fp32 training model), QUICKSTART_DRAFTER (medusa: Medusa-1 heads; eagle3: an EAGLE-3 drafter in
-#   $QUICKSTART_OUT/eagle3; both: both, each summary printed).
+#   $QUICKSTART_OUT/eagle3; both: both, each summary printed); MEDUSA_VLLM_VENV (.venv-vllm: vLLM's environment,
+#   bash launch/install_vllm.sh).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -67,8 +69,9 @@ train=(model=smollm2_135m model.dtype=float32 data=sharegpt data.self_distill=tr
        data.generation_batch_size=128 data.eval_fraction=0.03 max_length=320 hidden_cache=true
        heads.head_vocab_size="$head_vocab" trainer=cpu trainer.precision=fp32 trainer.learning_rate=2e-3
        trainer.num_train_epochs="$epochs" trainer.per_device_train_batch_size=8 trainer.save_steps=100)
+# 8 timed prompts: on 4, the composite tree's splits differed by less than their noise (2026-12-02, a fresh clone)
 tune=(dtype="$dtype" prompts.num_prompts="$tune_prompts" max_new_tokens=96 latency_sizes='[1,2,4,8,12,16,24,32]'
-      max_nodes=31 repeats=3)
+      max_nodes=31 repeats=3 timed_prompts=8)
 evaluate=(prompts=mt_bench per_category=1 max_turns=1 max_new_tokens="$eval_tokens" dtype="$dtype")
 
 if [[ "$drafter" != eagle3 ]]; then
