@@ -239,7 +239,8 @@ def table(summary: dict[str, Any]) -> str:
         verdict = ("faster than plain vLLM beyond the noise" if best["beats_plain"] else
                    "not faster than plain vLLM beyond the noise")
         lines.append(f"batch {batch}: of the drafted lengths, the fastest is k = {best['k']} ({best['engine']}, "
-                     f"{best['tokens_per_second']:.1f} tokens/s, {best['speedup']:.2f}x plain vLLM {bounds_text(best['over_plain'])}: {verdict})")
+                     f"{best['tokens_per_second']:.1f} tokens/s, {best['speedup']:.2f}x plain vLLM "
+                     f"{bounds_text(best['over_plain'])}: {verdict})")
     return "\n".join(lines)
 
 
@@ -317,7 +318,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         for r in runs.values():
             r.pop("outputs")
     summary = {"engine": f"vllm {version}", "model": path, "export": str(args.export), "speculative_configs": specs,
-               "ks": ks, "default_k": default_k, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+               "ks": ks, "default_k": default_k, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+               "dtype": args.dtype,
                "compute_threads": threads, "paused_between_turns": True, "enforce_eager": args.enforce_eager,
                "engines_start_s": start_s, "batches": batches,
                "fastest": {batch: fastest(runs, ks) for batch, runs in batches.items()}}

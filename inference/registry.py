@@ -4,8 +4,8 @@ Adding a decoder is one :class:`DecoderEntry` in :data:`REGISTRY`: its settings 
 missing required settings) by :func:`decoder_settings` before any model is loaded, and :func:`build_decoder` turns
 them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model.
 
-Names: ``vanilla``, ``medusa``, ``composite``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the real engine
-``vllm`` / ``vllm_medusa`` / ``vllm_eagle3``. The vLLM decoders run in vLLM's own environment (``bash
+Names: ``vanilla``, ``medusa``, ``composite``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the
+real engine ``vllm`` / ``vllm_medusa`` / ``vllm_eagle3``. The vLLM decoders run in vLLM's own environment (``bash
 launch/install_vllm.sh``) and only when listed in ``decoders``: they are left out of the default list.
 """
 

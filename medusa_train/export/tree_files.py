@@ -190,8 +190,8 @@ def check_composite_tree(data: Any, path: Path, num_heads: int | None, head_voca
 def read_tree_files(export_dir: str | Path, num_heads: int | None = None,
                     head_vocab: int | None = None) -> dict[str, Any]:
     """The tuned files of an export that exist, checked: ``{"medusa_choices": [[int]], "head_accuracy": {...},
-    "latency_profile": {...}, "dynamic_tree": {...}, "composite_tree": {...}}`` (keys of :data:`TREE_FILES`; a missing file is a missing
-    key), each as written.
+    "latency_profile": {...}, "dynamic_tree": {...}, "composite_tree": {...}}`` (keys of :data:`TREE_FILES`; a missing
+    file is a missing key), each as written.
 
     Args:
         export_dir: the export folder.

@@ -46,8 +46,9 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
 
     Returns:
         ``{"medusa_choices", "expected_accept_length", "replayed_accept_length", "head_accuracy",
-        "latency_profile", "rates", "chosen", "dynamic_tree", "composite_tree"}``: the two τ predictions of the chosen tree, by the
-        formula (:func:`~medusa_train.tuning.search.expected_accept_length`) and replayed on the tuning prompts
+        "latency_profile", "rates", "chosen", "dynamic_tree", "composite_tree"}``: the two τ predictions of the chosen
+        tree, by the formula (:func:`~medusa_train.tuning.search.expected_accept_length`) and replayed on the tuning
+        prompts
         (:func:`~medusa_train.tuning.replay.replayed_accept_length`, what the decoder measures on them); ``chosen``:
         how the size was chosen (``by``: ``timed``, the shortlist decoded on ``timed_prompts`` tuning prompts and
         the fastest kept when it beats the predicted best beyond the noise, ``margin`` its speed over the predicted
