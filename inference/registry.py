@@ -354,7 +354,7 @@ def _build_composite(settings: CompositeSettings, ctx: BuildContext) -> BuiltDec
                           dynamic_tree=settings.dynamic_tree, composite=composite)
     decoder.name = "composite"
     info = {"head_type": ctx.model.head_type, "tree_source": tree_source, "composite": composite.as_dict(),
-            "composite_source": source, "tree_nodes": composite.nodes + 1}
+            "composite_source": source, "tree_nodes": decoder.tree.num_nodes}
     if choices is not None:
         info["medusa_choices"] = [list(p) for p in choices]
     return BuiltDecoder(decoder, info)
