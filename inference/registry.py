@@ -137,14 +137,12 @@ class CompositeSettings(MedusaSettings):
     max_matching_ngram_size: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
 
     def validate(self) -> None:
-        from inference.proposers.composite import CompositeTree
+        from inference.proposers.composite import setting_split
 
         super().validate()
         if self.nodes is not None:  # against the lookup fields set; the rest once the export's split is read
-            try:
-                CompositeTree(self.nodes, self.lookup_length or 1, self.lookup_matches or 1)
-            except ValueError as e:
-                raise ValueError(str(e).replace("composite.", "decoder.composite.")) from None
+            setting_split(nodes=self.nodes, lookup_length=self.lookup_length or 1,
+                          lookup_matches=self.lookup_matches or 1)
 
 
 @dataclass
@@ -335,9 +333,10 @@ def _build_composite(settings: CompositeSettings, ctx: BuildContext) -> BuiltDec
     from medusa_train.export.tree_files import COMPOSITE_FILE, read_tree_files
 
     spec = ctx.model.heads.spec
-    tuned = read_tree_files(ctx.export_dir, spec.num_heads, spec.out_size).get("composite_tree")
+    files = read_tree_files(ctx.export_dir, spec.num_heads, spec.out_size)
+    tuned = files.get("composite_tree")
     if tuned is not None and settings.medusa_choices is None and settings.dynamic_tree is None:
-        _check_tuned_for(read_tree_files(ctx.export_dir).get("latency_profile"), ctx, COMPOSITE_FILE)
+        _check_tuned_for(files.get("latency_profile"), ctx, COMPOSITE_FILE)
         choices, tree_source = tuned["medusa_choices"], f"export {COMPOSITE_FILE}"
     elif settings.dynamic_tree is not None:
         choices, tree_source = None, "decoder.composite.dynamic_tree"

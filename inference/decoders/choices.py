@@ -99,19 +99,16 @@ def resolve_composite(settings: Any, tuned: dict[str, Any] | None, heads_nodes: 
         ValueError: a split that is not valid (``decoder.composite.<field>`` named, e.g. ``nodes`` below the lookup
             drafts' tokens).
     """
-    from inference.proposers.composite import KEYS, LOOKUP_MATCHES, CompositeTree
-    from inference.proposers.prompt_lookup import LOOKUP_LENGTH, MAX_MATCHING_NGRAM_SIZE
+    from inference.proposers.composite import DEFAULTS, KEYS, setting_split
 
-    defaults = {"lookup_length": LOOKUP_LENGTH, "lookup_matches": LOOKUP_MATCHES,
-                "max_matching_ngram_size": MAX_MATCHING_NGRAM_SIZE}
     values, sources = {}, []
     for key in KEYS:
         if getattr(settings, key) is not None:
             values[key], where = getattr(settings, key), "settings"
         elif tuned is not None:
             values[key], where = tuned[key], f"export {COMPOSITE_FILE}"
-        elif key != "nodes":
-            values[key], where = defaults[key], "default"
+        elif key in DEFAULTS:
+            values[key], where = DEFAULTS[key], "default"
         else:
             continue
         if where not in sources:
@@ -120,7 +117,4 @@ def resolve_composite(settings: Any, tuned: dict[str, Any] | None, heads_nodes: 
         values["nodes"] = heads_nodes + values["lookup_length"] * values["lookup_matches"]
         if "default" not in sources:
             sources.append("default")
-    try:
-        return CompositeTree(**values), "+".join(sources)
-    except ValueError as e:
-        raise ValueError(str(e).replace("composite.", "decoder.composite.")) from None
+    return setting_split(**values), "+".join(sources)

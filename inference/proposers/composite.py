@@ -33,6 +33,7 @@ Shapes: B batch, N nodes of the merged tree (root included), N_h nodes of the dr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +71,7 @@ class CompositeTree:
     max_matching_ngram_size: int = MAX_MATCHING_NGRAM_SIZE
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "lookup_length", "lookup_matches", "max_matching_ngram_size"):
+        for name in self.__dataclass_fields__:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"composite.{name} must be a positive int, got {value!r}")
@@ -82,11 +83,24 @@ class CompositeTree:
                              "lookup")
 
     def as_dict(self) -> dict[str, int]:
-        return {"nodes": self.nodes, "lookup_length": self.lookup_length, "lookup_matches": self.lookup_matches,
-                "max_matching_ngram_size": self.max_matching_ngram_size}
+        return dataclasses.asdict(self)
 
 
 KEYS = tuple(CompositeTree.__dataclass_fields__)
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(CompositeTree) if f.default is not dataclasses.MISSING}
+
+
+def setting_split(prefix: str = "decoder.composite", **fields: int) -> CompositeTree:
+    """``CompositeTree(**fields)`` with its errors naming the settings (``<prefix>.<field>``) instead of
+    ``composite.<field>``.
+
+    Raises:
+        ValueError: as :class:`CompositeTree`.
+    """
+    try:
+        return CompositeTree(**fields)
+    except ValueError as e:
+        raise ValueError(str(e).replace("composite.", f"{prefix}.")) from None
 
 
 def composite_tree(value: CompositeTree | Mapping[str, Any] | None) -> CompositeTree | None:
@@ -256,8 +270,6 @@ class CompositeTreeDrafter:
         else:
             paths = _union([p for p, _ in merged], split.nodes)
             token_of = [dict(zip(p, t)) for p, t in merged]
-        if not paths:  # nothing drafted (a budget spent on nothing cannot happen: nodes >= 1); verify the root alone
-            paths, token_of = [(0,)], [{(0,): r} for r in roots]
         tree = tree_of_paths(tuple(paths), root.device)
         tokens = [[r] + [row.get(p, r) for p in tree.paths] for r, row in zip(roots, token_of)]
         return torch.tensor(tokens, dtype=torch.long, device=root.device), tree
@@ -275,5 +287,5 @@ def _union(rows: Sequence[Sequence[Path]], budget: int) -> list[Path]:
     return list(union)
 
 
-__all__ = ["KEYS", "LOOKUP_MATCHES", "CompositeShape", "CompositeTree", "CompositeTreeDrafter", "composite_tree",
-           "merge", "priority_order"]
+__all__ = ["DEFAULTS", "KEYS", "LOOKUP_MATCHES", "CompositeShape", "CompositeTree", "CompositeTreeDrafter",
+           "composite_tree", "merge", "priority_order", "setting_split"]

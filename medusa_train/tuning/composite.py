@@ -105,20 +105,18 @@ def tune_composite(model: Any, prompts: Sequence[Sequence[int]], acc: Sequence[S
     def record(split: Split) -> dict[str, Any]:
         return {**composite_of(split).as_dict(), "heads_nodes": split[0]}
 
-    def tree(split: Split) -> list[list[int]]:
-        return greedy_tree(acc, sum_nodes(split))
-
     if not prompts:
-        return {**record(reference), "medusa_choices": tree(reference), "tokens_per_s": None,
+        return {**record(reference), "medusa_choices": greedy_tree(acc, sum_nodes(reference)), "tokens_per_s": None,
                 "mean_accepted_tokens": None, "chosen": {"by": "default", "reference": record(reference)}}
-    width = max(1 + max(p) for split in splits for p in tree(split))
+    tree = {split: greedy_tree(acc, sum_nodes(split)) for split in splits}  # the heads' best tree of each budget
+    width = max(1 + max(p) for choices in tree.values() for p in choices)
     topk = min(model.heads.spec.out_size, max(topk, width))
-    decoders = {split: TreeDecoder(model, tree(split), topk=topk, composite=composite_of(split)) for split in splits}
+    decoders = {split: TreeDecoder(model, tree[split], topk=topk, composite=composite_of(split)) for split in splits}
     timed = time_decoders(decoders, prompts, max_new_tokens)
     kept, margin = choose(timed, reference)
     log.info("decoded %d tuning prompts with %d composite splits: kept %s (the reference: %s; %s)", len(prompts),
              len(timed), record(kept), record(reference), describe_choice(margin, "reference", "reference"))
-    return {**record(kept), "medusa_choices": tree(kept), "tokens_per_s": timed[kept]["tokens_per_s"],
+    return {**record(kept), "medusa_choices": tree[kept], "tokens_per_s": timed[kept]["tokens_per_s"],
             "mean_accepted_tokens": timed[kept]["mean_accepted_tokens"],
             "chosen": {"by": "timed", "reference": record(reference),
                        "timed": [{**record(split), **row} for split, row in timed.items()],
