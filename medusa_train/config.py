@@ -283,6 +283,7 @@ class HeadsConfig(StageOneSettings, JointSettings, HeadsTraining, HeadShape):
 DATA_SOURCES = ("sharegpt", "json", "hf_disk", "prompts")
 DISTILL_ENGINES = ("hf", "vllm", "server")
 PRECISIONS = ("fp32", "bf16", "fp16")
+BASE_PLACEMENTS = ("auto", "replicated", "zero3")
 STRATEGIES = ("single", "ddp", "deepspeed")
 
 
@@ -412,6 +413,9 @@ class TrainerConfig:
         precision: ``fp32``, ``bf16`` or ``fp16`` mixed precision for the heads.
         logging_steps, save_steps, save_total_limit: log and checkpoint cadence (checkpoints are atomic).
         dataloader_num_workers: DataLoader worker processes.
+        loss_chunk_size: rows (one head at one position) projected onto the vocabulary at once by the heads' loss:
+            the loss holds at most ``loss_chunk_size x V'`` logits (and their gradient) at a time, however many
+            positions a batch counts (``docs/scale.md``: at a 128k vocabulary a whole batch's logits are gigabytes).
         disable_tqdm: hide the progress bar (shown on rank 0 only).
         extra: further TrainingArguments keywords, passed through unchanged.
     """
@@ -441,6 +445,7 @@ class TrainerConfig:
     dataloader_num_workers: int = field(default=0, metadata=bound(0, cap=MAX_PROCESSES,
                                                                   hint="0: load in the main process"))
     disable_tqdm: bool = False
+    loss_chunk_size: int = field(default=2048, metadata=bound(1, cap=MAX_COUNT))
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -495,6 +500,10 @@ class TrainConfig:
         max_length: tokens kept per conversation (longer ones are truncated, with a warning and a count).
         hidden_cache: compute the frozen base model's last hidden states once and train the heads from them.
         hidden_cache_dir: where the cache goes; None: ``${output_dir}/hidden_cache``.
+        base_placement: where a frozen base lives while training (Medusa-1, Hydra, EAGLE-3): ``replicated`` (every
+            rank holds the whole base on its device), ``zero3`` (its parameters partitioned over the ranks by
+            DeepSpeed ZeRO-3, every rank running each forward pass in lockstep) or ``auto`` (``zero3`` when the memory
+            plan says one device cannot hold the replicated base, else ``replicated``); ``docs/scale.md``.
         export: write ``${output_dir}/export`` at the end.
         export_vllm: also write the vLLM layout under ``export/vllm`` (Medusa heads; with Hydra heads it is skipped
             with a warning: vLLM's Medusa loader reads Medusa heads only).
@@ -514,6 +523,7 @@ class TrainConfig:
     max_length: int = field(default=512, metadata=bound(2, cap=MAX_TOKENS))
     hidden_cache: bool = False
     hidden_cache_dir: Optional[str] = None
+    base_placement: str = "auto"
     export: bool = True
     export_vllm: bool = True
     push_to_hub: bool = False
@@ -539,6 +549,8 @@ class TrainConfig:
             published = [e for e in drafter_types() if e.layout == MEDUSA_LAYOUT]
             raise ValueError(f"push_to_hub=true: medusa-publish publishes {titles(published)} heads (FasterDecoding, "
                              f"TGI and vLLM layouts); {entry.title} heads have no such layout yet. Set push_to_hub=false")
+        if self.base_placement not in BASE_PLACEMENTS:
+            raise ValueError(f"base_placement must be one of {BASE_PLACEMENTS}, got {self.base_placement!r}")
         if self.resume and self.overwrite:
             raise ValueError("resume=true and overwrite=true contradict each other; choose one")
         if self.hidden_cache and self.heads.mode != "medusa1":
