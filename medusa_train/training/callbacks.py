@@ -9,12 +9,20 @@ checkpoint of the new run is sealed (:mod:`medusa_train.training.run_dir`).
 :class:`ExitAfterStep` stops the process abruptly (``os._exit``: no cleanup, no final save) once a given optimizer step
 has finished, to test that a killed run resumes to the same heads. ``medusa-train`` adds it when the environment
 variable ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds a step number (tests and fault-injection drills only).
+
+:class:`StopOnSignal` turns SIGTERM or SIGUSR1 (SLURM's preemption and its ``--signal`` warning, ``scancel``) into a
+sealed checkpoint at the end of the current optimizer step and an exit with :data:`PREEMPTED_EXIT_CODE`, which
+``launch/slurm.sbatch`` answers with a requeue; the requeued run resumes from that checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+from typing import Any
+
+import torch
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -26,6 +34,21 @@ log = logging.getLogger(__name__)
 
 EXIT_ENV = "MEDUSA_TRAIN_EXIT_AFTER_STEP"
 EXIT_CODE = 17
+SIGNAL_ENV = "MEDUSA_TRAIN_SIGNAL_AT_STEP"  # "N" or "N:RANK": SIGTERM to this process as step N begins (drills)
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped on a signal, checkpoint sealed, run again to resume
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SystemExit):
+    """The run stopped on a signal after sealing a checkpoint: exit with :data:`PREEMPTED_EXIT_CODE` (no export)."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step, self.signum = step, signum
+
+    def __str__(self) -> str:
+        return (f"stopped on {signal.Signals(self.signum).name} after step {self.step}, checkpoint sealed; run the "
+                f"same command with resume=true to continue (exit code {PREEMPTED_EXIT_CODE})")
 
 
 class SealCheckpoints(TrainerCallback):
@@ -101,6 +124,50 @@ class ExitAfterStep(TrainerCallback):
             self._exit(state)
 
 
+class StopOnSignal(TrainerCallback):
+    """Stop at the end of the optimizer step in which SIGTERM or SIGUSR1 arrived, after saving a checkpoint.
+
+    The handler only records the signal. At each step's end every rank takes the largest signal number any rank
+    received (one all-reduce of one integer: ranks may get the signal a step apart, and all must save at the same
+    step or the checkpoint's collective calls hang); when one arrived, the Trainer saves (sealed by
+    :class:`SealCheckpoints`) and stops, and :attr:`stopped_at` holds the step. A signal during the last step lets the
+    run finish. The previous handlers are put back at the end of training (``on_train_end``).
+
+    Args:
+        signals: the signals handled (:data:`STOP_SIGNALS`).
+    """
+
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS) -> None:
+        self.received = 0
+        self.stopped_at: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        log.warning("received %s: saving a checkpoint at the end of this step, then stopping",
+                    signal.Signals(signum).name)
+        self.received = signum
+
+    def _agreed(self, args: TrainingArguments) -> int:
+        flag = self.received
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            t = torch.tensor([flag], device=args.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            flag = int(t.item())
+        return flag
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        signum = self._agreed(args)
+        if signum and state.global_step < state.max_steps:
+            self.received = signum
+            self.stopped_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
 def exit_callback_from_env() -> ExitAfterStep | None:
     """:class:`ExitAfterStep` when ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds a step number, else None.
 
@@ -113,3 +180,31 @@ def exit_callback_from_env() -> ExitAfterStep | None:
     if not value.isdigit():
         raise ValueError(f"{EXIT_ENV} must be a step number, got {value!r}")
     return ExitAfterStep(int(value))
+
+
+class SignalAtStep(TrainerCallback):
+    """Send SIGTERM to this process as optimizer step ``step`` begins (on rank ``rank`` only, or every rank when None):
+    a preemption at a known step, for tests and drills. ``medusa-train`` adds it when ``MEDUSA_TRAIN_SIGNAL_AT_STEP``
+    holds ``N`` or ``N:RANK``."""
+
+    def __init__(self, step: int, rank: int | None = None) -> None:
+        self.step, self.rank = step, rank
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        if state.global_step + 1 == self.step and self.rank in (None, args.process_index):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def signal_callback_from_env() -> SignalAtStep | None:
+    """:class:`SignalAtStep` when ``MEDUSA_TRAIN_SIGNAL_AT_STEP`` holds ``N`` or ``N:RANK``, else None.
+
+    Raises:
+        ValueError: the variable is not of that form.
+    """
+    value = os.environ.get(SIGNAL_ENV)
+    if not value:
+        return None
+    step, _, rank = value.partition(":")
+    if not step.isdigit() or int(step) < 1 or (rank and not rank.isdigit()):
+        raise ValueError(f"{SIGNAL_ENV} must be a step >= 1, optionally ':RANK' (e.g. 3 or 3:1), got {value!r}")
+    return SignalAtStep(int(step), int(rank) if rank else None)
