@@ -8,7 +8,8 @@ checkpoint of the new run is sealed (:mod:`medusa_train.training.run_dir`).
 
 :class:`ExitAfterStep` stops the process abruptly (``os._exit``: no cleanup, no final save) once a given optimizer step
 has finished, to test that a killed run resumes to the same heads. ``medusa-train`` adds it when the environment
-variable ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds a step number (tests and fault-injection drills only).
+variable ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds a step number, ``N:RANK`` for one rank alone (tests and
+fault-injection drills only).
 
 :class:`StopOnSignal` turns SIGTERM or SIGUSR1 (SLURM's preemption and its ``--signal`` warning, ``scancel``) into a
 sealed checkpoint at the end of the current optimizer step and an exit with :data:`PREEMPTED_EXIT_CODE`, which
@@ -99,29 +100,56 @@ class DiscardOverwritten(TrainerCallback):
 
 
 class ExitAfterStep(TrainerCallback):
-    """Kill this process with exit code :data:`EXIT_CODE` right after optimizer step ``step`` (and its save, if any).
+    """Kill this process with exit code :data:`EXIT_CODE` right after optimizer step ``step`` (and its save, if any),
+    on rank ``rank`` only (a rank dying alone, as from an OOM kill) or on every rank when None.
 
     ``on_step_end`` runs before the step's checkpoint is written, so the exit happens in ``on_save`` (after
     :class:`SealCheckpoints` sealed it) when the step is a save step and in ``on_step_end`` itself otherwise; either
     way no step after ``step`` runs.
     """
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, rank: int | None = None) -> None:
         if step < 1:
             raise ValueError(f"{EXIT_ENV} must be a step >= 1, got {step}")
-        self.step = step
+        self.step, self.rank = step, rank
 
-    def _exit(self, state: TrainerState) -> None:
-        log.warning("exiting at step %d (%s)", state.global_step, EXIT_ENV)
-        os._exit(EXIT_CODE)
+    def _exit(self, args: TrainingArguments, state: TrainerState) -> None:
+        if self.rank in (None, args.process_index):
+            log.warning("exiting at step %d (%s)", state.global_step, EXIT_ENV)
+            os._exit(EXIT_CODE)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if state.global_step > self.step or (state.global_step == self.step and not control.should_save):
-            self._exit(state)
+            self._exit(args, state)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if state.global_step >= self.step:
-            self._exit(state)
+            self._exit(args, state)
+
+
+def _step_and_rank(name: str) -> tuple[int, int | None] | None:
+    """``(N, RANK or None)`` from the variable ``name`` holding ``N`` or ``N:RANK``; None when it is unset or empty.
+
+    Raises:
+        ValueError: another value (the variable named).
+    """
+    value = os.environ.get(name)
+    if not value:
+        return None
+    step, _, rank = value.partition(":")
+    if not step.isdigit() or int(step) < 1 or (rank and not rank.isdigit()):
+        raise ValueError(f"{name} must be a step >= 1, optionally ':RANK' (e.g. 3 or 3:1), got {value!r}")
+    return int(step), int(rank) if rank else None
+
+
+def exit_callback_from_env() -> ExitAfterStep | None:
+    """:class:`ExitAfterStep` when ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds ``N`` or ``N:RANK``, else None.
+
+    Raises:
+        ValueError: the variable is not of that form.
+    """
+    parsed = _step_and_rank(EXIT_ENV)
+    return None if parsed is None else ExitAfterStep(*parsed)
 
 
 class StopOnSignal(TrainerCallback):
@@ -168,20 +196,6 @@ class StopOnSignal(TrainerCallback):
             signal.signal(s, handler)
 
 
-def exit_callback_from_env() -> ExitAfterStep | None:
-    """:class:`ExitAfterStep` when ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds a step number, else None.
-
-    Raises:
-        ValueError: the variable is not a positive integer.
-    """
-    value = os.environ.get(EXIT_ENV)
-    if not value:
-        return None
-    if not value.isdigit():
-        raise ValueError(f"{EXIT_ENV} must be a step number, got {value!r}")
-    return ExitAfterStep(int(value))
-
-
 class SignalAtStep(TrainerCallback):
     """Send SIGTERM to this process as optimizer step ``step`` begins (on rank ``rank`` only, or every rank when None):
     a preemption at a known step, for tests and drills. ``medusa-train`` adds it when ``MEDUSA_TRAIN_SIGNAL_AT_STEP``
@@ -201,10 +215,5 @@ def signal_callback_from_env() -> SignalAtStep | None:
     Raises:
         ValueError: the variable is not of that form.
     """
-    value = os.environ.get(SIGNAL_ENV)
-    if not value:
-        return None
-    step, _, rank = value.partition(":")
-    if not step.isdigit() or int(step) < 1 or (rank and not rank.isdigit()):
-        raise ValueError(f"{SIGNAL_ENV} must be a step >= 1, optionally ':RANK' (e.g. 3 or 3:1), got {value!r}")
-    return SignalAtStep(int(step), int(rank) if rank else None)
+    parsed = _step_and_rank(SIGNAL_ENV)
+    return None if parsed is None else SignalAtStep(*parsed)

@@ -8,12 +8,21 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from medusa_train.paths import REPO_ROOT
 from medusa_train.training import checkpoints
-from medusa_train.training.callbacks import PREEMPTED_EXIT_CODE, SIGNAL_ENV, Preempted, signal_callback_from_env
+from medusa_train.training.callbacks import (
+    EXIT_CODE,
+    EXIT_ENV,
+    PREEMPTED_EXIT_CODE,
+    SIGNAL_ENV,
+    Preempted,
+    exit_callback_from_env,
+    signal_callback_from_env,
+)
 from medusa_train.training.recipe import build_recipe
 from tests.medusa_train.test_distributed import check_ok, free_port
 from tests.medusa_train.test_training import compose_train, tiny_overrides, write_tiny_inputs
@@ -79,7 +88,30 @@ def test_a_single_process_run_exits_with_the_requeue_code(inputs, tmp_path):
 
 
 @pytest.mark.parametrize("value", ["0", "x", "3:a", "-1"])
-def test_a_bad_drill_variable_is_named(value, monkeypatch):
-    monkeypatch.setenv(SIGNAL_ENV, value)
-    with pytest.raises(ValueError, match=SIGNAL_ENV):
-        signal_callback_from_env()
+@pytest.mark.parametrize("name,parse", [(SIGNAL_ENV, signal_callback_from_env), (EXIT_ENV, exit_callback_from_env)])
+def test_a_bad_drill_variable_is_named(name, parse, value, monkeypatch):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        parse()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_dying_alone_stops_the_run_at_once_naming_it_and_the_rerun_resumes(inputs, tmp_path):
+    model_dir, data, _ = inputs
+    run = tmp_path / "run"
+    overrides = ["trainer=ddp", *tiny_overrides(model_dir, data, run, **{"trainer.save_steps": 2, "trainer.precision":
+                                                                          "fp32", "trainer.per_device_train_batch_size": 2})]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "medusa_train.cli.train"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", EXIT_ENV: "3:1"}  # rank 1 dies
+    start = time.monotonic()
+    result = subprocess.run([*cmd[:3], f"--master_port={free_port()}", *cmd[3:], *overrides], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode != 0 and f"exitcode  : {EXIT_CODE}" in result.stderr, result.stderr[-3000:]
+    assert "rank      : 1" in result.stderr  # torchrun names the rank that died first
+    assert time.monotonic() - start < 120  # the survivor did not wait out a collective's timeout
+    assert checkpoints.latest_complete(run / "checkpoints").name == "checkpoint-2"
+    env.pop(EXIT_ENV)
+    check_ok(subprocess.run([*cmd[:3], f"--master_port={free_port()}", *cmd[3:], *overrides, "resume=true"],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400))
+    assert (run / "export").is_dir()
