@@ -67,7 +67,8 @@ class Fix:
     """Setting changes that make a plan fit.
 
     Attributes:
-        changes: ``key=value`` overrides of ``medusa-train`` (``trainer=deepspeed_zero2``).
+        changes: ``key=value`` overrides of ``medusa-train`` (``trainer=deepspeed_zero2``), and ``WORLD_SIZE=N``
+            where the run needs N GPUs (the launcher's setting: ``torchrun --nnodes`` x ``--nproc_per_node``).
         plan: the plan with them.
     """
 
@@ -82,7 +83,7 @@ def _halvings(value: int, floor: int) -> list[int]:
     return out
 
 
-FIX_ORDER = ("gpus", "trainer", "heads.share_lm_head", "trainer.per_device_train_batch_size",
+FIX_ORDER = ("WORLD_SIZE", "trainer", "heads.share_lm_head", "trainer.per_device_train_batch_size",
              "trainer.loss_chunk_size")  # which change a fix prefers, among fixes of as many changes
 
 
@@ -112,7 +113,7 @@ def find_fix(target_config: Any, heads_cfg: Any, s: PlanSettings) -> Fix | None:
     def attempt(gpus: int, zero: int, share: bool, batch: int, chunk: int) -> Fix:
         changes = []
         if gpus != s.gpus:
-            changes.append(f"gpus={gpus}")
+            changes.append(f"WORLD_SIZE={gpus}")  # the launcher's: torchrun --nnodes x --nproc_per_node
         if zero != s.zero_stage:
             changes.append(f"trainer={PRESETS[zero]}")
         if share != heads_cfg.share_lm_head:
