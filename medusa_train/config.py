@@ -504,6 +504,10 @@ class TrainConfig:
             rank holds the whole base on its device), ``zero3`` (its parameters partitioned over the ranks by
             DeepSpeed ZeRO-3, every rank running each forward pass in lockstep) or ``auto`` (``zero3`` when the memory
             plan says one device cannot hold the replicated base, else ``replicated``); ``docs/scale.md``.
+        plan_device_gib: the memory of one device (GiB, 2**30 bytes) the memory plan checks the run against before
+            the base loads (:mod:`medusa_train.planning.run_check`); None: what the device reports (each GPU's
+            ``total_memory``, or on a CPU run the host's RAM shared by its ranks). Set it to plan for a smaller
+            budget than the device has, or in tests.
         export: write ``${output_dir}/export`` at the end.
         export_vllm: also write the vLLM layout under ``export/vllm`` (Medusa heads; with Hydra heads it is skipped
             with a warning: vLLM's Medusa loader reads Medusa heads only).
@@ -524,6 +528,8 @@ class TrainConfig:
     hidden_cache: bool = False
     hidden_cache_dir: Optional[str] = None
     base_placement: str = "auto"
+    plan_device_gib: Optional[float] = field(default=None, metadata=bound(
+        0, low_open=True, hint="GiB of one device for the memory plan; null: what the device reports"))
     export: bool = True
     export_vllm: bool = True
     push_to_hub: bool = False

@@ -66,20 +66,24 @@ def _main(cfg: DictConfig) -> None:
 
 def train(cfg: Any) -> dict[str, Any]:
     """One ``medusa-train`` run: the recipe of ``heads.mode`` (:data:`~medusa_train.training.recipe.RECIPES`:
-    Medusa-1 or Medusa-2), then with ``push_to_hub=true`` the upload of its export (rank 0), the repository and token
-    checked before any model loads.
+    Medusa-1 or Medusa-2), refused before any weight loads when its memory plan does not fit
+    (:func:`~medusa_train.planning.run_check.check_run_memory`), then with ``push_to_hub=true`` the upload of its
+    export (rank 0), the repository and token checked before any model loads.
 
     Returns:
         The recipe's summary, with ``hub_url`` when the export was published.
 
     Raises:
-        ValueError: invalid settings. PublishError: ``push_to_hub=true`` without a usable token or repository (before
-            training), or a failed upload (the export is kept; the message gives the ``medusa-publish`` command).
+        ValueError: invalid settings, or a stage the memory plan says cannot fit (the setting to change named).
+            PublishError: ``push_to_hub=true`` without a usable token or repository (before training), or a failed
+            upload (the export is kept; the message gives the ``medusa-publish`` command).
     """
+    from medusa_train.planning.run_check import check_run_memory
     from medusa_train.publish import check_publish_ready
     from medusa_train.training.recipe import build_recipe
 
     recipe = build_recipe(cfg)  # every setting checked
+    check_run_memory(recipe.cfg, recipe.env.world_size)  # before any weight loads or the folder changes
     hub = recipe.cfg.push_to_hub
     if hub:
         check_publish_ready(recipe.cfg.hub_repo_id)  # repo name, offline mode and token

@@ -1,0 +1,197 @@
+"""The target model and the drafter built on PyTorch's ``meta`` device: shapes without storage, so a 70B model
+"builds" in about two seconds on a laptop and nothing is downloaded or allocated.
+
+:func:`target_sizes` reads what the memory plan needs of the target (exact parameter counts of the whole model, its
+largest decoder layer, embeddings, lm_head, and the attention shape the KV cache follows); :func:`heads_sizes` builds
+the drafter of ``heads.*`` through the project's own classes (:mod:`medusa_train.drafters.catalog`) on ``meta`` and
+counts its parameters. Counts are ``numel`` sums, exact; bytes follow from a dtype chosen by the caller (a meta
+tensor's own dtype is whatever the config said, not what the run loads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TargetSizes:
+    """What the plan needs of the target model (parameter counts exact, from the meta model).
+
+    Attributes:
+        params: all parameters (tied weights counted once).
+        largest_layer: the largest decoder layer's parameters (what ZeRO-3 gathers at once in a forward pass).
+        embed: the input embeddings ``[V, H]``.
+        lm_head: the output projection ``[V, H]`` (0 when tied to the embeddings: already in ``embed``).
+        num_layers, hidden_size, vocab_size, intermediate_size: L, H, V, the MLP width.
+        num_attention_heads, num_kv_heads, head_dim: the attention's shape (the KV cache's per layer:
+            ``2 x num_kv_heads x head_dim`` values per token).
+        linear_widths: per decoder layer, the sum over its linear maps of ``in + out`` features (the activations a
+            forward with gradient saves per token and layer: each map's input and output).
+        lora_widths: per decoder layer, ``name -> in + out`` of each linear map (LoRA's ``r x (in + out)`` params).
+        dtype_name: the dtype the config names (``torch_dtype``), e.g. ``bfloat16``.
+    """
+
+    params: int
+    largest_layer: int
+    embed: int
+    lm_head: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    linear_widths: int
+    lora_widths: dict[str, int]
+    dtype_name: str
+
+    @property
+    def largest_gathered(self) -> int:
+        """The largest block ZeRO-3 gathers whole: a decoder layer, the embeddings or the lm_head."""
+        return max(self.largest_layer, self.embed, self.lm_head)
+
+
+def load_target_config(path: str | Path) -> Any:
+    """The transformers ``PretrainedConfig`` of a ``config.json`` file or a local model folder (no network).
+
+    Raises:
+        ValueError: nothing readable there (the path named).
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read a model config at {path}: {e}") from e
+
+
+def meta_target(config: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_config(config)`` on the ``meta`` device (no weights, no storage)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def count(module: nn.Module) -> int:
+    """Parameters of ``module`` (tied weights once)."""
+    return sum(p.numel() for p in module.parameters())
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The longest ``ModuleList`` of the model: its decoder layers."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no list of decoder layers to plan for")
+    return max(lists, key=len)
+
+
+_MEASURED: dict[str, TargetSizes] = {}  # config JSON -> its sizes (a plan and its fixes build the target once)
+
+
+def target_sizes(config: Any) -> TargetSizes:
+    """:class:`TargetSizes` of the target ``config`` (built on meta: :func:`meta_target`; remembered per config)."""
+    key = config.to_json_string()
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure(config)
+    return _MEASURED[key]
+
+
+def _measure(config: Any) -> TargetSizes:
+    model = meta_target(config)
+    text = getattr(config, "get_text_config", lambda: config)()
+    layers = _decoder_layers(model)
+    embed_w = model.get_input_embeddings().weight
+    head_w = model.get_output_embeddings().weight
+    first = layers[0]
+    lora = {name.rsplit(".", 1)[-1]: m.in_features + m.out_features for name, m in first.named_modules()
+            if isinstance(m, nn.Linear)}
+    heads = int(text.num_attention_heads)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return TargetSizes(
+        params=count(model), largest_layer=max(count(layer) for layer in layers), embed=embed_w.numel(),
+        lm_head=0 if head_w is embed_w else head_w.numel(), num_layers=len(layers),
+        hidden_size=int(text.hidden_size), vocab_size=int(head_w.shape[0]),
+        intermediate_size=int(getattr(text, "intermediate_size", None) or 4 * text.hidden_size),
+        num_attention_heads=heads, num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+        linear_widths=sum(lora.values()), lora_widths=lora,
+        dtype_name=str(dtype).removeprefix("torch."),
+    )
+
+
+@dataclass(frozen=True)
+class HeadsSizes:
+    """What the plan needs of the drafter (exact counts, from the meta drafter).
+
+    Attributes:
+        head_type: its type (``medusa``, ``hydra``, ``eagle3``).
+        params: trainable parameters.
+        largest_param: the largest single parameter (ZeRO-3 gathers a parameter whole; Medusa's stacked
+            ``lm_head_weight [K, V', H]`` is one).
+        out_size: V', the logits each head (step) produces.
+        linear_widths: sum over its weight matrices, projections onto V' left out, of ``(in + out) x`` the number
+            of maps stacked in the matrix (Medusa's ``block_weight [K, L, H, H]`` is K x L maps): the activations
+            one pass saves per token.
+        passes: how often one training step runs those maps per token (an EAGLE-3 drafter's K unrolled steps; 1
+            for heads that read the target's features once).
+        features: the target features it reads (:mod:`medusa_train.features` names).
+        reads_path: it reads the base's input embeddings of the path tokens.
+        num_heads: K.
+    """
+
+    head_type: str
+    params: int
+    largest_param: int
+    out_size: int
+    linear_widths: int
+    passes: int
+    features: tuple[str, ...]
+    reads_path: bool
+    num_heads: int
+
+
+def meta_heads(heads_cfg: Any, target_config: Any, sizes: TargetSizes) -> tuple[nn.Module, Any]:
+    """The drafter ``heads_cfg`` (``heads.*``, :class:`~medusa_train.config.HeadShape`) describes for the target,
+    built on meta through its registered class; returns ``(module, spec)``.
+
+    Raises:
+        ValueError: settings the drafter refuses (from its spec, naming the field).
+    """
+    from medusa_train.drafters.catalog import drafter_type, heads_from_spec, new_spec
+
+    entry = drafter_type(heads_cfg.head_type, "heads.head_type")
+    spec = new_spec(heads_cfg.head_type, entry.spec_options(heads_cfg), target_config,
+                    num_heads=heads_cfg.medusa_num_heads, num_layers=heads_cfg.medusa_num_layers,
+                    hidden_size=sizes.hidden_size, vocab_size=sizes.vocab_size,
+                    share_lm_head=heads_cfg.share_lm_head, head_vocab_size=heads_cfg.head_vocab_size)
+    with torch.device("meta"):
+        token_map = None if spec.head_vocab_size is None else torch.zeros(spec.head_vocab_size, dtype=torch.long)
+        return heads_from_spec(spec, token_map), spec
+
+
+def heads_sizes(heads_cfg: Any, target_config: Any, sizes: TargetSizes) -> HeadsSizes:
+    """:class:`HeadsSizes` of the drafter of ``heads_cfg`` (see :func:`meta_heads`)."""
+    from medusa_train.drafters.catalog import type_of
+
+    module, spec = meta_heads(heads_cfg, target_config, sizes)
+    entry = type_of(spec)
+    widths = 0
+    for name, p in module.named_parameters():
+        # a weight matrix [..., out, in] (biases and norms left out), not a projection onto V'
+        if name.endswith("weight") and p.ndim >= 2 and p.shape[-2] != spec.out_size:
+            widths += (p.shape[-1] + p.shape[-2]) * (p.numel() // (p.shape[-1] * p.shape[-2]))
+    return HeadsSizes(head_type=entry.name, params=count(module), largest_param=max(p.numel() for p in
+                                                                                    module.parameters()),
+                      out_size=spec.out_size, linear_widths=widths, passes=spec.num_heads if entry.sequence else 1,
+                      features=entry.feature_names(spec), reads_path=entry.reads_path, num_heads=spec.num_heads)
+
+
+__all__ = ["HeadsSizes", "TargetSizes", "count", "heads_sizes", "load_target_config", "meta_heads", "meta_target",
+           "target_sizes"]
