@@ -1,40 +1,37 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with NVIDIA GPUs, meant to finish in under 15 minutes (pip caches warm), printing
-# one table at the end:
-#   1. install: the project's venv (launch/install.sh: torch==2.13.0 pinned, PyPI's Linux wheel is the CUDA build)
-#      and checks that torch sees CUDA; vLLM's own venv with launch/install_vllm.sh when that script exists;
-#   2. train: Medusa-1 heads on SmolLM2-135M-Instruct for a few steps, bf16, DDP over nccl under torchrun: one
-#      rank, then two ranks when the machine has 2+ GPUs;
-#   3. medusa-tune-tree on the GPU (dtype=auto: bf16 there), then medusa-eval: vanilla, Medusa, the draft model,
-#      Lookahead and the Hugging Face peers on MT-Bench first turns (one per category);
-#   4. vLLM: benchmarks/serve_vllm.py, plain decoding against vLLM's Medusa speculator on the same export;
-#   5. EAGLE-3, the same path for its drafter (heads=eagle3 on SmolLM2): train a few steps with nccl (one rank, two
-#      with 2+ GPUs) and export it with the speculators/ folder vLLM reads, medusa-tune-tree (static and dynamic
-#      tree), medusa-eval of our tree decoder on it against vanilla, and vLLM serving the drafter (serve_vllm.py --k 3).
-# Every step's output goes to $GPU_CHECK_OUT/logs/<step>.log; a failed step is reported and the steps that need it
-# are skipped. Options:
-#   --dry-run       the same steps at toy size on a CPU (gloo instead of nccl, fp32 training, two CPU ranks, no
-#                   vLLM): checks the script itself where no GPU is at hand
-#   --skip-install  use the venv as it is
-#   --skip-vllm     no vLLM install or run
-# Environment: GPU_CHECK_OUT (default runs/gpu_check/<date-time>: a new folder each time), MEDUSA_VENV (.venv),
-# MEDUSA_VLLM_VENV (install_vllm.sh's).
+# One prepared check for the GPU machine, offline, meant to finish in under 9 minutes, printing one table at the end.
+# That machine has no network, takes at most 64 MiB of the tree, and its image has torch, transformers, peft,
+# accelerate, pyarrow and pandas but not hydra-core, omegaconf, datasets or deepspeed: those come as wheels that
+# launch/gpu_wheels.sh fetched into the ignored .gpu_wheels/ on a CPU machine (carry that folder), installed here with
+# `pip install --no-index --no-deps --target`. Every input is built here from a config (no Hub, no SmolLM2).
+#   1. wheels: .gpu_wheels/*.whl into $GPU_CHECK_OUT/site (on PYTHONPATH after this checkout);
+#   2. env: versions of torch, transformers, peft, accelerate, hydra, omegaconf, datasets, deepspeed, and the device;
+#   3. inputs: the test suite's tiny Llama (2 layers, hidden 32) with its character tokenizer, and 40 conversations;
+#   4. train_medusa1 / train_eagle3: a few Medusa-1 and EAGLE-3 training steps on the device (one process);
+#   5. train_2groups: Medusa-1 as two torchrun groups of one process each (--nnodes=2 on one machine: both ranks on
+#      the one GPU), nccl first, gloo when nccl refuses two ranks on one device (its "Duplicate GPU" check);
+#   6. exact: greedy tree decoding = plain greedy decoding for Medusa, Hydra and EAGLE-3 random heads, fp32 and bf16;
+#   7. memory: the memory plan (medusa_train.planning) against torch.cuda.max_memory_allocated for one real step;
+#   8. speed: plain vs tree decoding tokens/s on a model built from a config with random weights (GPU_CHECK_CONFIG,
+#      default .gpu_wheels/llama-3.1-8b.json, else ../shared/assets/configs/llama-3.1-8b.json, else the tiny model).
+# Each step's output goes to $GPU_CHECK_OUT/logs/<step>.log; a failed step is reported and the steps that need it are
+# skipped. Options:
+#   --dry-run   the same steps at toy size on a CPU (fp32, gloo): checks the script where no GPU is at hand
+# Environment: GPU_CHECK_OUT (default runs/gpu_check/<date-time>: a new folder each time), GPU_CHECK_PYTHON (default
+# python3: the image's), GPU_CHECK_CONFIG (the speed step's config.json).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-dry=false skip_install=false skip_vllm=false
+dry=false
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry=true ;;
-    --skip-install) skip_install=true ;;
-    --skip-vllm) skip_vllm=true ;;
-    *) echo "usage: launch/gpu_check.sh [--dry-run] [--skip-install] [--skip-vllm]" >&2; exit 2 ;;
+    *) echo "usage: launch/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
   esac
 done
 out="${GPU_CHECK_OUT:-runs/gpu_check/$(date +%Y%m%d-%H%M%S)}"
-venv="${MEDUSA_VENV:-$root/.venv}"
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-if [[ "$dry" != true && "$gpus" -eq 0 ]]; then
+py="${GPU_CHECK_PYTHON:-python3}"
+if [[ "$dry" != true ]] && ! nvidia-smi -L > /dev/null 2>&1; then
   echo "gpu_check: no NVIDIA GPU here (nvidia-smi -L lists none); on a CPU run launch/gpu_check.sh --dry-run" >&2
   exit 2
 fi
@@ -43,16 +40,17 @@ if [[ -e "$out/steps.tsv" ]]; then
   exit 2
 fi
 mkdir -p "$out/logs"
+out="$(cd "$out" && pwd)"
 : > "$out/steps.tsv"
-export WANDB_MODE="${WANDB_MODE:-offline}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code, whatever the venv was installed from
+export WANDB_MODE=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export PYTHONPATH="$root:$out/site${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code, then the carried wheels
 
 step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log it, record it; returns its status
   local name="$1" limit="$2"; shift 2
   local log="$out/logs/$name.log" start=$SECONDS status
   echo "== $name: $*"
   if timeout "$limit" "$@" > "$log" 2>&1; then status=ok; else status="FAILED (exit $?)"; fi
-  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" "$log" >> "$out/steps.tsv"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" "logs/$name.log" >> "$out/steps.tsv"
   echo "   $status after $((SECONDS - start)) s"
   [[ "$status" == ok ]]
 }
@@ -60,110 +58,92 @@ skip() {  # skip NAME REASON
   printf '%s\t%s\t0\t\n' "$1" "skipped: $2" >> "$out/steps.tsv"
   echo "== $1: skipped ($2)"
 }
+port() { "$py" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 
-# --- 1. install ---------------------------------------------------------------------------------------------------
-if [[ "$skip_install" == true ]]; then skip install "--skip-install"
-else step install 600 bash launch/install.sh; fi
-py="$venv/bin/python"
-export PATH="$venv/bin:$PATH"
+# --- 1-3. wheels, environment, inputs --------------------------------------------------------------------------------
+wheels=("$root"/.gpu_wheels/*.whl)
+if [[ ! -e "${wheels[0]}" ]]; then skip wheels "no .gpu_wheels/ (bash launch/gpu_wheels.sh fetches them)"
+elif ! "$py" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))"; then
+  skip wheels "$("$py" -V) here; the wheels are for the image's Python 3.12"
+else
+  step wheels 120 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$out/site" \
+    "${wheels[@]}"
+fi
+if [[ "$dry" == true ]]; then device=cpu; else device=cuda; fi
+step env 120 "$py" -c "import importlib, torch; \
+print({m: importlib.import_module(m).__version__ for m in ('torch', 'transformers', 'peft', 'accelerate', 'hydra', \
+'omegaconf', 'datasets', 'deepspeed')}); \
+print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU', 'x', torch.cuda.device_count()); \
+assert '$device' == 'cpu' or torch.cuda.is_available(), 'torch sees no CUDA device'" \
+  || { "$py" benchmarks/gpu_check.py report "$out"; exit 1; }
+step inputs 120 "$py" benchmarks/gpu_check.py inputs "$out/inputs" || { "$py" benchmarks/gpu_check.py report "$out"; exit 1; }
+
+# --- 4-5. training steps on the device -------------------------------------------------------------------------------
+train=(model.name_or_path="$out/inputs/tiny_llama" model.format=hf model.tokenizer_path=null model.dtype=float32
+       data=json data.path="$out/inputs/conversations.jsonl" data.eval_fraction=0.1 max_length=64 export_vllm=false
+       heads.medusa_num_heads=2 heads.target=labels trainer=ddp trainer.max_steps=4 trainer.warmup_ratio=0.0
+       trainer.per_device_train_batch_size=4 trainer.logging_steps=1 trainer.save_steps=4 trainer.disable_tqdm=true
+       trainer.learning_rate=1e-2)
+eagle3=(heads=eagle3 'heads.feature_layers=[0,1,2]' heads.head_vocab_size=64)
 if [[ "$dry" == true ]]; then
-  device=cpu
-  step torch 60 "$py" -c "import torch; print(torch.__version__, 'CPU:', torch.backends.cpu.get_cpu_capability())"
+  train+=(trainer.use_cpu=true trainer.precision=fp32)
+  backends=(gloo)
+  launch=(env OMP_NUM_THREADS=1 "$py" -m torch.distributed.run)
 else
-  device=cuda
-  step torch 60 "$py" -c "import torch; assert torch.cuda.is_available() and torch.version.cuda, \
-'torch has no CUDA: pip install --force-reinstall torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'; \
-print(torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0), 'x', torch.cuda.device_count())" \
-    || { python benchmarks/gpu_check.py report "$out" 2>/dev/null || cat "$out/steps.tsv"; exit 1; }
+  train+=(trainer.precision=bf16)
+  backends=(nccl gloo)
+  launch=("$py" -m torch.distributed.run)
 fi
-vllm_ready=false
-if [[ "$dry" == true ]]; then skip install_vllm "dry run"
-elif [[ "$skip_vllm" == true ]]; then skip install_vllm "--skip-vllm"
-elif [[ ! -f launch/install_vllm.sh ]]; then skip install_vllm "launch/install_vllm.sh is not in this checkout"
-elif step install_vllm 600 bash launch/install_vllm.sh; then vllm_ready=true; fi
+run_train() {  # run_train NAME OUTPUT_DIR OVERRIDES...: one process under torchrun
+  local name="$1" dir="$2"; shift 2
+  step "$name" 300 "${launch[@]}" --standalone --nproc_per_node=1 -m medusa_train.cli.train "${train[@]}" "$@" \
+    trainer.ddp_backend="${backends[0]}" output_dir="$dir" hydra.run.dir="$dir/hydra"
+}
+run_train train_medusa1 "$out/medusa1"
+run_train train_eagle3 "$out/eagle3" "${eagle3[@]}"
+two_groups() {  # two_groups BACKEND: writes a script that runs two torchrun groups (two "nodes") of one rank each,
+  # rendezvous on this host, and prints its path (step runs commands under timeout, which cannot call a function)
+  local backend="$1" script="$out/two_groups_$1.sh" p node; p=$(port)
+  {
+    for node in 0 1; do
+      printf '%q ' "${launch[@]}" --nnodes=2 --node_rank="$node" --nproc_per_node=1 --rdzv_backend=c10d \
+        --rdzv_endpoint="127.0.0.1:$p" --rdzv_id="gpu-check-$backend" -m medusa_train.cli.train "${train[@]}" \
+        trainer.ddp_backend="$backend" output_dir="$out/groups_$backend" hydra.run.dir="$out/groups_$backend/hydra"
+      echo "& pid$node=\$!"
+    done
+    echo 'wait "$pid0"; a=$?; wait "$pid1"; b=$?; exit $((a | b))'
+  } > "$script"
+  echo "$script"
+}
+two_ok=false
+for backend in "${backends[@]}"; do
+  if step "train_2groups_$backend" 300 bash "$(two_groups "$backend")"; then two_ok=true; break; fi
+done
+if [[ "$two_ok" == true && "${backends[0]}" == nccl ]] && grep -q "^train_2groups_nccl	FAILED" "$out/steps.tsv"; then
+  # nccl refused two ranks on one device and gloo trained: a finding of the check, not a failure of it
+  sed -i 's/^\(train_2groups_nccl\)\tFAILED \([^\t]*\)/\1\trefused \2, gloo used/' "$out/steps.tsv"
+fi
 
-# --- 2. train: a few steps of Medusa-1 heads on SmolLM2, DDP under torchrun ----------------------------------------
+# --- 6-8. greedy exactness, the memory plan, speed -------------------------------------------------------------------
 if [[ "$dry" == true ]]; then
-  # toy size on the CPU: fp32, gloo, one thread per rank
-  train=(model=smollm2_135m model.dtype=float32 trainer=ddp trainer.use_cpu=true trainer.ddp_backend=gloo
-         trainer.precision=fp32 trainer.max_steps=2 trainer.per_device_train_batch_size=2 trainer.logging_steps=1
-         data=sharegpt data.max_conversations=24 data.eval_fraction=0.1 max_length=96 export_vllm=true)
-  medusa_heads=(heads.head_vocab_size=2048)
-  eagle3_heads=(heads=eagle3 heads.head_vocab_size=2048)
-  launcher=(env OMP_NUM_THREADS=1 torchrun)  # two CPU ranks on a shared machine: one thread each
-  tune=(device=cpu dtype=float32 prompts.num_prompts=2 max_new_tokens=8 'latency_sizes=[1,2,4]' context_length=32 repeats=1
-        max_nodes=7 timed_prompts=1 timed_new_tokens=8)
-  tune_dynamic=('dynamic_depths=[2]' 'dynamic_topks=[2]')  # EAGLE-3's dynamic tree: one shape per total
-  eval_args=(device=cpu dtype=float32 num_prompts=1 max_new_tokens=8 warmup=0 decoder.draft.num_layers=4
-             decoder.hf_assisted.num_layers=4)
-  ranks2=true
+  step exact 300 "$py" benchmarks/gpu_check.py exact --device cpu --dtypes float32 --out "$out/exact.json"
 else
-  train=(model=smollm2_135m model.dtype=bfloat16 trainer=ddp trainer.ddp_backend=nccl trainer.precision=bf16
-         trainer.max_steps=30 trainer.per_device_train_batch_size=8 trainer.logging_steps=5 trainer.learning_rate=1e-3
-         data=sharegpt data.max_conversations=600 max_length=256 export_vllm=true)
-  medusa_heads=()  # full-vocabulary heads: vLLM 0.32's Medusa loader needs per-head lm_heads of the whole vocabulary
-  eagle3_heads=(heads=eagle3)  # vLLM's default taps (2, 15, 27) and a reduced draft vocabulary (d2t, t2d)
-  tune=(device=cuda prompts.num_prompts=8 max_new_tokens=48 'latency_sizes=[1,2,4,8,16,32,64]' repeats=5
-        max_nodes=63)
-  tune_dynamic=('dynamic_depths=[3,5]' 'dynamic_topks=[8]')  # EAGLE-3's dynamic tree: a short shortlist
-  eval_args=(device=cuda per_category=1 max_new_tokens=64)
-  launcher=(torchrun)
-  ranks2=$([[ "$gpus" -ge 2 ]] && echo true || echo false)
+  step exact 300 "$py" benchmarks/gpu_check.py exact --device cuda --dtypes float32,bfloat16 --out "$out/exact.json"
 fi
-export_dir="$out/single/export"
-trained=false
-step train_1rank 420 "${launcher[@]}" --standalone --nproc_per_node=1 -m medusa_train.cli.train "${train[@]}" \
-  "${medusa_heads[@]}" output_dir="$out/single" hydra.run.dir="$out/single/hydra" && trained=true
-if [[ "$ranks2" == true ]]; then
-  step train_2ranks 420 "${launcher[@]}" --standalone --nproc_per_node=2 -m medusa_train.cli.train "${train[@]}" \
-    "${medusa_heads[@]}" output_dir="$out/ddp2" hydra.run.dir="$out/ddp2/hydra"
-else skip train_2ranks "one GPU"; fi
-
-# --- 3. tune the tree, then every decoder side by side -------------------------------------------------------------
-if [[ "$trained" == true ]]; then
-  step tune_tree 300 medusa-tune-tree export_dir="$export_dir" "${tune[@]}" \
-    && step eval 420 medusa-eval export_dir="$export_dir" output_dir="$out/eval" prompts=mt_bench max_turns=1 \
-         progress=false plots=false "${eval_args[@]}"
-else skip tune_tree "no export"; skip eval "no export"; fi
-
-# --- 4. vLLM: plain decoding against its Medusa speculator -----------------------------------------------------------
-# serve_vllm.py reads the export's base itself; batches of 1 and 8 prompts (its default)
-serve=(--num-prompts 8 --max-new-tokens 64 --dtype bfloat16 --max-model-len 2048)
-[[ "$vllm_ready" == true ]] && export MEDUSA_VLLM_VENV="${MEDUSA_VLLM_VENV:-$root/.venv-vllm}"
-if [[ "$dry" == true ]]; then skip vllm "dry run (vLLM's Medusa speculator needs CUDA)"
-elif [[ "$skip_vllm" == true ]]; then skip vllm "--skip-vllm"
-elif [[ "$trained" != true ]]; then skip vllm "no export"
+step memory 300 "$py" benchmarks/gpu_check.py memory --device "$device" --inputs "$out/inputs" --out "$out/memory.json"
+config="${GPU_CHECK_CONFIG:-}"
+for candidate in "$root/.gpu_wheels/llama-3.1-8b.json" "$root/../shared/assets/configs/llama-3.1-8b.json"; do
+  [[ -z "$config" && -f "$candidate" ]] && config="$candidate"
+done
+if [[ "$dry" == true ]]; then
+  step speed 300 "$py" benchmarks/gpu_check.py speed --config "$out/inputs/tiny_llama/config.json" --device cpu \
+    --dtype float32 --new-tokens 8 --prompts 2 --out "$out/speed.json"
+elif [[ -n "$config" ]]; then
+  step speed 300 "$py" benchmarks/gpu_check.py speed --config "$config" --device cuda --dtype bfloat16 \
+    --new-tokens 64 --prompts 4 --out "$out/speed.json"
 else
-  step vllm 420 "$py" benchmarks/serve_vllm.py --export "$export_dir" "${serve[@]}" --output "$out/vllm.json"
-fi
-
-# --- 5. EAGLE-3: train with nccl, export (speculators/ included), tune, our tree decoder, vLLM serving the drafter ---
-eagle3_export="$out/eagle3/export"
-eagle3_trained=false
-step train_eagle3_1rank 420 "${launcher[@]}" --standalone --nproc_per_node=1 -m medusa_train.cli.train \
-  "${train[@]}" "${eagle3_heads[@]}" output_dir="$out/eagle3" hydra.run.dir="$out/eagle3/hydra" && eagle3_trained=true
-speculators=false  # the folder vLLM serves, written by the export (export_vllm=true) after the exporter's checks
-if [[ "$eagle3_trained" == true ]]; then
-  step export_eagle3 60 "$py" -c "import json, sys; c = json.load(open(sys.argv[1])); \
-assert c['speculators_model_type'] == 'eagle3', c; print({k: c.get(k) for k in ('speculators_model_type', \
-'draft_vocab_size', 'eagle_aux_hidden_state_layer_ids', 'norm_before_residual')})" \
-    "$eagle3_export/speculators/config.json" && speculators=true
-else skip export_eagle3 "no EAGLE-3 export"; fi
-if [[ "$ranks2" == true ]]; then
-  step train_eagle3_2ranks 420 "${launcher[@]}" --standalone --nproc_per_node=2 -m medusa_train.cli.train \
-    "${train[@]}" "${eagle3_heads[@]}" output_dir="$out/eagle3_ddp2" hydra.run.dir="$out/eagle3_ddp2/hydra"
-else skip train_eagle3_2ranks "one GPU"; fi
-if [[ "$eagle3_trained" == true ]]; then
-  step tune_tree_eagle3 300 medusa-tune-tree export_dir="$eagle3_export" "${tune[@]}" "${tune_dynamic[@]}" \
-    && step eval_eagle3 420 medusa-eval export_dir="$eagle3_export" output_dir="$out/eval_eagle3" prompts=mt_bench \
-         max_turns=1 progress=false plots=false "${eval_args[@]}" 'decoders=[vanilla,medusa]'
-else skip tune_tree_eagle3 "no EAGLE-3 export"; skip eval_eagle3 "no EAGLE-3 export"; fi
-if [[ "$dry" == true ]]; then skip vllm_eagle3 "dry run"
-elif [[ "$skip_vllm" == true ]]; then skip vllm_eagle3 "--skip-vllm"
-elif [[ "$speculators" != true ]]; then skip vllm_eagle3 "no speculators/ in the EAGLE-3 export"
-else
-  step vllm_eagle3 420 "$py" benchmarks/serve_vllm.py --export "$eagle3_export" --k 3 "${serve[@]}" \
-    --output "$out/vllm_eagle3.json"
+  step speed 300 "$py" benchmarks/gpu_check.py speed --config "$out/inputs/tiny_llama/config.json" --device cuda \
+    --dtype bfloat16 --new-tokens 64 --prompts 4 --out "$out/speed.json"
 fi
 
 echo

@@ -83,7 +83,9 @@ def train(cfg: Any) -> dict[str, Any]:
     from medusa_train.training.recipe import build_recipe
 
     recipe = build_recipe(cfg)  # every setting checked
-    check_run_memory(recipe.cfg, recipe.env.world_size)  # before any weight loads or the folder changes
+    plan = check_run_memory(recipe.cfg, recipe.env.world_size)  # before any weight loads or the folder changes
+    if plan is not None:  # recorded beside the measured peak in the export's training record
+        recipe.summary["planned_peak_device_bytes"] = plan.peak_gpu_bytes
     hub = recipe.cfg.push_to_hub
     if hub:
         check_publish_ready(recipe.cfg.hub_repo_id)  # repo name, offline mode and token

@@ -313,6 +313,8 @@ class BaseRecipe:
                 log.info("resuming from %s", latest)
                 resume_from = str(latest)
         result = self.trainer.train(resume_from_checkpoint=resume_from)
+        if self.device.type == "cuda":  # the run's peak so far (the cache build included), against the plan's
+            self.summary["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
         stop = self.stop_on_signal
         if stop.stopped_at is not None:
             log.warning("stopped on a signal after step %d; the checkpoint is sealed", stop.stopped_at)
@@ -365,11 +367,15 @@ class BaseRecipe:
         return table
 
     def training_record(self) -> dict[str, Any]:
-        """The ``training`` entry of the export's config (a flow adds its settings)."""
+        """The ``training`` entry of the export's config (a flow adds its settings); ``memory`` holds the memory
+        plan's peak per device and, on CUDA, ``torch.cuda.max_memory_allocated`` after training (bytes; None where
+        not planned or not measured)."""
         cfg = self.cfg
         return {"target": cfg.heads.target, "loss_decay": cfg.heads.loss_decay, "data_source": cfg.data.source,
                 "self_distill": cfg.data.self_distill, "max_length": cfg.max_length,
-                "global_step": self.summary.get("global_step"), "seed": cfg.seed, "mode": cfg.heads.mode}
+                "global_step": self.summary.get("global_step"), "seed": cfg.seed, "mode": cfg.heads.mode,
+                "memory": {"planned_peak_device_bytes": self.summary.get("planned_peak_device_bytes"),
+                           "measured_peak_device_bytes": self.summary.get("peak_device_memory_bytes")}}
 
     def write_export(self, heads: DraftHeads, table: dict[str, Any] | None, *, base_name: str,
                      model_cfg: ModelConfig, base_model: Any, extra: dict[str, Any] | None = None,
