@@ -19,6 +19,7 @@ from medusa_train.bounds import (
     MAX_PROCESSES,
     MAX_SEED,
     MAX_STEPS,
+    MAX_TIMEOUT_MINUTES,
     MAX_TOKENS,
     bound,
     check_bounds,
@@ -417,6 +418,9 @@ class TrainerConfig:
             the loss holds at most ``loss_chunk_size x V'`` logits (and their gradient) at a time, however many
             positions a batch counts (``docs/scale.md``: at a 128k vocabulary a whole batch's logits are gigabytes).
         disable_tqdm: hide the progress bar (shown on rank 0 only).
+        timeout_minutes: how long a rank waits in a collective (a barrier, a gradient all-reduce) for the others
+            before it fails with an error naming this field (:mod:`medusa_train.training.process_group`); a wait
+            that is expected (one rank self-distilling or caching longer than another) needs it longer.
         extra: further TrainingArguments keywords, passed through unchanged.
     """
 
@@ -446,6 +450,7 @@ class TrainerConfig:
                                                                   hint="0: load in the main process"))
     disable_tqdm: bool = False
     loss_chunk_size: int = field(default=2048, metadata=bound(1, cap=MAX_COUNT))
+    timeout_minutes: float = field(default=60.0, metadata=bound(0, low_open=True, cap=MAX_TIMEOUT_MINUTES))
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
