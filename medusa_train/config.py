@@ -328,7 +328,9 @@ class DataConfig:
         max_prompt_tokens: self-distillation skips (and counts) prompts longer than this; None: ``max_length - 1``.
             ShareGPT's first turns run to thousands of tokens and a left-padded batch is as long as its longest
             prompt, so a cap well below ``max_length`` buys more replies for the same time.
-        num_proc: tokenize with this many processes (``datasets.map``); None tokenizes in the main process.
+        num_proc: processes that tokenize (``datasets.map(batched=True)``, on each node's local main process while
+            its other ranks wait); None: one per 1,000 conversations, at most the cores the process may use and 32
+            (:func:`medusa_train.data.dataset.tokenize_processes`).
     """
 
     source: str = "sharegpt"
