@@ -81,7 +81,7 @@ def test_two_torchrun_groups_train_are_requeued_resume_from_the_checkpoint_and_e
     assert first.returncode == 0, first.stderr[-6000:]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["checkpoint-4"]
     log = (tmp_path / "stub.log").read_text()
-    assert "--nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint=localhost:" in log
+    assert "--nnodes=2 --nproc_per_node=1 --shutdown_timeout=100 --rdzv_backend=c10d --rdzv_endpoint=localhost:" in log
     assert "--rdzv_id=4242 -m medusa_train.cli.train trainer=ddp" in log
     assert sorted(p.name for p in (out / "hydra").glob("*.log")) == ["train-rank0.log", "train-rank1.log"]
     lock = json.loads((out / "train.lock").read_text()) if (out / "train.lock").exists() else None
