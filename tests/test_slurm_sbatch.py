@@ -1,11 +1,13 @@
 """launch/slurm.sbatch on one machine: its torchrun line run as two groups (``--nnodes=2``, gloo on the CPU) by stub
 ``srun`` and ``scontrol`` commands, on the tiny model; it trains, is requeued (it adds ``resume=true`` itself) and
-continues from the checkpoint, and exports. And its SIGTERM: forwarded to the training step, then the job requeued."""
+continues from the checkpoint, and exports. And its SIGTERM: forwarded to the training step, whose ranks seal a
+checkpoint at the end of their step, then the job requeued."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from medusa_train.training import checkpoints
 from tests.medusa_train.test_distributed import free_port
 from tests.medusa_train.test_training import tiny_overrides, write_tiny_inputs
 
@@ -119,5 +122,9 @@ def test_sigterm_is_forwarded_to_the_training_step_and_the_job_requeued(tmp_path
     assert proc.returncode == 143, err[-4000:]
     assert "SIGTERM (time limit or preemption): stopping the training step" in err
     assert "scontrol requeue 4242" in (tmp_path / "stub.log").read_text()
+    # the ranks got the signal through srun and torchrun, finished their step and sealed a checkpoint there
+    log = (out / "hydra" / "train-rank0.log").read_text()
+    step = int(re.search(r"stopped on a signal after step (\d+)", log).group(1))
+    assert step >= 4 and checkpoints.latest_complete(out / "checkpoints").name == f"checkpoint-{step}"
     left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert left == []  # no rank of the step is still running

@@ -9,7 +9,8 @@ Steps, each failing before training with a message that names the setting to cha
    after a barrier every rank reads all shards back in the original order;
 3. tokenization with assistant-only labels, truncation at ``max_length`` (counted and reported), held-out split:
    by the local main process of each node into a folder under ``$MEDUSA_CACHE/tokenized`` (reused while tokenizer,
-   data and ``max_length`` match), which the other ranks load after a barrier (:mod:`medusa_train.data.tokenized_cache`).
+   data and ``max_length`` match), which the other ranks load after a barrier
+   (:mod:`medusa_train.data.tokenized_cache`).
 """
 
 from __future__ import annotations
