@@ -25,6 +25,7 @@ MAX_COUNT = 1 << 20  # other counts (prompts, batch rows, repeats, heads, tree n
 MAX_STEPS = (1 << 31) - 1  # optimizer steps: torch's and transformers' schedulers count in int32 at most
 MAX_EPOCHS = 1e6  # passes over the data
 MAX_PROCESSES = 1024  # worker processes (data loading, tokenization)
+MAX_TIMEOUT_MINUTES = 7 * 24 * 60  # a collective's timeout: a week
 MAX_SEED = (1 << 32) - 1  # numpy's seed range (transformers' set_seed seeds numpy too)
 
 _KEY = "bound"

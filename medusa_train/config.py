@@ -19,6 +19,7 @@ from medusa_train.bounds import (
     MAX_PROCESSES,
     MAX_SEED,
     MAX_STEPS,
+    MAX_TIMEOUT_MINUTES,
     MAX_TOKENS,
     bound,
     check_bounds,
@@ -327,7 +328,9 @@ class DataConfig:
         max_prompt_tokens: self-distillation skips (and counts) prompts longer than this; None: ``max_length - 1``.
             ShareGPT's first turns run to thousands of tokens and a left-padded batch is as long as its longest
             prompt, so a cap well below ``max_length`` buys more replies for the same time.
-        num_proc: tokenize with this many processes (``datasets.map``); None tokenizes in the main process.
+        num_proc: processes that tokenize (``datasets.map(batched=True)``, on each node's local main process while
+            its other ranks wait); None: one per 1,000 conversations, at most the cores the process may use and 32
+            (:func:`medusa_train.data.dataset.tokenize_processes`).
     """
 
     source: str = "sharegpt"
@@ -417,6 +420,9 @@ class TrainerConfig:
             the loss holds at most ``loss_chunk_size x V'`` logits (and their gradient) at a time, however many
             positions a batch counts (``docs/scale.md``: at a 128k vocabulary a whole batch's logits are gigabytes).
         disable_tqdm: hide the progress bar (shown on rank 0 only).
+        timeout_minutes: how long a rank waits in a collective (a barrier, a gradient all-reduce) for the others
+            before it fails with an error naming this field (:mod:`medusa_train.training.process_group`); a wait
+            that is expected (one rank self-distilling or caching longer than another) needs it longer.
         extra: further TrainingArguments keywords, passed through unchanged.
     """
 
@@ -446,6 +452,7 @@ class TrainerConfig:
                                                                   hint="0: load in the main process"))
     disable_tqdm: bool = False
     loss_chunk_size: int = field(default=2048, metadata=bound(1, cap=MAX_COUNT))
+    timeout_minutes: float = field(default=60.0, metadata=bound(0, low_open=True, cap=MAX_TIMEOUT_MINUTES))
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:

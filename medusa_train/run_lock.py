@@ -13,7 +13,10 @@ POSIX record lock (``fcntl.lockf``) on the open file:
 - the kernel drops the record lock when the holder dies in any way (``kill -9`` included), so a lock file whose
   record lock is free was left by a run that is gone; on the same host it is taken over, with a warning naming the
   run that left it. One left by another host is refused (that run may still be alive, on a file system whose locks
-  do not reach this host); the message tells how to remove it;
+  do not reach this host); the message tells how to remove it. Under SLURM the owner is the job
+  (``SLURM_JOB_ID``, recorded as ``job``): a requeued job keeps its id and takes over the lock its earlier run left,
+  on any host and with any pid (SLURM ended that run before requeueing it), while another job's lock is refused as
+  above;
 - a record lock belongs to a process, not to its forked children (DataLoader workers do not inherit it, and a child
   never releases it), and closing any descriptor of the file drops it: the holder never opens the file again, and a
   second hold of the same lock in one process is refused from a registry instead;
@@ -49,6 +52,7 @@ log = logging.getLogger(__name__)
 LOCK_FILE = "train.lock"  # a training run's output_dir
 EVAL_LOCK = "eval.lock"  # an evaluation's output_dir
 EXPORT_LOCK = "export.lock"  # an export folder (tune-tree, and the export writer while it replaces the folder)
+SLURM_JOB_ENV = "SLURM_JOB_ID"  # the same for a job and its requeued runs
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _HELD_HERE: dict[Path, RunLock] = {}  # lock files this process holds
 
@@ -67,13 +71,15 @@ class Holder:
     command: str
     token: str
     pid_start: int | None = None  # the kernel's start time of ``pid`` (clock ticks since boot), to see pid reuse
+    job: str | None = None  # SLURM_JOB_ID: the owner under SLURM, kept by a requeued job on any host
 
     @classmethod
     def this_process(cls) -> Holder:
         return cls(pid=os.getpid(), host=socket.gethostname(),
                    started=time.strftime("%Y-%m-%d %H:%M:%S %z"),
                    command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else "python",
-                   token=uuid.uuid4().hex, pid_start=_process_start(os.getpid()))
+                   token=uuid.uuid4().hex, pid_start=_process_start(os.getpid()),
+                   job=os.environ.get(SLURM_JOB_ENV) or None)
 
     @classmethod
     def parse(cls, text: str) -> Holder | None:
@@ -81,12 +87,13 @@ class Holder:
             data = json.loads(text)
             return cls(pid=int(data["pid"]), host=str(data["host"]), started=str(data["started"]),
                        command=str(data.get("command", "")), token=str(data.get("token", "")),
-                       pid_start=data.get("pid_start"))
+                       pid_start=data.get("pid_start"), job=data.get("job"))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             return None
 
     def describe(self) -> str:
-        return f"pid {self.pid} on host {self.host}, started {self.started} ({self.command})"
+        job = f" (SLURM job {self.job})" if self.job else ""
+        return f"pid {self.pid} on host {self.host}{job}, started {self.started} ({self.command})"
 
     def alive(self) -> bool:
         """Whether the holder still runs (meaningful on its own host only): its pid exists, is not a zombie, and
@@ -240,8 +247,15 @@ class RunLock:
 
     @staticmethod
     def _check_left_over(path: Path, previous: Holder, field: str) -> None:
-        """A lock file whose record lock was free: take it over from a dead run here; refuse one from elsewhere."""
-        if previous.host != socket.gethostname():
+        """A lock file whose record lock was free: take it over from a dead run here, or from an earlier run of this
+        SLURM job on any host (a requeue); refuse one from elsewhere."""
+        job = os.environ.get(SLURM_JOB_ENV) or None
+        here = previous.host == socket.gethostname()
+        if job is not None and previous.job == job and not (here and previous.alive()):
+            log.warning("%s %s: SLURM job %s takes over the lock its earlier run left (%s): requeued", field,
+                        path.parent, job, previous.describe())
+            return
+        if not here:
             raise LockHeldError(f"{field} {path.parent} holds the lock of a run on another host: "
                                 f"{previous.describe()}; {_removal_advice(path, previous)}")
         if previous.alive():  # the kernel says free, the process runs: do not guess

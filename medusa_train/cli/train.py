@@ -61,6 +61,11 @@ class CheckOutputDir(RefuseBeforeRun):
 def _main(cfg: DictConfig) -> None:
     if int(os.environ.get("RANK", "0")) > 0:  # one voice in the console: other ranks log warnings only
         logging.getLogger().setLevel(logging.WARNING)
+    from hydra.core.hydra_config import HydraConfig
+
+    from medusa_train.auto_trainer import log_choice
+
+    log_choice(HydraConfig.get().runtime.choices.get("trainer"))
     train(cfg)
 
 
@@ -80,6 +85,7 @@ def train(cfg: Any) -> dict[str, Any]:
     """
     from medusa_train.planning.run_check import check_run_memory
     from medusa_train.publish import check_publish_ready
+    from medusa_train.training.process_group import explain_timeout
     from medusa_train.training.recipe import build_recipe
 
     recipe = build_recipe(cfg)  # every setting checked
@@ -89,7 +95,8 @@ def train(cfg: Any) -> dict[str, Any]:
     hub = recipe.cfg.push_to_hub
     if hub:
         check_publish_ready(recipe.cfg.hub_repo_id)  # repo name, offline mode and token
-    summary = recipe.run()
+    with explain_timeout(recipe.cfg.trainer.timeout_minutes):  # a rank that waited too long says which setting
+        summary = recipe.run()
     if hub and recipe.env.is_main and summary.get("export_dir"):
         summary["hub_url"] = publish(Path(summary["export_dir"]), recipe.cfg.hub_repo_id, recipe.cfg.hub_private,
                                      recipe.cfg.hub_revision)

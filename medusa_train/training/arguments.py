@@ -21,6 +21,7 @@ from transformers import TrainingArguments
 
 from medusa_train.config import LoggerConfig, TrainerConfig
 from medusa_train.paths import CONF_DIR, cache_dir
+from medusa_train.training.process_group import start_cpu_group, timeout_seconds
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ def training_arguments(
     """
     use_cpu = trainer.use_cpu or not torch.cuda.is_available()
     backend = trainer.ddp_backend or ("gloo" if use_cpu else "nccl")
+    start_cpu_group(trainer.timeout_minutes, use_cpu, backend, world_size)  # HF gives a CPU group no timeout
     if deepspeed_config is not None:
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
     if "wandb" in logger.report_to:  # the HF WandbCallback reads these variables; the config is the source of truth
@@ -186,6 +188,7 @@ def training_arguments(
         use_cpu=use_cpu,
         ddp_backend=backend if (world_size > 1 or deepspeed_config is not None) else None,
         ddp_find_unused_parameters=False,
+        ddp_timeout=timeout_seconds(trainer.timeout_minutes),  # GPU groups; CPU ones: process_group.start_cpu_group
         deepspeed=deepspeed_config,
         dataloader_num_workers=trainer.dataloader_num_workers,
         disable_tqdm=trainer.disable_tqdm,

@@ -246,6 +246,7 @@ class BaseRecipe:
                 cfg.data, tokenizer=tokenizer, model=base, max_length=cfg.max_length, seed=cfg.seed,
                 self_distill_dir=Path(cfg.data.self_distill_dir or self.paths.self_distill),
                 rank=self.env.rank, world_size=self.env.world_size, barrier=self.barrier, model_config=cfg.model,
+                local_rank=self.env.local_rank,
             )
         check_enough_data(data, cfg.heads.medusa_num_heads, cfg.trainer, self.env.world_size)
         self.data = data

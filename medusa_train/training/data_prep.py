@@ -7,7 +7,10 @@ Steps, each failing before training with a message that names the setting to cha
    ``self_distill_engine`` names (HF generate, vLLM, a server); rank r answers conversations
    ``r, r + world_size, ...`` into its own JSONL shard under ``self_distill_dir``, reused and completed on resume;
    after a barrier every rank reads all shards back in the original order;
-3. tokenization with assistant-only labels, truncation at ``max_length`` (counted and reported), held-out split.
+3. tokenization with assistant-only labels, truncation at ``max_length`` (counted and reported), held-out split:
+   by the local main process of each node into a folder under ``$MEDUSA_CACHE/tokenized`` (reused while tokenizer,
+   data and ``max_length`` match), which the other ranks load after a barrier
+   (:mod:`medusa_train.data.tokenized_cache`).
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ from medusa_train.conversations import normalize_record
 from medusa_train.data.distill_engines import distill_engine, request_size
 from medusa_train.data.self_distill import distill_prompt, prompt_key, read_records, record_id, shard_path
 from medusa_train.data.tokenize import IGNORE_INDEX
+from medusa_train.paths import cache_dir
 from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET
 
 log = logging.getLogger(__name__)
 
 DISTILLED_FILE = "conversations.jsonl"
+TOKENIZED_DIR = "tokenized"  # under medusa_train.paths.cache_dir(), beside the converted models
 
 
 @dataclass
@@ -183,10 +188,12 @@ def prepare_data(
     world_size: int,
     barrier: Callable[[], None],
     model_config: ModelConfig | None = None,
+    local_rank: int = 0,
 ) -> PreparedData:
     """Run steps 1-3 of the module docstring on every rank (collective: ``barrier`` is called by all).
 
     ``model_config`` is the base model's ``model/`` config, which ``self_distill_engine=vllm`` loads in vLLM.
+    ``local_rank`` 0 tokenizes (:data:`TOKENIZED_DIR` under the cache), the node's other ranks load its folder.
 
     Raises:
         ValueError: no usable conversation, a file without records, every conversation skipped by tokenization.
@@ -212,7 +219,8 @@ def prepare_data(
         conversations = read_distilled(conversations, output_path, world_size)
         no_reply = prompts - len(conversations)
     train, held_out, build = build_dataset(tokenizer, conversations, max_length, data.eval_fraction, seed,
-                                           num_proc=data.num_proc)
+                                           num_proc=data.num_proc, cache_dir=cache_dir() / TOKENIZED_DIR,
+                                           local_main=local_rank == 0, barrier=barrier)
     if build.at_max_length:
         log.warning(
             "%d of %d conversations are longer than max_length=%d tokens and were truncated to it "
