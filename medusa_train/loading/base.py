@@ -145,6 +145,23 @@ def engine_model_path(cfg: ModelConfig) -> str:
     return path
 
 
+def base_weight_bytes(cfg: ModelConfig, device: torch.device) -> int:
+    """Bytes of the base's weights in the dtype it would load in on ``device``, counted on a model built on the
+    ``meta`` device from its config alone (no weights read); 0 when there is no HF config to read yet (a GGUF or
+    llama2.c checkpoint not converted)."""
+    from transformers import AutoConfig
+
+    fmt = detect_format(cfg)
+    source = cfg.name_or_path if fmt == "hf" else None
+    if source is None:
+        return 0
+    config = AutoConfig.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    dtype = choose_dtype(cfg.dtype, device).dtype
+    return sum(p.numel() for p in model.parameters()) * torch.finfo(dtype).bits // 8
+
+
 def _needs_remote_code(folder: Path, error: Exception) -> bool:
     """Whether a failed load is for want of the model's own code: transformers says so, or a local folder's
     config.json maps Auto classes to its own files (``auto_map``)."""
