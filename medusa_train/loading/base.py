@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -173,6 +174,34 @@ def _needs_remote_code(folder: Path, error: Exception) -> bool:
         return False
 
 
+def _with_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """The tokenizer, its pad token set to EOS when it has none."""
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_tokenizer_and_config(cfg: ModelConfig) -> tuple[PreTrainedTokenizerBase, Any]:
+    """The base model's tokenizer (as :func:`load_base_model` returns it) and its HF config, without its weights: what
+    work done before the base loads needs (self-distillation by vLLM or a server writes the replies first, so the
+    training base is not on the GPU while the engines run). GGUF and llama2.c checkpoints are converted into the
+    cache first (:func:`engine_model_path`).
+
+    Raises:
+        FileNotFoundError / OSError: as :func:`load_base_model`.
+    """
+    from transformers import AutoConfig
+
+    path = engine_model_path(cfg)
+    kwargs = dict(revision=cfg.revision if path == cfg.name_or_path else None, trust_remote_code=cfg.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        config = AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise OSError(f"model: could not read the tokenizer and config of {cfg.name_or_path!r}: {e}") from e
+    return _with_pad_token(tokenizer), config
+
+
 def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the base causal LM and its tokenizer.
 
@@ -221,8 +250,7 @@ def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokeni
             raise OSError(f"model: could not load {cfg.name_or_path!r} ({fmt}): {e}") from e
     if cfg.attn_implementation and fmt != "hf" and isinstance(source, tuple):
         model.set_attn_implementation(cfg.attn_implementation)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    _with_pad_token(tokenizer)
     model.eval()
     model.requires_grad_(False)
     return model.to(device), tokenizer

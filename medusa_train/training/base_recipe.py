@@ -23,19 +23,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, set_seed
+from transformers import AutoModelForCausalLM, PreTrainedModel, TrainerCallback, TrainingArguments, set_seed
 
 from medusa_train.config import ModelConfig, TrainConfig, as_dataclass
 from medusa_train.export import save_base_model, save_export
 from medusa_train.export.files import write_json
 from medusa_train.drafters.catalog import drafter_type, heads_from_spec, is_drafter, new_spec, type_of
-from medusa_train.loading.base import base_weight_bytes, engine_model_path, load_base_model
+from medusa_train.loading.base import (
+    base_weight_bytes,
+    engine_model_path,
+    load_base_model,
+    load_tokenizer_and_config,
+)
 from medusa_train.loading.medusa import export_extra_config
 from medusa_train.heads import build_token_map
 from medusa_train.precision import choose_dtype
@@ -246,20 +252,41 @@ class BaseRecipe:
         over ranks), refused if too little is left."""
         cfg = self.cfg
         with self.base_loading(args):
+            first = cfg.data.self_distill and cfg.data.distill_engine != "hf"
+            if first:  # vLLM or a server writes the replies before the base loads: the GPUs are the engines' alone
+                data = self.prepare(args, *self.config_only(args))
             base, tokenizer = self.load_base(args)
             if self.placement == ZERO3:
                 self.partitioned_base(base)
             self.check_base(base)
             self.base = base
             self.tokenizer = tokenizer
-            data = prepare_data(
-                cfg.data, tokenizer=tokenizer, model=base, max_length=cfg.max_length, seed=cfg.seed,
-                self_distill_dir=Path(cfg.data.self_distill_dir or self.paths.self_distill),
-                rank=self.env.rank, world_size=self.env.world_size, barrier=self.barrier, model_config=cfg.model,
-            )
+            if not first:
+                data = self.prepare(args, base, tokenizer)
         check_enough_data(data, cfg.heads.medusa_num_heads, cfg.trainer, self.env.world_size)
         self.data = data
         return data
+
+    def config_only(self, args: TrainingArguments) -> tuple[Any, Any]:
+        """A stand-in for the base before it loads (its ``config`` and load ``dtype``), and its tokenizer (a GGUF or
+        llama2.c checkpoint converted once, by the main process first); :meth:`check_base` passed on the base built
+        on the ``meta`` device."""
+        with args.main_process_first(desc="read the base model's config"):
+            tokenizer, config = load_tokenizer_and_config(self.cfg.model)
+        with torch.device("meta"):  # shapes only, no weights: the base's checks pass before anything is generated
+            self.check_base(AutoModelForCausalLM.from_config(config, trust_remote_code=self.cfg.model.trust_remote_code))
+        dtype = choose_dtype(self.cfg.model.dtype, self.device).dtype
+        return types.SimpleNamespace(config=config, dtype=dtype), tokenizer
+
+    def prepare(self, args: TrainingArguments, model: Any, tokenizer: Any) -> PreparedData:
+        """The data (:func:`~medusa_train.training.data_prep.prepare_data`) with ``model``: the base, or before it
+        loads a stand-in with its config and dtype (vLLM and server self-distillation need no more)."""
+        cfg = self.cfg
+        return prepare_data(
+            cfg.data, tokenizer=tokenizer, model=model, max_length=cfg.max_length, seed=cfg.seed,
+            self_distill_dir=Path(cfg.data.self_distill_dir or self.paths.self_distill),
+            rank=self.env.rank, world_size=self.env.world_size, barrier=self.barrier, model_config=cfg.model,
+        )
 
     def load_base(self, args: TrainingArguments) -> tuple[PreTrainedModel, Any]:
         """The base model and its tokenizer, GGUF and llama2.c checkpoints converted once (into the cache) by the
