@@ -173,6 +173,16 @@ def is_partitioned(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
+def gathered(tensor: torch.Tensor) -> Any:
+    """``deepspeed.zero.GatheredParameters([tensor])`` (read only) for a ZeRO-3 partitioned parameter, else a null
+    context: within it ``tensor`` holds its full value. Collective for a partitioned one: every rank enters it."""
+    if not is_partitioned(tensor):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
+
+
 def partition_numel(model: nn.Module) -> tuple[int, int]:
     """``(held, total)``: the elements of ``model``'s parameters this rank holds (its ZeRO-3 partitions
     ``param.ds_tensor``, or whole parameters that are not partitioned) and their full count (``param.ds_numel``)."""

@@ -58,6 +58,7 @@ from medusa_train.training.arguments import (
 from medusa_train.training.base_placement import (
     ZERO3,
     base_fits_device,
+    gathered,
     check_base_placement,
     hf_deepspeed_config,
     is_zero3_config,
@@ -346,19 +347,20 @@ class BaseRecipe:
         hc = self.cfg.heads
         token_map = None
         if hc.head_vocab_size is not None:
-            vocab_size = int(self.base.get_output_embeddings().weight.shape[0])
+            vocab_size = base_sizes(self.base)[1]
             counts = torch.zeros(vocab_size, dtype=torch.long)
             for labels in data.train["labels"]:
                 ids = torch.as_tensor(labels, dtype=torch.long)
                 counts += torch.bincount(ids[ids >= 0], minlength=vocab_size)
             token_map = build_token_map(counts, hc.head_vocab_size)
-        return new_heads_for(self.base, hc.medusa_num_heads, hc.medusa_num_layers, hc.share_lm_head, token_map,
-                             head_type=hc.head_type, **drafter_type(hc.head_type).spec_options(hc))
+        with gathered(self.base.get_output_embeddings().weight):  # Medusa-2 under ZeRO-3: the heads copy it whole
+            return new_heads_for(self.base, hc.medusa_num_heads, hc.medusa_num_layers, hc.share_lm_head, token_map,
+                                 head_type=hc.head_type, **drafter_type(hc.head_type).spec_options(hc))
 
     def loss_spec_for(self, heads: DraftHeads) -> LossSpec:
         """The heads' loss settings (``heads/``), with their token map on the training device."""
         hc = self.cfg.heads
-        vocab_size = int(self.base.get_output_embeddings().weight.shape[0])
+        vocab_size = base_sizes(self.base)[1]
         return LossSpec(target=hc.target, decay=hc.loss_decay, share_lm_head=hc.share_lm_head, vocab_size=vocab_size,
                         num_heads=heads.spec.num_heads,
                         token_map=None if heads.token_map is None else heads.token_map.to(self.device),

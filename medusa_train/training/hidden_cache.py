@@ -22,7 +22,6 @@ or many epochs.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -42,6 +41,7 @@ from medusa_train.atomic import atomic_write, atomic_write_text
 from medusa_train.checksums import file_sha256
 from medusa_train.data.collate import Collator
 from medusa_train.features import FINAL, feature_layer, target_features
+from medusa_train.training.base_placement import gathered
 from medusa_train.training.step import FrozenBase, feature_key
 
 log = logging.getLogger(__name__)
@@ -68,21 +68,12 @@ def base_weights_digest(model: nn.Module) -> str:
         settings = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
         digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
-        with _gathered(tensor):  # a ZeRO-3 partitioned weight, gathered alone (collective: every rank, same order)
+        with gathered(tensor):  # a ZeRO-3 partitioned weight, gathered alone (collective: every rank, same order)
             flat = tensor.detach().reshape(-1)
             sample = flat[:: max(1, flat.numel() // DIGEST_SAMPLES) | 1].contiguous().cpu()
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
         digest.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
     return digest.hexdigest()[:16]
-
-
-def _gathered(tensor: torch.Tensor) -> Any:
-    """``deepspeed.zero.GatheredParameters([tensor])`` for a ZeRO-3 partitioned parameter, else a null context."""
-    if not hasattr(tensor, "ds_id"):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
 
 
 def _lockstep_extra(own: int, device: torch.device | str) -> int:

@@ -4,12 +4,11 @@ planned, not run here."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from medusa_train.config import DataConfig, ModelConfig
 from medusa_train.data.distill_engines import EnginePlacement, distill_engine, engine_placement
+from tests.medusa_train.test_distill_engines import fake_vllm
 
 
 @pytest.mark.parametrize("rank, local_rank, world, gpus, tp, visible, expected", [
@@ -86,9 +85,6 @@ def test_distill_engine_starts_vllm_on_its_gpus(monkeypatch):
 
     import torch
 
-    import inference.engines.vllm_env as vllm_env
-    import medusa_train.loading.base as loading
-
     started = []
 
     class Worker:
@@ -103,9 +99,7 @@ def test_distill_engine_starts_vllm_on_its_gpus(monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(vllm_env, "vllm_python", lambda: Path("python"))
-    monkeypatch.setattr(vllm_env, "VllmWorker", Worker)
-    monkeypatch.setattr(loading, "engine_model_path", lambda cfg: "model")
+    fake_vllm(monkeypatch, Worker)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     data = DataConfig(self_distill_engine="vllm", self_distill_tensor_parallel_size=2)
     place = engine_placement(2, 2, 8, 8, 2)
