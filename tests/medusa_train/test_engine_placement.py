@@ -108,3 +108,41 @@ def test_distill_engine_starts_vllm_on_its_gpus(monkeypatch):
         assert generate([[1, 2]], 4, {5}) == [([5], True)]
     assert started[0]["cuda_visible_devices"] == "2,3" and started[0]["tensor_parallel_size"] == 2
     assert started[0]["gpu_memory_utilization"] == 0.9 and started[0]["enforce_eager"] is False
+
+
+@pytest.mark.parametrize("engine, order", [("server", ["data", "base"]), ("hf", ["base", "data"])])
+def test_self_distillation_by_another_engine_runs_before_the_base_loads(engine, order, tmp_path, monkeypatch):
+    """vLLM or a server writes the replies while the training base is not loaded (it would hold the GPU the engines
+    need); they get a stand-in with the base's config and dtype. HF generate needs the base, so it loads first."""
+    import contextlib
+    import types
+
+    import torch
+
+    import medusa_train.training.base_recipe as base_recipe
+    from tests.medusa_train.test_training import tiny_overrides, write_tiny_inputs, compose_train
+
+    model_dir, data = write_tiny_inputs(tmp_path)
+    extra = {"data.self_distill": "true", "data.self_distill_engine": engine, "data.max_new_tokens": 8}
+    if engine == "server":
+        extra["data.server_url"] = "http://127.0.0.1:9"
+    recipe = base_recipe.BaseRecipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "out", **extra)))
+    recipe.device, recipe.barrier = torch.device("cpu"), lambda: None
+    events, models = [], []
+
+    def prepare_data(data, *, model, **kwargs):
+        events.append("data")
+        models.append(model)
+
+    real_load = base_recipe.BaseRecipe.load_base
+    monkeypatch.setattr(base_recipe, "prepare_data", prepare_data)
+    monkeypatch.setattr(base_recipe, "check_enough_data", lambda *a: None)
+    monkeypatch.setattr(base_recipe.BaseRecipe, "load_base",
+                        lambda self, args: events.append("base") or real_load(self, args))
+    args = types.SimpleNamespace(main_process_first=lambda desc: contextlib.nullcontext(), deepspeed=None)
+    recipe.load_base_and_data(args)
+    assert events == order
+    if engine == "server":
+        assert models[0].config.vocab_size == 512 and models[0].dtype == torch.float32  # no weights, no base
+    else:
+        assert models[0] is recipe.base
