@@ -58,8 +58,8 @@ from medusa_train.training.arguments import (
 from medusa_train.training.base_placement import (
     ZERO3,
     base_fits_device,
-    gathered,
     check_base_placement,
+    gathered,
     hf_deepspeed_config,
     is_zero3_config,
     partition_numel,
@@ -68,7 +68,13 @@ from medusa_train.training.base_placement import (
     start_zero3_engine,
     zero3_inference_config,
 )
-from medusa_train.training.callbacks import DiscardOverwritten, exit_callback_from_env
+from medusa_train.training.callbacks import (
+    DiscardOverwritten,
+    Preempted,
+    StopOnSignal,
+    exit_callback_from_env,
+    signal_callback_from_env,
+)
 from medusa_train.training.data_prep import PreparedData, check_data_source, check_enough_data, prepare_data
 from medusa_train.training.head_accuracy import head_accuracy
 from medusa_train.training.metrics import format_table
@@ -374,14 +380,14 @@ class BaseRecipe:
 
     def trainer_kwargs(self, args: TrainingArguments, train_set: Any, eval_set: Any) -> dict[str, Any]:
         """The :class:`MedusaTrainer` arguments both flows give: datasets, collator, callbacks
-        (:class:`~medusa_train.training.callbacks.DiscardOverwritten` with ``overwrite=true``, the caller's, then
-        :class:`~medusa_train.training.callbacks.ExitAfterStep` when asked for), loss settings, rotation."""
+        (:class:`~medusa_train.training.callbacks.DiscardOverwritten` with ``overwrite=true``,
+        :class:`~medusa_train.training.callbacks.StopOnSignal`, the caller's, then the drills' ``ExitAfterStep`` and
+        ``SignalAtStep`` when their variables ask for them), loss settings, rotation."""
         # the commit first: no other on_save (one that stops the process, or waits) comes between it and the seal
         commit = [DiscardOverwritten(self.paths)] if self.cfg.overwrite else []
-        callbacks = [*commit, *self.extra_callbacks]
-        exit_cb = exit_callback_from_env()
-        if exit_cb is not None:
-            callbacks.append(exit_cb)
+        self.stop_on_signal = StopOnSignal()
+        callbacks = [*commit, self.stop_on_signal, *self.extra_callbacks]
+        callbacks += [cb for cb in (exit_callback_from_env(), signal_callback_from_env()) if cb is not None]
         return dict(args=args, train_dataset=train_set, eval_dataset=eval_set if len(eval_set) else None,
                     data_collator=self.collator, callbacks=callbacks, loss_spec=self.loss_spec,
                     keep_checkpoints=self.cfg.trainer.save_total_limit)
@@ -400,6 +406,10 @@ class BaseRecipe:
                 log.info("resuming from %s", latest)
                 resume_from = str(latest)
         result = self.trainer.train(resume_from_checkpoint=resume_from)
+        stop = self.stop_on_signal
+        if stop.stopped_at is not None:
+            log.warning("stopped on a signal after step %d; the checkpoint is sealed", stop.stopped_at)
+            raise Preempted(stop.stopped_at, stop.received)
         self.summary.update(global_step=result.global_step, train_loss=result.training_loss,
                             train_metrics=result.metrics, resumed_from=resume_from)
 

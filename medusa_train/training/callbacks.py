@@ -8,13 +8,22 @@ checkpoint of the new run is sealed (:mod:`medusa_train.training.run_dir`).
 
 :class:`ExitAfterStep` stops the process abruptly (``os._exit``: no cleanup, no final save) once a given optimizer step
 has finished, to test that a killed run resumes to the same heads. ``medusa-train`` adds it when the environment
-variable ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds a step number (tests and fault-injection drills only).
+variable ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds a step number, ``N:RANK`` for one rank alone (tests and
+fault-injection drills only).
+
+:class:`StopOnSignal` turns SIGTERM or SIGUSR1 (SLURM's preemption and its ``--signal`` warning, ``scancel``) into a
+sealed checkpoint at the end of the current optimizer step and an exit with :data:`PREEMPTED_EXIT_CODE`, which
+``launch/slurm.sbatch`` answers with a requeue; the requeued run resumes from that checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+from typing import Any
+
+import torch
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -26,6 +35,21 @@ log = logging.getLogger(__name__)
 
 EXIT_ENV = "MEDUSA_TRAIN_EXIT_AFTER_STEP"
 EXIT_CODE = 17
+SIGNAL_ENV = "MEDUSA_TRAIN_SIGNAL_AT_STEP"  # "N" or "N:RANK": SIGTERM to this process as step N begins (drills)
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped on a signal, checkpoint sealed, run again to resume
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SystemExit):
+    """The run stopped on a signal after sealing a checkpoint: exit with :data:`PREEMPTED_EXIT_CODE` (no export)."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step, self.signum = step, signum
+
+    def __str__(self) -> str:
+        return (f"stopped on {signal.Signals(self.signum).name} after step {self.step}, checkpoint sealed; run the "
+                f"same command with resume=true to continue (exit code {PREEMPTED_EXIT_CODE})")
 
 
 class SealCheckpoints(TrainerCallback):
@@ -76,40 +100,120 @@ class DiscardOverwritten(TrainerCallback):
 
 
 class ExitAfterStep(TrainerCallback):
-    """Kill this process with exit code :data:`EXIT_CODE` right after optimizer step ``step`` (and its save, if any).
+    """Kill this process with exit code :data:`EXIT_CODE` right after optimizer step ``step`` (and its save, if any),
+    on rank ``rank`` only (a rank dying alone, as from an OOM kill) or on every rank when None.
 
     ``on_step_end`` runs before the step's checkpoint is written, so the exit happens in ``on_save`` (after
     :class:`SealCheckpoints` sealed it) when the step is a save step and in ``on_step_end`` itself otherwise; either
     way no step after ``step`` runs.
     """
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, rank: int | None = None) -> None:
         if step < 1:
             raise ValueError(f"{EXIT_ENV} must be a step >= 1, got {step}")
-        self.step = step
+        self.step, self.rank = step, rank
 
-    def _exit(self, state: TrainerState) -> None:
-        log.warning("exiting at step %d (%s)", state.global_step, EXIT_ENV)
-        os._exit(EXIT_CODE)
+    def _exit(self, args: TrainingArguments, state: TrainerState) -> None:
+        if self.rank in (None, args.process_index):
+            log.warning("exiting at step %d (%s)", state.global_step, EXIT_ENV)
+            os._exit(EXIT_CODE)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if state.global_step > self.step or (state.global_step == self.step and not control.should_save):
-            self._exit(state)
+            self._exit(args, state)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if state.global_step >= self.step:
-            self._exit(state)
+            self._exit(args, state)
+
+
+def _step_and_rank(name: str) -> tuple[int, int | None] | None:
+    """``(N, RANK or None)`` from the variable ``name`` holding ``N`` or ``N:RANK``; None when it is unset or empty.
+
+    Raises:
+        ValueError: another value (the variable named).
+    """
+    value = os.environ.get(name)
+    if not value:
+        return None
+    step, _, rank = value.partition(":")
+    if not step.isdigit() or int(step) < 1 or (rank and not rank.isdigit()):
+        raise ValueError(f"{name} must be a step >= 1, optionally ':RANK' (e.g. 3 or 3:1), got {value!r}")
+    return int(step), int(rank) if rank else None
 
 
 def exit_callback_from_env() -> ExitAfterStep | None:
-    """:class:`ExitAfterStep` when ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds a step number, else None.
+    """:class:`ExitAfterStep` when ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds ``N`` or ``N:RANK``, else None.
 
     Raises:
-        ValueError: the variable is not a positive integer.
+        ValueError: the variable is not of that form.
     """
-    value = os.environ.get(EXIT_ENV)
-    if not value:
-        return None
-    if not value.isdigit():
-        raise ValueError(f"{EXIT_ENV} must be a step number, got {value!r}")
-    return ExitAfterStep(int(value))
+    parsed = _step_and_rank(EXIT_ENV)
+    return None if parsed is None else ExitAfterStep(*parsed)
+
+
+class StopOnSignal(TrainerCallback):
+    """Stop at the end of the optimizer step in which SIGTERM or SIGUSR1 arrived, after saving a checkpoint.
+
+    The handler only records the signal. At each step's end every rank takes the largest signal number any rank
+    received (one all-reduce of one integer: ranks may get the signal a step apart, and all must save at the same
+    step or the checkpoint's collective calls hang); when one arrived, the Trainer saves (sealed by
+    :class:`SealCheckpoints`) and stops, and :attr:`stopped_at` holds the step. A signal during the last step lets the
+    run finish. The previous handlers are put back at the end of training (``on_train_end``).
+
+    Args:
+        signals: the signals handled (:data:`STOP_SIGNALS`).
+    """
+
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS) -> None:
+        self.received = 0
+        self.stopped_at: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        log.warning("received %s: saving a checkpoint at the end of this step, then stopping",
+                    signal.Signals(signum).name)
+        self.received = signum
+
+    def _agreed(self, args: TrainingArguments) -> int:
+        flag = self.received
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            t = torch.tensor([flag], device=args.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            flag = int(t.item())
+        return flag
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        signum = self._agreed(args)
+        if signum and state.global_step < state.max_steps:
+            self.received = signum
+            self.stopped_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+class SignalAtStep(TrainerCallback):
+    """Send SIGTERM to this process as optimizer step ``step`` begins (on rank ``rank`` only, or every rank when None):
+    a preemption at a known step, for tests and drills. ``medusa-train`` adds it when ``MEDUSA_TRAIN_SIGNAL_AT_STEP``
+    holds ``N`` or ``N:RANK``."""
+
+    def __init__(self, step: int, rank: int | None = None) -> None:
+        self.step, self.rank = step, rank
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        if state.global_step + 1 == self.step and self.rank in (None, args.process_index):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def signal_callback_from_env() -> SignalAtStep | None:
+    """:class:`SignalAtStep` when ``MEDUSA_TRAIN_SIGNAL_AT_STEP`` holds ``N`` or ``N:RANK``, else None.
+
+    Raises:
+        ValueError: the variable is not of that form.
+    """
+    parsed = _step_and_rank(SIGNAL_ENV)
+    return None if parsed is None else SignalAtStep(*parsed)
