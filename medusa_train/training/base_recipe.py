@@ -4,12 +4,15 @@
 ``cleanup`` (torchtune's recipe interface).
 
 Everything that can be checked without a model is checked first, on every rank, reading only: config values, the
-launcher's world size against the trainer strategy, DeepSpeed batch sizes, the data files, ``output_dir`` itself
+launcher's world size against the trainer strategy, DeepSpeed batch sizes, the data files, a ``base_placement``
+the run cannot honour (:mod:`~medusa_train.training.base_placement`), ``output_dir`` itself
 (not empty, not a file, not someone else's folder) and whether it holds another run, or a run that ``resume=true``
 cannot continue with this config (:mod:`~medusa_train.training.run_dir`). Then the main process takes the folder's
 lock (:mod:`~medusa_train.training.run_lock`), the process group starts (through ``TrainingArguments``), the base
-model loads (converted once, main process first) and the data is prepared (self-distillation sharded over ranks) and
-refused if too little is left. Only once the flow built its model is the folder changed: an overwritten run set
+model loads (converted once, main process first; replicated on every rank, or partitioned by ZeRO-3 as
+``base_placement`` resolves) and the data is prepared (self-distillation sharded over ranks: by vLLM or a server
+before the base loads, so that the engines have the GPUs to themselves, its checks run on the base built on the
+``meta`` device; by HF generate after it) and refused if too little is left. Only once the flow built its model is the folder changed: an overwritten run set
 aside, unusable checkpoints dropped, ``train_config.yaml`` written. The run set aside is deleted once this run has
 sealed its first checkpoint or written its export, and restored if this run ends before that (a run killed before
 that leaves it for the next run to restore, right after taking the lock); so no failure of the new run costs the old
