@@ -320,6 +320,12 @@ class DataConfig:
             where the hardware multiplies bf16 natively, as ``dtype=auto`` decides for decoding). bf16 on a CPU
             with bf16 units makes about 1.7x fp32's tokens (docs/vllm.md); the heads still train on the model's
             own dtype.
+        self_distill_tensor_parallel_size: GPUs per vLLM engine (vLLM's ``tensor_parallel_size``): one engine per
+            group of this many GPUs of a node (``medusa_train.data.distill_engines.engine_placement``; it must divide
+            the node's GPU count, checked when the engines start). 1 on a CPU. Planned for GPUs, not run here.
+        self_distill_gpu_memory_utilization: share of each engine GPU's memory vLLM may take (vLLM's
+            ``gpu_memory_utilization``). 0.9, vLLM's own default: self-distillation runs before the training base
+            loads, so nothing else holds the GPU then. CUDA only.
         max_new_tokens: longest regenerated reply; with ``self_distill``, below ``max_length`` (checked with the
             config) and below the base model's context (:meth:`check_context`, once the model is loaded).
         generation_batch_size: conversations generated at once per rank (with vLLM: its ``max_num_seqs``, with
@@ -345,6 +351,8 @@ class DataConfig:
     server_url: Optional[str] = None
     server_model: Optional[str] = None
     self_distill_dtype: Optional[str] = None
+    self_distill_tensor_parallel_size: int = field(default=1, metadata=bound(1, cap=MAX_COUNT))
+    self_distill_gpu_memory_utilization: float = field(default=0.9, metadata=bound(0, 1, low_open=True))
     max_new_tokens: int = field(default=256, metadata=bound(1, cap=MAX_TOKENS))
     generation_batch_size: int = field(default=16, metadata=bound(1, cap=MAX_COUNT))
     max_prompt_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_TOKENS))
@@ -371,6 +379,9 @@ class DataConfig:
                              f"got engine {engine}: drop them or set the engine to server")
         if self.server_url and not self.server_url.startswith(("http://", "https://")):
             raise ValueError(f"data.server_url must start with http:// or https://, got {self.server_url!r}")
+        if self.self_distill_tensor_parallel_size != 1 and engine != "vllm":
+            raise ValueError("data.self_distill_tensor_parallel_size is for data.self_distill_engine=vllm (hf "
+                             "generates with the training model, a server has its own); set it to 1")
         if self.self_distill_dtype is not None:
             if engine != "vllm":
                 raise ValueError("data.self_distill_dtype is for data.self_distill_engine=vllm (hf generates with "

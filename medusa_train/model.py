@@ -209,9 +209,11 @@ class MedusaModel(nn.Module):
 
 
 def base_sizes(base: PreTrainedModel) -> tuple[int, int]:
-    """(H, V) of a base model, read from its lm_head weight ``[V, H]`` (config names differ between families)."""
+    """(H, V) of a base model, read from its lm_head weight ``[V, H]`` (config names differ between families; a
+    weight partitioned by DeepSpeed ZeRO-3 keeps its full shape in ``ds_shape``)."""
     weight = base.get_output_embeddings().weight
-    return int(weight.shape[1]), int(weight.shape[0])
+    shape = getattr(weight, "ds_shape", weight.shape)
+    return int(shape[1]), int(shape[0])
 
 
 def check_heads_match_base(spec: HeadsSpec, base: PreTrainedModel) -> None:

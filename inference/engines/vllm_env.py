@@ -100,13 +100,14 @@ def bound_cores(threads: int) -> list[int]:
     return cores[:threads]
 
 
-def worker_environment(venv: Path, reserved_cpus: int | None = None,
-                       compute_threads: int | None = None) -> dict[str, str]:
+def worker_environment(venv: Path, reserved_cpus: int | None = None, compute_threads: int | None = None,
+                       cuda_visible_devices: str | None = None) -> dict[str, str]:
     """The worker's environment variables: ours without ``PYTHONPATH`` (our packages must not shadow vLLM's), with
     Intel OpenMP preloaded when the environment has it, a KV cache size, no tokenizer threads,
     ``VLLM_CPU_NUM_OF_RESERVED_CPU`` set to ``reserved_cpus`` unless it is None or already set, and with
     ``compute_threads`` the engine's OpenMP threads bound to that many cores (:func:`bound_cores`,
-    ``VLLM_CPU_OMP_THREADS_BIND``) with none reserved."""
+    ``VLLM_CPU_OMP_THREADS_BIND``) with none reserved; ``cuda_visible_devices`` (e.g. ``"2,3"``), when given, pins the
+    engine to those GPUs (``CUDA_VISIBLE_DEVICES``, replacing ours: the GPU path is planned, not run here)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     iomp = venv / "lib" / "libiomp5.so"
     if iomp.is_file() and "libiomp" not in env.get("LD_PRELOAD", ""):
@@ -117,6 +118,8 @@ def worker_environment(venv: Path, reserved_cpus: int | None = None,
         reserved_cpus = 0
     if reserved_cpus is not None:
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(reserved_cpus))
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
@@ -292,6 +295,9 @@ class VllmWorker:
         inspect: run the engine core in the worker process so :meth:`drafts` can reach the Medusa drafter
             (for tests; vLLM then computes on one thread).
         gpu_memory_utilization: share of GPU memory vLLM may take (CUDA only; None: vLLM's default).
+        cuda_visible_devices: the GPUs the engine sees (its ``CUDA_VISIBLE_DEVICES``); None: ours.
+        tensor_parallel_size: GPUs the engine shards the model over (vLLM's ``tensor_parallel_size``; planned on
+            GPUs, not run here).
         reserved_cpus: CPU cores vLLM keeps off its compute threads for its scheduler process
             (``VLLM_CPU_NUM_OF_RESERVED_CPU``; None: vLLM's default, one core on x86, which on a 2-core machine
             halves compute; 0: every core computes, faster when nothing else runs). An existing environment
@@ -318,13 +324,15 @@ class VllmWorker:
         seed: int = 0,
         inspect: bool = False,
         gpu_memory_utilization: float | None = None,
+        cuda_visible_devices: str | None = None,
+        tensor_parallel_size: int = 1,
         reserved_cpus: int | None = None,
         log_path: str | os.PathLike[str] | None = None,
         compute_threads: int | None = None,
         pause_when_idle: bool = False,
     ) -> None:
         python = vllm_python()
-        env = worker_environment(python.parent.parent, reserved_cpus, compute_threads)
+        env = worker_environment(python.parent.parent, reserved_cpus, compute_threads, cuda_visible_devices)
         self.compute_threads = compute_threads
         self.pause_when_idle = pause_when_idle
         self._paused = False
@@ -348,7 +356,8 @@ class VllmWorker:
             self.info = self.request("start", model=model, dtype=dtype, speculative_config=speculative_config,
                                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                      enforce_eager=enforce_eager, seed=seed, inspect=inspect,
-                                     gpu_memory_utilization=gpu_memory_utilization)
+                                     gpu_memory_utilization=gpu_memory_utilization,
+                                     tensor_parallel_size=tensor_parallel_size)
         except BaseException:
             self.close()
             raise

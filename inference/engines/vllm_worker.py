@@ -11,7 +11,8 @@ Requests (``op``) and replies (``{"ok": true, ...}`` or ``{"ok": false, "error",
 - ``start``: ``model`` (an HF folder or Hub id), ``dtype``, ``speculative_config`` (None, or vLLM's dict, e.g.
   ``{"method": "medusa", "model": <export>/vllm, "num_speculative_tokens": K}``, or ``{"method": "eagle3",
   "model": <export>/speculators, "num_speculative_tokens": K}``), ``max_model_len``,
-  ``max_num_seqs``, ``enforce_eager``, ``seed``, ``gpu_memory_utilization`` (CUDA only) -> ``vllm_version``,
+  ``max_num_seqs``, ``enforce_eager``, ``seed``, ``gpu_memory_utilization`` and ``tensor_parallel_size`` (CUDA
+  only; the GPUs are the process's ``CUDA_VISIBLE_DEVICES``) -> ``vllm_version``,
   ``start_s``. The engine is built once and reused by every later request (starting it takes 30-180 s on a CPU).
 - ``generate``: ``prompts`` (lists of token ids: the chat template is applied by the caller, so both sides see the
   same ids), ``max_tokens``, ``stop_token_ids`` (the only ids that end a reply: ``ignore_eos`` is set), optional
@@ -58,6 +59,8 @@ class Worker:
                       enforce_eager=bool(req.get("enforce_eager", False)),
                       speculative_config=req.get("speculative_config"), disable_log_stats=False,
                       skip_tokenizer_init=True, generation_config="vllm")
+        if int(req.get("tensor_parallel_size", 1)) > 1:  # GPUs only (planned, not run here)
+            kwargs["tensor_parallel_size"] = int(req["tensor_parallel_size"])
         if req.get("gpu_memory_utilization") is not None:
             kwargs["gpu_memory_utilization"] = float(req["gpu_memory_utilization"])
         t0 = time.perf_counter()

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -145,6 +146,23 @@ def engine_model_path(cfg: ModelConfig) -> str:
     return path
 
 
+def base_weight_bytes(cfg: ModelConfig, device: torch.device) -> int:
+    """Bytes of the base's weights in the dtype it would load in on ``device``, counted on a model built on the
+    ``meta`` device from its config alone (no weights read); 0 when there is no HF config to read yet (a GGUF or
+    llama2.c checkpoint not converted)."""
+    from transformers import AutoConfig
+
+    fmt = detect_format(cfg)
+    source = cfg.name_or_path if fmt == "hf" else None
+    if source is None:
+        return 0
+    config = AutoConfig.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    dtype = choose_dtype(cfg.dtype, device).dtype
+    return sum(p.numel() for p in model.parameters()) * torch.finfo(dtype).bits // 8
+
+
 def _needs_remote_code(folder: Path, error: Exception) -> bool:
     """Whether a failed load is for want of the model's own code: transformers says so, or a local folder's
     config.json maps Auto classes to its own files (``auto_map``)."""
@@ -154,6 +172,34 @@ def _needs_remote_code(folder: Path, error: Exception) -> bool:
         return "auto_map" in json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, TypeError):
         return False
+
+
+def _with_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """The tokenizer, its pad token set to EOS when it has none."""
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_tokenizer_and_config(cfg: ModelConfig) -> tuple[PreTrainedTokenizerBase, Any]:
+    """The base model's tokenizer (as :func:`load_base_model` returns it) and its HF config, without its weights: what
+    work done before the base loads needs (self-distillation by vLLM or a server writes the replies first, so the
+    training base is not on the GPU while the engines run). GGUF and llama2.c checkpoints are converted into the
+    cache first (:func:`engine_model_path`).
+
+    Raises:
+        FileNotFoundError / OSError: as :func:`load_base_model`.
+    """
+    from transformers import AutoConfig
+
+    path = engine_model_path(cfg)
+    kwargs = dict(revision=cfg.revision if path == cfg.name_or_path else None, trust_remote_code=cfg.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        config = AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise OSError(f"model: could not read the tokenizer and config of {cfg.name_or_path!r}: {e}") from e
+    return _with_pad_token(tokenizer), config
 
 
 def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -204,8 +250,7 @@ def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokeni
             raise OSError(f"model: could not load {cfg.name_or_path!r} ({fmt}): {e}") from e
     if cfg.attn_implementation and fmt != "hf" and isinstance(source, tuple):
         model.set_attn_implementation(cfg.attn_implementation)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    _with_pad_token(tokenizer)
     model.eval()
     model.requires_grad_(False)
     return model.to(device), tokenizer

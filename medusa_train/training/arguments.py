@@ -209,14 +209,11 @@ def zero3_hidden_from_transformers(args: TrainingArguments) -> Iterator[None]:
     step all ranks in lockstep (``synced_gpus``), which hangs when ranks have different numbers of prompts. The
     config is restored on exit, before the Trainer is built.
     """
-    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+    from medusa_train.training.base_placement import hf_deepspeed_config
 
     hf_config = getattr(args, "hf_deepspeed_config", None)
     if hf_config is None:
         yield
         return
-    unset_hf_deepspeed_config()
-    try:
+    with hf_deepspeed_config(None, hf_config):
         yield
-    finally:
-        set_hf_deepspeed_config(hf_config)

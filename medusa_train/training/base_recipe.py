@@ -4,12 +4,15 @@
 ``cleanup`` (torchtune's recipe interface).
 
 Everything that can be checked without a model is checked first, on every rank, reading only: config values, the
-launcher's world size against the trainer strategy, DeepSpeed batch sizes, the data files, ``output_dir`` itself
+launcher's world size against the trainer strategy, DeepSpeed batch sizes, the data files, a ``base_placement``
+the run cannot honour (:mod:`~medusa_train.training.base_placement`), ``output_dir`` itself
 (not empty, not a file, not someone else's folder) and whether it holds another run, or a run that ``resume=true``
 cannot continue with this config (:mod:`~medusa_train.training.run_dir`). Then the main process takes the folder's
 lock (:mod:`~medusa_train.training.run_lock`), the process group starts (through ``TrainingArguments``), the base
-model loads (converted once, main process first) and the data is prepared (self-distillation sharded over ranks) and
-refused if too little is left. Only once the flow built its model is the folder changed: an overwritten run set
+model loads (converted once, main process first; replicated on every rank, or partitioned by ZeRO-3 as
+``base_placement`` resolves) and the data is prepared (self-distillation sharded over ranks: by vLLM or a server
+before the base loads, so that the engines have the GPUs to themselves, its checks run on the base built on the
+``meta`` device; by HF generate after it) and refused if too little is left. Only once the flow built its model is the folder changed: an overwritten run set
 aside, unusable checkpoints dropped, ``train_config.yaml`` written. The run set aside is deleted once this run has
 sealed its first checkpoint or written its export, and restored if this run ends before that (a run killed before
 that leaves it for the next run to restore, right after taking the lock); so no failure of the new run costs the old
@@ -20,23 +23,31 @@ the main process measures per-head accuracy on the held-out split, prints the ta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, set_seed
+from transformers import AutoModelForCausalLM, PreTrainedModel, TrainerCallback, TrainingArguments, set_seed
 
 from medusa_train.config import ModelConfig, TrainConfig, as_dataclass
 from medusa_train.export import save_base_model, save_export
 from medusa_train.export.files import write_json
 from medusa_train.drafters.catalog import drafter_type, heads_from_spec, is_drafter, new_spec, type_of
-from medusa_train.loading.base import load_base_model
+from medusa_train.loading.base import (
+    base_weight_bytes,
+    engine_model_path,
+    load_base_model,
+    load_tokenizer_and_config,
+)
 from medusa_train.loading.medusa import export_extra_config
 from medusa_train.heads import build_token_map
+from medusa_train.precision import choose_dtype
 from medusa_train.model import DraftHeads, base_sizes, check_supported, new_heads_for
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import (
@@ -46,6 +57,19 @@ from medusa_train.training.arguments import (
     load_deepspeed_config,
     training_arguments,
     zero3_hidden_from_transformers,
+)
+from medusa_train.training.base_placement import (
+    ZERO3,
+    base_fits_device,
+    check_base_placement,
+    gathered,
+    hf_deepspeed_config,
+    is_zero3_config,
+    partition_numel,
+    replicate_output_and_input_embeddings,
+    resolve_base_placement,
+    start_zero3_engine,
+    zero3_inference_config,
 )
 from medusa_train.training.callbacks import (
     DiscardOverwritten,
@@ -154,6 +178,7 @@ class BaseRecipe:
             ds_config = load_deepspeed_config(cfg.trainer.deepspeed)
             check_deepspeed_batch(ds_config, cfg.trainer, self.env.world_size)
         check_data_source(cfg.data)
+        check_base_placement(cfg, is_zero3_config(ds_config))
         check_output_dir(self.paths, self.resolved, cfg.resume, cfg.overwrite, self.env.world_size)
         return ds_config
 
@@ -232,25 +257,95 @@ class BaseRecipe:
                  vocab_size=vocab_size, share_lm_head=hc.share_lm_head, head_vocab_size=hc.head_vocab_size)
 
     def load_base_and_data(self, args: TrainingArguments) -> PreparedData:
-        """The base model and tokenizer (``self.base``, ``self.tokenizer``; on this rank's device, converted once by
-        the main process first), checked (:meth:`check_base`), then the data (self-distillation sharded over ranks),
-        refused if too little is left."""
+        """The base model and tokenizer (``self.base``, ``self.tokenizer``; converted once by the main process first),
+        placed as :meth:`place_base` decides, checked (:meth:`check_base`), then the data (self-distillation sharded
+        over ranks), refused if too little is left."""
         cfg = self.cfg
-        with zero3_hidden_from_transformers(args):
-            with args.main_process_first(desc="load the base model"):  # converts GGUF/llama2.c once, into the cache
-                base, tokenizer = load_base_model(self.model_config_on_device())
+        with self.base_loading(args):
+            first = cfg.data.self_distill and cfg.data.distill_engine != "hf"
+            if first:  # vLLM or a server writes the replies before the base loads: the GPUs are the engines' alone
+                data = self.prepare(args, *self.config_only(args))
+            base, tokenizer = self.load_base(args)
+            if self.placement == ZERO3:
+                self.partitioned_base(base)
             self.check_base(base)
             self.base = base
             self.tokenizer = tokenizer
-            data = prepare_data(
-                cfg.data, tokenizer=tokenizer, model=base, max_length=cfg.max_length, seed=cfg.seed,
-                self_distill_dir=Path(cfg.data.self_distill_dir or self.paths.self_distill),
-                rank=self.env.rank, world_size=self.env.world_size, barrier=self.barrier, model_config=cfg.model,
-                local_rank=self.env.local_rank,
-            )
+            if not first:
+                data = self.prepare(args, base, tokenizer)
         check_enough_data(data, cfg.heads.medusa_num_heads, cfg.trainer, self.env.world_size)
         self.data = data
         return data
+
+    def config_only(self, args: TrainingArguments) -> tuple[Any, Any]:
+        """A stand-in for the base before it loads (its ``config`` and load ``dtype``), and its tokenizer (a GGUF or
+        llama2.c checkpoint converted once, by the main process first); :meth:`check_base` passed on the base built
+        on the ``meta`` device."""
+        with args.main_process_first(desc="read the base model's config"):
+            tokenizer, config = load_tokenizer_and_config(self.cfg.model)
+        with torch.device("meta"):  # shapes only, no weights: the base's checks pass before anything is generated
+            self.check_base(AutoModelForCausalLM.from_config(config, trust_remote_code=self.cfg.model.trust_remote_code))
+        dtype = choose_dtype(self.cfg.model.dtype, self.device).dtype
+        return types.SimpleNamespace(config=config, dtype=dtype), tokenizer
+
+    def prepare(self, args: TrainingArguments, model: Any, tokenizer: Any) -> PreparedData:
+        """The data (:func:`~medusa_train.training.data_prep.prepare_data`) with ``model``: the base, or before it
+        loads a stand-in with its config and dtype (vLLM and server self-distillation need no more)."""
+        cfg = self.cfg
+        return prepare_data(
+            cfg.data, tokenizer=tokenizer, model=model, max_length=cfg.max_length, seed=cfg.seed,
+            self_distill_dir=Path(cfg.data.self_distill_dir or self.paths.self_distill),
+            rank=self.env.rank, world_size=self.env.world_size, barrier=self.barrier, model_config=cfg.model,
+            local_rank=self.env.local_rank,
+        )
+
+    def load_base(self, args: TrainingArguments) -> tuple[PreTrainedModel, Any]:
+        """The base model and its tokenizer, GGUF and llama2.c checkpoints converted once (into the cache) by the
+        main process first. A base partitioned by ZeRO-3 loads on every rank at once (its partitioning is
+        collective), after that conversion."""
+        model_cfg = self.model_config_on_device()
+        if self.placement != ZERO3:
+            with args.main_process_first(desc="load the base model"):
+                return load_base_model(model_cfg)
+        with args.main_process_first(desc="convert the base model"):
+            path = engine_model_path(model_cfg)  # the converted HF folder, or name_or_path for an HF model
+        return load_base_model(dataclasses.replace(model_cfg, name_or_path=path, format="hf", gguf_file=None)
+                               if path != model_cfg.name_or_path else model_cfg)
+
+    def base_loading(self, args: TrainingArguments) -> Any:
+        """The context the base loads in, after :meth:`place_base` sets ``self.placement``: ``replicated``: the
+        Trainer's DeepSpeed config hidden from transformers (the base loads whole); ``zero3`` with a frozen base:
+        :func:`~medusa_train.training.base_placement.zero3_inference_config` shown instead (it loads partitioned);
+        ``zero3`` with Medusa-2: the Trainer's own ZeRO-3 config (its engine will train the partitioned base)."""
+        self.placement = self.place_base(args)
+        self.base_engine: Any = None
+        trainer_ds = getattr(args, "hf_deepspeed_config", None)
+        if self.placement != ZERO3:
+            return zero3_hidden_from_transformers(args)
+        if self.cfg.heads.mode == "medusa2":
+            return contextlib.nullcontext()
+        self.base_ds_config = zero3_inference_config(choose_dtype(self.cfg.model.dtype, self.device).dtype)
+        return hf_deepspeed_config(self.base_ds_config, trainer_ds)
+
+    def place_base(self, args: TrainingArguments) -> str:
+        """``base_placement`` resolved for this run (:func:`~medusa_train.training.base_placement.
+        resolve_base_placement`, logged); the fit test reads the base's size from its config (no weights loaded)."""
+        trainer_zero3 = is_zero3_config(args.deepspeed if isinstance(args.deepspeed, dict) else None)
+        fits = True
+        if self.cfg.base_placement == "auto" and self.device.type == "cuda" and self.env.world_size > 1:
+            fits = base_fits_device(base_weight_bytes(self.cfg.model, self.device), self.device)
+        return resolve_base_placement(self.cfg, world_size=self.env.world_size, trainer_zero3=trainer_zero3,
+                                      fits=fits)
+
+    def partitioned_base(self, base: PreTrainedModel) -> None:
+        """A base loaded partitioned by ZeRO-3: log the share this rank holds; for a frozen base start its ZeRO-3
+        engine (``self.base_engine``) and replicate its lm_head and input embeddings, which the heads read."""
+        held, total = partition_numel(base)
+        log.info("base placement zero3: rank %d holds %d of the base's %d parameters", self.env.rank, held, total)
+        self.summary["base_partition"] = {"rank": self.env.rank, "held": held, "total": total}
+        if self.cfg.heads.mode == "medusa1":
+            self.base_engine = start_zero3_engine(base, self.base_ds_config)
+            replicate_output_and_input_embeddings(base)
 
     def model_config_on_device(self) -> ModelConfig:
         """``model/`` with the device the Trainer uses (``cuda:LOCAL_RANK``, or the CPU)."""
@@ -262,19 +357,20 @@ class BaseRecipe:
         hc = self.cfg.heads
         token_map = None
         if hc.head_vocab_size is not None:
-            vocab_size = int(self.base.get_output_embeddings().weight.shape[0])
+            vocab_size = base_sizes(self.base)[1]
             counts = torch.zeros(vocab_size, dtype=torch.long)
             for labels in data.train["labels"]:
                 ids = torch.as_tensor(labels, dtype=torch.long)
                 counts += torch.bincount(ids[ids >= 0], minlength=vocab_size)
             token_map = build_token_map(counts, hc.head_vocab_size)
-        return new_heads_for(self.base, hc.medusa_num_heads, hc.medusa_num_layers, hc.share_lm_head, token_map,
-                             head_type=hc.head_type, **drafter_type(hc.head_type).spec_options(hc))
+        with gathered(self.base.get_output_embeddings().weight):  # Medusa-2 under ZeRO-3: the heads copy it whole
+            return new_heads_for(self.base, hc.medusa_num_heads, hc.medusa_num_layers, hc.share_lm_head, token_map,
+                                 head_type=hc.head_type, **drafter_type(hc.head_type).spec_options(hc))
 
     def loss_spec_for(self, heads: DraftHeads) -> LossSpec:
         """The heads' loss settings (``heads/``), with their token map on the training device."""
         hc = self.cfg.heads
-        vocab_size = int(self.base.get_output_embeddings().weight.shape[0])
+        vocab_size = base_sizes(self.base)[1]
         return LossSpec(target=hc.target, decay=hc.loss_decay, share_lm_head=hc.share_lm_head, vocab_size=vocab_size,
                         num_heads=heads.spec.num_heads,
                         token_map=None if heads.token_map is None else heads.token_map.to(self.device),

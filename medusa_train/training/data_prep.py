@@ -34,7 +34,7 @@ from medusa_train.data import (
     self_distill,
 )
 from medusa_train.conversations import normalize_record
-from medusa_train.data.distill_engines import distill_engine, request_size
+from medusa_train.data.distill_engines import distill_engine, engine_placement_here, request_size
 from medusa_train.data.self_distill import distill_prompt, prompt_key, read_records, record_id, shard_path
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.paths import cache_dir
@@ -209,14 +209,17 @@ def prepare_data(
         # a prompt of max_length tokens or more leaves no room for a labelled reply: do not generate one
         max_prompt = min(max_length - 1, data.max_prompt_tokens or max_length)
         started = time.perf_counter()
-        with distill_engine(data, model, tokenizer, model_config, max_prompt) as (generate, engine):
-            stats = self_distill(model, tokenizer, conversations, data.max_new_tokens, request_size(data),
-                                 output_path, rank, world_size, max_prompt_tokens=max_prompt, generate=generate)
-        log.info("self-distillation (rank %d) by %s in %.0f s: %s", rank, engine, time.perf_counter() - started,
-                 stats)
+        place = engine_placement_here(data, rank, world_size)  # on GPUs, one vLLM engine per tensor-parallel group
+        if place.launches:
+            with distill_engine(data, model, tokenizer, model_config, max_prompt, place) as (generate, engine):
+                stats = self_distill(model, tokenizer, conversations, data.max_new_tokens, request_size(data),
+                                     output_path, place.engine_rank, place.engines, max_prompt_tokens=max_prompt,
+                                     generate=generate)
+            log.info("self-distillation (rank %d) by %s in %.0f s: %s", rank, engine, time.perf_counter() - started,
+                     stats)
         barrier()
         prompts = len(conversations)
-        conversations = read_distilled(conversations, output_path, world_size)
+        conversations = read_distilled(conversations, output_path, place.engines)
         no_reply = prompts - len(conversations)
     train, held_out, build = build_dataset(tokenizer, conversations, max_length, data.eval_fraction, seed,
                                            num_proc=data.num_proc, cache_dir=cache_dir() / TOKENIZED_DIR,

@@ -41,6 +41,7 @@ from medusa_train.atomic import atomic_write, atomic_write_text
 from medusa_train.checksums import file_sha256
 from medusa_train.data.collate import Collator
 from medusa_train.features import FINAL, feature_layer, target_features
+from medusa_train.training.base_placement import gathered
 from medusa_train.training.step import FrozenBase, feature_key
 
 log = logging.getLogger(__name__)
@@ -66,12 +67,23 @@ def base_weights_digest(model: nn.Module) -> str:
     if config is not None:
         settings = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
         digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // DIGEST_SAMPLES) | 1].contiguous().cpu()
+    for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
+        with gathered(tensor):  # a ZeRO-3 partitioned weight, gathered alone (collective: every rank, same order)
+            flat = tensor.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // DIGEST_SAMPLES) | 1].contiguous().cpu()
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
         digest.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
     return digest.hexdigest()[:16]
+
+
+def _lockstep_extra(own: int, device: torch.device | str) -> int:
+    """How many forwards this rank must add so that every rank runs as many as the busiest one (``own``: its
+    own count); collective (``all_reduce`` MAX over the default process group)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0
+    most = torch.tensor([own], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return int(most.item()) - own
 
 
 def dataset_fingerprint(dataset: Any, base_digest: str, dtype: torch.dtype) -> str:
@@ -173,6 +185,7 @@ def build_hidden_cache(
     world_size: int = 1,
     device: torch.device | str = "cpu",
     features: Sequence[str] = (FINAL,),
+    lockstep: bool = False,
 ) -> Path:
     """Write this rank's shard of the cache for ``dataset`` (rows ``rank, rank + world_size, ...``).
 
@@ -188,6 +201,9 @@ def build_hidden_cache(
         device: where the base runs.
         features: the target features to store (:mod:`medusa_train.features` names; the drafter's); a shard
             written for other features is rebuilt.
+        lockstep: every rank runs as many base forwards as the busiest one (one-token forwards make up the
+            difference, a reused shard counting none): a base partitioned by ZeRO-3 gathers each layer from all ranks,
+            so a rank that stopped early would leave the others waiting. Collective: every rank must call this.
 
     Returns:
         The shard's safetensors path.
@@ -205,6 +221,8 @@ def build_hidden_cache(
     problem = _shard_problem(folder, name, fingerprint, rows, features, verify=True)
     if problem is None:
         log.info("hidden cache: reusing %s (%d rows)", target, len(rows))
+        if lockstep:
+            _idle_forwards(base, _lockstep_extra(0, device), layers, device)
         return target
     if problem.reason.startswith("damaged"):
         log.warning("hidden cache: %s is %s; rebuilding it", target, problem.reason)
@@ -216,6 +234,8 @@ def build_hidden_cache(
     argmax_parts: list[torch.Tensor | None] = [None] * len(rows)
     # Batches of similar lengths waste less on padding; the shard keeps the rows' own order.
     by_length = sorted(range(len(rows)), key=lambda j: lengths[j], reverse=True)
+    if lockstep:
+        _idle_forwards(base, _lockstep_extra(-(-len(rows) // batch_size), device), layers, device)
     for start in range(0, len(by_length), batch_size):
         chunk = by_length[start : start + batch_size]
         batch = collator([dataset[rows[j]] for j in chunk])
@@ -241,6 +261,14 @@ def build_hidden_cache(
     atomic_write_text(folder / f"{name}.json", json.dumps(info.to_json()))  # last: a shard without it is rebuilt
     log.info("hidden cache: wrote %s (%d rows, %d tokens)", target, len(rows), int(offsets[-1]))
     return target
+
+
+def _idle_forwards(base: FrozenBase, count: int, layers: list[int], device: torch.device | str) -> None:
+    """``count`` one-token backbone forwards whose outputs are dropped (see ``lockstep``), run first: the gathers they
+    join happen in the same order on every rank whatever the rows."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    for _ in range(count):
+        target_features(base.backbone, ids, layers, attention_mask=torch.ones_like(ids), use_cache=False)
 
 
 class CachedHiddenDataset(torch.utils.data.Dataset):

@@ -18,6 +18,7 @@ import torch
 
 from medusa_train.data import Collator
 from medusa_train.drafters.catalog import drafter_type, type_of
+from medusa_train.training.base_placement import ZERO3, partition_numel, release_backbone, stop_zero3_engine
 from medusa_train.training.base_recipe import BaseRecipe
 from medusa_train.training.data_prep import PreparedData
 from medusa_train.training.hidden_cache import (
@@ -77,14 +78,28 @@ class Medusa1Recipe(BaseRecipe):
             fingerprints[split] = dataset_fingerprint(dataset, base_digest, dtype)
             build_hidden_cache(self.frozen_base, dataset, folder, split=split, fingerprint=fingerprints[split],
                                collator=self.collator, batch_size=batch_size, rank=self.env.rank,
-                               world_size=self.env.world_size, device=self.device, features=features)
+                               world_size=self.env.world_size, device=self.device, features=features,
+                               lockstep=self.placement == ZERO3)
         self.barrier()
         for split, dataset in (("train", data.train), ("eval", data.eval)):
             out.append(CachedHiddenDataset(dataset, folder, split=split, fingerprint=fingerprints[split],
                                            world_size=self.env.world_size, features=features))
+        self.release_base()
         self.frozen_base = FrozenBase.of(self.base, keep_backbone=False)
         self.collator = HiddenCollator()
         return out[0], out[1]
+
+    def release_base(self) -> None:
+        """Once the cache is built: keep of the base only what the heads read (lm_head and input embeddings, whole on
+        every rank), drop its backbone (:func:`~medusa_train.training.base_placement.release_backbone`) and, under
+        ZeRO-3, its engine; logs the parameters this rank still holds of it."""
+        stop_zero3_engine(self.base_engine)
+        self.base_engine = None
+        release_backbone(self.base)
+        held, _ = partition_numel(self.base)
+        log.info("hidden cache built: the base's backbone is released; rank %d keeps %d of its parameters (lm_head "
+                 "and input embeddings)", self.env.rank, held)
+        self.summary["base_kept_after_cache"] = held
 
     # ---- save ------------------------------------------------------------------------------------------------------
 

@@ -11,6 +11,20 @@ before the data is prepared) and data (:class:`BaseRecipe`); the starting heads,
 (:class:`~medusa_train.training.joint_trainer.JointTrainer`). train: :meth:`BaseRecipe.train`. save: the trained base
 rebuilt from a fresh load of ``model/`` with the gathered weights (LoRA merged), the heads measured against it, and
 the export written with the fine-tuned base inside it (``export/base``).
+
+ZeRO-3 (``trainer=deepspeed_zero3``; ``base_placement`` auto or ``zero3``): the base loads partitioned, under the
+Trainer's own DeepSpeed config (``deepspeed.zero.Init`` inside ``from_pretrained``), so no rank ever holds it whole;
+peft's LoRA adapters are added to the partitioned modules and the Trainer's engine partitions them, the heads and the
+optimizer state over the ranks. Tested on 2 CPU ranks (gloo) with a tiny Llama. The plan for Llama-3.1-70B on 8 GPUs
+(planned, not run here): the bf16 base is 141 GB, 17.6 GB a rank; LoRA r=16 on the attention projections adds about
+0.07 B trainable parameters (16 bytes each for weights, gradients and Adam states: 0.13 GB a rank); the heads with the full
+vocabulary are K x V x H = 4 x 128,256 x 8,192 = 4.2 B parameters (fp32 weights, gradients and Adam states, 16
+bytes each: 67 GB, 8.4 GB a rank), so ``heads.head_vocab_size`` is the lever (``heads.share_lm_head`` is refused under
+ZeRO-3); the KL reference is the same partitioned base with its adapters disabled, not a copy; activations of 80
+layers need gradient checkpointing (``trainer.extra.gradient_checkpointing``). Two steps do not scale yet and are
+the plan: ``trained_base_from`` reloads the base whole on the main process's device to merge the adapters (141 GB:
+it must load on the CPU there, or the export keep the adapters for an offline merge), and the accuracy table runs the
+merged base on the main process alone.
 """
 
 from __future__ import annotations

@@ -213,6 +213,17 @@ def test_vllm_engine_replies_like_hf_generate_in_fp32(tmp_path):
                        for k in records["hf"]}
 
 
+def fake_vllm(monkeypatch, worker: type) -> None:
+    """vLLM's environment and engine replaced by ``worker`` (a class taking ``(path, **kwargs)``), the model path by
+    ``"model"``."""
+    import inference.engines.vllm_env as vllm_env
+    import medusa_train.loading.base as loading
+
+    monkeypatch.setattr(vllm_env, "vllm_python", lambda: Path("python"))
+    monkeypatch.setattr(vllm_env, "VllmWorker", worker)
+    monkeypatch.setattr(loading, "engine_model_path", lambda cfg: "model")
+
+
 def test_vllm_starts_only_when_a_reply_is_missing_and_stops_with_the_step(tiny, tok, tmp_path, monkeypatch):
     """A resumed data step whose replies are all written starts no engine (vLLM takes minutes to start); otherwise
     one engine serves every batch and is closed when the step ends. vLLM itself is replaced by a recorder here."""
@@ -233,9 +244,7 @@ def test_vllm_starts_only_when_a_reply_is_missing_and_stops_with_the_step(tiny, 
         def close(self):
             events.append("close")
 
-    monkeypatch.setattr(vllm_env, "vllm_python", lambda: Path("python"))
-    monkeypatch.setattr(vllm_env, "VllmWorker", Worker)
-    monkeypatch.setattr(loading, "engine_model_path", lambda cfg: "model")
+    fake_vllm(monkeypatch, Worker)
     data = DataConfig(self_distill_engine="vllm", max_new_tokens=8, generation_batch_size=4)
     out = tmp_path / "distill.jsonl"
     for _ in range(2):
@@ -268,9 +277,7 @@ def test_vllm_gets_several_batches_per_request_and_runs_eager_on_a_cpu(tiny, tok
         def close(self):
             pass
 
-    monkeypatch.setattr(vllm_env, "vllm_python", lambda: Path("python"))
-    monkeypatch.setattr(vllm_env, "VllmWorker", Worker)
-    monkeypatch.setattr(loading, "engine_model_path", lambda cfg: "model")
+    fake_vllm(monkeypatch, Worker)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     data = DataConfig(self_distill_engine="vllm", max_new_tokens=8, generation_batch_size=1)
     assert request_size(data) == QUEUED_BATCHES == 8

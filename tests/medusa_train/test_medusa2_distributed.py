@@ -4,6 +4,8 @@ heads with the merged base."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -29,6 +31,11 @@ def test_zero3_two_ranks_train_lora_and_export_the_merged_base(tmp_path):
     assert result.stdout.count("per-head accuracy on the eval split") == 2  # rank 0 only, once per stage
     assert (out / "stage1" / "checkpoints" / "checkpoint-4").is_dir()  # 16 rows, 2 ranks x 2 rows: 4 steps
     assert "joint stage starts from the heads in" in result.stdout + result.stderr
+    # the joint stage's base loaded partitioned (base_placement=auto under a ZeRO-3 trainer): half of it on rank 0
+    log = (out / "hydra" / "train-rank0.log").read_text()
+    assert "base placement: zero3 (base_placement=auto: 2 ranks and the trainer is DeepSpeed ZeRO-3)" in log
+    held, total = map(int, re.search(r"rank 0 holds (\d+) of the base's (\d+) parameters", log).groups())
+    assert abs(held - total / 2) <= 64, (held, total)
     export = out / "export"
     assert read_export_config(export)["base_model_name_or_path"] == "base"
 
