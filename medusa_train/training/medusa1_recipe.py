@@ -81,7 +81,7 @@ class Medusa1Recipe(BaseRecipe):
         self.barrier()
         for split, dataset in (("train", data.train), ("eval", data.eval)):
             out.append(CachedHiddenDataset(dataset, folder, split=split, fingerprint=fingerprints[split],
-                                           world_size=self.env.world_size, features=features))
+                                           features=features))
         self.frozen_base = FrozenBase.of(self.base, keep_backbone=False)
         self.collator = HiddenCollator()
         return out[0], out[1]
