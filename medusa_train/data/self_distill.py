@@ -32,7 +32,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from medusa_train.blocks import block_count, block_rows, check_block_size, check_rank, rank_blocks
+from medusa_train.blocks import block_rows, check_block_size, check_rank, rank_blocks
 from medusa_train.chat import encode, render, resolve_chat_template
 from medusa_train.conversations import Conversation
 from medusa_train.data.collate import pad_token_id_of
@@ -81,12 +81,6 @@ def block_path(output_path: str | Path, block: int) -> Path:
     """The file of conversation block ``block``: ``{stem}.block{block:06d}{suffix}`` beside ``output_path``."""
     path = Path(output_path)
     return path.with_name(f"{path.stem}.block{block:06d}{path.suffix}")
-
-
-def block_paths(output_path: str | Path, conversations: int, block_size: int = BLOCK_CONVERSATIONS) -> list[Path]:
-    """Every block file of a run over ``conversations`` conversations, in block order (some may not exist yet)."""
-    check_block_size(block_size)
-    return [block_path(output_path, b) for b in range(block_count(conversations, block_size))]
 
 
 def written_blocks(output_path: str | Path) -> list[Path]:

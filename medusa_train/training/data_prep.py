@@ -32,7 +32,7 @@ from medusa_train.data import (
 )
 from medusa_train.conversations import normalize_record
 from medusa_train.data.distill_engines import distill_engine, request_size
-from medusa_train.data.self_distill import block_paths, distill_prompt, prompt_key, read_records, record_id
+from medusa_train.data.self_distill import distill_prompt, prompt_key, read_records, record_id, written_blocks
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET
 
@@ -139,7 +139,7 @@ def read_distilled(conversations: list[Conversation], output_path: Path) -> list
 
     Call it after every rank's :func:`self_distill` returned (a barrier): prompts without a record then are the ones
     self-distillation skipped (longer than ``max_length``), counted in a warning. Only records whose id matches a
-    current prompt are used (a shard may hold records of an earlier prompt list).
+    current prompt are used (a block may hold records of an earlier prompt list).
 
     Raises:
         ValueError: no prompt has a reply.
@@ -152,9 +152,7 @@ def read_distilled(conversations: list[Conversation], output_path: Path) -> list
     if not wanted:
         raise ValueError("no conversation has a user turn to answer: self-distillation needs user prompts")
     records: dict[int, dict[str, Any]] = {}
-    for path in block_paths(output_path, len(conversations)):
-        if not path.is_file():
-            continue
+    for path in written_blocks(output_path):
         for record in read_records(path):
             for i in wanted.get(prompt_key(str(record["id"])), []):
                 records[i] = record
