@@ -25,6 +25,7 @@ from medusa_train.data import (
     split_indices,
     tokenize_conversation,
 )
+from medusa_train.checksums import file_sha256
 from medusa_train.data.self_distill import read_records, written_blocks
 from medusa_train.paths import package_file
 from tests.conftest import CHATML, make_tiny_model
@@ -687,3 +688,63 @@ def test_self_distilled_records_carry_checksums_and_a_damaged_middle_line_is_nam
     block.write_text("".join(lines[:1] + ['{"id": "broken\n'] + lines[2:]), encoding="utf-8")  # not JSON at all
     with pytest.raises(ValueError, match=rf"{block}:2 is not a self-distillation record"):
         read_distilled(conversations, out)
+
+
+BLOCK_PROMPTS = [f"Question {i}?" for i in range(7)]
+
+
+class CountingEngine:
+    """A deterministic self-distillation engine that records the prompts it was asked to answer."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[int]] = []
+
+    def __call__(self, prompts, max_new_tokens, stops):
+        self.asked += prompts
+        return [([10 + len(p) % 20, 11 + p[-1] % 20], True) for p in prompts]
+
+
+def distill_blocks(model, tok, out, engine, rank=0, world_size=1):
+    conversations = [[{"role": "user", "content": p}] for p in BLOCK_PROMPTS]
+    return self_distill(model, tok, conversations, 8, 3, out, rank, world_size, generate=engine, show_progress=False,
+                        block_size=2)
+
+
+def test_self_distill_blocks_written_by_two_ranks_are_all_reused_by_one(tiny_model, tok, tmp_path):
+    from medusa_train.training.data_prep import read_distilled
+
+    out = tmp_path / "sd.jsonl"
+    engine = CountingEngine()
+    stats = [distill_blocks(tiny_model, tok, out, engine, rank, 2) for rank in range(2)]
+    assert [[p.name for p in s.paths] for s in stats] == [
+        ["sd.block000000.jsonl", "sd.block000002.jsonl"], ["sd.block000001.jsonl", "sd.block000003.jsonl"]]
+    assert len(engine.asked) == 7 and [s.generated for s in stats] == [4, 3]
+    before = {p.name: (p.stat().st_mtime_ns, file_sha256(p)) for p in written_blocks(out)}
+    assert len(before) == 4
+    engine.asked.clear()
+    again = distill_blocks(tiny_model, tok, out, engine)
+    assert engine.asked == [] and (again.already_done, again.generated) == (7, 0)
+    assert {p.name: (p.stat().st_mtime_ns, file_sha256(p)) for p in written_blocks(out)} == before
+    distilled = read_distilled([[{"role": "user", "content": p}] for p in BLOCK_PROMPTS], out)
+    assert [c[0]["content"] for c in distilled] == BLOCK_PROMPTS
+    assert sum(distill_blocks(tiny_model, tok, out, engine, rank, 3).generated for rank in range(3)) == 0
+    assert engine.asked == []  # three ranks: nothing to generate either
+
+
+def test_self_distill_copies_an_earlier_versions_rank_files_into_the_blocks(tiny_model, tok, tmp_path):
+    from medusa_train.data.self_distill import _record, record_id
+
+    out = tmp_path / "sd.jsonl"
+    for rank in range(2):  # the layout earlier versions wrote: conversation i in sd.rank{i % 2}-of-2.jsonl
+        records = [_record(i, record_id([{"role": "user", "content": p}]), [{"role": "user", "content": p}],
+                           f"old reply {i}", 3, True) for i, p in enumerate(BLOCK_PROMPTS) if i % 2 == rank and i != 5]
+        (tmp_path / f"sd.rank{rank}-of-2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records),
+                                                            encoding="utf-8")
+    engine = CountingEngine()
+    stats = distill_blocks(tiny_model, tok, out, engine)
+    assert (stats.migrated, stats.generated) == (6, 1) and len(engine.asked) == 1  # conversation 5 had no reply
+    replies = {r["source_index"]: r["conversations"][-1]["value"] for p in written_blocks(out) for r in read_records(p)}
+    assert sorted(replies) == list(range(7)) and block_path(out, 3).is_file()
+    assert replies[0] == "old reply 0" and replies[6] == "old reply 6" and not replies[5].startswith("old")
+    engine.asked.clear()
+    assert distill_blocks(tiny_model, tok, out, engine).migrated == 0 and engine.asked == []  # copied once
