@@ -27,7 +27,6 @@ from medusa_train.training import hidden_cache
 from medusa_train.training.hidden_cache import (
     CacheSpaceError,
     CachedHiddenDataset,
-    block_name,
     build_hidden_cache,
     plan_block,
 )
