@@ -6,15 +6,17 @@ SmolLM2-135M-Instruct (``conf/model/smollm2_135m.yaml``), tokenizes ``--conversa
 at ``--max-length`` tokens (the quickstart's ``max_length=320``; it trains on the replies the base regenerates for
 about 520 of the 700 conversations it reads, here ShareGPT's own replies stand in for them: the cache holds the same
 number of tokens) and runs :func:`~medusa_train.training.hidden_cache.build_hidden_cache` into a fresh folder. The
-child reports its peak resident set (``VmHWM`` in ``/proc/self/status``), its resident set before the build, the
-tokens cached and the build's seconds.
+child reports its peak resident set during the build (``VmHWM`` in ``/proc/self/status``, reset through
+``/proc/self/clear_refs`` once the model and data are loaded, so loading ShareGPT does not count), its resident set
+before the build, the peak while loading, the tokens cached and the build's seconds.
 
     python benchmarks/cache_rss.py                       # 1x and 4x, the full 30-layer model (CPU: tens of minutes)
     python benchmarks/cache_rss.py --layers 2            # the first 2 decoder layers only: same H, same bytes cached
 
 ``--layers`` keeps the first decoder layers only: the cache's size (tokens x H x bytes) and so the memory a
 non-streaming build would hold are the same, the forward passes are cheaper. The last line printed is JSON:
-``{"rss_mib": {"1": ..., "4": ...}, "build_mib": {...}, "tokens": {...}, "seconds": {...}, "ratio": rss 4x / 1x}``.
+``{"rss_mib": {"1": ..., "4": ...}, "build_mib": {...}, "load_peak_mib": {...}, "tokens": {...}, "seconds": {...},
+"ratio": rss 4x / 1x}`` (``build_mib``: the build's peak less the resident set before it).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     conversations, _ = load_conversations("sharegpt", max_conversations=args.conversations * args.scale)
     dataset, _, _ = build_dataset(tokenizer, conversations, args.max_length, 0.0, 0)
     del conversations
+    process_peak = vm_kib("VmHWM")  # loading the model and the data
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS: the peak below is the build's
     before = vm_kib("VmRSS")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.folder) as folder:
@@ -67,7 +71,7 @@ def child(args: argparse.Namespace) -> dict[str, float]:
                            collator=Collator.from_tokenizer(tokenizer), batch_size=args.batch_size)
         seconds = time.perf_counter() - start
         peak = vm_kib("VmHWM")
-    return {"rss_mib": peak / 1024, "build_mib": (peak - before) / 1024,
+    return {"rss_mib": peak / 1024, "build_mib": (peak - before) / 1024, "load_peak_mib": process_peak / 1024,
             "tokens": int(sum(len(r) for r in dataset["input_ids"])), "seconds": seconds}
 
 
@@ -98,7 +102,7 @@ def main() -> None:
         results[str(scale)] = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{scale}x: {results[str(scale)]}", file=sys.stderr)
     summary = {key: {s: round(r[key], 1) for s, r in results.items()}
-               for key in ("rss_mib", "build_mib", "tokens", "seconds")}
+               for key in ("rss_mib", "build_mib", "load_peak_mib", "tokens", "seconds")}
     scales = [str(s) for s in args.scales]
     summary["ratio"] = round(results[scales[-1]]["rss_mib"] / results[scales[0]]["rss_mib"], 3)
     summary["settings"] = {"layers": args.layers or "all", "dtype": args.dtype, "max_length": args.max_length,
