@@ -75,6 +75,7 @@ def run(engine: str, dtype: str, args: argparse.Namespace, prompts: list[Any], t
     from medusa_train.config import DataConfig
     from medusa_train.data import self_distill
     from medusa_train.data.distill_engines import distill_engine, request_size
+    from medusa_train.data.self_distill import read_records, written_blocks
     from medusa_train.loading.base import load_base_model
 
     cfg = model_config(args.model, dtype)
@@ -88,7 +89,7 @@ def run(engine: str, dtype: str, args: argparse.Namespace, prompts: list[Any], t
         stats = self_distill(model, tokenizer, prompts, args.max_new_tokens, request_size(data), out, generate=generate,
                              max_prompt_tokens=args.max_prompt_tokens, show_progress=False)
         wall = time.perf_counter() - ready
-    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    records = [record for block in written_blocks(out) for record in read_records(block)]
     new_tokens = sum(r["new_tokens"] for r in records)
     print(f"{name}: {stats.generated} replies, {new_tokens} tokens in {wall:.1f} s = {new_tokens / wall:.1f} "
           f"tokens/s (engine start {ready - started:.1f} s)", flush=True)

@@ -16,7 +16,7 @@ from medusa_train.conversations import (
 )
 from medusa_train.data.collate import Collator, pad_token_id_of
 from medusa_train.data.dataset import BuildStats, build_dataset
-from medusa_train.data.self_distill import SelfDistillStats, self_distill, shard_path
+from medusa_train.data.self_distill import SelfDistillStats, block_path, self_distill
 from medusa_train.data.split import split_indices
 from medusa_train.data.tokenize import (
     IGNORE_INDEX,
@@ -41,6 +41,7 @@ __all__ = [
     "Message",
     "SelfDistillStats",
     "TemplateNotPrefixStableError",
+    "block_path",
     "build_dataset",
     "end_of_turn_ids",
     "load_conversations",
@@ -49,7 +50,6 @@ __all__ = [
     "resolve_chat_template",
     "resolve_data_path",
     "self_distill",
-    "shard_path",
     "split_indices",
     "tokenize_conversation",
 ]

@@ -6,14 +6,20 @@ original training data is unavailable or differs from the model's distribution: 
 actually says. For each conversation the first user turn (with the system turn, if any) is answered greedily by
 the model; the records written are ShareGPT-like and :func:`load_conversations` ("json") reads them back.
 
-Batches are left-padded with prompts sorted by length (about twice the throughput of unsorted batches on CPU); work is sharded across ranks and resumable (finished records are appended and flushed per batch).
-The replies come from HF ``generate`` on the training model, or from another engine through ``generate``
-(:mod:`medusa_train.data.distill_engines`: vLLM, an OpenAI-compatible server): same prompts (our chat template's
-ids), same records, same resume.
+Work is split into blocks of :data:`BLOCK_CONVERSATIONS` conversations (fixed, not derived from the world size:
+:mod:`medusa_train.blocks`), block ``b`` written to :func:`block_path` ``{stem}.block{b:06d}{suffix}`` by rank
+``b % world_size``; each record is keyed by its prompt's hash (:func:`record_id`), so a run resumed on any number of
+ranks, or with a longer or reordered list, reuses every reply it has. Records are appended and flushed per batch.
+Replies in the files of earlier versions (``output_path`` itself, ``{stem}.rank{r}-of-{w}{suffix}``) are copied into
+the blocks instead of being generated again. Batches are left-padded with prompts sorted by length (about twice the
+throughput of unsorted batches on CPU). The replies come from HF ``generate`` on the training model, or from another
+engine through ``generate`` (:mod:`medusa_train.data.distill_engines`: vLLM, an OpenAI-compatible server): same
+prompts (our chat template's ids), same records, same resume.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -26,6 +32,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from medusa_train.blocks import block_rows, check_block_size, check_rank, rank_blocks
 from medusa_train.chat import encode, render, resolve_chat_template
 from medusa_train.conversations import Conversation
 from medusa_train.data.collate import pad_token_id_of
@@ -40,6 +47,8 @@ CHECKSUM_KEY = "sha256"  # of the record's other fields, see record_checksum
 # (prompts as token ids, max_new_tokens, stop ids) -> per prompt (new tokens, whether a stop id ended it); a finished
 # reply's tokens end with its stop id where the engine returns it (HF generate does).
 GenerateFn = Callable[[list[list[int]], int, set[int]], list[tuple[list[int], bool]]]
+# Conversations per block file: fixed, so a run resumed on another number of ranks finds the same blocks.
+BLOCK_CONVERSATIONS = 256
 
 
 @dataclass
@@ -47,30 +56,44 @@ class SelfDistillStats:
     """What one :func:`self_distill` call did on its rank.
 
     Attributes:
-        path: this rank's shard file.
-        assigned: conversations assigned to this rank (index i with i % world_size == rank).
-        already_done: assigned conversations whose record the shard file already held.
+        paths: this rank's block files (:func:`block_path`), in block order (a block without a prompt to answer has
+            none on disk).
+        assigned: conversations assigned to this rank (those of its blocks).
+        already_done: assigned conversations whose record their block file already held.
+        migrated: assigned conversations whose record was copied from an earlier version's file (not generated).
         no_prompt: assigned conversations without a user turn (nothing to answer).
         too_long: assigned conversations whose prompt exceeds ``max_prompt_tokens`` (skipped).
         generated: records written by this call.
         unfinished: written records whose reply hit max_new_tokens before an end-of-turn token.
     """
 
-    path: Path
+    paths: list[Path]
     assigned: int = 0
     already_done: int = 0
+    migrated: int = 0
     no_prompt: int = 0
     too_long: int = 0
     generated: int = 0
     unfinished: int = 0
 
 
-def shard_path(output_path: str | Path, rank: int, world_size: int) -> Path:
-    """The file rank ``rank`` writes: ``output_path`` itself for one rank, else ``{stem}.rank{r}-of-{w}{suffix}``."""
+def block_path(output_path: str | Path, block: int) -> Path:
+    """The file of conversation block ``block``: ``{stem}.block{block:06d}{suffix}`` beside ``output_path``."""
     path = Path(output_path)
-    if world_size == 1:
-        return path
-    return path.with_name(f"{path.stem}.rank{rank}-of-{world_size}{path.suffix}")
+    return path.with_name(f"{path.stem}.block{block:06d}{path.suffix}")
+
+
+def written_blocks(output_path: str | Path) -> list[Path]:
+    """The block files beside ``output_path`` that exist, in block order (whatever run wrote them)."""
+    path = Path(output_path)
+    return sorted(path.parent.glob(f"{glob.escape(path.stem)}.block[0-9]*{glob.escape(path.suffix)}"))
+
+
+def legacy_paths(output_path: str | Path) -> list[Path]:
+    """The files earlier versions wrote: ``output_path`` itself (one rank) and ``{stem}.rank{r}-of-{w}{suffix}``."""
+    path = Path(output_path)
+    found = sorted(path.parent.glob(f"{glob.escape(path.stem)}.rank*-of-*{glob.escape(path.suffix)}"))
+    return [p for p in [path, *found] if p.is_file()]
 
 
 def distill_prompt(messages: Conversation) -> Conversation:
@@ -169,14 +192,16 @@ def self_distill(
     show_progress: bool = True,
     max_prompt_tokens: int | None = None,
     generate: GenerateFn | None = None,
+    block_size: int = BLOCK_CONVERSATIONS,
 ) -> SelfDistillStats:
-    """Answer each conversation's first user turn with ``model`` (greedy) and append the records to a JSONL file.
+    """Answer each conversation's first user turn with ``model`` (greedy) and append the records to its block's
+    JSONL file.
 
-    Conversation ``i`` goes to rank ``i % world_size``; rank ``r`` writes ``shard_path(output_path, r,
-    world_size)``. Each line is ``{"id", "source_index", "conversations": [{"from": "system"|"human"|"gpt",
+    Conversation ``i`` belongs to block ``i // block_size``, written to :func:`block_path` by rank ``block %
+    world_size``. Each line is ``{"id", "source_index", "conversations": [{"from": "system"|"human"|"gpt",
     "value"}], "new_tokens", "finished", "sha256"}`` (``sha256``: :func:`record_checksum`, checked whenever the
-    file is read back). Records whose id is already in the file are skipped, so a restarted call only generates the
-    missing ones; the file is flushed after every batch.
+    file is read back). Records whose id is already in the block file are skipped, so a restarted call (on any
+    number of ranks) only generates the missing ones; each file written to is flushed after every batch.
 
     Args:
         model: a Hugging Face causal LM (``generate``); put it on its device and in its dtype beforehand.
@@ -185,52 +210,65 @@ def self_distill(
         max_new_tokens: longest reply, in tokens.
         batch_size: the most prompts per ``generate`` call (B); the pending prompts go in as few calls as that
             allows, of even size.
-        output_path: the JSONL file (the base name of the shards when ``world_size > 1``).
-        rank, world_size: this process's shard.
+        output_path: the base name of the block files (``conversations.jsonl`` -> ``conversations.block000000.jsonl``).
+        rank, world_size: this process's share of the blocks.
         chat_template: overrides the tokenizer's chat template.
         show_progress: a tqdm bar, on rank 0 only.
         max_prompt_tokens: skip (and count) prompts longer than this: ShareGPT's first turns reach thousands of
             tokens, and one such prompt makes its whole left-padded batch that long. None keeps every prompt.
         generate: the engine answering each batch (see :data:`GenerateFn`); None: greedy HF ``generate`` on
             ``model``. ``model`` still gives the stop ids (its ``generation_config`` EOS).
+        block_size: conversations per block file (give readers the same).
 
     Returns:
         :class:`SelfDistillStats` for this rank.
 
     Raises:
-        ValueError: ``max_new_tokens``/``batch_size`` not positive, ``rank`` not in [0, world_size), or the
-            shard file holds lines that are not records or records that fail their checksum.
+        ValueError: ``max_new_tokens``/``batch_size``/``block_size`` not positive, ``rank`` not in [0, world_size),
+            or a block file (or an earlier version's file) holds lines that are not records or records that fail
+            their checksum.
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    if world_size <= 0 or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size), got rank={rank} world_size={world_size}")
+    check_rank(rank, world_size)
+    check_block_size(block_size)
     template = resolve_chat_template(tokenizer, chat_template)
     pad_id = pad_token_id_of(tokenizer)
     stop_ids = _stop_ids(model, tokenizer, template)
-    path = shard_path(output_path, rank, world_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    done = _done_ids(path)
-
-    stats = SelfDistillStats(path=path)
+    Path(output_path).parent.mkdir(parents=True, exist_ok=True)
+    blocks = rank_blocks(len(conversations), block_size, rank, world_size)
+    stats = SelfDistillStats(paths=[block_path(output_path, b) for b in blocks])
+    legacy: dict[str, dict[str, Any]] | None = None  # an earlier version's records by prompt hash, read if needed
     pending: list[tuple[int, str, Conversation, list[int]]] = []
-    for i in range(rank, len(conversations), world_size):
-        stats.assigned += 1
-        prompt = distill_prompt(conversations[i])
-        if not prompt:
-            stats.no_prompt += 1
-            continue
-        rid = record_id(prompt)
-        if rid in done:
-            stats.already_done += 1
-            continue
-        ids = encode(tokenizer, render(tokenizer, prompt, template, True))
-        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-            stats.too_long += 1
-            continue
-        pending.append((i, rid, prompt, ids))
+    for b, path in zip(blocks, stats.paths):
+        done = _done_ids(path)
+        migrate = []
+        for i in block_rows(b, len(conversations), block_size):
+            stats.assigned += 1
+            prompt = distill_prompt(conversations[i])
+            if not prompt:
+                stats.no_prompt += 1
+                continue
+            rid = record_id(prompt)
+            if rid in done:
+                stats.already_done += 1
+                continue
+            if legacy is None:
+                legacy = {prompt_key(str(r["id"])): r for p in legacy_paths(output_path) for r in read_records(p)}
+            if rid in legacy:
+                migrate.append({**legacy[rid], "source_index": i})
+                done.add(rid)
+                continue
+            ids = encode(tokenizer, render(tokenizer, prompt, template, True))
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                stats.too_long += 1
+                continue
+            pending.append((i, rid, prompt, ids))
+        if migrate:
+            _append(path, [{**r, CHECKSUM_KEY: record_checksum(r)} for r in migrate])
+            stats.migrated += len(migrate)
 
     if generate is None:
         def generate(prompts: list[list[int]], n: int, stops: set[int]) -> list[tuple[list[int], bool]]:
@@ -240,32 +278,45 @@ def self_distill(
     was_training = model.training
     model.eval()
     try:
-        with path.open("a", encoding="utf-8") as out:
-            # as many batches as batch_size asks for, of even size: 520 prompts in 128s go as 5 x 104, not as
-            # 4 x 128 and a last batch of 8 that decodes alone
-            even = math.ceil(len(pending) / math.ceil(len(pending) / batch_size)) if pending else batch_size
-            for chunk in length_batches([len(item[3]) for item in pending], even):
-                batch = [pending[j] for j in chunk]
-                replies = [(tokens[:-1] if finished and tokens and tokens[-1] in stop_ids else tokens, finished)
-                           for tokens, finished in generate([item[3] for item in batch], max_new_tokens, stop_ids)]
-                for (index, rid, prompt, _), (reply, finished) in zip(batch, replies):
-                    text = tokenizer.decode(reply, skip_special_tokens=True).strip()
-                    out.write(json.dumps(_record(index, rid, prompt, text, len(reply), finished), ensure_ascii=False))
-                    out.write("\n")
-                    stats.generated += 1
-                    stats.unfinished += not finished
-                out.flush()
-                os.fsync(out.fileno())
-                bar.update(len(batch))
+        # as many batches as batch_size asks for, of even size: 520 prompts in 128s go as 5 x 104, not as
+        # 4 x 128 and a last batch of 8 that decodes alone
+        even = math.ceil(len(pending) / math.ceil(len(pending) / batch_size)) if pending else batch_size
+        for chunk in length_batches([len(item[3]) for item in pending], even):
+            batch = [pending[j] for j in chunk]
+            replies = [(tokens[:-1] if finished and tokens and tokens[-1] in stop_ids else tokens, finished)
+                       for tokens, finished in generate([item[3] for item in batch], max_new_tokens, stop_ids)]
+            by_block: dict[int, list[dict[str, Any]]] = {}
+            for (index, rid, prompt, _), (reply, finished) in zip(batch, replies):
+                text = tokenizer.decode(reply, skip_special_tokens=True).strip()
+                by_block.setdefault(index // block_size, []).append(
+                    _record(index, rid, prompt, text, len(reply), finished))
+                stats.generated += 1
+                stats.unfinished += not finished
+            for b, records in sorted(by_block.items()):
+                _append(block_path(output_path, b), records)
+            bar.update(len(batch))
     finally:
         model.train(was_training)
         bar.close()
+    if stats.migrated:
+        logger.info("%s: %d replies copied from an earlier version's files (%s)", output_path, stats.migrated,
+                    ", ".join(str(p) for p in legacy_paths(output_path)))
     if stats.too_long:
-        logger.warning("%s: skipped %d prompts longer than max_prompt_tokens=%d", path, stats.too_long,
+        logger.warning("%s: skipped %d prompts longer than max_prompt_tokens=%d", output_path, stats.too_long,
                        max_prompt_tokens)
     if stats.unfinished:
-        logger.warning("%s: %d replies hit max_new_tokens=%d", path, stats.unfinished, max_new_tokens)
+        logger.warning("%s: %d replies hit max_new_tokens=%d", output_path, stats.unfinished, max_new_tokens)
     return stats
+
+
+def _append(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append ``records`` as JSON lines to ``path``, flushed to disk."""
+    with path.open("a", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(record, ensure_ascii=False))
+            out.write("\n")
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def _record(index: int, rid: str, prompt: Conversation, reply: str, new_tokens: int, finished: bool) -> dict:

@@ -4,9 +4,10 @@ Steps, each failing before training with a message that names the setting to cha
 
 1. conversations from the source (``sharegpt``, ``json``, ``hf_disk``) or from ``prompts`` (one user turn each);
 2. with ``self_distill``: the base model answers each first user turn (greedy), through the engine
-   ``self_distill_engine`` names (HF generate, vLLM, a server); rank r answers conversations
-   ``r, r + world_size, ...`` into its own JSONL shard under ``self_distill_dir``, reused and completed on resume;
-   after a barrier every rank reads all shards back in the original order;
+   ``self_distill_engine`` names (HF generate, vLLM, a server); engine r of E (a rank, or on GPUs one vLLM engine
+   per tensor-parallel group) answers the conversation blocks ``r, r + E, ...`` (fixed-size blocks, one JSONL file
+   each, under ``self_distill_dir``), reused and completed on resume on any number of ranks; after a barrier every
+   rank reads all blocks back in the original order;
 3. tokenization with assistant-only labels, truncation at ``max_length`` (counted and reported), held-out split:
    by the local main process of each node into a folder under ``$MEDUSA_CACHE/tokenized`` (reused while tokenizer,
    data and ``max_length`` match), which the other ranks load after a barrier
@@ -35,7 +36,7 @@ from medusa_train.data import (
 )
 from medusa_train.conversations import normalize_record
 from medusa_train.data.distill_engines import distill_engine, engine_placement_here, request_size
-from medusa_train.data.self_distill import distill_prompt, prompt_key, read_records, record_id, shard_path
+from medusa_train.data.self_distill import distill_prompt, prompt_key, read_records, record_id, written_blocks
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.paths import cache_dir
 from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET
@@ -139,12 +140,12 @@ def source_conversations(data: DataConfig, seed: int) -> tuple[list[Conversation
     return conversations, stats
 
 
-def read_distilled(conversations: list[Conversation], output_path: Path, world_size: int) -> list[Conversation]:
-    """The regenerated conversations of every rank's shard, in the order of ``conversations``.
+def read_distilled(conversations: list[Conversation], output_path: Path) -> list[Conversation]:
+    """The regenerated conversations of every block file, in the order of ``conversations``.
 
     Call it after every rank's :func:`self_distill` returned (a barrier): prompts without a record then are the ones
     self-distillation skipped (longer than ``max_length``), counted in a warning. Only records whose id matches a
-    current prompt are used (a shard may hold records of an earlier prompt list).
+    current prompt are used (a block may hold records of an earlier prompt list).
 
     Raises:
         ValueError: no prompt has a reply.
@@ -157,10 +158,7 @@ def read_distilled(conversations: list[Conversation], output_path: Path, world_s
     if not wanted:
         raise ValueError("no conversation has a user turn to answer: self-distillation needs user prompts")
     records: dict[int, dict[str, Any]] = {}
-    for rank in range(world_size):
-        path = shard_path(output_path, rank, world_size)
-        if not path.is_file():
-            continue
+    for path in written_blocks(output_path):
         for record in read_records(path):
             for i in wanted.get(prompt_key(str(record["id"])), []):
                 records[i] = record
@@ -219,7 +217,7 @@ def prepare_data(
                      stats)
         barrier()
         prompts = len(conversations)
-        conversations = read_distilled(conversations, output_path, place.engines)
+        conversations = read_distilled(conversations, output_path)
         no_reply = prompts - len(conversations)
     train, held_out, build = build_dataset(tokenizer, conversations, max_length, data.eval_fraction, seed,
                                            num_proc=data.num_proc, cache_dir=cache_dir() / TOKENIZED_DIR,

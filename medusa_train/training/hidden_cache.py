@@ -1,23 +1,42 @@
 """Hidden-state cache: run the frozen base once per sequence, then train the heads from disk for many epochs.
 
 With the base frozen (Medusa-1), its features and greedy tokens never change, so they can be computed once.
-:func:`build_hidden_cache` splits a tokenized dataset over ranks (row i goes to rank ``i % world_size``); each rank
-writes one safetensors shard holding its rows' target features ``[N_tokens, H]`` each (base dtype; exactly the ones
-the drafter reads, named as in :mod:`medusa_train.features`: the last hidden state :data:`FINAL` is stored, and
-batched, as ``hidden``, a layer's under its name, e.g. ``layer3``), base argmax tokens ``[N_tokens]`` and row
-offsets, through a temporary file renamed into place, next to a JSON description with the features' names, a
-fingerprint of the data and the base model's weights (:func:`base_weights_digest`: not its path, so a cache follows a
-moved checkout, and a base retrained or requantized in place is not mistaken for the old one) and the shard file's
-size and sha256. A shard whose description matches and whose file still has that size and checksum is reused (a
-resumed run skips the base entirely); one built for other data is rebuilt, saying why; one written by another cache
-version or for other features, or a damaged one, is rebuilt with a warning saying why. :class:`CachedHiddenDataset`
-reads rows back lazily (memory-mapped) from all shards, so the Trainer's sampler sees the same rows in the same order
-as without the cache, and :class:`HiddenCollator` pads them.
+:func:`build_hidden_cache` splits a tokenized dataset into blocks of :data:`BLOCK_ROWS` rows (fixed, not derived from
+the world size: :mod:`medusa_train.blocks`) dealt to ranks round-robin. Each block is one safetensors file
+``{split}-block-{b:06d}.safetensors`` holding its rows' target features ``[T_i, H]`` each (base dtype; exactly the
+ones the drafter reads, named as in :mod:`medusa_train.features`: the last hidden state :data:`FINAL` is stored, and
+batched, as ``hidden``, a layer's under its name, e.g. ``layer3``) and base argmax tokens ``[T_i]``, next to its seal
+``{split}-block-{b:06d}.json``: the features' names, the block's rows, a fingerprint of the data and the base
+model's weights (:func:`base_weights_digest`: not its path, so a cache follows a moved checkout, and a base retrained
+or requantized in place is not mistaken for the old one), and the file's size and sha256.
 
-Every rank reads every shard: ``output_dir`` (or ``hidden_cache_dir``) must be on a file system all ranks share.
-Disk use is ``tokens * features * H * bytes(dtype)``: 1,000 conversations of 512 tokens with SmolLM2 (H=576, bf16)
-take 0.6 GB per feature; a 7B model (H=4096) on all of ShareGPT would take terabytes, so the cache suits small data
-or many epochs.
+Memory: rows go to disk as each base forward pass makes them (:class:`~medusa_train.safetensors_stream.
+SafetensorsStream`: the header is known from the rows' lengths before the base runs, so tensors are appended one
+batch at a time and the sha256 is computed over the bytes as they go out). The builder holds one batch's features,
+whatever the data size; a file is written to a temporary sibling and renamed into place
+(:func:`medusa_train.atomic.atomic_write`), and its seal is written after it (a rebuilt block's old seal is removed
+first), so a half-written block is never taken for a whole one.
+
+Resume: a block whose seal matches (version, data fingerprint, rows, features) and whose file still has the sealed
+size is reused without reading it; ``verify=True`` also recomputes each of this rank's blocks' sha256 (the whole
+cache read once, over the ranks). One built for other data is rebuilt, saying why; one written by another cache
+version or for other features, or a damaged one, is rebuilt with a warning saying why. Since names hold the block
+index only, a run resumed on another number of ranks reuses every finished block.
+
+Disk: before any forward pass every rank checks that the cache folder's file system has room for the blocks still
+to build (``tokens x (features x H x bytes(dtype) + 8)`` plus headers; EAGLE-3 stores three taps and FINAL): 1,000
+conversations of 512 tokens with SmolLM2 (H=576, bf16) take 0.6 GB per feature; a 7B model (H=4096) on all of
+ShareGPT would take terabytes, so the cache suits small data or many epochs. ``lockstep=True`` (a ZeRO-3
+partitioned base, whose every forward pass all-gathers parameters on all ranks) makes every rank run as many
+forward passes: ranks with fewer batches left run padding passes on a one-token batch whose outputs are discarded.
+
+Reading: :class:`CachedHiddenDataset` checks every block's seal and size, then reads rows lazily through
+``safe_open``, which memory-maps the file and copies out only the slice asked for. safetensors over a raw
+``numpy.memmap`` or ``torch.from_file``: the file describes its own dtypes and shapes (numpy has no bfloat16, and a
+raw file needs a layout of our own), it is the format the project already writes and checks, and other tools read
+it. :class:`HiddenCollator` pads rows into batches; the Trainer's sampler sees the same rows in the same order as
+without the cache. Every rank reads every block: ``output_dir`` (or ``hidden_cache_dir``) must be on a file system
+all ranks share.
 """
 
 from __future__ import annotations
@@ -26,6 +45,8 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,26 +54,34 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from medusa_train.atomic import atomic_write, atomic_write_text
+from medusa_train.blocks import block_count, block_rows, check_block_size, check_rank
 from medusa_train.checksums import file_sha256
 from medusa_train.data.collate import Collator
-from medusa_train.features import FINAL, feature_layer, target_features
+from medusa_train.features import FINAL, check_feature_layers, count_layers, feature_layer, target_features
+from medusa_train.safetensors_stream import SafetensorsStream, TensorPlan, planned_size
 from medusa_train.training.base_placement import gathered
 from medusa_train.training.step import FrozenBase, feature_key
 
 log = logging.getLogger(__name__)
 
 # 2: descriptions hold the shard's size and sha256; 3: the base is named by its weights' digest; 4: shards hold the
-# named target features the drafter reads (descriptions list them)
-CACHE_VERSION = 4
+# named target features the drafter reads (descriptions list them); 5: world-size-independent blocks of BLOCK_ROWS
+# rows, streamed to disk one batch at a time
+CACHE_VERSION = 5
+# Rows (conversations) per block file: fixed, so a resumed run on any number of ranks finds the same blocks. A block
+# of 256 rows of 2,048 tokens holds 256 x 2,048 x H x 2 bytes per bf16 feature (8.6 GB for H=8,192).
+BLOCK_ROWS = 256
 # The per-token entries of a cached row that are not target features.
 TOKEN_KEYS = ("base_argmax", "labels", "input_ids")
 # Elements read from each base tensor for its digest (at an odd stride): a few MB for any model size.
 DIGEST_SAMPLES = 4096
+# Block files a reader keeps open (memory-mapped) at once; the least recently read is closed first.
+OPEN_BLOCKS = 64
 
 
 @torch.no_grad()
@@ -74,16 +103,6 @@ def base_weights_digest(model: nn.Module) -> str:
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
         digest.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
     return digest.hexdigest()[:16]
-
-
-def _lockstep_extra(own: int, device: torch.device | str) -> int:
-    """How many forwards this rank must add so that every rank runs as many as the busiest one (``own``: its
-    own count); collective (``all_reduce`` MAX over the default process group)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return 0
-    most = torch.tensor([own], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-    return int(most.item()) - own
 
 
 def dataset_fingerprint(dataset: Any, base_digest: str, dtype: torch.dtype) -> str:
@@ -112,16 +131,26 @@ def check_features(features: Sequence[str]) -> tuple[str, ...]:
     return features
 
 
-def shard_name(split: str, rank: int, world_size: int) -> str:
-    return f"{split}-shard-{rank:05d}-of-{world_size:05d}"
+def block_name(split: str, block: int) -> str:
+    """A block's file stem: ``{split}-block-{block:06d}`` (no world size in it)."""
+    return f"{split}-block-{block:06d}"
+
+
+def piece_key(key: str, piece: int) -> str:
+    """The tensor name of batch ``piece``'s rows of ``key`` in a block file (``hidden.00003``)."""
+    return f"{key}.{piece:05d}"
+
+
+class CacheSpaceError(OSError):
+    """The cache folder's file system has less room than the blocks still to build need."""
 
 
 @dataclass(frozen=True)
-class ShardInfo:
-    """Description written next to a shard (``<shard>.json``)."""
+class BlockSeal:
+    """The seal written next to a block (``<block>.json``), after the block."""
 
     fingerprint: str
-    rows: list[int]
+    rows: list[int]  # [first, stop)
     hidden_size: int
     dtype: str
     size: int
@@ -136,39 +165,130 @@ class ShardInfo:
 
 @dataclass(frozen=True)
 class ShardProblem:
-    """Why a shard cannot be reused; ``warn``: its rebuild is worth a warning (not missing or built for other
+    """Why a block cannot be reused; ``warn``: its rebuild is worth a warning (not missing or built for other
     data, the ordinary cases)."""
 
     reason: str
     warn: bool = False
 
 
-def _shard_problem(folder: Path, name: str, fingerprint: str, rows: list[int], features: Sequence[str],
+def _block_problem(folder: Path, name: str, fingerprint: str, rows: range, features: Sequence[str],
                    verify: bool) -> ShardProblem | None:
-    """None when the shard can be reused, else why not: missing, written by another cache version, built for other
-    data or other features, or (checked by size, and with ``verify`` by sha256) changed since it was written."""
+    """None when the block can be reused, else why not: missing or unsealed, written by another cache version, built
+    for other data or other features, or (checked by size, and with ``verify`` by sha256) changed since it was
+    sealed."""
     meta_path, data_path = folder / f"{name}.json", folder / f"{name}.safetensors"
     if not (meta_path.is_file() and data_path.is_file()):
         return ShardProblem("missing")
     try:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError:
-        return ShardProblem("its description is unreadable", warn=True)
+        return ShardProblem("its seal is unreadable", warn=True)
     if meta.get("version") != CACHE_VERSION:
         return ShardProblem(f"written by cache version {meta.get('version')} (this one is {CACHE_VERSION})",
                             warn=True)
-    if not (meta.get("fingerprint") == fingerprint
-            and meta.get("rows") == rows):
+    if not (meta.get("fingerprint") == fingerprint and meta.get("rows") == [rows.start, rows.stop]):
         return ShardProblem("built for other data (another dataset, base model or dtype)")
     if meta.get("features") != list(features):
         return ShardProblem(f"built for other target features ({meta.get('features')}, not {list(features)})",
                             warn=True)
     if data_path.stat().st_size != meta.get("size"):
-        return ShardProblem(f"damaged: {data_path.stat().st_size} bytes, {meta.get('size')} when written", warn=True)
+        return ShardProblem(f"damaged: {data_path.stat().st_size} bytes, {meta.get('size')} when sealed", warn=True)
     if verify and file_sha256(data_path) != meta.get("sha256"):
-        return ShardProblem("damaged: its sha256 differs from the one recorded when it was written (same size)",
+        return ShardProblem("damaged: its sha256 differs from the one sealed when it was written (same size)",
                             warn=True)
     return None
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """One block to build: its rows, their lengths (block order) and the base batches (positions in the block,
+    longest rows first: batches of similar lengths waste less on padding; the file keeps the block's order through
+    its ``index``)."""
+
+    block: int
+    rows: range
+    lengths: list[int]
+    batches: list[list[int]]
+
+    def tensors(self, keys: Sequence[str], hidden_size: int, dtype: torch.dtype) -> list[TensorPlan]:
+        """The file's tensors in write order: ``index [rows, 3]`` int64 (each row's batch, first and stop token in
+        that batch's tensors), then per batch ``p`` each feature ``key.p [T_p, H]`` and ``base_argmax.p [T_p]``."""
+        plan = [TensorPlan("index", torch.int64, (len(self.rows), 3))]
+        for p, chunk in enumerate(self.batches):
+            tokens = sum(self.lengths[j] for j in chunk)
+            plan += [TensorPlan(piece_key(k, p), dtype, (tokens, hidden_size)) for k in keys]
+            plan.append(TensorPlan(piece_key("base_argmax", p), torch.int64, (tokens,)))
+        return plan
+
+    def index(self) -> torch.Tensor:
+        """``[rows, 3]`` int64: row j's (batch, first token, stop token) in that batch's tensors."""
+        index = torch.zeros(len(self.rows), 3, dtype=torch.int64)
+        for p, chunk in enumerate(self.batches):
+            start = 0
+            for j in chunk:
+                index[j] = torch.tensor([p, start, start + self.lengths[j]])
+                start += self.lengths[j]
+        return index
+
+
+def plan_block(dataset: Any, block: int, block_size: int, batch_size: int) -> BlockPlan:
+    rows = block_rows(block, len(dataset), block_size)
+    lengths = [len(dataset[i]["input_ids"]) for i in rows]
+    order = sorted(range(len(rows)), key=lambda j: lengths[j], reverse=True)
+    return BlockPlan(block, rows, lengths, [order[s : s + batch_size] for s in range(0, len(order), batch_size)])
+
+
+def check_disk_space(folder: Path, needed: int, what: str) -> None:
+    """Raises:
+        CacheSpaceError: ``folder``'s file system has fewer than ``needed`` bytes free (both named, with ``what``
+            they are for and the ways out)."""
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise CacheSpaceError(
+            f"hidden cache: {folder} needs {needed:,} bytes ({needed / 2**30:.2f} GiB) for {what} but its file "
+            f"system has {free:,} bytes ({free / 2**30:.2f} GiB) free; free space there, point hidden_cache_dir at a "
+            "larger shared disk, or train without the cache (hidden_cache=false)"
+        )
+
+
+def ranks_max(value: int, device: torch.device | str) -> int:
+    """The largest ``value`` over all ranks (an all-reduce; ``value`` itself without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    on = device if dist.get_backend() == "nccl" else "cpu"
+    total = torch.tensor([value], dtype=torch.int64, device=on)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return int(total.item())
+
+
+def _base_forward(base: FrozenBase, batch: dict[str, torch.Tensor], layers: list[int],
+                  device: torch.device | str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One base pass: the named features ``[B, T, H]`` and the base argmax ``[B, T]``."""
+    named, _ = target_features(base.backbone, batch["input_ids"].to(device), layers,
+                               attention_mask=batch["attention_mask"].to(device), use_cache=False)
+    return named, base.logits(named[FINAL]).argmax(-1)
+
+
+def _write_block(path: Path, plan: BlockPlan, tensors: list[TensorPlan], run: Any, dataset: Any,
+                 collator: Collator, features: Sequence[str], dtype: torch.dtype) -> str:
+    """Stream one block to ``path`` (atomically); returns its sha256."""
+    sealed: dict[str, str] = {}
+
+    def write(tmp: Path) -> None:
+        with SafetensorsStream(tmp, tensors) as out:
+            out.write("index", plan.index())
+            for p, chunk in enumerate(plan.batches):
+                named, argmax = run(collator([dataset[plan.rows[j]] for j in chunk]))
+                for f in features:
+                    out.write(piece_key(feature_key(f), p), torch.cat(
+                        [named[f][b, : plan.lengths[j]] for b, j in enumerate(chunk)]).to("cpu", dtype))
+                out.write(piece_key("base_argmax", p), torch.cat(
+                    [argmax[b, : plan.lengths[j]] for b, j in enumerate(chunk)]).to("cpu", torch.int64))
+            sealed["sha256"] = out.close()
+
+    atomic_write(path, write)
+    return sealed["sha256"]
 
 
 @torch.no_grad()
@@ -185,152 +305,167 @@ def build_hidden_cache(
     world_size: int = 1,
     device: torch.device | str = "cpu",
     features: Sequence[str] = (FINAL,),
+    block_size: int = BLOCK_ROWS,
+    verify: bool = False,
     lockstep: bool = False,
-) -> Path:
-    """Write this rank's shard of the cache for ``dataset`` (rows ``rank, rank + world_size, ...``).
+) -> list[Path]:
+    """Write this rank's blocks of the cache for ``dataset`` (blocks ``rank, rank + world_size, ...`` of
+    ``block_size`` rows), reusing every sealed one.
 
     Args:
         base: the frozen base with its backbone.
         dataset: rows with ``input_ids`` (and ``labels``), e.g. from ``build_dataset``.
         folder: the cache folder (created).
-        split: ``train`` or ``eval``; part of the shard's file name.
-        fingerprint: :func:`dataset_fingerprint` of ``dataset``; a shard with the same fingerprint is reused.
+        split: ``train`` or ``eval``; part of the block files' names.
+        fingerprint: :func:`dataset_fingerprint` of ``dataset``; a block sealed with it is reused.
         collator: pads token batches (right padding, ``attention_mask``).
-        batch_size: rows per base forward pass.
+        batch_size: rows per base forward pass (B).
         rank, world_size: this process's share.
         device: where the base runs.
-        features: the target features to store (:mod:`medusa_train.features` names; the drafter's); a shard
+        features: the target features to store (:mod:`medusa_train.features` names; the drafter's); a block
             written for other features is rebuilt.
-        lockstep: every rank runs as many base forwards as the busiest one (one-token forwards make up the
-            difference, a reused shard counting none): a base partitioned by ZeRO-3 gathers each layer from all ranks,
-            so a rank that stopped early would leave the others waiting. Collective: every rank must call this.
+        block_size: rows per block file (the same for every world size; readers must be given the same).
+        verify: also recompute the sha256 of each of this rank's sealed blocks before reusing it (reads them; without
+            it a block is checked by its seal and its size).
+        lockstep: every rank runs the same number of base forward passes (padding passes on a one-token batch,
+            outputs discarded): needed when the base's parameters are partitioned by ZeRO-3. Collective: with it
+            every rank must call this function.
 
     Returns:
-        The shard's safetensors path.
+        This rank's block files, in block order.
 
     Raises:
-        ValueError: an empty, unknown or repeated feature name, or a layer the base does not have.
+        ValueError: an empty, unknown or repeated feature name, a layer the base does not have, a bad rank,
+            world size or block size.
+        CacheSpaceError: the folder's file system has less room than the blocks still to build (by any rank) need;
+            raised before any forward pass.
     """
     features = check_features(features)
+    check_rank(rank, world_size)
+    check_block_size(block_size)
     layers = [feature_layer(f) for f in features if f != FINAL]
+    if layers:  # before any forward pass
+        check_feature_layers(layers, count_layers(base.backbone.config), field="layers")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    name = shard_name(split, rank, world_size)
-    rows = list(range(rank, len(dataset), world_size))
-    target = folder / f"{name}.safetensors"
-    problem = _shard_problem(folder, name, fingerprint, rows, features, verify=True)
-    if problem is None:
-        log.info("hidden cache: reusing %s (%d rows)", target, len(rows))
-        if lockstep:
-            _idle_forwards(base, _lockstep_extra(0, device), layers, device)
-        return target
-    if problem.reason.startswith("damaged"):
-        log.warning("hidden cache: %s is %s; rebuilding it", target, problem.reason)
-    elif problem.reason != "missing":
-        log.log(logging.WARNING if problem.warn else logging.INFO, "hidden cache: rebuilding %s (%s)", target,
-                problem.reason)
-    lengths = [len(dataset[i]["input_ids"]) for i in rows]
-    parts: dict[str, list[torch.Tensor | None]] = {f: [None] * len(rows) for f in features}
-    argmax_parts: list[torch.Tensor | None] = [None] * len(rows)
-    # Batches of similar lengths waste less on padding; the shard keeps the rows' own order.
-    by_length = sorted(range(len(rows)), key=lambda j: lengths[j], reverse=True)
-    if lockstep:
-        _idle_forwards(base, _lockstep_extra(-(-len(rows) // batch_size), device), layers, device)
-    for start in range(0, len(by_length), batch_size):
-        chunk = by_length[start : start + batch_size]
-        batch = collator([dataset[rows[j]] for j in chunk])
-        named, _ = target_features(base.backbone, batch["input_ids"].to(device), layers,
-                                   attention_mask=batch["attention_mask"].to(device), use_cache=False)  # [B, T, H]
-        argmax = base.logits(named[FINAL]).argmax(-1)  # [B, T]
-        for b, j in enumerate(chunk):
-            for f in features:
-                parts[f][j] = named[f][b, : lengths[j]].to("cpu")
-            argmax_parts[j] = argmax[b, : lengths[j]].to("cpu", torch.int64)
-    H = int(base.lm_head.weight.shape[1])
-    dtype = base.lm_head.weight.dtype
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    tensors = {feature_key(f): torch.cat(parts[f]).contiguous() if rows else torch.zeros(0, H, dtype=dtype)
-               for f in features}
-    tensors["base_argmax"] = torch.cat(argmax_parts) if argmax_parts else torch.zeros(0, dtype=torch.int64)
-    tensors["offsets"] = offsets
-    atomic_write(target, lambda p: save_file(tensors, str(p)))
-    info = ShardInfo(fingerprint=fingerprint, rows=rows, hidden_size=H,
-                     dtype=str(tensors[feature_key(features[0])].dtype), size=target.stat().st_size,
-                     sha256=file_sha256(target), features=list(features))
-    atomic_write_text(folder / f"{name}.json", json.dumps(info.to_json()))  # last: a shard without it is rebuilt
-    log.info("hidden cache: wrote %s (%d rows, %d tokens)", target, len(rows), int(offsets[-1]))
-    return target
+    weight = base.lm_head.weight
+    H = int(getattr(weight, "ds_shape", weight.shape)[1])  # ZeRO-3 keeps the full shape in ds_shape
+    dtype = weight.dtype
+    keys = [feature_key(f) for f in features]
+    todo: list[tuple[BlockPlan, list[TensorPlan]]] = []
+    mine: list[Path] = []
+    needed = 0
+    for b in range(block_count(len(dataset), block_size)):
+        ours = b % world_size == rank
+        name = block_name(split, b)
+        path = folder / f"{name}.safetensors"
+        rows = block_rows(b, len(dataset), block_size)
+        problem = _block_problem(folder, name, fingerprint, rows, features, verify=verify and ours)
+        if ours:
+            mine.append(path)
+        if problem is None:
+            if ours:
+                log.info("hidden cache: reusing %s (%d rows)", path, len(rows))
+            continue
+        plan = plan_block(dataset, b, block_size, batch_size)
+        tensors = plan.tensors(keys, H, dtype)
+        needed += planned_size(tensors)  # every rank's missing blocks: the folder is shared
+        if not ours:
+            continue
+        todo.append((plan, tensors))
+        if problem.reason.startswith("damaged"):
+            log.warning("hidden cache: %s is %s; rebuilding it", path, problem.reason)
+        elif problem.reason != "missing":
+            log.log(logging.WARNING if problem.warn else logging.INFO, "hidden cache: rebuilding %s (%s)", path,
+                    problem.reason)
+    check_disk_space(folder, needed, f"the {split} blocks still to build")
+    passes = sum(len(plan.batches) for plan, _ in todo)
+    padding = ranks_max(passes, device) - passes if lockstep else 0
 
+    def run(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        return _base_forward(base, batch, layers, device)
 
-def _idle_forwards(base: FrozenBase, count: int, layers: list[int], device: torch.device | str) -> None:
-    """``count`` one-token backbone forwards whose outputs are dropped (see ``lockstep``), run first: the gathers they
-    join happen in the same order on every rank whatever the rows."""
-    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    for _ in range(count):
-        target_features(base.backbone, ids, layers, attention_mask=torch.ones_like(ids), use_cache=False)
+    for plan, tensors in todo:
+        name = block_name(split, plan.block)
+        path, seal_path = folder / f"{name}.safetensors", folder / f"{name}.json"
+        seal_path.unlink(missing_ok=True)  # first: the block being rebuilt is never read under its old seal
+        sha256 = _write_block(path, plan, tensors, run, dataset, collator, features, dtype)
+        seal = BlockSeal(fingerprint=fingerprint, rows=[plan.rows.start, plan.rows.stop], hidden_size=H,
+                         dtype=str(dtype), size=path.stat().st_size, sha256=sha256, features=list(features))
+        atomic_write_text(seal_path, json.dumps(seal.to_json()))
+        log.info("hidden cache: wrote %s (%d rows, %d tokens)", path, len(plan.rows), sum(plan.lengths))
+    if padding:
+        dummy = collator([{"input_ids": list(dataset[0]["input_ids"][:1]), "labels": [-100]}])
+        for _ in range(padding):
+            run(dummy)  # discarded: the other ranks' parameter all-gathers need this rank's pass
+        log.info("hidden cache: %d padding forward passes (lockstep with the other ranks)", padding)
+    return mine
 
 
 class CachedHiddenDataset(torch.utils.data.Dataset):
     """Rows of a tokenized dataset with their cached target features, in the dataset's order.
 
     Item i: ``{"hidden": [T_i, H] (FINAL), "layer<j>": [T_i, H] (each other feature), "base_argmax": [T_i] long,
-    "labels": [T_i] long, "input_ids": [T_i] long}`` (the token ids are the path Hydra heads read).
+    "labels": [T_i] long, "input_ids": [T_i] long}`` (the token ids are the path Hydra heads read). Rows are copied
+    out of the memory-mapped block files as they are asked for; at most :data:`OPEN_BLOCKS` files are open at once.
 
     Raises:
-        ValueError: an empty, unknown or repeated feature name.
-        FileNotFoundError: a shard of ``world_size`` is missing, was written by another cache version, built for other
-            data (fingerprint) or other ``features``, or has changed size since it was written (its owner rank
-            verified its checksum in :func:`build_hidden_cache`).
+        ValueError: an empty, unknown or repeated feature name, or a bad ``block_size``.
+        FileNotFoundError: a block is missing or unsealed, was written by another cache version, built for other data
+            (fingerprint) or other ``features``, or has changed size since it was sealed (checked for every block
+            before any is read; its owner rank checked more in :func:`build_hidden_cache`).
     """
 
     def __init__(
-        self, dataset: Any, folder: str | os.PathLike[str], *, split: str, fingerprint: str, world_size: int,
-        features: Sequence[str] = (FINAL,),
+        self, dataset: Any, folder: str | os.PathLike[str], *, split: str, fingerprint: str,
+        features: Sequence[str] = (FINAL,), block_size: int = BLOCK_ROWS,
     ) -> None:
+        features = check_features(features)
+        check_block_size(block_size)
         self.dataset = dataset
-        self.keys = [feature_key(f) for f in check_features(features)]
+        self.keys = [feature_key(f) for f in features]
         self.folder = Path(folder)
-        self.names = [shard_name(split, r, world_size) for r in range(world_size)]
-        self.where: dict[int, tuple[int, int]] = {}  # row -> (shard, position in shard)
-        for s, name in enumerate(self.names):
-            rows = list(range(s, len(dataset), world_size))
-            problem = _shard_problem(self.folder, name, fingerprint, rows, features, verify=False)
+        self.block_size = block_size
+        self.names = [block_name(split, b) for b in range(block_count(len(dataset), block_size))]
+        for b, name in enumerate(self.names):
+            rows = block_rows(b, len(dataset), block_size)
+            problem = _block_problem(self.folder, name, fingerprint, rows, features, verify=False)
             if problem is not None:
                 raise FileNotFoundError(
-                    f"hidden cache shard {self.folder / name}.safetensors is {problem.reason}; it is rebuilt at the "
+                    f"hidden cache block {self.folder / name}.safetensors is {problem.reason}; it is rebuilt at the "
                     "start of training (delete the folder to force it)"
                 )
-            for j, row in enumerate(rows):
-                self.where[row] = (s, j)
-        self._handles: dict[int, Any] = {}
-        self._offsets: dict[int, torch.Tensor] = {}
+        self._handles: OrderedDict[int, tuple[Any, torch.Tensor]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def _open(self, s: int) -> Any:
-        if s not in self._handles:  # opened lazily, so each DataLoader worker gets its own handle
-            handle = safe_open(str(self.folder / f"{self.names[s]}.safetensors"), framework="pt")
-            self._handles[s] = handle
-            self._offsets[s] = handle.get_tensor("offsets")
-        return self._handles[s]
+    def _open(self, b: int) -> tuple[Any, torch.Tensor]:
+        """Block ``b``'s handle and ``index [rows, 3]``; opened lazily, so each DataLoader worker has its own."""
+        if b in self._handles:
+            self._handles.move_to_end(b)
+            return self._handles[b]
+        handle = safe_open(str(self.folder / f"{self.names[b]}.safetensors"), framework="pt")
+        self._handles[b] = (handle, handle.get_tensor("index"))
+        if len(self._handles) > OPEN_BLOCKS:
+            self._handles.popitem(last=False)
+        return self._handles[b]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        s, j = self.where[int(i)]
-        handle = self._open(s)
+        b, j = divmod(int(i), self.block_size)
+        handle, index = self._open(b)
+        piece, start, stop = (int(v) for v in index[j])
         row = self.dataset[int(i)]
-        start, stop = int(self._offsets[s][j]), int(self._offsets[s][j + 1])
         return {
-            **{key: handle.get_slice(key)[start:stop] for key in self.keys},
-            "base_argmax": handle.get_slice("base_argmax")[start:stop],
+            **{key: handle.get_slice(piece_key(key, piece))[start:stop] for key in self.keys},
+            "base_argmax": handle.get_slice(piece_key("base_argmax", piece))[start:stop],
             "labels": torch.as_tensor(row["labels"], dtype=torch.long),
             "input_ids": torch.as_tensor(row["input_ids"], dtype=torch.long),
         }
 
     def __getstate__(self) -> dict[str, Any]:  # file handles do not pickle (DataLoader workers)
         state = dict(self.__dict__)
-        state["_handles"], state["_offsets"] = {}, {}
+        state["_handles"] = OrderedDict()
         return state
 
 

@@ -83,7 +83,7 @@ class Medusa1Recipe(BaseRecipe):
         self.barrier()
         for split, dataset in (("train", data.train), ("eval", data.eval)):
             out.append(CachedHiddenDataset(dataset, folder, split=split, fingerprint=fingerprints[split],
-                                           world_size=self.env.world_size, features=features))
+                                           features=features))
         self.release_base()
         self.frozen_base = FrozenBase.of(self.base, keep_backbone=False)
         self.collator = HiddenCollator()

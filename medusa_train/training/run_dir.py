@@ -5,8 +5,8 @@ Layout of ``output_dir``::
     train.lock               held by the live run (pid, host, start time, command), see run_lock.py
     train_config.yaml        the run's record: the resolved config of the run that owns the folder
     checkpoints/checkpoint-N the Trainer's checkpoints (complete ones hold a marker, see checkpoints.py)
-    self_distill/            regenerated conversations (JSONL, one file per rank), reused on resume
-    hidden_cache/            cached base hidden states (hidden_cache=true)
+    self_distill/            regenerated conversations (JSONL, one file per block of 256), reused on resume
+    hidden_cache/            cached base hidden states (hidden_cache=true; sealed blocks of 256 rows)
     hydra/                   Hydra's run folder (one log per rank)
     stage1/                  Medusa-2's first stage, a run folder of its own
     export/                  the exported heads and train_head_accuracy.json

@@ -16,15 +16,17 @@ from medusa_train.data import (
     ConversationSkipped,
     JsonRecordStream,
     TemplateNotPrefixStableError,
+    block_path,
     build_dataset,
     end_of_turn_ids,
     load_conversations,
     normalize_role,
     self_distill,
-    shard_path,
     split_indices,
     tokenize_conversation,
 )
+from medusa_train.checksums import file_sha256
+from medusa_train.data.self_distill import read_records, written_blocks
 from medusa_train.paths import package_file
 from tests.conftest import CHATML, make_tiny_model
 
@@ -554,7 +556,8 @@ def count_generate(model, monkeypatch) -> list[int]:
 
 
 def read_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    """The records of every block file of a self-distillation run (``path``: its ``output_path``)."""
+    return [record for block in written_blocks(path) for record in read_records(block)]
 
 
 def test_self_distill_writes_records_and_resumes(tok, tiny_model, tmp_path, monkeypatch, caplog):
@@ -569,7 +572,8 @@ def test_self_distill_writes_records_and_resumes(tok, tiny_model, tmp_path, monk
     assert all(r["new_tokens"] <= 4 for r in records)
 
     # Read back as training data: the system turn and first user turn, then the model's reply.
-    loaded, load_stats = load_conversations("json", out)
+    assert [p.name for p in stats.paths] == ["distilled.block000000.jsonl"]
+    loaded, load_stats = load_conversations("json", stats.paths[0])
     assert load_stats.kept == 8
     by_index = {r["source_index"]: r for r in records}
     second = by_index[1]["conversations"]
@@ -579,15 +583,16 @@ def test_self_distill_writes_records_and_resumes(tok, tiny_model, tmp_path, monk
     assert by_index[3]["conversations"][0]["value"] == "Summarize it in one line."
 
     # Delete half the records: a second call generates only the missing four.
-    lines = out.read_text(encoding="utf-8").splitlines(keepends=True)
-    out.write_text("".join(lines[:4]), encoding="utf-8")
+    block = stats.paths[0]
+    lines = block.read_text(encoding="utf-8").splitlines(keepends=True)
+    block.write_text("".join(lines[:4]), encoding="utf-8")
     calls.clear()
     stats = self_distill(tiny_model, tok, conversations, max_new_tokens=4, batch_size=3, output_path=out)
     assert (stats.already_done, stats.generated) == (4, 4) and sum(calls) == 4
     assert sorted(r["id"] for r in read_lines(out)) == sorted(r["id"] for r in records)
 
     # A line cut by a crash is dropped and nothing is regenerated.
-    with out.open("a", encoding="utf-8") as f:
+    with block.open("a", encoding="utf-8") as f:
         f.write('{"id": "0-cut')
     calls.clear()
     with caplog.at_level(logging.WARNING):
@@ -603,10 +608,10 @@ def test_self_distill_records_holding_unicode_line_separators_resume_and_read_ba
     conversations = [[{"role": "user", "content": "one\u2028two"}], [{"role": "user", "content": "three\x85four"}]]
     out = tmp_path / "sd.jsonl"
     self_distill(tiny_model, tok, conversations, max_new_tokens=3, batch_size=2, output_path=out)
-    assert out.read_text(encoding="utf-8").count("\n") == 2
+    assert block_path(out, 0).read_text(encoding="utf-8").count("\n") == 2
     stats = self_distill(tiny_model, tok, conversations, max_new_tokens=3, batch_size=2, output_path=out)
     assert (stats.already_done, stats.generated) == (2, 0)
-    distilled = read_distilled(conversations, out, world_size=1)
+    distilled = read_distilled(conversations, out)
     assert [c[0]["content"] for c in distilled] == ["one\u2028two", "three\x85four"]
 
 
@@ -621,8 +626,8 @@ def test_self_distill_reuses_replies_for_a_longer_or_reordered_list(tok, tiny_mo
     stats = self_distill(tiny_model, tok, shuffled, max_new_tokens=3, batch_size=4, output_path=out)
     assert stats.already_done == first.generated + 1  # the repeated prompt's reply is there too
     assert stats.generated == 8 - first.generated and sum(calls) == stats.generated
-    distilled = read_distilled(shuffled, out, world_size=1)
-    assert len(distilled) == 9 and distilled[-1] == read_distilled(conversations[:1], out, world_size=1)[0]
+    distilled = read_distilled(shuffled, out)
+    assert len(distilled) == 9 and distilled[-1] == read_distilled(conversations[:1], out)[0]
 
 
 def test_self_distill_skips_prompts_over_max_prompt_tokens(tok, tiny_model, tmp_path, monkeypatch):
@@ -647,16 +652,18 @@ def test_self_distill_batched_left_padding_matches_one_by_one(tok, tiny_model, t
     assert replies[one] == replies[many] and len(replies[one]) == 8
 
 
-def test_self_distill_sharding_is_disjoint(tok, tiny_model, tmp_path):
+def test_self_distill_blocks_are_dealt_to_ranks_round_robin(tok, tiny_model, tmp_path):
     conversations = distill_conversations()
     out = tmp_path / "sd.jsonl"
-    for rank in range(2):
-        self_distill(tiny_model, tok, conversations, 2, batch_size=4, output_path=out, rank=rank, world_size=2)
-    shards = [read_lines(shard_path(out, rank, 2)) for rank in range(2)]
-    assert shard_path(out, 1, 2).name == "sd.rank1-of-2.jsonl"
-    assert sorted(r["source_index"] for r in shards[0]) == [0, 2, 4, 6]
-    assert sorted(r["source_index"] for r in shards[1]) == [1, 3, 5, 7]  # index 8 (rank 0) has no user turn
-    loaded, stats = load_conversations("json", tmp_path)  # the folder: both shards
+    paths = [self_distill(tiny_model, tok, conversations, 2, batch_size=4, output_path=out, rank=rank, world_size=2,
+                          block_size=2).paths for rank in range(2)]
+    assert [[p.name for p in ps] for ps in paths] == [
+        ["sd.block000000.jsonl", "sd.block000002.jsonl", "sd.block000004.jsonl"],
+        ["sd.block000001.jsonl", "sd.block000003.jsonl"]]
+    assert not paths[0][2].exists()  # block 4 holds index 8 alone, which has no user turn
+    indices = [sorted(r["source_index"] for p in ps if p.exists() for r in read_records(p)) for ps in paths]
+    assert indices == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    loaded, stats = load_conversations("json", tmp_path)  # the folder: every block
     assert stats.kept == 8
     with pytest.raises(ValueError, match="rank must be in"):
         self_distill(tiny_model, tok, conversations, 2, batch_size=4, output_path=out, rank=2, world_size=2)
@@ -668,15 +675,76 @@ def test_self_distilled_records_carry_checksums_and_a_damaged_middle_line_is_nam
     conversations = distill_conversations()
     out = tmp_path / "sd.jsonl"
     self_distill(tiny_model, tok, conversations, max_new_tokens=4, batch_size=8, output_path=out)
-    lines = out.read_text(encoding="utf-8").splitlines(keepends=True)
+    block = block_path(out, 0)  # the one block file: errors name it
+    lines = block.read_text(encoding="utf-8").splitlines(keepends=True)
     record = json.loads(lines[1])
     record["conversations"][-1]["value"] += " (edited)"  # still valid JSON, no longer what the model said
     damaged = lines[:1] + [json.dumps(record, ensure_ascii=False) + "\n"] + lines[2:]
-    out.write_text("".join(damaged), encoding="utf-8")
-    with pytest.raises(ValueError, match=rf"{out}:2: the record does not match its checksum.*delete that line"):
+    block.write_text("".join(damaged), encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"{block}:2: the record does not match its checksum.*delete that line"):
         self_distill(tiny_model, tok, conversations, max_new_tokens=4, batch_size=8, output_path=out)
-    with pytest.raises(ValueError, match=rf"{out}:2: the record does not match its checksum"):
-        read_distilled(conversations, out, world_size=1)
-    out.write_text("".join(lines[:1] + ['{"id": "broken\n'] + lines[2:]), encoding="utf-8")  # not JSON at all
-    with pytest.raises(ValueError, match=rf"{out}:2 is not a self-distillation record"):
-        read_distilled(conversations, out, world_size=1)
+    with pytest.raises(ValueError, match=rf"{block}:2: the record does not match its checksum"):
+        read_distilled(conversations, out)
+    block.write_text("".join(lines[:1] + ['{"id": "broken\n'] + lines[2:]), encoding="utf-8")  # not JSON at all
+    with pytest.raises(ValueError, match=rf"{block}:2 is not a self-distillation record"):
+        read_distilled(conversations, out)
+
+
+BLOCK_PROMPTS = [f"Question {i}?" for i in range(7)]
+
+
+class CountingEngine:
+    """A deterministic self-distillation engine that records the prompts it was asked to answer."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[int]] = []
+
+    def __call__(self, prompts, max_new_tokens, stops):
+        self.asked += prompts
+        return [([10 + len(p) % 20, 11 + p[-1] % 20], True) for p in prompts]
+
+
+def distill_blocks(model, tok, out, engine, rank=0, world_size=1):
+    conversations = [[{"role": "user", "content": p}] for p in BLOCK_PROMPTS]
+    return self_distill(model, tok, conversations, 8, 3, out, rank, world_size, generate=engine, show_progress=False,
+                        block_size=2)
+
+
+def test_self_distill_blocks_written_by_two_ranks_are_all_reused_by_one(tiny_model, tok, tmp_path):
+    from medusa_train.training.data_prep import read_distilled
+
+    out = tmp_path / "sd.jsonl"
+    engine = CountingEngine()
+    stats = [distill_blocks(tiny_model, tok, out, engine, rank, 2) for rank in range(2)]
+    assert [[p.name for p in s.paths] for s in stats] == [
+        ["sd.block000000.jsonl", "sd.block000002.jsonl"], ["sd.block000001.jsonl", "sd.block000003.jsonl"]]
+    assert len(engine.asked) == 7 and [s.generated for s in stats] == [4, 3]
+    before = {p.name: (p.stat().st_mtime_ns, file_sha256(p)) for p in written_blocks(out)}
+    assert len(before) == 4
+    engine.asked.clear()
+    again = distill_blocks(tiny_model, tok, out, engine)
+    assert engine.asked == [] and (again.already_done, again.generated) == (7, 0)
+    assert {p.name: (p.stat().st_mtime_ns, file_sha256(p)) for p in written_blocks(out)} == before
+    distilled = read_distilled([[{"role": "user", "content": p}] for p in BLOCK_PROMPTS], out)
+    assert [c[0]["content"] for c in distilled] == BLOCK_PROMPTS
+    assert sum(distill_blocks(tiny_model, tok, out, engine, rank, 3).generated for rank in range(3)) == 0
+    assert engine.asked == []  # three ranks: nothing to generate either
+
+
+def test_self_distill_copies_an_earlier_versions_rank_files_into_the_blocks(tiny_model, tok, tmp_path):
+    from medusa_train.data.self_distill import _record, record_id
+
+    out = tmp_path / "sd.jsonl"
+    for rank in range(2):  # the layout earlier versions wrote: conversation i in sd.rank{i % 2}-of-2.jsonl
+        records = [_record(i, record_id([{"role": "user", "content": p}]), [{"role": "user", "content": p}],
+                           f"old reply {i}", 3, True) for i, p in enumerate(BLOCK_PROMPTS) if i % 2 == rank and i != 5]
+        (tmp_path / f"sd.rank{rank}-of-2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records),
+                                                            encoding="utf-8")
+    engine = CountingEngine()
+    stats = distill_blocks(tiny_model, tok, out, engine)
+    assert (stats.migrated, stats.generated) == (6, 1) and len(engine.asked) == 1  # conversation 5 had no reply
+    replies = {r["source_index"]: r["conversations"][-1]["value"] for p in written_blocks(out) for r in read_records(p)}
+    assert sorted(replies) == list(range(7)) and block_path(out, 3).is_file()
+    assert replies[0] == "old reply 0" and replies[6] == "old reply 6" and not replies[5].startswith("old")
+    engine.asked.clear()
+    assert distill_blocks(tiny_model, tok, out, engine).migrated == 0 and engine.asked == []  # copied once

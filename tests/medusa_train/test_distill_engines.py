@@ -16,7 +16,7 @@ from inference.engines.vllm_env import VllmUnavailable
 from medusa_train.config import DataConfig, ModelConfig
 from medusa_train.data import self_distill
 from medusa_train.data.distill_engines import distill_engine
-from medusa_train.data.self_distill import record_id
+from medusa_train.data.self_distill import read_records, record_id, written_blocks
 from medusa_train.prompts import encode_prompt
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
@@ -108,7 +108,8 @@ def run_distill(data: DataConfig, model, tok, out: Path):
 
 
 def read_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    """The records of every block file of a self-distillation run (``path``: its ``output_path``)."""
+    return [record for block in written_blocks(path) for record in read_records(block)]
 
 
 def test_config_names_the_engine_and_checks_its_settings():
@@ -180,7 +181,7 @@ def test_vllm_engine_without_its_environment_names_the_install_command(tok, tiny
     monkeypatch.setenv("MEDUSA_VLLM_VENV", str(tmp_path / "no-venv"))
     with pytest.raises(VllmUnavailable, match="run `bash launch/install_vllm.sh`"):
         run_distill(DataConfig(self_distill_engine="vllm"), tiny, tok, tmp_path / "distilled.jsonl")
-    assert not (tmp_path / "distilled.jsonl").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.vllm

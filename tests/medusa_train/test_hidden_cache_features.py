@@ -23,7 +23,7 @@ from tests.conftest import VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LOGGER = "medusa_train.training.hidden_cache"
-SHARD = "train-shard-00000-of-00001"
+SHARD = "train-block-000000"
 
 
 def _rows() -> list[dict[str, list[int]]]:
@@ -36,8 +36,9 @@ def _rows() -> list[dict[str, list[int]]]:
 
 
 def _build(tiny_llama, rows, folder, features=(FINAL,)):
-    return build_hidden_cache(FrozenBase.of(tiny_llama), rows, folder, split="train", fingerprint="f" * 16,
-                              collator=Collator(pad_token_id=0), batch_size=2, features=features)
+    (block,) = build_hidden_cache(FrozenBase.of(tiny_llama), rows, folder, split="train", fingerprint="f" * 16,
+                                  collator=Collator(pad_token_id=0), batch_size=2, features=features)
+    return block
 
 
 @torch.no_grad()
@@ -45,9 +46,10 @@ def test_a_cache_for_final_and_layer1_holds_both_with_their_values(tiny_llama, t
     rows = _rows()
     shard = _build(tiny_llama, rows, tmp_path, features=(FINAL, "layer1"))
     with safe_open(str(shard), framework="pt") as f:
-        assert sorted(f.keys()) == ["base_argmax", "hidden", "layer1", "offsets"]
+        assert sorted(f.keys()) == ["base_argmax.00000", "base_argmax.00001", "hidden.00000", "hidden.00001",
+                                    "index", "layer1.00000", "layer1.00001"]
     assert json.loads((tmp_path / f"{SHARD}.json").read_text())["features"] == ["final", "layer1"]
-    dataset = CachedHiddenDataset(rows, tmp_path, split="train", fingerprint="f" * 16, world_size=1,
+    dataset = CachedHiddenDataset(rows, tmp_path, split="train", fingerprint="f" * 16,
                                   features=(FINAL, "layer1"))
     for i, row in enumerate(rows):
         ids = torch.tensor([row["input_ids"]])
@@ -64,7 +66,7 @@ def test_a_cache_for_final_and_layer1_holds_both_with_their_values(tiny_llama, t
     assert batch["attention_mask"].tolist() == [[1] * 7, [1] * 4 + [0] * 3]
     with pytest.raises(FileNotFoundError, match=r"is built for other target features \(\['final', 'layer1'\], not "
                                                 r"\['final'\]\); it is rebuilt at the start of training"):
-        CachedHiddenDataset(rows, tmp_path, split="train", fingerprint="f" * 16, world_size=1)
+        CachedHiddenDataset(rows, tmp_path, split="train", fingerprint="f" * 16)
 
 
 def test_an_old_version_cache_is_rebuilt_once_with_a_warning(tiny_llama, tmp_path, caplog):
@@ -79,7 +81,7 @@ def test_an_old_version_cache_is_rebuilt_once_with_a_warning(tiny_llama, tmp_pat
     (folder / "notes.txt").write_text("mine")
     (tmp_path / "beside.txt").write_text("mine too")
     with pytest.raises(FileNotFoundError, match=rf"written by cache version {old} \(this one is {CACHE_VERSION}\)"):
-        CachedHiddenDataset(rows, folder, split="train", fingerprint="f" * 16, world_size=1)
+        CachedHiddenDataset(rows, folder, split="train", fingerprint="f" * 16)
     with caplog.at_level(logging.INFO, logger=LOGGER):
         _build(tiny_llama, rows, folder)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -102,7 +104,7 @@ def test_a_cache_built_for_other_features_is_rebuilt_with_a_warning(tiny_llama, 
     assert caplog.messages == [f"hidden cache: rebuilding {shard} (built for other target features (['final'], not "
                                "['final', 'layer2']))"]
     with safe_open(str(shard), framework="pt") as f:
-        assert sorted(f.keys()) == ["base_argmax", "hidden", "layer2", "offsets"]
+        assert {k.split(".")[0] for k in f.keys()} == {"base_argmax", "hidden", "index", "layer2"}
 
 
 def test_feature_names_are_checked_before_the_base_runs(tiny_llama, tmp_path):

@@ -318,7 +318,7 @@ def test_hidden_cache_trains_the_same_heads_as_the_base_pass(tiny_inputs, tmp_pa
     plain.run()
     cached.run()
     assert sorted(p.name for p in (tmp_path / "cached" / "hidden_cache").glob("*.safetensors")) == [
-        "eval-shard-00000-of-00001.safetensors", "train-shard-00000-of-00001.safetensors"]
+        "eval-block-000000.safetensors", "train-block-000000.safetensors"]
     assert cached.frozen_base.backbone is None  # the Trainer never ran the base
     assert_same_heads(exported_heads(tmp_path / "plain" / "export"), exported_heads(tmp_path / "cached" / "export"))
     assert plain.summary["accuracy"]["top1"] == pytest.approx(cached.summary["accuracy"]["top1"], abs=0.01)
@@ -544,7 +544,7 @@ def test_self_distilled_prompts_are_cached_reused_and_long_prompts_left_out(tiny
     with caplog.at_level(logging.WARNING):
         recipe.setup()
     recipe.cleanup()
-    shard = tmp_path / "run" / "self_distill" / "conversations.jsonl"
+    shard = tmp_path / "run" / "self_distill" / "conversations.block000000.jsonl"  # 7 prompts: one block
     records = sorted((json.loads(line) for line in shard.read_text().splitlines()), key=lambda r: r["source_index"])
     assert [r["conversations"][0]["value"] for r in records] == prompts[:6]
     assert all(r["new_tokens"] <= 6 and r["conversations"][1]["from"] == "gpt" for r in records)
