@@ -1,0 +1,171 @@
+"""llama.cpp beside our decoders: ``llamacpp`` (plain ``llama-server`` on the target's GGUF) and ``llamacpp_eagle3``
+(its EAGLE-3 with our export's drafter, converted by llama.cpp's own converter).
+
+Without llama.cpp: the counters' parsing and the pass lengths rebuilt from them, the settings, the refusals (sampling,
+stop strings, a non-EAGLE-3 export, the wrong number of taps, a missing install) and the decoder over a stand-in
+server. With it (``bash launch/install_llamacpp.sh``; the tests that need it skip, naming the command): the real
+converter and server on SmolLM2-135M-Instruct's Q4_1 GGUF, a random drafter's greedy replies equal plain llama.cpp's
+and its counters add up; a drafter trained by our pipeline on the prompts is accepted (slow).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from inference.decoders import DecodeConfig
+from inference.decoders.llamacpp import LlamaCppDecoder, cut_at_eos, pass_lengths
+from inference.engines.llamacpp_server import counter_difference, parse_spec_counters
+from inference.registry import (
+    BuildContext,
+    LlamaCppEagle3Settings,
+    LlamaCppSettings,
+    build_decoder,
+    check_request,
+    decoder_settings,
+)
+from medusa_train.config import ModelConfig
+from medusa_train.drafters.catalog import new_spec
+from medusa_train.eagle3 import Eagle3Drafter
+from medusa_train.export import save_export
+from medusa_train.export.gguf import (
+    LlamaCppUnavailable,
+    drafter_gguf_path,
+    export_eagle3_gguf,
+    llamacpp_available,
+    speculators_files,
+)
+from medusa_train.heads import HeadsSpec, MedusaHeads
+from tests.conftest import VOCAB, make_tiny_model
+
+METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 87
+llamacpp:spec_decode_num_draft_tokens_total 30
+llamacpp:spec_decode_num_accepted_tokens_total 14
+llamacpp:spec_decode_num_drafts_total 10
+# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 7
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 5
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 2
+"""
+
+
+# ---------------------------------------------------------------- no llama.cpp needed
+
+
+def test_spec_counters_parse_and_subtract():
+    after = parse_spec_counters(METRICS)
+    assert after == {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 14,
+                     "accepted_per_pos": [7, 5, 2]}
+    assert parse_spec_counters("llamacpp:prompt_tokens_total 3\n") == {
+        "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
+    before = {"num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 5, "accepted_per_pos": [3, 2]}
+    assert counter_difference(after, before) == {"num_drafts": 6, "num_draft_tokens": 18, "num_accepted_tokens": 9,
+                                                 "accepted_per_pos": [4, 3, 2]}
+
+
+def test_pass_lengths_rebuild_the_reply_from_the_counters():
+    spec = {"num_drafts": 6, "num_accepted_tokens": 9, "accepted_per_pos": [4, 3, 2]}
+    # 6 chains emit 6 + 9 = 15 tokens; a 20-token reply had 19 after the prefill: 4 passes without a draft.
+    lengths = pass_lengths(20, spec)
+    assert lengths == [4, 4, 3, 2, 1, 1, 1, 1, 1, 1] and sum(lengths) == 19
+    assert (20 - 1) / len(lengths) == pytest.approx(1.9)  # τ
+    # an EOS inside the last chain: llama.cpp counted 2 drafts past the reply's end; the longest are trimmed
+    trimmed = pass_lengths(14, spec)
+    assert trimmed == [2, 4, 3, 2, 1, 1] and sum(trimmed) == 13
+    assert pass_lengths(1, spec) == [] and pass_lengths(5, {"num_drafts": 0, "num_accepted_tokens": 0,
+                                                             "accepted_per_pos": []}) == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="does not add up"):
+        pass_lengths(20, {**spec, "num_accepted_tokens": 8})
+    assert cut_at_eos([5, 2, 7], (2,)) == ([5, 2], True) and cut_at_eos([5, 7], (2,)) == ([5, 7], False)
+
+
+class StandIn:
+    """A stand-in server: answers every request with ``tokens`` and ``spec``."""
+
+    def __init__(self, tokens, spec):
+        self.tokens, self.spec, self.calls, self.closed = tokens, spec, [], False
+
+    def complete(self, ids, max_tokens, ignore_eos=False):
+        self.calls.append((list(ids), max_tokens, ignore_eos))
+        return {"tokens": self.tokens, "wall_s": 0.5, "timings": {"prompt_ms": 40.0}, "stop_type": "eos",
+                "spec": self.spec}
+
+    def close(self):
+        self.closed = True
+
+
+def test_decoder_counts_and_refusals():
+    spec = {"num_drafts": 2, "num_accepted_tokens": 3, "accepted_per_pos": [2, 1]}
+    server = StandIn([11, 12, 13, 14, 15, 16, 2, 9], spec)
+    decoder = LlamaCppDecoder(server, "llamacpp_eagle3", ctx_size=64, draft_max=2)
+    result = decoder.generate([1, 2, 3], DecodeConfig(max_new_tokens=8, eos_token_ids=(2,)))
+    assert server.calls == [([1, 2, 3], 8, False)]
+    assert result.tokens == [11, 12, 13, 14, 15, 16, 2] and result.stop_reason == "eos"
+    assert result.accepted_lengths == [3, 2, 1] and result.forward_passes == 3  # 2 chains (3 + 2), one plain pass
+    assert result.mean_accepted_tokens == pytest.approx(2.0)
+    assert result.wall_time_s == 0.5 and result.prefill_time_s == pytest.approx(0.04) and result.prompt_tokens == 3
+    decoder.generate([1], DecodeConfig(max_new_tokens=3))
+    assert server.calls[-1] == ([1], 3, True)  # no EOS asked for: the server runs to max_new_tokens
+    for config, message in ((DecodeConfig(max_new_tokens=4, temperature=0.7), "greedily only"),
+                            (DecodeConfig(max_new_tokens=4, stop_strings=("x",)), "stop_strings"),
+                            (DecodeConfig(max_new_tokens=62), r"max_new_tokens")):
+        with pytest.raises(ValueError, match=message):
+            decoder.generate([1, 2], config)
+    decoder.close()
+    assert server.closed
+
+
+def test_settings_and_request_checks(monkeypatch, tmp_path):
+    assert decoder_settings("llamacpp") == LlamaCppSettings()
+    assert decoder_settings("llamacpp_eagle3", {"draft_max": 2}).draft_max == 2
+    for raw, message in (({"outtype": "q4_k"}, "outtype='q4_k': choose one of f32, f16, bf16, q8_0"),
+                         ({"draft_max": 0}, r"decoder.llamacpp_eagle3.draft_max"),
+                         ({"draft_p_min": 1.5}, r"decoder.llamacpp_eagle3.draft_p_min")):
+        with pytest.raises(ValueError, match=message):
+            decoder_settings("llamacpp_eagle3", raw)
+    with pytest.raises(ValueError, match="greedily only"):
+        check_request("llamacpp", LlamaCppSettings(), DecodeConfig(max_new_tokens=4, temperature=1.0))
+    monkeypatch.setenv("MEDUSA_LLAMACPP_DIR", str(tmp_path / "none"))
+    with pytest.raises(LlamaCppUnavailable, match=r"not found at .*none: run `bash launch/install_llamacpp.sh`"):
+        check_request("llamacpp", LlamaCppSettings(), DecodeConfig(max_new_tokens=4))
+    (tmp_path / "half").mkdir()
+    monkeypatch.setenv("MEDUSA_LLAMACPP_DIR", str(tmp_path / "half"))
+    with pytest.raises(LlamaCppUnavailable, match=r"incomplete.*install_llamacpp.sh` again"):
+        check_request("llamacpp_eagle3", LlamaCppEagle3Settings(), DecodeConfig(max_new_tokens=4))
+
+
+def test_the_target_must_be_a_gguf_and_the_export_an_eagle3_with_three_taps(tmp_path):
+    target = make_tiny_model(num_hidden_layers=8)
+    hf = ModelConfig(name_or_path=str(tmp_path / "hf-model"))
+    ctx = BuildContext(model=None, tokenizer=None, export_dir=str(tmp_path), model_config=hf)
+    with pytest.raises(ValueError, match=r"decoder.llamacpp.target_gguf: llama.cpp loads the target as a GGUF.*"
+                                         r"convert_hf_to_gguf.py"):
+        build_decoder("llamacpp", LlamaCppSettings(), ctx)
+    with pytest.raises(ValueError, match=r"decoder.llamacpp.target_gguf: .*missing.gguf does not exist"):
+        build_decoder("llamacpp", LlamaCppSettings(target_gguf=str(tmp_path / "missing.gguf")), ctx)
+    medusa = save_export(MedusaHeads(HeadsSpec(2, 1, 32, VOCAB)), tmp_path / "medusa", "org/tiny", base_model=target)
+    with pytest.raises(FileNotFoundError, match=r"re-export the drafter with export_vllm=true"):
+        export_eagle3_gguf(medusa, tmp_path)
+    spec = new_spec("eagle3", {}, target.config, num_heads=2, num_layers=1, hidden_size=32, vocab_size=VOCAB)
+    eagle3 = save_export(Eagle3Drafter(spec), tmp_path / "eagle3", "org/tiny", base_model=target)
+    assert speculators_files(eagle3)[1]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    with pytest.raises(ValueError, match="outtype='q4_0': choose one of"):
+        export_eagle3_gguf(eagle3, tmp_path, outtype="q4_0")
+    with pytest.raises(FileNotFoundError, match="no config.json"):  # checked before llama.cpp is looked for
+        export_eagle3_gguf(eagle3, tmp_path / "no-target")
+    config = eagle3 / "speculators" / "config.json"
+    data = json.loads(config.read_text())
+    config.write_text(json.dumps({**data, "eagle_aux_hidden_state_layer_ids": [2, 5]}))
+    with pytest.raises(ValueError, match=r"\[2, 5\]: llama.cpp's EAGLE-3 reads exactly 3 target layers"):
+        export_eagle3_gguf(eagle3, tmp_path)
+    assert not drafter_gguf_path(eagle3).exists()  # nothing written by a refusal
+
+
+# ---------------------------------------------------------------- the real llama.cpp
+
+llamacpp = pytest.mark.skipif(not llamacpp_available(), reason="llama.cpp is not installed: run `bash "
+                              "launch/install_llamacpp.sh`")
