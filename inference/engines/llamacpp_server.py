@@ -85,7 +85,8 @@ def counter_difference(after: dict[str, Any], before: dict[str, Any]) -> dict[st
 
 
 class LlamaServer:
-    """One ``llama-server`` on a free local port, plain or with an EAGLE-3 drafter (a context manager).
+    """One ``llama-server`` on a free local port, plain or with an EAGLE-3 drafter, until :meth:`close` (the decoder
+    closes it; ``contextlib.closing`` for a ``with`` block; the reaper kills it if our process dies first).
 
     Args:
         model_gguf: the target's GGUF.
@@ -131,7 +132,7 @@ class LlamaServer:
         with open(self.log_path, "ab") as log:
             self._proc: subprocess.Popen | None = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self._reaper = start_reaper(os.getpid(), self._proc.pid)
+        self._reaper: subprocess.Popen = start_reaper(os.getpid(), self._proc.pid)
         self.info: dict[str, Any] = {"command": command, "log": str(self.log_path)}
         start = time.perf_counter()
         try:
@@ -247,18 +248,8 @@ class LlamaServer:
             except ProcessLookupError:
                 pass
             proc.wait(timeout=15)
-
-    def __enter__(self) -> "LlamaServer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
+        self._reaper.kill()
+        self._reaper.wait()
 
 
 __all__ = ["LlamaCppError", "LlamaServer", "counter_difference", "free_port", "parse_spec_counters"]

