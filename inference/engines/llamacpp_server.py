@@ -186,8 +186,8 @@ class LlamaServer:
             return _call(f"{self.url}{path}", payload, timeout)
         except (ServerError, urllib.error.URLError, OSError) as e:
             status = self._proc.poll()
-            raise LlamaCppError(f"llama-server {'exited with status ' + str(status) if status is not None else 'failed'}"
-                                f" on {path}: {e}\n{self._log_tail()}") from e
+            how = f"exited with status {status}" if status is not None else "failed"
+            raise LlamaCppError(f"llama-server {how} on {path}: {e}\n{self._log_tail()}") from e
 
     def spec_counters(self) -> dict[str, Any]:
         """The server's speculative-decoding counters so far (:func:`parse_spec_counters`)."""

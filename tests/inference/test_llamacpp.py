@@ -208,6 +208,86 @@ def test_conversion_is_recorded_skipped_when_current_and_atomic(monkeypatch, tmp
         "eagle3_drafter.gguf", "eagle3_drafter.json"]  # the previous file, no temporary left
 
 
+FAKE_SERVER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+if "--fail" in open(args[args.index("-m") + 1]).read():
+    print("error: failed to load model"); sys.exit(1)
+print("build: 11434 (abc1234) with a stand-in", flush=True)
+draft = "-md" in args
+counts = {"drafts": 0, "accepted": 0, "draft_tokens": 0, "pos": [0, 0]}
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def answer(self, body, kind="application/json"):
+        data = body.encode()
+        self.send_response(200); self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        if self.path == "/health":
+            return self.answer("{}")
+        lines = [f"llamacpp:spec_decode_num_drafts_total {counts['drafts']}",
+                 f"llamacpp:spec_decode_num_accepted_tokens_total {counts['accepted']}",
+                 f"llamacpp:spec_decode_num_draft_tokens_total {counts['draft_tokens']}"]
+        lines += [f'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {n}'
+                  for i, n in enumerate(counts["pos"])]
+        self.answer("\\n".join(lines) + "\\n", "text/plain")
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert (req["temperature"], req["top_k"], req["cache_prompt"], req["return_tokens"]) == (0, 1, False, True)
+        tokens = [req["prompt"][-1] + 1 + i for i in range(req["n_predict"])]
+        if draft:  # two chains: 2 and 1 drafts accepted
+            counts.update(drafts=counts["drafts"] + 2, accepted=counts["accepted"] + 3,
+                          draft_tokens=counts["draft_tokens"] + 4, pos=[counts["pos"][0] + 2, counts["pos"][1] + 1])
+        self.answer(json.dumps({"tokens": tokens, "stop_type": "limit", "timings": {"prompt_ms": 12.0}}))
+HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler).serve_forever()
+"""
+
+
+def test_the_server_starts_answers_pauses_and_stops(monkeypatch, tmp_path):
+    """LlamaServer over a stand-in llama-server (the same command line, endpoints and counters): the request is
+    greedy from an empty cache (else the stand-in drops the connection), the counters' difference is the request's, the process is stopped between requests
+    and gone after close; a server that exits while loading is reported with its log."""
+    import os
+    import sys
+    import time
+    from contextlib import closing
+
+    from inference.engines.llamacpp_server import LlamaCppError, LlamaServer
+
+    bin_dir = tmp_path / "llamacpp" / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    (tmp_path / "llamacpp" / ".medusa-llamacpp-installed").write_text("x")
+    server = bin_dir / "llama-server"
+    server.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    server.chmod(0o755)
+    monkeypatch.setenv("MEDUSA_LLAMACPP_DIR", str(tmp_path / "llamacpp"))
+    target, drafter = tmp_path / "target.gguf", tmp_path / "drafter.gguf"
+    target.write_text("ok")
+    drafter.write_text("ok")
+    with closing(LlamaServer(target, drafter, draft_max=2, threads=2, pause_when_idle=True)) as llama:
+        assert llama.info["version"] == "b11434 (abc1234)"
+        assert llama.command[llama.command.index("--spec-type") + 1] == "draft-eagle3"
+        assert [llama.command[llama.command.index(f) + 1] for f in ("-t", "-tb", "-td", "-tbd")] == ["2"] * 4
+        time.sleep(0.2)
+        assert open(f"/proc/{llama._proc.pid}/stat").read().split()[2] == "T"  # stopped while idle
+        for _ in range(2):  # the second request's counters are its own, not the sum
+            reply = llama.complete([5, 6], 4)
+            assert reply["tokens"] == [7, 8, 9, 10] and reply["spec"] == {
+                "num_drafts": 2, "num_draft_tokens": 4, "num_accepted_tokens": 3, "accepted_per_pos": [2, 1]}
+        pid = llama._proc.pid
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    decoder = LlamaCppDecoder(LlamaServer(target, threads=1), "llamacpp", ctx_size=64)
+    result = decoder.generate([5], DecodeConfig(max_new_tokens=3))
+    assert result.tokens == [6, 7, 8] and result.accepted_lengths == [1, 1] and result.prefill_time_s == 0.012
+    decoder.close()
+    target.write_text("--fail")
+    with pytest.raises(LlamaCppError, match=r"exited with status 1 while starting:\n.*failed to load model"):
+        LlamaServer(target, threads=1)
+
+
 def eagle3_export(model, folder):
     """A random EAGLE-3 drafter for ``model`` (vLLM's default taps, a 4,096-token draft vocabulary, K = 3) exported
     with ``speculators/``."""
