@@ -124,10 +124,9 @@ class LlamaServer:
             if draft_p_min is not None:
                 command += ["--spec-draft-p-min", str(draft_p_min)]
         self.command = command
-        if log_path is None:
-            handle, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
-            os.close(handle)
-            log_path = name
+        if log_path is None:  # a file that stays after close: errors name it
+            with tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False) as handle:
+                log_path = handle.name
         self.log_path = Path(log_path)
         with open(self.log_path, "ab") as log:
             self._proc: subprocess.Popen | None = subprocess.Popen(
