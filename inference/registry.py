@@ -5,8 +5,9 @@ missing required settings) by :func:`decoder_settings` before any model is loade
 them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model.
 
 Names: ``vanilla``, ``medusa``, ``composite``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the
-real engine ``vllm`` / ``vllm_medusa`` / ``vllm_eagle3``. The vLLM decoders run in vLLM's own environment (``bash
-launch/install_vllm.sh``) and only when listed in ``decoders``: they are left out of the default list.
+real engines ``vllm`` / ``vllm_medusa`` / ``vllm_eagle3`` and ``llamacpp`` / ``llamacpp_eagle3``. The vLLM decoders run
+in vLLM's own environment (``bash launch/install_vllm.sh``), the llama.cpp ones in its ``llama-server`` (``bash
+launch/install_llamacpp.sh``), and only when listed in ``decoders``: they are left out of the default list.
 """
 
 from __future__ import annotations
@@ -250,6 +251,54 @@ class VllmEagle3Settings(VllmSettings):
     num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
 
 
+@dataclass
+class LlamaCppSettings:
+    """Plain decoding in llama.cpp (:class:`~inference.decoders.llamacpp.LlamaCppDecoder`): ``llama-server`` built by
+    ``bash launch/install_llamacpp.sh``, on the target's GGUF as stored, greedy, the same prompt ids,
+    ``max_new_tokens`` and compute threads as our decoders; the server starts once per run.
+
+    Attributes:
+        ctx_size: context tokens the server reserves (prompt + reply + drafted chain must fit).
+        target_gguf: the target's GGUF; None: the model config's (``format: gguf``: ``name_or_path/gguf_file``).
+    """
+
+    ctx_size: int = field(default=4096, metadata=bound(1, cap=MAX_TOKENS))
+    target_gguf: Optional[str] = None
+
+    def validate(self) -> None:
+        return None
+
+
+@dataclass
+class LlamaCppEagle3Settings(LlamaCppSettings):
+    """llama.cpp's EAGLE-3 speculative decoding with the export's drafter (``--spec-type draft-eagle3``;
+    :class:`~inference.decoders.llamacpp.LlamaCppDecoder`): a chain of at most ``draft_max`` drafted tokens per step,
+    verified by the target in one pass; acceptance from the server's counters. The fields of
+    :class:`LlamaCppSettings`, and:
+
+    Attributes:
+        draft_max: the longest drafted chain (``--spec-draft-n-max``); None: the export's ``speculative_tokens``
+            (the drafter's training-time-test steps).
+        draft_p_min: stop drafting where the drafter's top-1 probability is below this (``--spec-draft-p-min``);
+            None: llama.cpp's default.
+        drafter_gguf: the drafter's GGUF; None: the export's ``llamacpp/eagle3_drafter.gguf``, converted from its
+            ``speculators/`` by llama.cpp's converter when missing or older than them
+            (:func:`medusa_train.export.gguf.export_eagle3_gguf`, also ``medusa-export-gguf``).
+        outtype: the converted drafter's weight type (``f32``, ``f16``, ``bf16``, ``q8_0``).
+    """
+
+    draft_max: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
+    draft_p_min: Optional[float] = field(default=None, metadata=bound(0, 1))
+    drafter_gguf: Optional[str] = None
+    outtype: str = "f32"
+
+    def validate(self) -> None:
+        from medusa_train.export.gguf import OUTTYPES
+
+        if self.outtype not in OUTTYPES:
+            raise ValueError(f"outtype={self.outtype!r}: choose one of {', '.join(OUTTYPES)}")
+
+
 # --- request checks (run before any model loads) ---------------------------------------------------------------
 
 
@@ -273,6 +322,16 @@ def _check_vllm_request(settings: VllmSettings, request: DecodeConfig) -> None:
     if request.stop_strings:
         raise ValueError("the vllm decoders take token ids only: stop_strings are not supported")
     vllm_python()  # VllmUnavailable naming `bash launch/install_vllm.sh` when the environment is missing
+
+
+def _check_llamacpp_request(settings: LlamaCppSettings, request: DecodeConfig) -> None:
+    from medusa_train.export.gguf import llamacpp_binary
+
+    if not request.greedy:
+        raise ValueError("the llamacpp decoders decode greedily only: set temperature=0 or leave them out of decoders")
+    if request.stop_strings:
+        raise ValueError("the llamacpp decoders take token ids only: stop_strings are not supported")
+    llamacpp_binary("llama-server")  # LlamaCppUnavailable naming `bash launch/install_llamacpp.sh` when missing
 
 
 # --- builders -------------------------------------------------------------------------------------------------
@@ -499,6 +558,68 @@ def _build_vllm_eagle3(settings: VllmEagle3Settings, ctx: BuildContext) -> Built
     return _build_vllm(settings, ctx, "vllm_eagle3")
 
 
+def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "llamacpp") -> BuiltDecoder:
+    import torch
+
+    from inference.decoders.llamacpp import LlamaCppDecoder
+    from inference.engines.llamacpp_server import LlamaServer
+    from inference.engines.vllm_env import eagle3_speculative_config
+    from medusa_train.export.gguf import drafter_gguf_path, export_eagle3_gguf
+    from medusa_train.loading.base import engine_model_path
+
+    if ctx.model_config is None:
+        raise ValueError(f"decoder {name!r} runs in medusa-eval (it needs the target's model config, "
+                         "BuildContext.model_config, and does not stream)")
+    target = _target_gguf(settings, ctx.model_config, name)
+    draft, draft_max, info = None, 0, {}
+    if isinstance(settings, LlamaCppEagle3Settings):  # refuses a non-EAGLE-3 export before anything converts
+        draft_max = eagle3_speculative_config(ctx.export_dir, settings.draft_max, recorded=False)[
+            "num_speculative_tokens"]
+        if settings.drafter_gguf is not None:
+            draft = settings.drafter_gguf
+        else:
+            draft = str(export_eagle3_gguf(ctx.export_dir, engine_model_path(ctx.model_config), settings.outtype))
+        info = {"drafter_gguf": draft, "draft_max": draft_max, "draft_max_source":
+                f"decoder.{name}.draft_max" if settings.draft_max is not None else "the export's speculative_tokens",
+                "draft_p_min": settings.draft_p_min,
+                "drafter_source": f"decoder.{name}.drafter_gguf" if settings.drafter_gguf is not None else
+                f"converted to {drafter_gguf_path(ctx.export_dir)}"}
+    # Timed beside ours: as many compute threads as our decoders on a CPU, stopped between its turns.
+    threads = torch.get_num_threads() if ctx.model.base.device.type == "cpu" else None
+    server = LlamaServer(target, draft, draft_max=max(draft_max, 1), draft_p_min=getattr(settings, "draft_p_min", None),
+                         threads=threads or torch.get_num_threads(), ctx_size=settings.ctx_size, pause_when_idle=True)
+    info = {"engine": f"llama.cpp {server.info['version']}", "engine_model": target,
+            "engine_start_s": server.info["start_s"], "engine_log": server.info["log"], "compute_threads": threads,
+            "paused_between_turns": True, **info}
+    return BuiltDecoder(LlamaCppDecoder(server, name, settings.ctx_size, draft_max), info)
+
+
+def _target_gguf(settings: LlamaCppSettings, model_config: Any, name: str) -> str:
+    """The target GGUF llama.cpp loads: ``decoder.<name>.target_gguf``, else the model config's GGUF file.
+
+    Raises:
+        ValueError: neither (an HF or llama2.c target: the setting and the converter named), or a missing file.
+    """
+    from pathlib import Path
+
+    if settings.target_gguf is not None:
+        path = Path(settings.target_gguf)
+    elif getattr(model_config, "format", None) == "gguf" and model_config.gguf_file:
+        path = Path(model_config.name_or_path) / model_config.gguf_file
+    else:
+        raise ValueError(f"decoder.{name}.target_gguf: llama.cpp loads the target as a GGUF and the model config "
+                         f"({model_config.name_or_path}) is not one; convert it with `.venv-llamacpp/bin/python "
+                         ".llamacpp/src/convert_hf_to_gguf.py MODEL_DIR --outfile target.gguf` and set "
+                         f"decoder.{name}.target_gguf=target.gguf")
+    if not path.is_file():
+        raise ValueError(f"decoder.{name}.target_gguf: {path} does not exist")
+    return str(path)
+
+
+def _build_llamacpp_eagle3(settings: LlamaCppEagle3Settings, ctx: BuildContext) -> BuiltDecoder:
+    return _build_llamacpp(settings, ctx, "llamacpp_eagle3")
+
+
 # --- the registry ---------------------------------------------------------------------------------------------
 
 
@@ -517,8 +638,8 @@ class DecoderEntry:
             request (e.g. greedy-only decoders at temperature > 0); run before any model loads.
         uses_heads: the decoder decodes with the export's heads, so its measurements depend on them (``medusa-eval``
             re-measures its rows when the heads' checksum changes).
-        default: part of medusa-eval's default ``decoders`` (the vLLM engines are not: they need their own
-            environment and minutes to start).
+        default: part of medusa-eval's default ``decoders`` (the vLLM and llama.cpp engines are not: they need
+            their own environment or build and time to start).
     """
 
     name: str
@@ -561,6 +682,12 @@ for _entry in (
     DecoderEntry("vllm_eagle3", VllmEagle3Settings, _build_vllm_eagle3,
                  "vLLM's EAGLE-3 speculator with the export's speculators/ drafter (a chain of K drafts)",
                  _check_vllm_request, uses_heads=True, default=False),
+    DecoderEntry("llamacpp", LlamaCppSettings, _build_llamacpp,
+                 "plain decoding in llama.cpp's llama-server on the target's GGUF (launch/install_llamacpp.sh)",
+                 _check_llamacpp_request, default=False),
+    DecoderEntry("llamacpp_eagle3", LlamaCppEagle3Settings, _build_llamacpp_eagle3,
+                 "llama.cpp's EAGLE-3 speculative decoding with the export's drafter as a GGUF (a chain of drafts)",
+                 _check_llamacpp_request, uses_heads=True, default=False),
 ):
     register_decoder(_entry)
 
@@ -571,7 +698,8 @@ def decoder_names() -> tuple[str, ...]:
 
 
 def default_decoder_names() -> tuple[str, ...]:
-    """The decoders medusa-eval runs when ``decoders`` is not given: every registered one but the vLLM engines."""
+    """The decoders medusa-eval runs when ``decoders`` is not given: every registered one but the vLLM and
+    llama.cpp engines."""
     return tuple(name for name, entry in REGISTRY.items() if entry.default)
 
 
@@ -701,6 +829,8 @@ __all__ = [
     "DraftSettings",
     "HfAssistedSettings",
     "HfPromptLookupSettings",
+    "LlamaCppEagle3Settings",
+    "LlamaCppSettings",
     "LookaheadSettings",
     "MedusaSettings",
     "REGISTRY",

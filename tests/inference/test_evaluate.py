@@ -341,7 +341,8 @@ def test_decoder_yaml_files_hold_the_schema_defaults(tmp_path):
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("evaluate", overrides=["export_dir=x", f"output_dir={tmp_path}"])
     assert sorted(cfg.decoder) == sorted(REGISTRY) and list(cfg.decoders) == list(default_decoder_names())
-    assert sorted(set(REGISTRY) - set(cfg.decoders)) == ["vllm", "vllm_eagle3", "vllm_medusa"]  # run only when listed
+    assert sorted(set(REGISTRY) - set(cfg.decoders)) == ["llamacpp", "llamacpp_eagle3", "vllm", "vllm_eagle3",
+                                                         "vllm_medusa"]  # run only when listed
     for name, entry in REGISTRY.items():
         assert OmegaConf.to_object(cfg.decoder[name]) == entry.settings(), name
     from inference.evaluation.eval_config import EvaluateConfig
