@@ -1,10 +1,12 @@
-"""launch/gpu_check.sh: its table from the files a check leaves, and (slow) its dry run on the CPU end to end."""
+"""launch/gpu_check.sh and launch/gpu_wheels.sh: the check's table from the files it leaves, its refusal without a GPU,
+the wheels' list, and (slow) its dry run on the CPU end to end, so the script cannot rot between sessions lent a GPU."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,75 +23,65 @@ def _gpu_check():
     return module
 
 
-def test_the_report_is_one_table_of_steps_and_decoders(tmp_path):
-    (tmp_path / "steps.tsv").write_text("train_1rank\tok\t41\tlogs/train_1rank.log\nvllm\tFAILED (exit 1)\t9\tlogs/v\n")
-    (tmp_path / "eval").mkdir()
-    m = {"tokens_per_second": 50.0, "speedup": 1.5, "mean_accepted_tokens": 2.0, "exact_match_vs_greedy": 1.0,
-         "new_tokens": 100, "wall_time_s": 2.0}
-    (tmp_path / "eval" / "summary.json").write_text(json.dumps({"dtype": "bfloat16", "device": "cuda:0 (H100)",
-                                                                "decoders": {"medusa": m}}))
-    v = {"tokens_per_second": 40.0, "speedup": 1.0, "mean_accepted_tokens": 1.0, "exact_match_vs_vllm": 1.0,
-         "new_tokens": 100, "wall_time_s": 2.5}  # one engine's entry in serve_vllm.py's summary
-    (tmp_path / "vllm.json").write_text(json.dumps({"engine": "vllm 0.32.0", "dtype": "bfloat16", "batches": {
-        "1": {"vllm": v, "vllm_medusa": {**v, "speedup": 0.75, "exact_match_vs_vllm": 0.5}}}}))
+def test_the_report_has_the_steps_then_exactness_speed_and_memory(tmp_path):
+    (tmp_path / "steps.tsv").write_text("train_medusa1\tok\t41\tlogs/train_medusa1.log\n"
+                                        "train_2groups_nccl\trefused (exit 1), gloo used\t9\tlogs/n.log\n")
+    (tmp_path / "exact.json").write_text(json.dumps({"rows": [
+        {"drafter": "medusa", "dtype": "bfloat16", "device": "cuda", "identical_replies": 2 / 3,
+         "mean_accepted_tokens": 1.25}]}))
+    (tmp_path / "speed.json").write_text(json.dumps({
+        "params": 8.03e9, "layers": 32, "dtype": "bfloat16", "device": "cuda", "prompts": 4, "new_tokens": 64,
+        "decoders": {"vanilla": {"tokens_per_second": 40.0, "seconds_per_prompt_median": 1.6},
+                     "medusa": {"tokens_per_second": 30.0, "seconds_per_prompt_median": 2.1,
+                                "mean_accepted_tokens": 1.05, "speedup": 0.75}}}))
+    (tmp_path / "memory.json").write_text(json.dumps({"device": "cuda", "rows": [
+        {"stage": "medusa-1 run", "planned_gib": 2.0, "measured_gib": 1.5, "ratio": 0.75}]}))
     table = _gpu_check().report(tmp_path).splitlines()
-    assert len({line.count("|") for line in table}) == 1  # one table: every row has the same columns
-    assert table[2] == "| train_1rank | ok | 41 | | | | | logs/train_1rank.log |"
-    assert table[3].startswith("| vllm | FAILED (exit 1) | 9 |")
-    assert table[4] == "| medusa | measured | 2.0 | 50.0 | 1.50x | 2.00 | 1.00 | medusa-eval, bfloat16 on cuda:0 (H100) |"
-    assert [row.split(" | ")[0] for row in table[5:]] == ["| vllm", "| vllm_medusa"]
-    assert table[6] == "| vllm_medusa | measured | 2.5 | 40.0 | 0.75x | 1.00 | 0.50 | vllm 0.32.0, bfloat16, batch 1 |"
-
-
-def test_the_report_labels_the_eagle3_rows_and_every_vllm_batch(tmp_path):
-    """The EAGLE-3 drafter's eval and vLLM summaries (eval_eagle3/, vllm_eagle3.json) get rows of their own, after
-    the Medusa heads' (eval/), one per serve_vllm.py batch size."""
-    m = {"tokens_per_second": 30.0, "speedup": 1.2, "mean_accepted_tokens": 1.8, "exact_match_vs_greedy": 1.0,
-         "new_tokens": 64, "wall_time_s": 1.0}
-    v = {"tokens_per_second": 20.0, "speedup": 1.1, "mean_accepted_tokens": 1.4, "exact_match_vs_vllm": 1.0,
-         "new_tokens": 64, "wall_time_s": 3.2}
-    for folder, decoders in (("eval", {"vanilla": m, "medusa": m}), ("eval_eagle3", {"medusa": {**m, "speedup": 1.4}})):
-        (tmp_path / folder).mkdir()
-        (tmp_path / folder / "summary.json").write_text(json.dumps({"dtype": "float32", "device": "cpu",
-                                                                    "decoders": decoders}))
-    (tmp_path / "vllm_eagle3.json").write_text(json.dumps({"engine": "vllm 0.32.0", "dtype": "bfloat16", "batches": {
-        "1": {"vllm": v, "vllm_eagle3": v}, "8": {"vllm": {**v, "tokens_per_second": 90.0}, "vllm_eagle3": v}}}))
-    table = _gpu_check().report(tmp_path).splitlines()
-    assert [row.split(" | ")[0] for row in table[2:]] == ["| vanilla", "| medusa", "| medusa [eagle3]", "| vllm [eagle3]",
-                                                          "| vllm_eagle3 [eagle3]", "| vllm [eagle3]",
-                                                          "| vllm_eagle3 [eagle3]"]
-    assert table[4] == "| medusa [eagle3] | measured | 1.0 | 30.0 | 1.40x | 1.80 | 1.00 | medusa-eval, float32 on cpu |"
-    assert table[7] == "| vllm [eagle3] | measured | 3.2 | 90.0 | 1.10x | 1.40 | 1.00 | vllm 0.32.0, bfloat16, batch 8 |"
+    assert table[2] == "| train_medusa1 | ok | 41 | logs/train_medusa1.log |"
+    assert table[3] == "| train_2groups_nccl | refused (exit 1), gloo used | 9 | logs/n.log |"
+    assert "| medusa | bfloat16 | cuda | 0.67 | 1.25 |" in table
+    assert table[table.index("| vanilla | 40.0 | 1.600 | n/a | n/a |") + 1] == "| medusa | 30.0 | 2.100 | 1.05 | 0.75 |"
+    assert "| medusa-1 run | 2.000 | 1.500 | 0.75 |" in table
+    assert any(line.startswith("| speed: 8.03B params (32 layers), bfloat16 on cuda") for line in table)
 
 
 def test_without_a_gpu_the_check_asks_for_the_dry_run(tmp_path):
     if subprocess.run("nvidia-smi -L", shell=True, capture_output=True).returncode == 0:
         pytest.skip("this machine has a GPU")
-    run = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), "--skip-install"], capture_output=True,
-                         text=True, env={**os.environ, "GPU_CHECK_OUT": str(tmp_path / "out")})
+    run = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh")], capture_output=True, text=True,
+                         env={**os.environ, "GPU_CHECK_OUT": str(tmp_path / "out")})
     assert run.returncode == 2 and "run launch/gpu_check.sh --dry-run" in run.stderr
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
+def test_the_wheels_are_the_versions_the_cpu_environment_runs():
+    """launch/gpu_wheels.sh fetches exactly the versions installed here (what the CPU suite is tested with), and
+    every package the check imports that the GPU image lacks is in its list."""
+    from importlib.metadata import version
+
+    script = (ROOT / "launch" / "gpu_wheels.sh").read_text()
+    pinned = dict(re.findall(r'"([A-Za-z0-9_.-]+)==([0-9][^ ]*) ', script))
+    assert {"hydra-core", "omegaconf", "antlr4-python3-runtime", "datasets", "deepspeed"} <= set(pinned)
+    for name, pin in pinned.items():
+        assert version(name) == pin, f"{name}: gpu_wheels.sh pins {pin}, the environment has {version(name)}"
+
+
 @pytest.mark.slow
-def test_the_dry_run_trains_tunes_and_evaluates_at_toy_size(tmp_path):
-    env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path / "out"), "MEDUSA_VENV": str(Path(sys.executable).parents[1])}
-    run = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), "--dry-run", "--skip-install"],
-                         capture_output=True, text=True, env=env, timeout=1800)
+def test_the_dry_run_trains_checks_exactness_memory_and_speed(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "GPU_CHECK_OUT": str(out), "GPU_CHECK_PYTHON": sys.executable}
+    run = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), "--dry-run"], capture_output=True,
+                         text=True, env=env, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    steps = [line.split("\t")[:2] for line in (tmp_path / "out" / "steps.tsv").read_text().splitlines()]
-    assert steps == [["install", "skipped: --skip-install"], ["torch", "ok"], ["install_vllm", "skipped: dry run"],
-                     ["train_1rank", "ok"], ["train_2ranks", "ok"], ["tune_tree", "ok"], ["eval", "ok"],
-                     ["vllm", "skipped: dry run (vLLM's Medusa speculator needs CUDA)"],
-                     ["train_eagle3_1rank", "ok"], ["export_eagle3", "ok"], ["train_eagle3_2ranks", "ok"],
-                     ["tune_tree_eagle3", "ok"], ["eval_eagle3", "ok"], ["vllm_eagle3", "skipped: dry run"]]
-    summary = json.loads((tmp_path / "out" / "eval" / "summary.json").read_text())
-    assert set(summary["decoders"]) == {"vanilla", "medusa", "composite", "draft", "lookahead", "hf_assisted",
-                                        "hf_prompt_lookup"}
-    assert "| hf_prompt_lookup | measured |" in run.stdout
-    eagle3 = tmp_path / "out" / "eagle3" / "export"
-    assert json.loads((eagle3 / "speculators" / "config.json").read_text())["speculators_model_type"] == "eagle3"
-    assert (eagle3 / "dynamic_tree.json").is_file()  # the tuner chose the EAGLE-2 tree our decoder then ran
-    summary = json.loads((tmp_path / "out" / "eval_eagle3" / "summary.json").read_text())
-    assert set(summary["decoders"]) == {"vanilla", "medusa"}
-    assert "| medusa [eagle3] | measured |" in run.stdout
+    steps = [line.split("\t")[:2] for line in (out / "steps.tsv").read_text().splitlines()]
+    assert [name for name, _ in steps] == ["wheels", "env", "inputs", "train_medusa1", "train_eagle3",
+                                           "train_2groups_gloo", "exact", "memory", "speed"]
+    assert all(status == "ok" for name, status in steps if name != "wheels")
+    exact = json.loads((out / "exact.json").read_text())["rows"]
+    assert {r["drafter"] for r in exact} == {"medusa", "hydra", "eagle3"}
+    assert all(r["identical_replies"] == 1.0 for r in exact)  # fp32: token for token
+    memory = json.loads((out / "memory.json").read_text())["rows"][0]
+    assert memory["planned_gib"] > 0 and memory["measured_gib"] is None  # nothing to measure on a CPU
+    speed = json.loads((out / "speed.json").read_text())["decoders"]
+    assert speed["vanilla"]["tokens_per_second"] > 0 and speed["medusa"]["mean_accepted_tokens"] >= 1.0
+    assert (out / "groups_gloo" / "export").is_dir()  # the two torchrun groups trained and exported
