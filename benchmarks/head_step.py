@@ -56,7 +56,7 @@ def heads_steps(recipe: Medusa1Recipe):
                          vocab_size=spec.vocab_size).loss.backward()
 
     def packed(batch):
-        heads_on_batch(heads, base, batch, spec)[0].loss.backward()
+        heads_on_batch(heads, base, batch, spec).loss.backward()
 
     return dense, packed
 
