@@ -42,8 +42,9 @@ class ChunkedCEOutput:
     """One :func:`chunked_linear_ce`.
 
     Attributes:
-        loss: scalar float32, ``sum_i w_i l_i`` (differentiable with respect to the features and the weight).
-        row_loss: ``[R]`` float32 ``l_i``, detached (0 for rows without a hard target).
+        loss: scalar float32 (float64 for a float64 weight), ``sum_i w_i l_i`` (differentiable with respect to the
+            features and the weight).
+        row_loss: ``[R]`` ``l_i`` in the loss's dtype, detached (0 for rows without a hard target).
         top1, top5: ``[R]`` bool, the row's hard target is its top-1 / among its top-min(5, V') logits (False for rows
             without one).
     """
@@ -90,8 +91,13 @@ def _spans(group_sizes: Sequence[int], chunk_size: int) -> list[tuple[int, int, 
     return spans
 
 
+def _accumulate_dtype(weight: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for a float64 weight: the dtype of the logits, the loss and the softmax."""
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
 def _chunk_logits(features: torch.Tensor, weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    return (features[start:end].to(weight.dtype) @ weight.T).float()  # [c, V']
+    return (features[start:end].to(weight.dtype) @ weight.T).to(_accumulate_dtype(weight))  # [c, V']
 
 
 class ChunkedLinearCE(torch.autograd.Function):
@@ -102,7 +108,7 @@ class ChunkedLinearCE(torch.autograd.Function):
     def forward(ctx, features, weight, targets, row_weight, group_sizes, chunk_size, teacher):
         weights = weight if weight.dim() == 3 else weight[None]
         R = features.shape[0]
-        row_loss = torch.zeros(R, dtype=torch.float32, device=features.device)
+        row_loss = torch.zeros(R, dtype=_accumulate_dtype(weight), device=features.device)
         top1 = torch.zeros(R, dtype=torch.bool, device=features.device)
         top5 = torch.zeros(R, dtype=torch.bool, device=features.device)
         spans = _spans(group_sizes, chunk_size)
@@ -120,7 +126,7 @@ class ChunkedLinearCE(torch.autograd.Function):
                     row_loss[s:e] = torch.where(has, lse - picked, 0.0)
                 else:
                     del top
-                    logq = F.log_softmax(teacher(s, e), dim=-1)
+                    logq = F.log_softmax(teacher(s, e).to(z.dtype), dim=-1)
                     z.neg_().add_(logq)  # log q - z, in place
                     row_loss[s:e] = (logq.exp_() * z).sum(-1) + lse
                 del z
@@ -138,7 +144,7 @@ class ChunkedLinearCE(torch.autograd.Function):
         grad_x = torch.zeros_like(features) if need_x else None
         grad_w = torch.zeros_like(weights) if need_w else None
         if need_x or need_w:
-            scale = grad_loss.float() * row_weight  # [R]
+            scale = grad_loss.to(_accumulate_dtype(weight)) * row_weight  # [R]
             with torch.no_grad():
                 for g, s, e in ctx.spans:
                     w = weights[g]
@@ -151,7 +157,7 @@ class ChunkedLinearCE(torch.autograd.Function):
                         p[rows, y[has]] -= 1.0
                         p.mul_((scale[s:e] * has)[:, None])
                     else:
-                        p.sub_(F.softmax(ctx.teacher(s, e), dim=-1)).mul_(scale[s:e, None])
+                        p.sub_(F.softmax(ctx.teacher(s, e).to(p.dtype), dim=-1)).mul_(scale[s:e, None])
                     dz = p.to(w.dtype)  # [c, V']
                     if need_x:
                         grad_x[s:e] = (dz @ w).to(features.dtype)
@@ -210,8 +216,9 @@ def chunked_linear_ce(
         raise ValueError(f"group_sizes {sizes} must give {groups} non-negative row counts summing to R = {R}")
     if row_weight is None:
         row_weight = torch.ones(R, dtype=torch.float32, device=features.device)
-    loss, row_loss, top1, top5 = ChunkedLinearCE.apply(features, weight, targets, row_weight.float(), sizes,
-                                                       chunk_size, teacher)
+    loss, row_loss, top1, top5 = ChunkedLinearCE.apply(features, weight, targets,
+                                                       row_weight.to(_accumulate_dtype(weight)), sizes, chunk_size,
+                                                       teacher)
     return ChunkedCEOutput(loss=loss, row_loss=row_loss, top1=top1, top5=top5)
 
 

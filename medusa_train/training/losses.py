@@ -294,5 +294,5 @@ def projected_head_loss(
                             row_weight=decay_weights(K, decay, features.device)[k],
                             group_sizes=torch.bincount(k, minlength=K).tolist() if weight.dim() == 3 else None,
                             teacher=teacher)
-    loss_sum = torch.zeros(K, dtype=torch.float32, device=features.device).index_add(0, k, out.row_loss)
+    loss_sum = torch.zeros(K, dtype=torch.float32, device=features.device).index_add(0, k, out.row_loss.float())
     return _head_output(out.loss / normalizer, loss_sum, out.top1, out.top5, k, K)
