@@ -7,9 +7,8 @@ accumulation steps, atomic checkpoints and rotation are kept):
   Sec. 2.2.2), with N the optimizer step's labelled tokens, ``L_base`` the LM or KL loss
   (:mod:`medusa_train.training.joint_loss`) and the heads' targets taken from the *current* base logits (the heads
   must predict what the fine-tuned base, the one exported, will say). The heads run only at the positions some head
-  is trained on, through the same loss as Medusa-1: :func:`~medusa_train.training.step.head_loss_fn` inside the
-  heads' forward, ``trainer.loss_chunk_size`` rows projected at a time (with 0, the logits held at once:
-  :func:`~medusa_train.training.step.packed_loss`).
+  is trained on, through the same loss as Medusa-1 (:class:`~medusa_train.training.step.HeadTargets`): inside the
+  heads' forward, ``trainer.loss_chunk_size`` rows projected at a time (with 0, from the logits held at once).
 - ``create_optimizer``: the stock optimizer (``trainer.optim``) over two learning rates: ``learning_rate`` for the
   base's trainable weights (LoRA adapters or all), ``learning_rate * heads_lr_multiplier`` for the heads; weight
   decay as the Trainer decides per parameter. The scheduler scales both groups alike.
@@ -36,7 +35,7 @@ from medusa_train.config import JointSettings
 from medusa_train.training.joint import trainable_state
 from medusa_train.training.joint_loss import base_loss_sum, next_token_positions, ramp
 from medusa_train.training.losses import head_targets
-from medusa_train.training.step import BaseDistributions, chunks, counted_positions, head_loss_fn, packed_loss
+from medusa_train.training.step import BaseDistributions, HeadTargets, chunks, counted_positions
 from medusa_train.training.trainer import MedusaTrainer
 
 # The Trainer's own weights file, so that its resume finds it; here it holds the trainable weights only.
@@ -114,26 +113,20 @@ class JointTrainer(MedusaTrainer):
         normalizer = (num_items_in_batch if num_items_in_batch is not None
                       else next_token_positions(labels).sum().float().clamp_min(1))
 
-        def targets_of(base_logits: torch.Tensor) -> tuple[torch.Tensor, BaseDistributions]:
-            """The heads' targets ``[K, M]`` and the base's distributions, from the current base's logits."""
+        def targets_of(base_logits: torch.Tensor) -> HeadTargets:
+            """The heads' targets ``[K, M]`` and the base's distributions, from the current base's logits
+            (detached: targets are constants)."""
             base_argmax = base_logits.argmax(-1) if spec.target != "labels" else None
             targets = head_targets(labels, spec.num_heads, target=spec.target, base_argmax=base_argmax)[:, b, t]
-            return targets, BaseDistributions(logits=base_logits, token_map=spec.token_map)
-
-        def head_loss_for(base_logits: torch.Tensor) -> Any:
-            targets, dists = targets_of(base_logits)
-            return head_loss_fn(targets, b, t, spec, normalizer, dists)
+            return HeadTargets(targets, b, t, spec, normalizer,
+                               BaseDistributions(logits=base_logits, token_map=spec.token_map))
 
         chunked = chunks(spec)
         out = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
                     with_reference=self.joint_spec.base_loss == "kl", positions=(b, t),
-                    head_loss_for=head_loss_for if chunked else None)
+                    head_loss_for=(lambda logits: targets_of(logits).project_fn()) if chunked else None)
         base_sum, base_count = base_loss_sum(self.joint_spec.base_loss, out.logits, labels, out.reference_logits)
-        if chunked:
-            heads_out = out.head_loss
-        else:
-            targets, dists = targets_of(out.logits.detach())  # targets are constants
-            heads_out = packed_loss(out.head_logits, targets, b, t, spec, normalizer, dists)
+        heads_out = out.head_loss if chunked else targets_of(out.logits.detach()).loss(out.head_logits)
         loss = self._record_and_scale(base_sum / normalizer + self.medusa_weight() * heads_out.loss, heads_out,
                                       model, inputs, num_items_in_batch)
         phase = self.phase(model)

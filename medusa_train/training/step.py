@@ -200,7 +200,7 @@ def heads_on_batch(
     never reach the vocabulary projection. ``soft`` targets project the base's hidden states only at the positions
     whose distributions are targets, onto the head vocabulary only. With ``spec.loss_chunk_size`` (and a type with
     :attr:`~medusa_train.drafters.catalog.DrafterType.projected`) the heads hand their features and projection to
-    :func:`head_loss_fn` inside their forward, which projects ``loss_chunk_size`` rows at a time.
+    :meth:`HeadTargets.project_fn` inside their forward, which projects ``loss_chunk_size`` rows at a time.
 
     Args:
         heads: heads of ``spec.head_type`` or their DDP/DeepSpeed wrapper, called through the type's
@@ -239,10 +239,11 @@ def heads_on_batch(
                               embed=base.path_embeddings, lm_head_weight=lm_weight)
     if normalizer is None:
         normalizer = labelled_tokens(labels)
-    dists = BaseDistributions(hidden=hidden, weight=base.lm_head.weight, token_map=spec.token_map)
+    loss = HeadTargets(targets, b, t, spec, normalizer,
+                       BaseDistributions(hidden=hidden, weight=base.lm_head.weight, token_map=spec.token_map))
     if chunks(spec):
-        return entry.projected(heads, inputs, None, head_loss_fn(targets, b, t, spec, normalizer, dists))
-    return packed_loss(entry.logits(heads, inputs, None), targets, b, t, spec, normalizer, dists)
+        return entry.projected(heads, inputs, None, loss.project_fn())
+    return loss.loss(entry.logits(heads, inputs, None))
 
 
 def chunks(spec: LossSpec) -> bool:
@@ -251,61 +252,54 @@ def chunks(spec: LossSpec) -> bool:
     return spec.loss_chunk_size > 0 and drafter_type(spec.head_type).projected is not None
 
 
-def _soft_rows(targets: torch.Tensor, b: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The positions whose base distributions are the counted rows' ``soft`` targets, in the rows' (head-major)
-    order: head k at position m learns the base's distribution for token t + k + 2, its logits at t + k + 1."""
-    k, m = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
-    return b[m], t[m] + k + 1
+@dataclass(frozen=True)
+class HeadTargets:
+    """What the heads' loss at the M positions some head counts needs, for Medusa-1 and Medusa-2 alike.
 
-
-def packed_loss(
-    head_logits: torch.Tensor,
-    targets: torch.Tensor,
-    b: torch.Tensor,
-    t: torch.Tensor,
-    spec: LossSpec,
-    normalizer: torch.Tensor | float,
-    dists: BaseDistributions,
-) -> HeadLossOutput:
-    """The heads' loss at the M positions some head counts, for Medusa-1 and Medusa-2 alike, from their logits held
-    at once (``trainer.loss_chunk_size=0``, or a type without projected features).
-
-    Args:
-        head_logits: ``[K, M, V']`` head logits at positions ``(b[m], t[m])``.
-        targets: ``[K, M]`` long base ids there (:func:`~medusa_train.training.losses.head_targets`; -100: not
-            counted).
+    Attributes:
+        targets: ``[K, M]`` long base ids at positions ``(b[m], t[m])``
+            (:func:`~medusa_train.training.losses.head_targets`; -100: not counted).
         b, t: ``[M]`` long, the positions' batch rows and time steps.
         spec: loss settings.
         normalizer: the labelled tokens to divide by (see :func:`~medusa_train.training.losses.medusa_head_loss`).
-        dists: the base's distributions (read only for ``soft`` targets).
-
-    Returns:
-        :class:`~medusa_train.training.losses.HeadLossOutput`, equal to the dense loss on the same batch.
+        dists: the base's distributions (read only for ``soft`` targets: the base's distribution for token
+            t + k + 2 is its logits at t + k + 1).
     """
-    base_next = dists.at(*_soft_rows(targets, b, t)) if spec.target == "soft" else None  # [R, V']
-    return packed_head_loss(head_logits, targets, decay=spec.decay, normalizer=normalizer,
-                            token_map=spec.token_map, vocab_size=spec.vocab_size, base_next=base_next)
 
+    targets: torch.Tensor
+    b: torch.Tensor
+    t: torch.Tensor
+    spec: LossSpec
+    normalizer: torch.Tensor | float
+    dists: BaseDistributions
 
-def head_loss_fn(
-    targets: torch.Tensor,
-    b: torch.Tensor,
-    t: torch.Tensor,
-    spec: LossSpec,
-    normalizer: torch.Tensor | float,
-    dists: BaseDistributions,
-) -> ProjectFn:
-    """:func:`packed_loss` as a :data:`~medusa_train.drafters.catalog.ProjectFn`: ``(features [K, M, H], weight
-    [V', H] or [K, V', H]) -> HeadLossOutput``, projecting ``spec.loss_chunk_size`` rows at a time
-    (:func:`~medusa_train.training.losses.projected_head_loss`); same arguments."""
-    teacher = dists.teacher(*_soft_rows(targets, b, t)) if spec.target == "soft" else None
+    def _soft_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions of the counted rows' ``soft`` targets, in the rows' (head-major) order."""
+        k, m = (self.targets != IGNORE_INDEX).nonzero(as_tuple=True)
+        return self.b[m], self.t[m] + k + 1
 
-    def project(features: torch.Tensor, weight: torch.Tensor) -> HeadLossOutput:
-        return projected_head_loss(features, weight, targets, decay=spec.decay, normalizer=normalizer,
-                                   chunk_size=spec.loss_chunk_size, token_map=spec.token_map,
-                                   vocab_size=spec.vocab_size, teacher=teacher)
+    def loss(self, head_logits: torch.Tensor) -> HeadLossOutput:
+        """The loss from the heads' logits ``[K, M, V']`` held at once (``trainer.loss_chunk_size=0``, or a type
+        without projected features): :func:`~medusa_train.training.losses.packed_head_loss`, equal to the dense
+        loss on the same batch."""
+        spec = self.spec
+        base_next = self.dists.at(*self._soft_rows()) if spec.target == "soft" else None  # [R, V']
+        return packed_head_loss(head_logits, self.targets, decay=spec.decay, normalizer=self.normalizer,
+                                token_map=spec.token_map, vocab_size=spec.vocab_size, base_next=base_next)
 
-    return project
+    def project_fn(self) -> ProjectFn:
+        """The same loss as a :data:`~medusa_train.drafters.catalog.ProjectFn`: ``(features [K, M, H], weight
+        [V', H] or [K, V', H]) -> HeadLossOutput``, projecting ``spec.loss_chunk_size`` rows at a time
+        (:func:`~medusa_train.training.losses.projected_head_loss`)."""
+        spec = self.spec
+        teacher = self.dists.teacher(*self._soft_rows()) if spec.target == "soft" else None
+
+        def project(features: torch.Tensor, weight: torch.Tensor) -> HeadLossOutput:
+            return projected_head_loss(features, weight, self.targets, decay=spec.decay, normalizer=self.normalizer,
+                                       chunk_size=spec.loss_chunk_size, token_map=spec.token_map,
+                                       vocab_size=spec.vocab_size, teacher=teacher)
+
+        return project
 
 
 def counted_positions(labels: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
