@@ -13,6 +13,9 @@ Language Models" (arXiv:2411.09009, Sec. 4: recompute the logits in the backward
 is plain PyTorch, rows in chunks, and also takes soft targets (the base's distribution, itself computed chunk by
 chunk) and per-head projection weights.
 
+Products run in the weight's dtype (under autocast, in its dtype, in both passes), the softmax and the loss in
+float32; the weight's gradient is summed over chunks in the weight's dtype.
+
 Per row i with logits ``z_i = x_i W_{g(i)}^T`` (float32), ``p_i = softmax(z_i)``:
 
 - hard target ``y_i`` (a head-vocabulary index; < 0: none, the row's loss and gradient are 0):
@@ -133,6 +136,9 @@ class ChunkedLinearCE(torch.autograd.Function):
         loss = (row_weight * row_loss).sum()
         ctx.save_for_backward(features, weight, targets, row_weight)
         ctx.spans, ctx.teacher = spans, teacher
+        device = features.device.type
+        # the backward pass recomputes the logits as this pass did: under the same autocast (mixed precision)
+        ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
         ctx.mark_non_differentiable(row_loss, top1, top5)
         return loss, row_loss, top1, top5
 
@@ -145,7 +151,9 @@ class ChunkedLinearCE(torch.autograd.Function):
         grad_w = torch.zeros_like(weights) if need_w else None
         if need_x or need_w:
             scale = grad_loss.to(_accumulate_dtype(weight)) * row_weight  # [R]
-            with torch.no_grad():
+            autocast = (torch.autocast(*ctx.autocast) if ctx.autocast is not None
+                        else torch.autocast(features.device.type, enabled=False))
+            with torch.no_grad(), autocast:
                 for g, s, e in ctx.spans:
                     w = weights[g]
                     z = _chunk_logits(features, w, s, e)
@@ -162,7 +170,7 @@ class ChunkedLinearCE(torch.autograd.Function):
                     if need_x:
                         grad_x[s:e] = (dz @ w).to(features.dtype)
                     if need_w:
-                        grad_w[g].addmm_(dz.T, features[s:e].to(w.dtype))
+                        grad_w[g].addmm_(dz.T.to(grad_w.dtype), features[s:e].to(grad_w.dtype))
                     del z, p, dz
         if grad_w is not None and weight.dim() == 2:
             grad_w = grad_w[0]

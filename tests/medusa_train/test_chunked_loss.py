@@ -87,6 +87,22 @@ def test_gradcheck_in_float64_hard_and_soft():
             (features, weight))
 
 
+def test_under_autocast_both_passes_project_in_bfloat16_like_the_logits_held_at_once():
+    features, weight, targets, row_weight = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = chunked_linear_ce(features, weight, targets, chunk_size=4, row_weight=row_weight)
+        got = grads(out.loss, features, weight)
+        logits = (features @ weight.T).float()  # bf16 products, as autocast runs them
+        per_row = F.cross_entropy(logits, targets.clamp_min(0), reduction="none") * (targets >= 0)
+        loss = (row_weight * per_row).sum()
+        want = grads(loss, features, weight)
+    assert out.loss.item() == pytest.approx(loss.item(), rel=1e-5)
+    fp32 = grads(reference(features, weight, targets, row_weight)[0], features, weight)
+    for g, w, f in zip(got, want, fp32):
+        assert torch.allclose(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+        assert not torch.equal(g.float(), f)  # the products were bf16, not fp32
+
+
 def test_no_rows_give_zero_loss_and_zero_gradients():
     features = torch.zeros(0, H, requires_grad=True)
     weight = torch.randn(V, H, requires_grad=True)
