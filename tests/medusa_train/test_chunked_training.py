@@ -99,3 +99,11 @@ def test_a_short_training_run_gives_the_same_loss_and_heads_chunked_or_not(name,
     assert loss5 == pytest.approx(loss0, rel=1e-5)
     if heads0 is not None:
         assert_same_heads(heads0, heads5)
+
+
+def test_loss_chunk_size_zero_is_off_and_a_negative_one_is_refused_naming_the_field():
+    from medusa_train.config import TrainerConfig
+
+    TrainerConfig(loss_chunk_size=0).validate()
+    with pytest.raises(ValueError, match=r"trainer\.loss_chunk_size.*0: off"):
+        TrainerConfig(loss_chunk_size=-1).validate()
