@@ -154,7 +154,9 @@ class MedusaHeads(nn.Module):
         features = self.transform(hidden, num_heads)
         if project_fn is None:
             return self.project(features, base_lm_head_weight)
-        weight = None if self.lm_head_weight is None else self.lm_head_weight[: features.shape[0]]
+        weight = self.lm_head_weight
+        if weight is not None and features.shape[0] < weight.shape[0]:  # all heads: the parameter itself (ZeRO-3
+            weight = weight[: features.shape[0]]  # gathers it again for the backward pass; a view would be empty)
         return project_fn(features, projection_weight(weight, self.token_map, base_lm_head_weight))
 
     def to_base_tokens(self, head_token_ids: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ A position counts only when its target position ``t + k + 2`` is an assistant (l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +30,11 @@ IGNORE_INDEX = -100
 TARGETS = ("labels", "base_argmax", "soft")
 
 
-@dataclass
-class HeadLossOutput:
+class HeadLossOutput(NamedTuple):
     """One batch's loss and the sums behind the per-head metrics.
+
+    A named tuple, so that wrappers that hook a module's output tensors find them when the heads' forward returns
+    it (DeepSpeed ZeRO-3 gathers the weights again before the backward pass through those hooks).
 
     Attributes:
         loss: scalar float32, ``sum_k decay^k * sum_valid loss_k / normalizer``.
