@@ -2,7 +2,7 @@
 
 The dense step runs the heads on every position of a padded batch (``[K, B, T, V']`` logits; with ``soft`` targets
 also the base's full lm_head) and masks the loss; the packed step (what ``medusa-train`` does,
-:func:`medusa_train.training.step.packed_loss`) runs them only on the positions some head is trained on (with
+:class:`medusa_train.training.step.HeadTargets`) runs them only on the positions some head is trained on (with
 ``soft``, the base's distributions only where they are targets, over the head vocabulary). Both give the same loss
 and gradient (tested); this measures the time of forward + backward per batch, alternating the two on each batch of
 the run's own training data. Medusa-1 reads the hidden-state cache (the heads' step alone); Medusa-2
@@ -56,7 +56,7 @@ def heads_steps(recipe: Medusa1Recipe):
                          vocab_size=spec.vocab_size).loss.backward()
 
     def packed(batch):
-        heads_on_batch(heads, base, batch, spec)[0].loss.backward()
+        heads_on_batch(heads, base, batch, spec).loss.backward()
 
     return dense, packed
 

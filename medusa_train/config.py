@@ -429,7 +429,9 @@ class TrainerConfig:
         dataloader_num_workers: DataLoader worker processes.
         loss_chunk_size: rows (one head at one position) projected onto the vocabulary at once by the heads' loss:
             the loss holds at most ``loss_chunk_size x V'`` logits (and their gradient) at a time, however many
-            positions a batch counts (``docs/scale.md``: at a 128k vocabulary a whole batch's logits are gigabytes).
+            positions a batch counts (``docs/scale.md``: at a 128k vocabulary a whole batch's logits are gigabytes;
+            :mod:`medusa_train.training.chunked_loss`). 0: off, the batch's ``[K, M, V']`` head logits held at once
+            (the reference path, e.g. to compare memory).
         disable_tqdm: hide the progress bar (shown on rank 0 only).
         timeout_minutes: how long a rank waits in a collective (a barrier, a gradient all-reduce) for the others
             before it fails with an error naming this field (:mod:`medusa_train.training.process_group`); a wait
@@ -462,7 +464,8 @@ class TrainerConfig:
     dataloader_num_workers: int = field(default=0, metadata=bound(0, cap=MAX_PROCESSES,
                                                                   hint="0: load in the main process"))
     disable_tqdm: bool = False
-    loss_chunk_size: int = field(default=2048, metadata=bound(1, cap=MAX_COUNT))
+    loss_chunk_size: int = field(default=2048, metadata=bound(0, cap=MAX_COUNT,
+                                                              hint="0: off, the head logits held at once"))
     timeout_minutes: float = field(default=60.0, metadata=bound(0, low_open=True, cap=MAX_TIMEOUT_MINUTES))
     extra: dict[str, Any] = field(default_factory=dict)
 

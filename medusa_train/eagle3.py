@@ -36,7 +36,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
-from medusa_train.drafters.catalog import DrafterType, TargetInputs, register
+from medusa_train.drafters.catalog import DrafterType, ProjectFn, TargetInputs, register
 from medusa_train.features import FINAL, layer_feature
 from medusa_train.heads import HeadsSpec, register_token_map
 
@@ -308,7 +308,7 @@ class Eagle3Drafter(nn.Module):
 
     def unroll(self, taps: Sequence[torch.Tensor], path_embeds: torch.Tensor,
                attention_mask: torch.Tensor | None = None, num_steps: int | None = None,
-               at: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               at: tuple[torch.Tensor, torch.Tensor] | None = None, project_fn: ProjectFn | None = None) -> Any:
         """The training-time test (EAGLE-3 paper, Sec. 3.2): K draft steps unrolled over whole sequences, teacher
         forced, each step's own feature fed to the next.
 
@@ -324,9 +324,12 @@ class Eagle3Drafter(nn.Module):
             attention_mask: ``[B, T]``, 1 on real tokens, 0 on padding (None: all real).
             num_steps: the first K' <= K steps (None: K, all embeddings given).
             at: ``(b, t)`` ``[M]`` long each: the logits there only (None: everywhere).
+            project_fn: training's chunked loss: ``project_fn(features [K', M, H] (or [K', B, T, H]), lm_head
+                weight [V', H])`` is returned instead of the logits, the features after the final norm (what
+                ``lm_head`` reads), so the loss projects them in chunks.
 
         Returns:
-            float ``[K', B, T, V']``, or ``[K', M, V']`` with ``at``.
+            float ``[K', B, T, V']``, or ``[K', M, V']`` with ``at`` (or ``project_fn``'s result).
 
         Raises:
             ValueError: fewer embeddings per position than steps, or taps not matching ``feature_layers``.
@@ -338,12 +341,14 @@ class Eagle3Drafter(nn.Module):
         B, T = path_embeds.shape[:2]
         mask = unrolled_context_mask(attention_mask, B, T, self.dtype, path_embeds.device)
         positions = torch.arange(T, device=path_embeds.device).expand(B, T)
-        hidden, context, drafted, logits = self.fuse(taps), None, (), []
+        hidden, context, drafted, normed = self.fuse(taps), None, (), []
         for k in range(K):
             hidden, context, drafted = self.unrolled_step(hidden, path_embeds[:, :, k], positions + k, mask, context,
                                                           drafted)
-            logits.append(self.project(hidden if at is None else hidden[at]))
-        return torch.stack(logits)
+            normed.append(self.norm(hidden if at is None else hidden[at]))
+        if project_fn is not None:
+            return project_fn(torch.stack(normed), self.lm_head.weight)
+        return torch.stack([self.lm_head(x) for x in normed])
 
 
 def unrolled_context_mask(attention_mask: torch.Tensor | None, batch: int, length: int, dtype: torch.dtype,
@@ -392,17 +397,19 @@ def eagle3_target_fields(config: Any, feature_layers: Any = None) -> dict[str, A
 
 
 
-def _eagle3_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None) -> torch.Tensor:
+def _eagle3_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None,
+                   project_fn: ProjectFn | None = None) -> Any:
     """The training-time test's steps, teacher forced (:meth:`Eagle3Drafter.unroll`), over whole sequences: the
     inputs' features and path tokens ``[B, T, ...]`` -> ``[K', B, T, V']``, or ``[K', M, V']`` at
-    ``inputs.positions``."""
+    ``inputs.positions`` (with ``project_fn``: its result on the steps' features and the lm_head weight)."""
     spec = getattr(heads, "module", heads).spec
     taps = [inputs.features[layer_feature(i)] for i in spec.feature_layers]
     steps = spec.num_heads if num_heads is None else num_heads
     with torch.no_grad():
         path_embeds = inputs.embed(inputs.path_tokens[..., :steps])  # [B, T, K', H], frozen
     return heads(None, None, None, unroll=dict(taps=taps, path_embeds=path_embeds, num_steps=steps,
-                                                attention_mask=inputs.attention_mask, at=inputs.positions))
+                                                attention_mask=inputs.attention_mask, at=inputs.positions,
+                                                project_fn=project_fn))
 
 
 def _eagle3_features(spec: Eagle3Spec) -> tuple[str, ...]:
@@ -412,6 +419,7 @@ def _eagle3_features(spec: Eagle3Spec) -> tuple[str, ...]:
 
 EAGLE3 = register(DrafterType(
     name="eagle3", title="EAGLE-3", spec_cls=Eagle3Spec, module_cls=Eagle3Drafter, logits=_eagle3_logits,
+    projected=_eagle3_logits,
     source="Li et al. 2025, EAGLE-3, arXiv:2503.01840, Sec. 3",
     features_of=_eagle3_features, target_fields=lambda config, options: eagle3_target_fields(
         config, options.get("feature_layers")),

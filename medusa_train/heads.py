@@ -13,12 +13,13 @@ FasterDecoding key layout (``{h}.{l}.linear.weight``) is produced on export by :
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_train.drafters.catalog import MEDUSA_LAYOUT, DrafterType, TargetInputs, register, type_of
+from medusa_train.drafters.catalog import MEDUSA_LAYOUT, DrafterType, ProjectFn, TargetInputs, register, type_of
 from medusa_train.features import FINAL
 
 
@@ -143,10 +144,20 @@ class MedusaHeads(nn.Module):
         return project_features(features, weight, self.token_map, base_lm_head_weight)
 
     def forward(self, hidden: torch.Tensor, base_lm_head_weight: torch.Tensor | None = None,
-                num_heads: int | None = None) -> torch.Tensor:
+                num_heads: int | None = None, project_fn: ProjectFn | None = None) -> Any:
         """All heads' logits (or the first ``num_heads``'): ``[..., H]`` hidden states -> ``[K', ..., V']`` logits
-        (see :meth:`transform` and :meth:`project`)."""
-        return self.project(self.transform(hidden, num_heads), base_lm_head_weight)
+        (see :meth:`transform` and :meth:`project`).
+
+        With ``project_fn`` (training's chunked loss): ``project_fn(features [K', ..., H], weight)`` is returned
+        instead, ``weight`` the projection (:func:`projection_weight`); called here, inside ``forward``, so that
+        wrappers that gather parameters for the forward pass (DeepSpeed ZeRO-3) hold the weight while it runs."""
+        features = self.transform(hidden, num_heads)
+        if project_fn is None:
+            return self.project(features, base_lm_head_weight)
+        weight = self.lm_head_weight
+        if weight is not None and features.shape[0] < weight.shape[0]:  # all heads: the parameter itself (ZeRO-3
+            weight = weight[: features.shape[0]]  # gathers it again for the backward pass; a view would be empty)
+        return project_fn(features, projection_weight(weight, self.token_map, base_lm_head_weight))
 
     def to_base_tokens(self, head_token_ids: torch.Tensor) -> torch.Tensor:
         """Map head-vocabulary indices (any shape, long) to base token ids; the identity without a token map."""
@@ -216,14 +227,27 @@ def project_features(
     K, H = features.shape[0], features.shape[-1]
     lead = features.shape[1:-1]
     flat = features.reshape(K, -1, H)
-    if lm_head_weight is not None:
-        logits = torch.bmm(flat.to(lm_head_weight.dtype), lm_head_weight.transpose(1, 2))  # [K, M, V']
+    weight = projection_weight(lm_head_weight, token_map, base_lm_head_weight)
+    if weight.dim() == 3:
+        logits = torch.bmm(flat.to(weight.dtype), weight.transpose(1, 2))  # [K, M, V']
     else:
-        if base_lm_head_weight is None:
-            raise ValueError("share_lm_head=True: pass the base model's lm_head weight [V, H] to project()")
-        weight = base_lm_head_weight if token_map is None else base_lm_head_weight[token_map]
         logits = (flat.reshape(-1, H).to(weight.dtype) @ weight.T).reshape(K, flat.shape[1], -1)
     return logits.reshape(K, *lead, logits.shape[-1])
+
+
+def projection_weight(lm_head_weight: torch.Tensor | None, token_map: torch.Tensor | None,
+                      base_lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The heads' projection onto the head vocabulary: ``lm_head_weight [K, V', H]`` (one per head) when given, else
+    the base lm_head ``[V, H]`` (its ``token_map [V']`` rows: ``[V', H]``), shared by all heads.
+
+    Raises:
+        ValueError: neither given (``share_lm_head`` without the base lm_head weight).
+    """
+    if lm_head_weight is not None:
+        return lm_head_weight
+    if base_lm_head_weight is None:
+        raise ValueError("share_lm_head=True: pass the base model's lm_head weight [V, H] to project()")
+    return base_lm_head_weight if token_map is None else base_lm_head_weight[token_map.to(base_lm_head_weight.device)]
 
 
 def build_token_map(token_counts: torch.Tensor, head_vocab_size: int) -> torch.Tensor:
@@ -242,13 +266,15 @@ def build_token_map(token_counts: torch.Tensor, head_vocab_size: int) -> torch.T
     return torch.sort(top).values.to(torch.long)
 
 
-def _medusa_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None) -> torch.Tensor:
-    """Each head reads the final hidden state alone: ``[K', ..., V']``."""
-    return heads(inputs.features[FINAL], inputs.lm_head_weight, num_heads)
+def _medusa_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None,
+                   project_fn: ProjectFn | None = None) -> Any:
+    """Each head reads the final hidden state alone: ``[K', ..., V']`` (or ``project_fn``'s result)."""
+    return heads(inputs.features[FINAL], inputs.lm_head_weight, num_heads, project_fn=project_fn)
 
 
 MEDUSA = register(DrafterType(
     name="medusa", title="Medusa", spec_cls=HeadsSpec, module_cls=MedusaHeads, logits=_medusa_logits,
+    projected=_medusa_logits,
     source="Cai et al. 2024, Medusa, arXiv:2401.10774, Sec. 2.1.1, Eq. (1)",
     joint=True, layout=MEDUSA_LAYOUT, config_keys={"num_heads": "medusa_num_heads", "num_layers": "medusa_num_layers"},
     engines={"fasterdecoding": None, "tgi": None, "vllm": None},

@@ -29,14 +29,15 @@ Shapes: B batch, T sequence, K heads, M positions, H hidden, V vocabulary (V' th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_train.drafters.catalog import DrafterType, TargetInputs, register, shifted_path_tokens
+from medusa_train.drafters.catalog import DrafterType, ProjectFn, TargetInputs, register, shifted_path_tokens
 from medusa_train.features import FINAL
-from medusa_train.heads import HeadsSpec, copy_lm_head, project_features, register_token_map
+from medusa_train.heads import HeadsSpec, copy_lm_head, project_features, projection_weight, register_token_map
 
 COMBINES = ("concat", "sum")
 
@@ -141,9 +142,12 @@ class HydraHeads(nn.Module):
         return self.heads[k](x)
 
     def forward(self, hidden: torch.Tensor, path_embeds: torch.Tensor,
-                base_lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
+                base_lm_head_weight: torch.Tensor | None = None, project_fn: ProjectFn | None = None) -> Any:
         """All heads' logits, teacher forced: ``hidden [..., H]`` and ``path_embeds [..., K, H]`` (embeddings of the
         tokens t+1 .. t+K; head k reads the first k + 1) -> ``[K, ..., V']``.
+
+        With ``project_fn`` (training's chunked loss): ``project_fn(features [K, ..., H], weight)`` instead, as
+        :meth:`medusa_train.heads.MedusaHeads.forward`.
 
         Raises:
             ValueError: ``share_lm_head`` without ``base_lm_head_weight [V, H]``, or mis-shaped ``path_embeds``.
@@ -152,6 +156,8 @@ class HydraHeads(nn.Module):
         if path_embeds.shape[-2] != K:
             raise ValueError(f"path_embeds must hold K={K} embeddings per position, got {tuple(path_embeds.shape)}")
         features = torch.stack([self.features(k, hidden, path_embeds[..., : k + 1, :]) for k in range(K)])
+        if project_fn is not None:
+            return project_fn(features, projection_weight(self.lm_head_weight, self.token_map, base_lm_head_weight))
         return project_features(features, self.lm_head_weight, self.token_map, base_lm_head_weight)
 
     def head_logits(self, k: int, hidden: torch.Tensor, path_embeds: torch.Tensor,
@@ -173,8 +179,17 @@ def _hydra_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None)
     return logits if num_heads is None else logits[:num_heads]
 
 
+def _hydra_projected(heads: nn.Module, inputs: TargetInputs, num_heads: int | None, project_fn: ProjectFn) -> Any:
+    """:func:`_hydra_logits` with the projection replaced by ``project_fn`` (all K heads; ``num_heads`` None)."""
+    if num_heads is not None:
+        raise ValueError("Hydra heads' projected features are those of all K heads (num_heads=None)")
+    return heads(inputs.features[FINAL], inputs.embed(inputs.path_tokens), inputs.lm_head_weight,
+                 project_fn=project_fn)
+
+
 HYDRA = register(DrafterType(
     name="hydra", title="Hydra", spec_cls=HydraSpec, module_cls=HydraHeads, logits=_hydra_logits,
+    projected=_hydra_projected,
     source="Ankner et al. 2024, Hydra, arXiv:2402.05109, Sec. 3",
     options=("combine",), reads_path=True, weights_file="hydra_heads.safetensors",
     config_keys={"num_heads": "hydra_num_heads", "num_layers": "hydra_num_layers", "combine": "hydra_combine"},

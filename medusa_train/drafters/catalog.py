@@ -16,7 +16,8 @@ A :class:`DrafterType` says:
   and whether it reads the teacher-forced path tokens t+1 .. t+K (``reads_path``);
 - its loss: ``logits(heads, inputs, num_heads)`` gives its K heads' logits ``[K, ..., V']`` at the positions of
   :class:`TargetInputs`, teacher forced, which the one head loss (:mod:`medusa_train.training.losses`) scores
-  (``sequence`` types read whole sequences and give the logits at the positions asked for);
+  (``sequence`` types read whole sequences and give the logits at the positions asked for); ``projected`` gives
+  the same as features and a projection weight, so that the loss projects them onto the vocabulary in chunks;
 - how it trains: ``joint`` (whether Medusa-2 may fine-tune the base with it);
 - its export: ``layout`` (``medusa``: FasterDecoding's key layout, which FasterDecoding, TGI and vLLM load;
   ``state_dict``: the module's own parameter names in ``weights_file``), ``config_keys`` (the spec's counts in our
@@ -78,6 +79,11 @@ class TargetInputs:
 
 # (heads or their DDP/DeepSpeed wrapper, inputs, num_heads: the first K' heads, None: all) -> [K', ..., V']
 LogitsFn = Callable[[Any, TargetInputs, "int | None"], torch.Tensor]
+# (features [K', ..., H], weight [V', H] shared by the heads or [K', V', H] one per head) -> anything: what the
+# heads' projection onto the vocabulary is replaced by (training's chunked loss), logits[k] = features[k] @ weight^T
+ProjectFn = Callable[[torch.Tensor, torch.Tensor], Any]
+# (heads or their wrapper, inputs, num_heads, project_fn) -> project_fn's result, called inside the heads' forward
+ProjectedFn = Callable[[Any, TargetInputs, "int | None", ProjectFn], Any]
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,10 @@ class DrafterType:
         spec_cls: its spec, a frozen dataclass deriving :class:`~medusa_train.heads.HeadsSpec`.
         module_cls: its ``nn.Module``, built as ``module_cls(spec, token_map)``.
         logits: its heads' teacher-forced logits (:data:`LogitsFn`).
+        projected: the same heads' features and projection weight handed to a :data:`ProjectFn` inside the heads'
+            forward (:data:`ProjectedFn`), for types whose logits are ``features @ weight^T``: training's loss
+            then projects ``trainer.loss_chunk_size`` rows at a time (:mod:`medusa_train.training.chunked_loss`)
+            instead of holding ``[K, M, V']`` logits. None: the loss reads :attr:`logits` (all at once).
         source: the paper it follows (title, section).
         options: ``heads.*`` fields only this type reads, passed to ``spec_cls`` (e.g. Hydra's ``combine``).
         features: the target features it reads (:mod:`medusa_train.features` names), when the same for every spec.
@@ -119,6 +129,7 @@ class DrafterType:
     module_cls: type[nn.Module]
     logits: LogitsFn
     source: str
+    projected: ProjectedFn | None = None
     options: tuple[str, ...] = ()
     features: tuple[str, ...] = (FINAL,)
     features_of: Callable[[Any], tuple[str, ...]] | None = None
@@ -356,5 +367,5 @@ def new_spec(head_type: str, options: Mapping[str, Any] | None = None, target_co
 
 
 __all__ = ["BUILTIN_MODULES", "ENGINES", "LAYOUTS", "MEDUSA_LAYOUT", "STATE_DICT_LAYOUT", "DrafterType", "LogitsFn",
-           "TargetInputs", "check_head_type", "drafter_type", "drafter_types", "expect_head_type", "head_types",
+           "ProjectFn", "ProjectedFn", "TargetInputs", "check_head_type", "drafter_type", "drafter_types", "expect_head_type", "head_types",
            "heads_from_spec", "is_drafter", "new_spec", "register", "shifted_path_tokens", "registered", "titles", "type_of", "unregister"]

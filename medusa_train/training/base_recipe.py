@@ -374,7 +374,8 @@ class BaseRecipe:
         return LossSpec(target=hc.target, decay=hc.loss_decay, share_lm_head=hc.share_lm_head, vocab_size=vocab_size,
                         num_heads=heads.spec.num_heads,
                         token_map=None if heads.token_map is None else heads.token_map.to(self.device),
-                        head_type=heads.spec.head_type, features=type_of(heads).feature_names(heads.spec))
+                        head_type=heads.spec.head_type, features=type_of(heads).feature_names(heads.spec),
+                        loss_chunk_size=self.cfg.trainer.loss_chunk_size)
 
     def prepare_folder(self) -> None:
         """The run is known to start: only now is the folder changed (main process), then every rank waits."""

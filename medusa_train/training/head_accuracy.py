@@ -43,7 +43,7 @@ def head_accuracy(
     for start in range(0, len(dataset), batch_size):
         batch = collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
         batch = {k: v.to(device) for k, v in batch.items()}
-        out, _ = heads_on_batch(heads, base, batch, spec)
+        out = heads_on_batch(heads, base, batch, spec)
         metrics.add(out)
     heads.train(was_training)
     return metrics.table()

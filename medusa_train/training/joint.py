@@ -18,14 +18,16 @@ call (backbone, lm_head, heads).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from medusa_train.config import HeadsConfig
+from medusa_train.drafters.catalog import ProjectFn
 from medusa_train.features import FINAL, target_features
 from medusa_train.heads import MedusaHeads
 
@@ -158,13 +160,16 @@ class JointOutput:
     Attributes:
         logits: ``[B, T, V]`` base logits (with gradient when the base trains), in the lm_head's dtype.
         head_logits: ``[K, B, T, V']`` head logits of the same hidden states, or ``[K, M, V']`` at the M
-            ``positions`` given to :meth:`JointMedusaModel.forward`.
+            ``positions`` given to :meth:`JointMedusaModel.forward`; None with ``head_loss_for``.
         reference_logits: ``[B, T, V]`` logits of the original model (adapters disabled, no gradient), or None.
+        head_loss: what the heads' ``project_fn`` returned (with ``head_loss_for``: the chunked heads' loss), else
+            None.
     """
 
     logits: torch.Tensor
-    head_logits: torch.Tensor
+    head_logits: torch.Tensor | None
     reference_logits: torch.Tensor | None = None
+    head_loss: Any = None
 
 
 class JointMedusaModel(nn.Module):
@@ -212,13 +217,17 @@ class JointMedusaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 with_reference: bool = False,
-                positions: tuple[torch.Tensor, torch.Tensor] | None = None) -> JointOutput:
+                positions: tuple[torch.Tensor, torch.Tensor] | None = None,
+                head_loss_for: Callable[[torch.Tensor], ProjectFn] | None = None) -> JointOutput:
         """One backbone pass: ``input_ids [B, T]`` long (+ ``attention_mask [B, T]``) -> :class:`JointOutput`.
 
         ``with_reference``: also the original model's logits (a second pass with the adapters disabled, under
         ``no_grad``); without adapters (``frozen``) these are the logits themselves, detached.
         ``positions``: ``(b, t)``, each ``[M]`` long: run the heads only there (the positions some head is trained
         on, :func:`~medusa_train.training.step.counted_positions`), as Medusa-1 training does; None: everywhere.
+        ``head_loss_for``: ``base logits [B, T, V] (detached) -> project_fn``, the heads' projection replaced by
+        ``project_fn`` (:meth:`~medusa_train.heads.MedusaHeads.forward`; the chunked loss, whose targets are the
+        current base's), its result in :attr:`JointOutput.head_loss`; None: the heads' logits.
 
         Raises:
             ValueError: ``with_reference`` on a fully fine-tuned base (no original to switch back to).
@@ -227,7 +236,11 @@ class JointMedusaModel(nn.Module):
         lm_weight = causal_lm(self.base).get_output_embeddings().weight if self.heads.spec.share_lm_head else None
         if positions is not None:
             hidden = hidden[positions[0], positions[1]]  # [M, H]
-        head_logits = self.heads(hidden, lm_weight)  # [K, B, T, V'] or [K, M, V']
+        head_logits = head_loss = None
+        if head_loss_for is None:
+            head_logits = self.heads(hidden, lm_weight)  # [K, B, T, V'] or [K, M, V']
+        else:
+            head_loss = self.heads(hidden, lm_weight, project_fn=head_loss_for(logits.detach()))
         reference = None
         if with_reference:
             if is_peft(self.base):
@@ -238,4 +251,4 @@ class JointMedusaModel(nn.Module):
             else:
                 raise ValueError("the original model's logits need LoRA adapters to disable (heads.finetune=lora) "
                                  "or a frozen base; a fully fine-tuned base has no original to compare with")
-        return JointOutput(logits=logits, head_logits=head_logits, reference_logits=reference)
+        return JointOutput(logits=logits, head_logits=head_logits, reference_logits=reference, head_loss=head_loss)

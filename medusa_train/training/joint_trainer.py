@@ -7,7 +7,8 @@ accumulation steps, atomic checkpoints and rotation are kept):
   Sec. 2.2.2), with N the optimizer step's labelled tokens, ``L_base`` the LM or KL loss
   (:mod:`medusa_train.training.joint_loss`) and the heads' targets taken from the *current* base logits (the heads
   must predict what the fine-tuned base, the one exported, will say). The heads run only at the positions some head
-  is trained on, through the same packed loss as Medusa-1 (:func:`~medusa_train.training.step.packed_loss`).
+  is trained on, through the same loss as Medusa-1 (:class:`~medusa_train.training.step.HeadTargets`): inside the
+  heads' forward, ``trainer.loss_chunk_size`` rows projected at a time (with 0, from the logits held at once).
 - ``create_optimizer``: the stock optimizer (``trainer.optim``) over two learning rates: ``learning_rate`` for the
   base's trainable weights (LoRA adapters or all), ``learning_rate * heads_lr_multiplier`` for the heads; weight
   decay as the Trainer decides per parameter. The scheduler scales both groups alike.
@@ -32,15 +33,15 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 
 from medusa_train.config import JointSettings
 from medusa_train.training.joint import trainable_state
-from medusa_train.training.joint_loss import base_loss_sum, ramp
+from medusa_train.training.joint_loss import base_loss_sum, next_token_positions, ramp
 from medusa_train.training.losses import head_targets
-from medusa_train.training.step import counted_positions, packed_loss
+from medusa_train.training.step import BaseDistributions, HeadTargets, chunks, counted_positions
 from medusa_train.training.trainer import MedusaTrainer
 
 # The Trainer's own weights file, so that its resume finds it; here it holds the trainable weights only.
 TRAINABLE_FILE = SAFE_WEIGHTS_NAME
 
-__all__ = ["TRAINABLE_FILE", "JointSpec", "JointTrainer", "over_vocab"]
+__all__ = ["TRAINABLE_FILE", "JointSpec", "JointTrainer"]
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,6 @@ class JointSpec:
         return cls(base_loss=base_loss, medusa_loss_weight=settings.medusa_loss_weight, loss_ramp=settings.loss_ramp,
                    ramp_steps=settings.ramp_steps, ramp_ratio=settings.ramp_ratio,
                    heads_lr_multiplier=settings.heads_lr_multiplier)
-
-
-def over_vocab(logits: torch.Tensor, token_map: torch.Tensor | None) -> torch.Tensor:
-    """``[R, V]`` base logits -> ``[R, V']`` float32 over the head vocabulary (``token_map [V']``; None: all V)."""
-    return (logits if token_map is None else logits[:, token_map]).float()
 
 
 class JointTrainer(MedusaTrainer):
@@ -113,16 +109,24 @@ class JointTrainer(MedusaTrainer):
         labels = inputs["labels"]
         spec = self.loss_spec
         b, t = counted_positions(labels, spec.num_heads)  # the heads run only where some head is trained
+        # the base loss counts the positions predicting an assistant token (what base_loss_sum returns as its count)
+        normalizer = (num_items_in_batch if num_items_in_batch is not None
+                      else next_token_positions(labels).sum().float().clamp_min(1))
+
+        def targets_of(base_logits: torch.Tensor) -> HeadTargets:
+            """The heads' targets ``[K, M]`` and the base's distributions, from the current base's logits
+            (detached: targets are constants)."""
+            base_argmax = base_logits.argmax(-1) if spec.target != "labels" else None
+            targets = head_targets(labels, spec.num_heads, target=spec.target, base_argmax=base_argmax)[:, b, t]
+            return HeadTargets(targets, b, t, spec, normalizer,
+                               BaseDistributions(logits=base_logits, token_map=spec.token_map))
+
+        chunked = chunks(spec)
         out = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
-                    with_reference=self.joint_spec.base_loss == "kl", positions=(b, t))
+                    with_reference=self.joint_spec.base_loss == "kl", positions=(b, t),
+                    head_loss_for=(lambda logits: targets_of(logits).project_fn()) if chunked else None)
         base_sum, base_count = base_loss_sum(self.joint_spec.base_loss, out.logits, labels, out.reference_logits)
-        normalizer = num_items_in_batch if num_items_in_batch is not None else base_count.clamp_min(1)
-        base_logits = out.logits.detach()  # targets are constants
-        base_argmax = base_logits.argmax(-1) if spec.target != "labels" else None
-        targets = head_targets(labels, spec.num_heads, target=spec.target, base_argmax=base_argmax)[:, b, t]
-        token_map = None if spec.token_map is None else spec.token_map.to(base_logits.device)
-        heads_out = packed_loss(out.head_logits, targets, b, t, spec, normalizer,
-                                lambda rows, cols: over_vocab(base_logits[rows, cols], token_map))
+        heads_out = out.head_loss if chunked else targets_of(out.logits.detach()).loss(out.head_logits)
         loss = self._record_and_scale(base_sum / normalizer + self.medusa_weight() * heads_out.loss, heads_out,
                                       model, inputs, num_items_in_batch)
         phase = self.phase(model)
@@ -130,7 +134,7 @@ class JointTrainer(MedusaTrainer):
         if self.base_sums[phase].device != sums.device:
             self.base_sums[phase] = self.base_sums[phase].to(sums.device)
         self.base_sums[phase] += sums
-        return (loss, {"head_logits": out.head_logits}) if return_outputs else loss
+        return (loss, {}) if return_outputs else loss
 
     def _base_summary(self, phase: str, prefix: str = "") -> dict[str, float]:
         sums = self._reduce_sum(self.base_sums[phase]).cpu()

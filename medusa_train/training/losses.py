@@ -18,20 +18,23 @@ A position counts only when its target position ``t + k + 2`` is an assistant (l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from medusa_train.heads import to_head_vocab
+from medusa_train.training.chunked_loss import TeacherFn, chunked_linear_ce
 
 IGNORE_INDEX = -100
 TARGETS = ("labels", "base_argmax", "soft")
 
 
-@dataclass
-class HeadLossOutput:
+class HeadLossOutput(NamedTuple):
     """One batch's loss and the sums behind the per-head metrics.
+
+    A named tuple, so that wrappers that hook a module's output tensors find them when the heads' forward returns
+    it (DeepSpeed ZeRO-3 gathers the weights again before the backward pass through those hooks).
 
     Attributes:
         loss: scalar float32, ``sum_k decay^k * sum_valid loss_k / normalizer``.
@@ -231,10 +234,67 @@ def _loss_on_rows(
 
     with torch.no_grad():
         top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # [M, 5]
-        hit1 = (top[:, 0] == head_targets_).float()
-        hit5 = (top == head_targets_[:, None]).any(-1).float()
-        correct1 = zeros.index_add(0, k, hit1)
-        correct5 = zeros.index_add(0, k, hit5)
-        count = zeros.index_add(0, k, torch.ones_like(hit1))
-    return HeadLossOutput(loss=loss, loss_sum=loss_sum.detach(), correct_top1=correct1, correct_top5=correct5,
-                          count=count)
+        hit1 = top[:, 0] == head_targets_
+        hit5 = (top == head_targets_[:, None]).any(-1)
+    return _head_output(loss, loss_sum.detach(), hit1, hit5, k, K)
+
+
+def _head_output(loss: torch.Tensor, loss_sum: torch.Tensor, hit1: torch.Tensor, hit5: torch.Tensor,
+                 k: torch.Tensor, num_heads: int) -> HeadLossOutput:
+    """:class:`HeadLossOutput` from the loss, ``loss_sum [K]`` and the rows' hits ``[M]`` bool of heads ``k [M]``."""
+    zeros = torch.zeros(num_heads, dtype=torch.float32, device=k.device)
+    hit1, hit5 = hit1.float(), hit5.float()
+    return HeadLossOutput(loss=loss, loss_sum=loss_sum, correct_top1=zeros.index_add(0, k, hit1),
+                          correct_top5=zeros.index_add(0, k, hit5), count=zeros.index_add(0, k, torch.ones_like(hit1)))
+
+
+def projected_head_loss(
+    features: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    decay: float,
+    normalizer: torch.Tensor | float,
+    chunk_size: int,
+    token_map: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    teacher: TeacherFn | None = None,
+) -> HeadLossOutput:
+    """:func:`packed_head_loss` on the heads' features and projection, ``chunk_size`` rows at a time
+    (:func:`~medusa_train.training.chunked_loss.chunked_linear_ce`): never more than ``[chunk_size, V']`` logits at
+    once, where :func:`packed_head_loss` holds ``[K, M, V']`` and their gradient.
+
+    Args:
+        features: ``[K, M, H]`` head features at M gathered positions (head k's logits are ``features[k] @
+            weight^T``).
+        weight: ``[V', H]`` shared by the heads, or ``[K, V', H]`` one per head.
+        targets: ``[K, M]`` long base ids from :func:`head_targets` (-100: not counted).
+        decay, normalizer, token_map, vocab_size: as :func:`packed_head_loss`.
+        chunk_size: rows (one head at one position) projected at once (``trainer.loss_chunk_size``, >= 1).
+        teacher: ``soft`` targets: the base's logits over the head vocabulary for the counted rows in the order of
+            ``(targets != -100).nonzero()`` (head-major), a :data:`~medusa_train.training.chunked_loss.TeacherFn`
+            read one chunk at a time. None: hard targets.
+
+    Returns:
+        :class:`HeadLossOutput`, equal to :func:`packed_head_loss`'s on the logits ``features @ weight^T`` (up to
+        float32 rounding: the same terms summed in another order).
+
+    Raises:
+        ValueError: mis-shaped inputs, a token map without ``vocab_size``, or ``chunk_size < 1``.
+    """
+    K = features.shape[0]
+    if features.dim() != 3 or features.shape[:2] != targets.shape:
+        raise ValueError(f"features must be [K, M, H] with [K, M] = targets.shape {tuple(targets.shape)}, got "
+                         f"{tuple(features.shape)}")
+    if weight.dim() == 3 and weight.shape[0] != K:
+        raise ValueError(f"a per-head weight must be [K={K}, V', H], got {tuple(weight.shape)}")
+    if token_map is not None and vocab_size is None:
+        raise ValueError("a reduced head vocabulary (token_map) needs vocab_size")
+    k, m = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # head-major: head k's rows are consecutive
+    rows = to_head_vocab(targets[k, m], token_map, vocab_size or 0)  # [R], -1 outside the head vocabulary
+    out = chunked_linear_ce(features[k, m], weight, rows, chunk_size=chunk_size,
+                            row_weight=decay_weights(K, decay, features.device)[k],
+                            group_sizes=torch.bincount(k, minlength=K).tolist() if weight.dim() == 3 else None,
+                            teacher=teacher)
+    loss_sum = torch.zeros(K, dtype=torch.float32, device=features.device).index_add(0, k, out.row_loss.float())
+    return _head_output(out.loss / normalizer, loss_sum, out.top1, out.top5, k, K)

@@ -9,7 +9,6 @@ tokens (on self-distilled data, the base model's own greedy tokens), through the
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,14 +16,17 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_train.drafters.catalog import TargetInputs, drafter_type, shifted_path_tokens
+from medusa_train.config import TrainerConfig
+from medusa_train.drafters.catalog import ProjectFn, TargetInputs, drafter_type, shifted_path_tokens
 from medusa_train.features import FINAL, feature_layer, target_features
+from medusa_train.training.chunked_loss import TeacherFn, linear_teacher, rows_teacher
 from medusa_train.training.losses import (
     IGNORE_INDEX,
     HeadLossOutput,
     head_targets,
     labelled_tokens,
     packed_head_loss,
+    projected_head_loss,
     valid_mask,
 )
 
@@ -102,14 +104,55 @@ class FrozenBase:
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
     @torch.no_grad()
-    def logits_at(self, hidden: torch.Tensor, b: torch.Tensor, t: torch.Tensor,
-                  token_map: torch.Tensor | None = None) -> torch.Tensor:
-        """Base logits at positions ``(b[i], t[i])`` of ``hidden [B, T, H]``, over the vocabulary ``token_map [V']``
-        (None: all V): ``[R, V']`` float32. Each distinct position is projected once (heads share them)."""
-        flat, inverse = torch.unique(b * hidden.shape[1] + t, return_inverse=True)
-        rows = hidden.reshape(-1, hidden.shape[-1])[flat].to(self.lm_head.weight.dtype)  # [U, H]
-        weight = self.lm_head.weight if token_map is None else self.lm_head.weight[token_map.to(rows.device)]
+    def argmax(self, hidden: torch.Tensor, chunk_size: int = 0) -> torch.Tensor:
+        """``[B, T, H]`` -> the base's greedy tokens ``[B, T]`` long, ``chunk_size`` positions projected at a time
+        (0: all at once, ``[B, T, V]`` logits)."""
+        if not chunk_size:
+            return self.logits(hidden).argmax(-1)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        out = [self.logits(flat[s : s + chunk_size]).argmax(-1) for s in range(0, flat.shape[0], chunk_size)]
+        return torch.cat(out).reshape(hidden.shape[:-1]) if out else flat.new_zeros(hidden.shape[:-1], dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class BaseDistributions:
+    """The base's logits over the head vocabulary, where ``soft`` targets read them: computed from its last hidden
+    states and lm_head (Medusa-1: ``hidden`` and ``weight``) or read from logits already computed (Medusa-2:
+    ``logits``). Constants (no gradient).
+
+    Attributes:
+        hidden: ``[B, T, H]`` last hidden states, with ``weight`` ``[V, H]`` the base lm_head's; or None.
+        weight: see ``hidden``.
+        logits: ``[B, T, V]`` base logits, or None (``hidden`` given).
+        token_map: ``[V']`` long head vocabulary, or None (all V).
+    """
+
+    hidden: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    token_map: torch.Tensor | None = None
+
+    def _weight(self) -> torch.Tensor:
+        w = self.weight.detach()
+        return w if self.token_map is None else w[self.token_map.to(w.device)]
+
+    @torch.no_grad()
+    def at(self, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Base logits at positions ``(b[i], t[i])`` (``[R]`` long each): ``[R, V']`` float32. From hidden states,
+        each distinct position is projected once (heads share them)."""
+        if self.logits is not None:
+            block = self.logits[b, t]
+            return (block if self.token_map is None else block[:, self.token_map.to(block.device)]).float()
+        flat, inverse = torch.unique(b * self.hidden.shape[1] + t, return_inverse=True)
+        weight = self._weight()
+        rows = self.hidden.reshape(-1, self.hidden.shape[-1])[flat].to(weight.dtype)  # [U, H]
         return (rows @ weight.T).float()[inverse]
+
+    def teacher(self, b: torch.Tensor, t: torch.Tensor) -> TeacherFn:
+        """The same rows as :meth:`at`, read one chunk at a time by the chunked loss (never ``[R, V']`` at once)."""
+        if self.logits is not None:
+            return rows_teacher(self.logits, b, t, self.token_map)
+        return linear_teacher(self.hidden[b, t], self._weight())
 
 
 @dataclass(frozen=True)
@@ -127,6 +170,9 @@ class LossSpec:
             logits are computed).
         features: the target features the heads read (``DrafterType.feature_names(spec)``): from the batch (the
             hidden cache's keys, :func:`feature_key`) or computed by the base.
+        loss_chunk_size: rows (one head at one position) projected onto the vocabulary at once
+            (``trainer.loss_chunk_size``; :mod:`medusa_train.training.chunked_loss`); 0: all at once, the head logits
+            ``[K, M, V']`` held (types without :attr:`~medusa_train.drafters.catalog.DrafterType.projected` always).
     """
 
     target: str
@@ -137,6 +183,7 @@ class LossSpec:
     token_map: torch.Tensor | None = None
     head_type: str = "medusa"
     features: tuple[str, ...] = (FINAL,)
+    loss_chunk_size: int = TrainerConfig.loss_chunk_size
 
 
 def heads_on_batch(
@@ -145,13 +192,15 @@ def heads_on_batch(
     batch: dict[str, Any],
     spec: LossSpec,
     normalizer: torch.Tensor | float | None = None,
-) -> tuple[HeadLossOutput, torch.Tensor]:
+) -> HeadLossOutput:
     """Run the heads on one batch and compute the loss.
 
     The heads run only at the positions some head is trained on
     (:func:`~medusa_train.training.losses.packed_head_loss`): padding and prompt tokens, often half of a chat batch,
     never reach the vocabulary projection. ``soft`` targets project the base's hidden states only at the positions
-    whose distributions are targets, onto the head vocabulary only.
+    whose distributions are targets, onto the head vocabulary only. With ``spec.loss_chunk_size`` (and a type with
+    :attr:`~medusa_train.drafters.catalog.DrafterType.projected`) the heads hand their features and projection to
+    :meth:`HeadTargets.project_fn` inside their forward, which projects ``loss_chunk_size`` rows at a time.
 
     Args:
         heads: heads of ``spec.head_type`` or their DDP/DeepSpeed wrapper, called through the type's
@@ -164,7 +213,7 @@ def heads_on_batch(
         normalizer: see :func:`~medusa_train.training.losses.medusa_head_loss`.
 
     Returns:
-        ``(loss output, head logits)``: head logits ``[K, M, V']`` at the M counted positions.
+        The loss and the per-head metric sums at the M counted positions.
     """
     labels = batch["labels"]
     names = (FINAL, *(n for n in spec.features if n != FINAL))
@@ -175,7 +224,7 @@ def heads_on_batch(
             features = base.features(batch["input_ids"], batch.get("attention_mask"), names)
         hidden = features[FINAL]
         if spec.target != "labels" and base_argmax is None:
-            base_argmax = base.logits(hidden).argmax(-1)
+            base_argmax = base.argmax(hidden, spec.loss_chunk_size)
     lm_weight = base.lm_head.weight if spec.share_lm_head else None
     targets = head_targets(labels, spec.num_heads, target=spec.target, base_argmax=base_argmax)  # [K, B, T]
     b, t = counted_positions(labels, spec.num_heads)  # [M] positions some head counts
@@ -188,44 +237,69 @@ def heads_on_batch(
     else:
         inputs = TargetInputs(features={FINAL: hidden[b, t]}, path_tokens=None if path is None else path[b, t],
                               embed=base.path_embeddings, lm_head_weight=lm_weight)
-    head_logits = entry.logits(heads, inputs, None)  # [K, M, V']
     if normalizer is None:
         normalizer = labelled_tokens(labels)
-    out = packed_loss(head_logits, targets, b, t, spec, normalizer,
-                      lambda rows, cols: base.logits_at(hidden, rows, cols, spec.token_map))
-    return out, head_logits
+    loss = HeadTargets(targets, b, t, spec, normalizer,
+                       BaseDistributions(hidden=hidden, weight=base.lm_head.weight, token_map=spec.token_map))
+    if chunks(spec):
+        return entry.projected(heads, inputs, None, loss.project_fn())
+    return loss.loss(entry.logits(heads, inputs, None))
 
 
-def packed_loss(
-    head_logits: torch.Tensor,
-    targets: torch.Tensor,
-    b: torch.Tensor,
-    t: torch.Tensor,
-    spec: LossSpec,
-    normalizer: torch.Tensor | float,
-    base_logits_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> HeadLossOutput:
-    """The heads' loss at the M positions some head counts, for Medusa-1 and Medusa-2 alike.
+def chunks(spec: LossSpec) -> bool:
+    """Whether the heads' loss projects in chunks: ``spec.loss_chunk_size > 0`` and the type exposes its features
+    and projection (:attr:`~medusa_train.drafters.catalog.DrafterType.projected`)."""
+    return spec.loss_chunk_size > 0 and drafter_type(spec.head_type).projected is not None
 
-    Args:
-        head_logits: ``[K, M, V']`` head logits at positions ``(b[m], t[m])``.
-        targets: ``[K, M]`` long base ids there (:func:`~medusa_train.training.losses.head_targets`; -100: not
-            counted).
+
+@dataclass(frozen=True)
+class HeadTargets:
+    """What the heads' loss at the M positions some head counts needs, for Medusa-1 and Medusa-2 alike.
+
+    Attributes:
+        targets: ``[K, M]`` long base ids at positions ``(b[m], t[m])``
+            (:func:`~medusa_train.training.losses.head_targets`; -100: not counted).
         b, t: ``[M]`` long, the positions' batch rows and time steps.
         spec: loss settings.
         normalizer: the labelled tokens to divide by (see :func:`~medusa_train.training.losses.medusa_head_loss`).
-        base_logits_at: ``(rows [R], cols [R]) -> [R, V']`` base logits there over the head vocabulary, constants
-            (read only for ``soft`` targets: the base's distribution for token t + k + 2 is its logits at t + k + 1).
-
-    Returns:
-        :class:`~medusa_train.training.losses.HeadLossOutput`, equal to the dense loss on the same batch.
+        dists: the base's distributions (read only for ``soft`` targets: the base's distribution for token
+            t + k + 2 is its logits at t + k + 1).
     """
-    base_next = None
-    if spec.target == "soft":
-        k, m = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # the counted rows, head-major
-        base_next = base_logits_at(b[m], t[m] + k + 1)  # [R, V']
-    return packed_head_loss(head_logits, targets, decay=spec.decay, normalizer=normalizer,
-                            token_map=spec.token_map, vocab_size=spec.vocab_size, base_next=base_next)
+
+    targets: torch.Tensor
+    b: torch.Tensor
+    t: torch.Tensor
+    spec: LossSpec
+    normalizer: torch.Tensor | float
+    dists: BaseDistributions
+
+    def _soft_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions of the counted rows' ``soft`` targets, in the rows' (head-major) order."""
+        k, m = (self.targets != IGNORE_INDEX).nonzero(as_tuple=True)
+        return self.b[m], self.t[m] + k + 1
+
+    def loss(self, head_logits: torch.Tensor) -> HeadLossOutput:
+        """The loss from the heads' logits ``[K, M, V']`` held at once (``trainer.loss_chunk_size=0``, or a type
+        without projected features): :func:`~medusa_train.training.losses.packed_head_loss`, equal to the dense
+        loss on the same batch."""
+        spec = self.spec
+        base_next = self.dists.at(*self._soft_rows()) if spec.target == "soft" else None  # [R, V']
+        return packed_head_loss(head_logits, self.targets, decay=spec.decay, normalizer=self.normalizer,
+                                token_map=spec.token_map, vocab_size=spec.vocab_size, base_next=base_next)
+
+    def project_fn(self) -> ProjectFn:
+        """The same loss as a :data:`~medusa_train.drafters.catalog.ProjectFn`: ``(features [K, M, H], weight
+        [V', H] or [K, V', H]) -> HeadLossOutput``, projecting ``spec.loss_chunk_size`` rows at a time
+        (:func:`~medusa_train.training.losses.projected_head_loss`)."""
+        spec = self.spec
+        teacher = self.dists.teacher(*self._soft_rows()) if spec.target == "soft" else None
+
+        def project(features: torch.Tensor, weight: torch.Tensor) -> HeadLossOutput:
+            return projected_head_loss(features, weight, self.targets, decay=spec.decay, normalizer=self.normalizer,
+                                       chunk_size=spec.loss_chunk_size, token_map=spec.token_map,
+                                       vocab_size=spec.vocab_size, teacher=teacher)
+
+        return project
 
 
 def counted_positions(labels: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

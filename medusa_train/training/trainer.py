@@ -96,10 +96,10 @@ class MedusaTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Medusa loss of the heads on one micro-batch (see the module docstring for the normalisation)."""
-        out, head_logits = heads_on_batch(model, self.frozen_base, inputs, self.loss_spec,
-                                          normalizer=num_items_in_batch)
+        out = heads_on_batch(model, self.frozen_base, inputs, self.loss_spec, normalizer=num_items_in_batch)
         loss = self._record_and_scale(out.loss, out, model, inputs, num_items_in_batch)
-        return (loss, {"head_logits": head_logits}) if return_outputs else loss
+        # evaluation reads the loss alone (prediction_loss_only): the heads' logits are never held whole
+        return (loss, {}) if return_outputs else loss
 
     def _record_and_scale(self, loss: torch.Tensor, heads_out: Any, model: nn.Module, inputs: dict[str, Any],
                           num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:

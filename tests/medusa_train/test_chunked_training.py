@@ -1,0 +1,109 @@
+"""Every drafter's training loss through the chunked projection (``trainer.loss_chunk_size``) against the logits
+held at once (``loss_chunk_size=0``): the same loss, gradients and metrics on the recipe's own batches, and the same
+short training run (fp32)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from safetensors.torch import load_file
+
+from medusa_train.drafters.catalog import drafter_type
+from medusa_train.export import read_export_config
+from medusa_train.training.recipe import build_recipe
+from tests.medusa_train.test_eagle3_training import EAGLE3
+from tests.medusa_train.test_medusa2 import joint_overrides
+from tests.medusa_train.test_training import assert_same_heads, compose_train, tiny_inputs, tiny_overrides
+
+__all__ = ["tiny_inputs"]  # the module's fixture
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# drafter -> (overrides, joint): soft and greedy targets, per-head and shared projections, a reduced vocabulary
+DRAFTERS = {
+    "medusa_soft": (["heads.medusa_num_heads=3", "heads.target=soft"], False),
+    "medusa_shared_map": (["heads.share_lm_head=true", "heads.head_vocab_size=64", "heads.target=base_argmax"],
+                          False),
+    "hydra": (["heads=hydra", "heads.medusa_num_heads=2", "heads.target=soft"], False),
+    "eagle3": ([*EAGLE3, "heads.target=base_argmax"], False),
+    "medusa2_lora": (["heads.target=soft"], True),
+}
+
+
+def overrides_for(name: str, model_dir, data, run, chunk: int, **extra) -> list[str]:
+    drafter, joint = DRAFTERS[name]
+    settings = {"trainer.loss_chunk_size": chunk, **extra}
+    base = (joint_overrides if joint else tiny_overrides)(model_dir, data, run, **settings)
+    return [*base, *drafter]
+
+
+def drafter_weights(export) -> dict[str, torch.Tensor]:
+    """The exported drafter's own weights file (its type's, or Medusa's FasterDecoding file)."""
+    entry = drafter_type(read_export_config(export).get("head_type", "medusa"))
+    return load_file(str(export / (entry.weights_file or "medusa_lm_head.safetensors")))
+
+
+def trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_chunked_loss_equals_the_logits_held_at_once_on_the_recipes_batches(name, tiny_inputs, tmp_path):
+    model_dir, data = tiny_inputs
+    recipe = build_recipe(compose_train(overrides_for(name, model_dir, data, tmp_path / "run", 0)))
+    recipe.setup()
+    try:
+        trainer = recipe.trainer
+        model = trainer.model
+        model.train()
+        whole = trainer.loss_spec
+        assert whole.loss_chunk_size == 0
+        chunked = dataclasses.replace(whole, loss_chunk_size=7)
+        for i, batch in enumerate(trainer.get_train_dataloader()):
+            if i == 2:
+                break
+            results = []
+            for spec in (whole, chunked):
+                trainer.loss_spec = spec
+                trainer.head_metrics["train"].reset()
+                model.zero_grad(set_to_none=True)
+                loss = trainer.compute_loss(model, batch)
+                loss.backward()
+                results.append((loss.item(), trainer.head_metrics["train"].sums.clone(),
+                                {n: p.grad.clone() for n, p in trainable(model) if p.grad is not None}))
+            (loss0, sums0, grads0), (loss1, sums1, grads1) = results
+            assert loss1 == pytest.approx(loss0, rel=1e-5)
+            assert torch.equal(sums0[1:], sums1[1:])  # top-1, top-5 hits and counts
+            assert torch.allclose(sums0[0], sums1[0], rtol=1e-5)  # per-head loss sums
+            assert sorted(grads0) == sorted(grads1) and grads0
+            for n in grads0:
+                assert torch.allclose(grads0[n], grads1[n], rtol=1e-4, atol=1e-6), n
+    finally:
+        recipe.cleanup()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_a_short_training_run_gives_the_same_loss_and_heads_chunked_or_not(name, tiny_inputs, tmp_path):
+    model_dir, data = tiny_inputs
+    results = {}
+    for chunk in (0, 5):
+        run = tmp_path / f"chunk{chunk}"
+        summary = build_recipe(compose_train(overrides_for(name, model_dir, data, run, chunk,
+                                                           **{"trainer.max_steps": 4}))).run()
+        results[chunk] = (summary["train_loss"], drafter_weights(run / "export") if not DRAFTERS[name][1] else None)
+    (loss0, heads0), (loss5, heads5) = results[0], results[5]
+    assert loss5 == pytest.approx(loss0, rel=1e-5)
+    if heads0 is not None:
+        assert_same_heads(heads0, heads5)
+
+
+def test_loss_chunk_size_zero_is_off_and_a_negative_one_is_refused_naming_the_field():
+    from medusa_train.config import TrainerConfig
+
+    TrainerConfig(loss_chunk_size=0).validate()
+    with pytest.raises(ValueError, match=r"trainer\.loss_chunk_size.*0: off"):
+        TrainerConfig(loss_chunk_size=-1).validate()
