@@ -108,7 +108,7 @@ def find_fix(target_config: Any, heads_cfg: Any, s: PlanSettings) -> Fix | None:
     share_options = list(sized)
     presets = [s.zero_stage, *(z for z in FIX_PRESETS if z > s.zero_stage)]
     batches = _halvings(s.batch, 1)
-    chunks = _halvings(s.loss_chunk_size, 256)
+    chunks = _halvings(s.loss_chunk_size, 256) if s.loss_chunk_size else [0, 2048]  # off: turning it on is a fix
 
     def attempt(gpus: int, zero: int, share: bool, batch: int, chunk: int) -> Fix:
         changes = []

@@ -41,7 +41,8 @@ class PlanSettings:
         precision: the heads' training precision (``trainer.precision``: fp32, bf16, fp16).
         zero_stage: 0 (``single``/``ddp``: every rank holds the whole trainable state), 1, 2 or 3 (DeepSpeed's
             ``zero_optimization.stage``).
-        loss_chunk_size: rows projected onto the vocabulary at once by the loss (``trainer.loss_chunk_size``).
+        loss_chunk_size: rows projected onto the vocabulary at once by the loss (``trainer.loss_chunk_size``;
+            0: off, every row at once).
         recipe: ``medusa1`` (frozen base) or ``medusa2`` (joint, ``heads.mode``).
         hidden_cache: train from the hidden-state cache (``hidden_cache``): the cache is built first and the
             training stage keeps only the lm_head and embeddings of the base.
@@ -79,9 +80,11 @@ class PlanSettings:
     device_kind: str = "cuda"
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "gpu_bytes", "seq", "batch", "loss_chunk_size", "max_num_seqs"):
+        for name in ("gpus", "gpu_bytes", "seq", "batch", "max_num_seqs"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"memory plan: {name} must be >= 1, got {getattr(self, name)}")
+        if int(self.loss_chunk_size) < 0:
+            raise ValueError(f"memory plan: loss_chunk_size must be >= 0 (0: off), got {self.loss_chunk_size}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"memory plan: zero_stage must be 0-3, got {self.zero_stage}")
         if self.device_kind not in ("cuda", "cpu"):

@@ -196,8 +196,18 @@ def heads_step(target: TargetSizes, heads: HeadsSizes, s: PlanSettings) -> tuple
     tokens = s.batch * s.seq
     return (term("heads activations", tokens * heads.passes * heads.linear_widths, act,
                  f"token-widths ({tokens} tokens x {heads.passes} passes x {heads.linear_widths})"),
-            term("loss logits chunk + grad", 2 * s.loss_chunk_size * heads.out_size, 4,
-                 f"logits (2 x loss_chunk_size {s.loss_chunk_size} x V' {heads.out_size})"))
+            loss_logits(heads, s, tokens))
+
+
+def loss_logits(heads: HeadsSizes, s: PlanSettings, tokens: int) -> Term:
+    """The loss's fp32 logits and their gradient: one chunk of ``loss_chunk_size`` rows at a time, or with
+    ``loss_chunk_size=0`` (off) every head's row of every token at once (``2 x tokens x K x V' x 4``)."""
+    if s.loss_chunk_size == 0:
+        rows = tokens * heads.num_heads
+        return term("loss logits + grad (unchunked)", 2 * rows * heads.out_size, 4,
+                    f"logits (2 x {tokens} tokens x K {heads.num_heads} x V' {heads.out_size})")
+    return term("loss logits chunk + grad", 2 * s.loss_chunk_size * heads.out_size, 4,
+                f"logits (2 x loss_chunk_size {s.loss_chunk_size} x V' {heads.out_size})")
 
 
 def training_stage(target: TargetSizes, heads: HeadsSizes, s: PlanSettings) -> Stage:
