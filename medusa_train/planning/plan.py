@@ -83,8 +83,8 @@ def _halvings(value: int, floor: int) -> list[int]:
     return out
 
 
-FIX_ORDER = ("WORLD_SIZE", "trainer", "heads.share_lm_head", "trainer.per_device_train_batch_size",
-             "trainer.loss_chunk_size")  # which change a fix prefers, among fixes of as many changes
+FIX_ORDER = ("WORLD_SIZE", "trainer", "+trainer.extra.gradient_checkpointing", "heads.share_lm_head",
+             "trainer.per_device_train_batch_size", "trainer.loss_chunk_size")  # which change a fix prefers, among fixes of as many changes
 
 
 def _priority(change: str) -> int:
@@ -93,7 +93,8 @@ def _priority(change: str) -> int:
 
 def find_fix(target_config: Any, heads_cfg: Any, s: PlanSettings) -> Fix | None:
     """The fewest changes among a DeepSpeed preset (:data:`FIX_PRESETS`), ``heads.share_lm_head=true`` (heads
-    that can share it), halving ``trainer.per_device_train_batch_size`` down to 1 and ``trainer.loss_chunk_size``
+    that can share it), gradient checkpointing of Medusa-2's base, halving ``trainer.per_device_train_batch_size``
+    down to 1 and ``trainer.loss_chunk_size``
     down to 256, that make the plan fit on these GPUs; failing that, the smallest power-of-two number of GPUs
     (up to :data:`MAX_FIX_GPUS`) that fits with ZeRO-3 and the fewest other changes. None: nothing fits.
     Fewer changes first, then those leaving :data:`FIX_HEADROOM` of a device free, then the order listed (a preset
@@ -109,20 +110,25 @@ def find_fix(target_config: Any, heads_cfg: Any, s: PlanSettings) -> Fix | None:
     presets = [s.zero_stage, *(z for z in FIX_PRESETS if z > s.zero_stage)]
     batches = _halvings(s.batch, 1)
     chunks = _halvings(s.loss_chunk_size, 256) if s.loss_chunk_size else [0, 2048]  # off: turning it on is a fix
+    checkpointing = [s.gradient_checkpointing] + ([True] if s.recipe == "medusa2" and not s.gradient_checkpointing
+                                                  else [])
 
-    def attempt(gpus: int, zero: int, share: bool, batch: int, chunk: int) -> Fix:
+    def attempt(gpus: int, zero: int, share: bool, batch: int, chunk: int, ckpt: bool) -> Fix:
         changes = []
         if gpus != s.gpus:
             changes.append(f"WORLD_SIZE={gpus}")  # the launcher's: torchrun --nnodes x --nproc_per_node
         if zero != s.zero_stage:
             changes.append(f"trainer={PRESETS[zero]}")
+        if ckpt != s.gradient_checkpointing:
+            changes.append("+trainer.extra.gradient_checkpointing=true")
         if share != heads_cfg.share_lm_head:
             changes.append("heads.share_lm_head=true")
         if batch != s.batch:
             changes.append(f"trainer.per_device_train_batch_size={batch}")
         if chunk != s.loss_chunk_size:
             changes.append(f"trainer.loss_chunk_size={chunk}")
-        new = dataclasses.replace(s, gpus=gpus, zero_stage=zero, batch=batch, loss_chunk_size=chunk)
+        new = dataclasses.replace(s, gpus=gpus, zero_stage=zero, batch=batch, loss_chunk_size=chunk,
+                                  gradient_checkpointing=ckpt)
         cfg = dataclasses.replace(heads_cfg, share_lm_head=share)
         return Fix(tuple(changes), plan_from_sizes(target, sized[share], new, summary_of(target, sized[share], cfg,
                                                                                            new)))
@@ -130,7 +136,8 @@ def find_fix(target_config: Any, heads_cfg: Any, s: PlanSettings) -> Fix | None:
     world = [s.gpus] + [g for g in (2**i for i in range(1, 10)) if s.gpus < g <= MAX_FIX_GPUS]
     for gpus in world:
         zeros = presets if gpus == s.gpus else [3]
-        fits = [f for f in (attempt(gpus, *c) for c in itertools.product(zeros, share_options, batches, chunks))
+        fits = [f for f in (attempt(gpus, *c) for c in itertools.product(zeros, share_options, batches, chunks,
+                                                                                checkpointing))
                 if f.plan.fits]
         if fits:
             return min(fits, key=lambda f: (len(f.changes), f.plan.peak_gpu_bytes > FIX_HEADROOM * f.plan.gpu_capacity,

@@ -56,6 +56,8 @@ class PlanSettings:
         lora_targets: the LoRA target modules (None: ``q_proj, k_proj, v_proj, o_proj``).
         device_kind: ``cuda`` (a GPU per rank) or ``cpu`` (a CPU run: each rank's share of the host's RAM is its
             "device").
+        gradient_checkpointing: Medusa-2's base keeps only its layers' inputs in the forward pass and recomputes the
+            rest in the backward pass (``trainer.extra.gradient_checkpointing``).
         head_vocab_size etc. are the heads config's (:class:`~medusa_train.config.HeadShape`), given beside these.
     """
 
@@ -78,6 +80,7 @@ class PlanSettings:
     lora_r: int | None = 16
     lora_targets: tuple[str, ...] | None = None
     device_kind: str = "cuda"
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpu_bytes", "seq", "batch", "max_num_seqs"):
@@ -129,7 +132,7 @@ def settings_from_config(cfg: TrainConfig, gpus: int, gpu_bytes: int, gpus_per_h
         loss_chunk_size=cfg.trainer.loss_chunk_size, recipe=cfg.heads.mode, hidden_cache=hidden_cache,
         base_placement=cfg.base_placement, self_distill=distill, max_num_seqs=cfg.data.generation_batch_size,
         lora_r=lora_r, lora_targets=tuple(cfg.heads.lora.target_modules) if cfg.heads.lora.target_modules else None,
-        device_kind=device_kind,
+        device_kind=device_kind, gradient_checkpointing=bool(cfg.trainer.extra.get("gradient_checkpointing", False)),
     )
 
 

@@ -210,6 +210,19 @@ def loss_logits(heads: HeadsSizes, s: PlanSettings, tokens: int) -> Term:
                 f"logits (2 x loss_chunk_size {s.loss_chunk_size} x V' {heads.out_size})")
 
 
+def base_activations(target: TargetSizes, s: PlanSettings, tokens: int) -> tuple[Term, ...]:
+    """What Medusa-2's base saves for its backward pass: every linear map's input and output of every layer
+    (``L x tokens x widths x 2 B``), or with gradient checkpointing each layer's input (``L x tokens x H x 2 B``)
+    plus one layer recomputed at a time (``tokens x widths x 2 B``)."""
+    if not s.gradient_checkpointing:
+        return (term("base activations (with grad)", target.num_layers * tokens * target.linear_widths, 2,
+                     f"token-widths ({target.num_layers} layers x {tokens} tokens x {target.linear_widths})"),)
+    return (term("base layer inputs (checkpointed)", target.num_layers * tokens * target.hidden_size, 2,
+                 f"values ({target.num_layers} layers x {tokens} tokens x H)"),
+            term("one base layer recomputed", tokens * target.linear_widths, 2,
+                 f"token-widths ({tokens} tokens x {target.linear_widths})"))
+
+
 def training_stage(target: TargetSizes, heads: HeadsSizes, s: PlanSettings) -> Stage:
     """Training, per GPU: the heads' state (:func:`trainable_state`), their step (:func:`heads_step`) and what they
     read of the base, plus :func:`reserve`.
@@ -237,8 +250,7 @@ def training_stage(target: TargetSizes, heads: HeadsSizes, s: PlanSettings) -> S
             width = sum(target.lora_widths.get(n, 0) for n in names)
             lora = s.lora_r * width * target.num_layers
             gpu += trainable_state(lora, s.lora_r * max(target.lora_widths.values()), s, "LoRA")
-        gpu += [term("base activations (with grad)", target.num_layers * tokens * target.linear_widths, 2,
-                     f"token-widths ({target.num_layers} layers x {tokens} tokens x {target.linear_widths})"),
+        gpu += [*base_activations(target, s, tokens),
                 term("base loss logits", tokens * target.vocab_size, 4, f"logits ({tokens} tokens x V)")]
     elif s.hidden_cache:
         gpu += [term("base lm_head + embeddings", target.embed + target.lm_head, b, "params"),

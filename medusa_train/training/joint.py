@@ -193,6 +193,25 @@ class JointMedusaModel(nn.Module):
     def spec(self):  # the heads' HeadsSpec, as on MedusaHeads (MedusaTrainer reads model.spec)
         return self.heads.spec
 
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict[str, Any] | None = None,
+                                        **options: Any) -> None:
+        """The HF Trainer's hook for ``+trainer.extra.gradient_checkpointing=true``: the base's decoder layers keep
+        only their inputs and recompute the rest in the backward pass (transformers' own checkpointing, ``options``
+        such as ``every_n_layers`` passed on; the heads, one block each, are not checkpointed). Non-reentrant by
+        default, so gradients reach the LoRA adapters through a frozen embedding. What it saves at 70B:
+        ``docs/scale.md``."""
+        kwargs = {"use_reentrant": False, **(activation_checkpointing_kwargs or {})}
+        base = self.base
+        if hasattr(base, "activation_checkpointing_enable"):
+            base.activation_checkpointing_enable(kwargs, **options)
+        else:  # transformers before 5.2x (the GPU image's 5.17): the older name
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict[str, Any] | None = None,
+                                      **options: Any) -> None:
+        """:meth:`activation_checkpointing_enable` under the name older Trainers call (transformers 5.17)."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **options)
+
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``; with ``strict=False``, a checkpoint of the trainable weights (the HF
         Trainer resumes from one so): every trainable parameter and nothing else, checked before anything is copied;

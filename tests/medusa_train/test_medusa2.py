@@ -224,6 +224,22 @@ def test_export_holds_the_merged_base_and_decodes_like_it(lora_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_gradient_checkpointing_of_the_base_trains_the_same_heads_and_adapters(tiny_inputs, tmp_path):
+    """+trainer.extra.gradient_checkpointing=true (the memory plan's fix for a 70B Medusa-2): the base's layers are
+    recomputed in the backward pass, so the trained weights equal those of a run that kept every activation."""
+    model_dir, data = tiny_inputs
+    runs = {}
+    for name, extra in (("plain", {}), ("ckpt", {"+trainer.extra.gradient_checkpointing": "true"})):
+        recipe = build_recipe(compose_train(joint_overrides(model_dir, data, tmp_path / name, **extra)))
+        recipe.run()
+        if extra:
+            assert recipe.trainer.model.base.is_gradient_checkpointing
+        runs[name] = {n: p.detach().clone() for n, p in recipe.trainer.model.named_parameters() if p.requires_grad}
+    assert sorted(runs["plain"]) == sorted(runs["ckpt"]) and any("lora" in n for n in runs["plain"])
+    for n, p in runs["plain"].items():
+        torch.testing.assert_close(runs["ckpt"][n], p, atol=1e-6, rtol=1e-5, msg=n)
+
+
 def test_crashed_joint_run_resumes_to_the_same_heads_and_base(tiny_inputs, tmp_path):
     model_dir, data = tiny_inputs
     build_recipe(compose_train(joint_overrides(model_dir, data, tmp_path / "whole"))).run()

@@ -103,6 +103,21 @@ def test_70b_medusa1_and_eagle3_fit_8_gpus_of_80_gib_at_seq_4096_with_the_planne
     assert eagle.plan.stage("cache_build").choices["bytes_per_token"] == 4 * 8192 * 2 + 24
 
 
+def test_70b_medusa2_with_zero3_and_lora_fits_8_gpus_of_80_gib_once_the_base_is_checkpointed(llama70b):
+    s = PlanSettings(gpus=8, gpu_bytes=80 * GIB, seq=4096, zero_stage=3, recipe="medusa2", hidden_cache=False)
+    heads = heads_preset("medusa1")
+    plain = build_plan(llama70b, heads, s)
+    # every linear map's input and output of 80 layers at 8 x 4096 tokens: 790 GiB
+    acts = plain.stage("training").gpu
+    assert [p[0].name for p in plain.problems()] == ["training"]
+    checkpointed = build_plan(llama70b, heads, PlanSettings(**{**s.__dict__, "gradient_checkpointing": True}))
+    terms = {t.name: t.bytes for t in checkpointed.stage("training").gpu}
+    assert terms["base layer inputs (checkpointed)"] == 80 * 8 * 4096 * 8192 * 2  # L x tokens x H x 2 B
+    assert "base activations (with grad)" in {t.name for t in acts}
+    fix = find_fix(llama70b, heads, s)
+    assert fix is not None and "+trainer.extra.gradient_checkpointing=true" in fix.changes and fix.plan.fits
+
+
 def test_70b_on_one_80_gib_gpu_does_not_fit_and_the_stages_are_named(llama70b):
     s = PlanSettings(gpus=1, gpu_bytes=80 * GIB, seq=4096, self_distill=True, zero_stage=3)
     plan = build_plan(llama70b, heads_preset("medusa1"), s)
