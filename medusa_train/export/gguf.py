@@ -26,7 +26,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from medusa_train.atomic import fsync_dir
+from medusa_train.atomic import atomic_write
 from medusa_train.export.files import read_json, sha256_files, write_json
 from medusa_train.export.speculators import CONFIG_FILE, SPECULATORS_DIR, WEIGHTS_FILE
 from medusa_train.paths import REPO_ROOT
@@ -195,17 +195,15 @@ def export_eagle3_gguf(export_dir: str | os.PathLike[str], target_model_dir: str
         if all(previous.get(key) == value for key, value in record.items()):
             return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
+
+    def convert(tmp: Path) -> None:
         proc = subprocess.run([*command, str(folder), "--target-model-dir", str(target), "--outfile", str(tmp),
                                "--outtype", outtype], capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not tmp.is_file():
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
             raise RuntimeError(f"llama.cpp's converter failed on {folder} (exit {proc.returncode}):\n{tail}")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(out.parent)
+
+    atomic_write(out, convert)
     write_json(record_path, {**record, "target_model_dir": str(target)})
     return out
 
