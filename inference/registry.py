@@ -23,6 +23,7 @@ from inference.decoders.medusa import ACCEPTANCE, POSTERIOR_ALPHA, POSTERIOR_THR
 from inference.proposers.prompt_lookup import LOOKUP_LENGTH, MAX_MATCHING_NGRAM_SIZE
 from inference.tree import TOPK
 from inference.draft_loading import DraftConfig
+from inference.engines.llamacpp_server import REPACK as LLAMACPP_REPACK
 from medusa_train.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
 
 
@@ -260,10 +261,14 @@ class LlamaCppSettings:
     Attributes:
         ctx_size: context tokens the server reserves (prompt + reply + drafted chain must fit).
         target_gguf: the target's GGUF; None: the model config's (``format: gguf``: ``name_or_path/gguf_file``).
+        repack: llama.cpp's weight repacking for the CPU's wide instructions (``--repack``); off by default
+            (:data:`inference.engines.llamacpp_server.REPACK`: it segfaults at start on the AMX Xeon here); ``true``
+            where it runs.
     """
 
     ctx_size: int = field(default=4096, metadata=bound(1, cap=MAX_TOKENS))
     target_gguf: Optional[str] = None
+    repack: bool = LLAMACPP_REPACK
 
     def validate(self) -> None:
         return None
@@ -587,10 +592,11 @@ def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "
     # Timed beside ours: as many compute threads as our decoders on a CPU, stopped between its turns.
     threads = torch.get_num_threads() if ctx.model.base.device.type == "cpu" else None
     server = LlamaServer(target, draft, draft_max=max(draft_max, 1), draft_p_min=getattr(settings, "draft_p_min", None),
-                         threads=threads or torch.get_num_threads(), ctx_size=settings.ctx_size, pause_when_idle=True)
+                         threads=threads or torch.get_num_threads(), ctx_size=settings.ctx_size, pause_when_idle=True,
+                         repack=settings.repack)
     info = {"engine": f"llama.cpp {server.info['version']}", "engine_model": target,
             "engine_start_s": server.info["start_s"], "engine_log": server.info["log"], "compute_threads": threads,
-            "paused_between_turns": True, **info}
+            "paused_between_turns": True, "repack": settings.repack, **info}
     return BuiltDecoder(LlamaCppDecoder(server, name, settings.ctx_size, draft_max), info)
 
 

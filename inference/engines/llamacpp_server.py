@@ -84,6 +84,11 @@ def counter_difference(after: dict[str, Any], before: dict[str, Any]) -> dict[st
                                                       pad(before["accepted_per_pos"]))]}
 
 
+# llama.cpp's weight repacking for wide CPU instructions (on in llama.cpp by default) is off: build 11434 segfaults at
+# start with it on the Intel Xeon with AMX this project's machines include (SmolLM2's Q4_1 GGUF, 2026-12-04).
+REPACK = False
+
+
 class LlamaServer:
     """One ``llama-server`` on a free local port, plain or with an EAGLE-3 drafter, until :meth:`close` (the decoder
     closes it; ``contextlib.closing`` for a ``with`` block; the reaper kills it if our process dies first).
@@ -97,6 +102,7 @@ class LlamaServer:
         threads: compute threads of the target and of the drafter (``-t``, ``-tb``, ``-td``, ``-tbd``).
         ctx_size: context tokens (prompt + reply + drafts).
         pause_when_idle: stop the server between requests (see the module docstring).
+        repack: llama.cpp's weight repacking (``--repack`` / ``--no-repack``; default :data:`REPACK`).
         start_timeout: seconds to wait for the server to load both models.
         log_path: where its output goes (default: a temporary file, named in errors).
 
@@ -107,7 +113,7 @@ class LlamaServer:
 
     def __init__(self, model_gguf: str | os.PathLike[str], draft_gguf: str | os.PathLike[str] | None = None,
                  draft_max: int = 3, draft_p_min: float | None = None, threads: int = 1, ctx_size: int = 4096,
-                 pause_when_idle: bool = False, start_timeout: float = 300.0,
+                 pause_when_idle: bool = False, repack: bool = REPACK, start_timeout: float = 300.0,
                  log_path: str | os.PathLike[str] | None = None) -> None:
         binary = llamacpp_binary(SERVER_BINARY)
         self.port = free_port()
@@ -117,7 +123,7 @@ class LlamaServer:
         self._paused = False
         command = [str(binary), "-m", str(model_gguf), "--host", "127.0.0.1", "--port", str(self.port),
                    "-c", str(ctx_size), "-np", "1", "-t", str(threads), "-tb", str(threads), "--metrics",
-                   "--no-webui", "--seed", "0"]
+                   "--no-webui", "--seed", "0", "--repack" if repack else "--no-repack"]
         if draft_gguf is not None:
             command += ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft_max),
                         "--spec-draft-n-min", "0", "-td", str(threads), "-tbd", str(threads)]
