@@ -151,8 +151,9 @@ def cache_build_stage(target: TargetSizes, heads: HeadsSizes, s: PlanSettings) -
             term("rows on their way to disk", s.per_host * s.batch * s.seq, row, "tokens (a batch per rank)"))
     disk = () if s.tokens is None else (term("hidden cache", s.tokens, row,
                                              f"tokens ({n_feat} x H x {b} B + {TOKEN_KEY_BYTES} B each)"),)
-    notes = ("the cache must be streamed to disk in shards: a rank that held its whole shard in RAM would need "
-             f"{(s.tokens or 0) * row / s.gpus / GIB:.1f} GiB" + ("" if s.tokens else " (give tokens)"),)
+    notes = ("the cache streams to disk one batch at a time in sealed blocks of rows (hidden_cache.py); holding a "
+             f"rank's whole share in RAM would take {(s.tokens or 0) * row / s.gpus / GIB:.1f} GiB"
+             + ("" if s.tokens else " (give tokens)"),)
     return Stage("cache_build", gpu=gpu, host=host, disk=disk, notes=notes,
                  choices={"base_placement": placement, "bytes_per_token": row})
 
