@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, TrainerCallback, TrainingArguments, set_seed
 
 from medusa_train.config import ModelConfig, TrainConfig, as_dataclass
@@ -71,6 +72,7 @@ from medusa_train.training.base_placement import (
     start_zero3_engine,
     zero3_inference_config,
 )
+from medusa_train.disk_space import require_free
 from medusa_train.training.callbacks import (
     DiscardOverwritten,
     Preempted,
@@ -377,11 +379,31 @@ class BaseRecipe:
                         head_type=heads.spec.head_type, features=type_of(heads).feature_names(heads.spec),
                         loss_chunk_size=self.cfg.trainer.loss_chunk_size)
 
-    def prepare_folder(self) -> None:
-        """The run is known to start: only now is the folder changed (main process), then every rank waits."""
+    def prepare_folder(self, trained: nn.Module) -> None:
+        """The run is known to start: only now is the folder changed (main process), after :meth:`check_disk` for
+        the ``trained`` module's checkpoints and export; then every rank waits."""
         if self.env.is_main:
+            self.check_disk(trained)
             prepare_output_dir(self.paths, self.resolved, self.cfg.overwrite, resume=self.cfg.resume)
         self.barrier()
+
+    def check_disk(self, trained: nn.Module) -> None:
+        """Room in ``output_dir`` for two checkpoints (the one being written beside the last sealed one: the trainable
+        weights in their dtype and Adam's fp32 m and v, 8 B a parameter) and the export (fp32, up to three layouts:
+        ours, FasterDecoding's ``.pt``, ``vllm/``). A lower bound: a base saved with the export (Medusa-2) and
+        checkpoints beyond ``trainer.save_total_limit`` are not counted.
+
+        Raises:
+            DiskSpaceError: the bytes needed and free named, before the folder changes or training starts.
+        """
+        trainable = [p for p in trained.parameters() if p.requires_grad]
+        count = sum(p.numel() for p in trainable)
+        checkpoint = sum(p.numel() * p.element_size() for p in trainable) + 8 * count
+        export = 3 * 4 * count
+        require_free(self.paths.root, 2 * checkpoint + export,
+                     f"two checkpoints ({checkpoint:,} bytes each: {count:,} trainable parameters and their Adam "
+                     f"state) and the export ({export:,} bytes)",
+                     "free space there or choose another output_dir", prefix="output_dir: ")
 
     def trainer_kwargs(self, args: TrainingArguments, train_set: Any, eval_set: Any) -> dict[str, Any]:
         """The :class:`MedusaTrainer` arguments both flows give: datasets, collator, callbacks

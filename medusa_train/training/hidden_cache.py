@@ -45,7 +45,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +60,7 @@ from torch import nn
 from medusa_train.atomic import atomic_write, atomic_write_text
 from medusa_train.blocks import block_count, block_rows, check_block_size, check_rank
 from medusa_train.checksums import file_sha256
+from medusa_train.disk_space import DiskSpaceError, require_free
 from medusa_train.data.collate import Collator
 from medusa_train.features import FINAL, check_feature_layers, count_layers, feature_layer, target_features
 from medusa_train.safetensors_stream import SafetensorsStream, TensorPlan, planned_size
@@ -141,7 +141,7 @@ def piece_key(key: str, piece: int) -> str:
     return f"{key}.{piece:05d}"
 
 
-class CacheSpaceError(OSError):
+class CacheSpaceError(DiskSpaceError):
     """The cache folder's file system has less room than the blocks still to build need."""
 
 
@@ -243,13 +243,8 @@ def check_disk_space(folder: Path, needed: int, what: str) -> None:
     """Raises:
         CacheSpaceError: ``folder``'s file system has fewer than ``needed`` bytes free (both named, with ``what``
             they are for and the ways out)."""
-    free = shutil.disk_usage(folder).free
-    if needed > free:
-        raise CacheSpaceError(
-            f"hidden cache: {folder} needs {needed:,} bytes ({needed / 2**30:.2f} GiB) for {what} but its file "
-            f"system has {free:,} bytes ({free / 2**30:.2f} GiB) free; free space there, point hidden_cache_dir at a "
-            "larger shared disk, or train without the cache (hidden_cache=false)"
-        )
+    require_free(folder, needed, what, "free space there, point hidden_cache_dir at a larger shared disk, or train "
+                 "without the cache (hidden_cache=false)", error=CacheSpaceError, prefix="hidden cache: ")
 
 
 def ranks_max(value: int, device: torch.device | str) -> int:

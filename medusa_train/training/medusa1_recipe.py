@@ -62,7 +62,7 @@ class Medusa1Recipe(BaseRecipe):
         if self.cfg.hidden_cache:
             train_set, eval_set = self.cached_datasets(data, args.per_device_eval_batch_size, heads)
         self.eval_set = eval_set
-        self.prepare_folder()
+        self.prepare_folder(heads)
         self.trainer = MedusaTrainer(model=heads, frozen_base=self.frozen_base,
                                      **self.trainer_kwargs(args, train_set, eval_set))
 

@@ -125,7 +125,7 @@ class Medusa2Recipe(BaseRecipe):
         self.loss_spec = self.loss_spec_for(heads)
         self.collator: Any = Collator.from_tokenizer(self.tokenizer)
         self.eval_set = data.eval
-        self.prepare_folder()
+        self.prepare_folder(heads)
         model = JointMedusaModel(prepare_base(self.base, self.cfg.heads), heads)
         self.trainer = JointTrainer(model=model, joint_spec=JointSpec.of(self.cfg.heads, self.cfg.base_loss),
                                     **self.trainer_kwargs(args, data.train, data.eval))
