@@ -108,17 +108,18 @@ def test_sigterm_is_forwarded_to_the_training_step_and_the_job_requeued(tmp_path
     env = sbatch_env(tmp_path)
     overrides = tiny_overrides(model_dir, data, out, **CPU, **{"trainer.max_steps": 100000})
     proc = subprocess.Popen(["bash", str(SBATCH), *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while not (out / "checkpoints" / "checkpoint-4").is_dir():  # training is under way
+        # training is under way: any checkpoint (older ones are rotated away, so a given step may never be seen)
+        while not any((out / "checkpoints").glob("checkpoint-*")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
-            time.sleep(1)
+            time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)  # what --signal=B:TERM@120 does before the time limit
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # the script, srun, torchrun and the ranks
     assert proc.returncode == 143, err[-4000:]
     assert "SIGTERM (time limit or preemption): stopping the training step" in err
     assert "scontrol requeue 4242" in (tmp_path / "stub.log").read_text()
