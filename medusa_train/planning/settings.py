@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from medusa_train.config import TrainConfig
+from medusa_train.precision import parse_dtype
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 # trainer.strategy / trainer presets -> the ZeRO stage the plan divides by (0: every rank holds everything)
 PRESET_STAGES = {"single": 0, "ddp": 0, "deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3}
 
@@ -21,9 +21,9 @@ def dtype_bytes(name: str, field: str = "dtype") -> int:
         ValueError: an unknown name (``field`` named).
     """
     try:
-        return DTYPE_BYTES[str(name).removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"{field}={name!r}: plan for one of {sorted(DTYPE_BYTES)}") from None
+        return parse_dtype(str(name).removeprefix("torch.")).itemsize
+    except ValueError as e:
+        raise ValueError(f"{field}={name!r}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -136,4 +136,4 @@ def settings_from_config(cfg: TrainConfig, gpus: int, gpu_bytes: int, gpus_per_h
     )
 
 
-__all__ = ["DTYPE_BYTES", "PRESET_STAGES", "PlanSettings", "dtype_bytes", "settings_from_config", "zero_stage_of"]
+__all__ = ["PRESET_STAGES", "PlanSettings", "dtype_bytes", "settings_from_config", "zero_stage_of"]

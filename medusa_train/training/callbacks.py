@@ -23,12 +23,12 @@ import os
 import signal
 from typing import Any
 
-import torch
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from medusa_train.training import checkpoints
+from medusa_train.training.process_group import ranks_max
 from medusa_train.training.run_dir import RunPaths, discard_overwritten
 
 log = logging.getLogger(__name__)
@@ -175,16 +175,8 @@ class StopOnSignal(TrainerCallback):
                     signal.Signals(signum).name)
         self.received = signum
 
-    def _agreed(self, args: TrainingArguments) -> int:
-        flag = self.received
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            t = torch.tensor([flag], device=args.device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            flag = int(t.item())
-        return flag
-
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
-        signum = self._agreed(args)
+        signum = ranks_max(self.received, args.device)  # ranks may get the signal a step apart
         if signum and state.global_step < state.max_steps:
             self.received = signum
             self.stopped_at = state.global_step

@@ -53,7 +53,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
@@ -65,6 +64,7 @@ from medusa_train.data.collate import Collator
 from medusa_train.features import FINAL, check_feature_layers, count_layers, feature_layer, target_features
 from medusa_train.safetensors_stream import SafetensorsStream, TensorPlan, planned_size
 from medusa_train.training.base_placement import gathered
+from medusa_train.training.process_group import ranks_max
 from medusa_train.training.step import FrozenBase, feature_key
 
 log = logging.getLogger(__name__)
@@ -245,16 +245,6 @@ def check_disk_space(folder: Path, needed: int, what: str) -> None:
             they are for and the ways out)."""
     require_free(folder, needed, what, "free space there, point hidden_cache_dir at a larger shared disk, or train "
                  "without the cache (hidden_cache=false)", error=CacheSpaceError, prefix="hidden cache: ")
-
-
-def ranks_max(value: int, device: torch.device | str) -> int:
-    """The largest ``value`` over all ranks (an all-reduce; ``value`` itself without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    on = device if dist.get_backend() == "nccl" else "cpu"
-    total = torch.tensor([value], dtype=torch.int64, device=on)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX)
-    return int(total.item())
 
 
 def _base_forward(base: FrozenBase, batch: dict[str, torch.Tensor], layers: list[int],

@@ -80,3 +80,13 @@ def explain_timeout(timeout_minutes: float) -> Iterator[None]:
             f"collective ({e}). Another rank is slower (self-distillation, the hidden-state cache or tokenization "
             "on one rank while the others wait) or has failed (see its log): raise trainer.timeout_minutes if the "
             "wait is expected") from e
+
+
+def ranks_max(value: int, device: torch.device | str) -> int:
+    """The largest ``value`` over all ranks (an all-reduce; ``value`` itself without a process group)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    on = device if torch.distributed.get_backend() == "nccl" else "cpu"
+    total = torch.tensor([value], dtype=torch.int64, device=on)
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+    return int(total.item())
