@@ -49,30 +49,8 @@ eval_tokens="${QUICKSTART_EVAL_TOKENS:-64}"
 run_eval="${QUICKSTART_EVAL:-true}"
 head_vocab="${QUICKSTART_HEAD_VOCAB:-4096}"
 tune_prompts="${QUICKSTART_TUNE_PROMPTS:-64}"
-resumes() {  # resumes DIR: true when DIR holds what a killed run of it left (checkpoints, export, replies)
-  [[ -d "$1/checkpoints" || -d "$1/export" || -d "$1/self_distill" ]] && echo true || echo false
-}
-vllm_venv="${MEDUSA_VLLM_VENV:-$root/.venv-vllm}"
-vllm_ready=false
-[[ -f "$vllm_venv/.medusa-vllm-installed" ]] && vllm_ready=true
-engine="${QUICKSTART_DISTILL_ENGINE:-auto}"
-[[ "$engine" == auto ]] && { engine=hf; [[ "$vllm_ready" == true ]] && engine=vllm; }
-distill_dtype="${QUICKSTART_DISTILL_DTYPE:-auto}"
-distill=(data.self_distill_engine="$engine")
-[[ "$engine" == vllm ]] && distill+=(data.self_distill_dtype="$distill_dtype")
-echo "== self-distillation engine: $engine ($([[ "$engine" == vllm ]] && echo "dtype $distill_dtype" || echo "the fp32 training model"))" \
-  "$([[ "$vllm_ready" == true ]] || echo "- vLLM's environment is not installed: bash launch/install_vllm.sh makes it")"
-
-# the data and trainer settings both drafters train with (the EAGLE-3 run reads the Medusa run's replies)
-train=(model=smollm2_135m model.dtype=float32 data=sharegpt data.self_distill=true "${distill[@]}"
-       data.max_conversations="$conversations" data.max_prompt_tokens=128 data.max_new_tokens=192
-       data.generation_batch_size=128 data.eval_fraction=0.03 max_length=320 hidden_cache=true
-       heads.head_vocab_size="$head_vocab" trainer=cpu trainer.precision=fp32 trainer.learning_rate=2e-3
-       trainer.num_train_epochs="$epochs" trainer.per_device_train_batch_size=8 trainer.save_steps=100)
-# 8 timed prompts: on 4, the composite tree's splits differed by less than their noise (2026-12-02, a fresh clone)
-tune=(dtype="$dtype" prompts.num_prompts="$tune_prompts" max_new_tokens=96 latency_sizes='[1,2,4,8,12,16,24,32]'
-      max_nodes=31 repeats=3 timed_prompts=8)
-evaluate=(prompts=mt_bench per_category=1 max_turns=1 max_new_tokens="$eval_tokens" dtype="$dtype")
+distill_choice="${QUICKSTART_DISTILL_ENGINE:-auto}" distill_dtype="${QUICKSTART_DISTILL_DTYPE:-auto}" precision=fp32
+source "$root/launch/recipe_settings.sh"  # train, tune, evaluate: the settings shared with launch/recipe_scale.sh
 
 if [[ "$drafter" != eagle3 ]]; then
   echo "== medusa 1/3 medusa-train: SmolLM2-135M-Instruct, replies self-distilled for the short first turns of $conversations ShareGPT conversations -> $out/export"
@@ -86,7 +64,7 @@ if [[ "$drafter" != medusa ]]; then
   medusa-train "${train[@]}" heads=eagle3 data.self_distill_dir="$out/self_distill" output_dir="$out/eagle3" \
     resume="$(resumes "$out/eagle3")"
   echo "== eagle3 2/3 medusa-tune-tree: static and dynamic trees on this CPU (dtype=$dtype, as decoded)"
-  medusa-tune-tree export_dir="$out/eagle3/export" "${tune[@]}" 'dynamic_depths=[3,5]' 'dynamic_topks=[8]'
+  medusa-tune-tree export_dir="$out/eagle3/export" "${tune[@]}" "${tune_eagle3[@]}"
 fi
 
 if [[ "$run_eval" != true ]]; then

@@ -270,13 +270,14 @@ def self_distill(
             _append(path, [{**r, CHECKSUM_KEY: record_checksum(r)} for r in migrate])
             stats.migrated += len(migrate)
 
-    if generate is None:
+    own_model = generate is None  # else an engine generates: ``model`` may be a stand-in with only a config
+    if own_model:
         def generate(prompts: list[list[int]], n: int, stops: set[int]) -> list[tuple[list[int], bool]]:
             return greedy_generate(model, prompts, n, pad_id, stops)
 
+        was_training = model.training
+        model.eval()
     bar = tqdm(total=len(pending), desc="self-distill", disable=rank != 0 or not show_progress)
-    was_training = model.training
-    model.eval()
     try:
         # as many batches as batch_size asks for, of even size: 520 prompts in 128s go as 5 x 104, not as
         # 4 x 128 and a last batch of 8 that decodes alone
@@ -296,7 +297,8 @@ def self_distill(
                 _append(block_path(output_path, b), records)
             bar.update(len(batch))
     finally:
-        model.train(was_training)
+        if own_model:
+            model.train(was_training)
         bar.close()
     if stats.migrated:
         logger.info("%s: %d replies copied from an earlier version's files (%s)", output_path, stats.migrated,

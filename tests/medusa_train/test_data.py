@@ -731,6 +731,16 @@ def test_self_distill_blocks_written_by_two_ranks_are_all_reused_by_one(tiny_mod
     assert engine.asked == []  # three ranks: nothing to generate either
 
 
+def test_an_engine_generates_for_a_stand_in_that_has_only_the_config(tiny_model, tok, tmp_path):
+    # vLLM self-distillation runs before the base loads: medusa-train passes a stand-in with the config and dtype only
+    import types
+
+    stand_in = types.SimpleNamespace(config=tiny_model.config, dtype=torch.float32)
+    engine = CountingEngine()
+    stats = distill_blocks(stand_in, tok, tmp_path / "sd.jsonl", engine)
+    assert stats.generated == 7 and len(engine.asked) == 7
+
+
 def test_self_distill_copies_an_earlier_versions_rank_files_into_the_blocks(tiny_model, tok, tmp_path):
     from medusa_train.data.self_distill import _record, record_id
 
