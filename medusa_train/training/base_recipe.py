@@ -489,13 +489,17 @@ class BaseRecipe:
     def training_record(self) -> dict[str, Any]:
         """The ``training`` entry of the export's config (a flow adds its settings); ``memory`` holds the memory
         plan's peak per device and, on CUDA, ``torch.cuda.max_memory_allocated`` after training (bytes; None where
-        not planned or not measured)."""
+        not planned or not measured); ``data`` the data's counts (:meth:`PreparedData.record`: labelled tokens,
+        skips); ``train_runtime_s`` the Trainer's seconds in this process (a resumed run: since ``resumed_from``)."""
         cfg = self.cfg
         return {"target": cfg.heads.target, "loss_decay": cfg.heads.loss_decay, "data_source": cfg.data.source,
                 "self_distill": cfg.data.self_distill, "max_length": cfg.max_length,
                 "global_step": self.summary.get("global_step"), "seed": cfg.seed, "mode": cfg.heads.mode,
                 "memory": {"planned_peak_device_bytes": self.summary.get("planned_peak_device_bytes"),
-                           "measured_peak_device_bytes": self.summary.get("peak_device_memory_bytes")}}
+                           "measured_peak_device_bytes": self.summary.get("peak_device_memory_bytes")},
+                "data": self.data.record() if getattr(self, "data", None) is not None else None,
+                "train_runtime_s": (self.summary.get("train_metrics") or {}).get("train_runtime"),
+                "resumed_from": self.summary.get("resumed_from")}
 
     def write_export(self, heads: DraftHeads, table: dict[str, Any] | None, *, base_name: str,
                      model_cfg: ModelConfig, base_model: Any, extra: dict[str, Any] | None = None,

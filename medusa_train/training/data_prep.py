@@ -66,6 +66,16 @@ class PreparedData:
     load: LoadStats | None = None
     no_reply: int = 0
 
+    def record(self) -> dict[str, Any]:
+        """The counts the export's ``training.data`` record keeps (JSON-ready): conversations given to tokenization,
+        kept in each split, skipped by reason, cut at ``max_length``, left without a self-distilled reply, and the
+        input and labelled tokens over both splits."""
+        stats = self.stats
+        return {"conversations": self.conversations, "train_conversations": len(stats.train_indices),
+                "eval_conversations": len(stats.eval_indices), "skipped": dict(stats.skipped),
+                "at_max_length": stats.at_max_length, "no_reply": self.no_reply, "tokens": stats.tokens,
+                "labelled_tokens": stats.label_tokens}
+
 
 def check_data_source(data: DataConfig) -> None:
     """The data files exist and can be read (no model, nothing parsed): run before anything else.
