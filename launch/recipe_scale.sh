@@ -13,7 +13,8 @@
 # field trains 2-3 epochs on 500k samples), SCALE_HEAD_VOCAB (4096: the head / draft vocabulary), SCALE_TTT_STEPS
 # (EAGLE-3's training-time-test steps; empty: the preset's), SCALE_PRECISION (trainer.precision; auto: bf16 where the
 # CPU has bf16 instructions), SCALE_DTYPE (auto: the dtype the tree is tuned in), SCALE_DISTILL_ENGINE (vllm; hf
-# generates with the fp32 training model, much slower), MEDUSA_VLLM_VENV (.venv-vllm).
+# generates with the fp32 training model, much slower), SCALE_TAG (appended to the run folder's name: a cell with other
+# settings), MEDUSA_VLLM_VENV (.venv-vllm).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -51,7 +52,7 @@ bash launch/install.sh
 venv="${MEDUSA_VENV:-$root/.venv}"
 export PATH="$venv/bin:$PATH" WANDB_MODE="${WANDB_MODE:-offline}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 source "$root/launch/recipe_settings.sh"
-run="$out/$drafter-$size"
+run="$out/$drafter-$size${SCALE_TAG:+-$SCALE_TAG}"  # SCALE_TAG: a cell with other settings, in its own folder
 echo "== $drafter x$size 1/2 medusa-train: $conversations ShareGPT conversations read, replies in $out/replies-$size, $epochs epochs -> $run/export"
 if [[ -f "$run/trained.stamp" && -f "$run/export/config.json" ]]; then  # a finished run is not trained again
   echo "   done ($run/export)"

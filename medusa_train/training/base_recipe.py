@@ -498,6 +498,8 @@ class BaseRecipe:
                 "memory": {"planned_peak_device_bytes": self.summary.get("planned_peak_device_bytes"),
                            "measured_peak_device_bytes": self.summary.get("peak_device_memory_bytes")},
                 "data": self.data.record() if getattr(self, "data", None) is not None else None,
+                "num_train_epochs": cfg.trainer.num_train_epochs, "max_steps": cfg.trainer.max_steps,
+                "precision": cfg.trainer.precision,
                 "train_runtime_s": (self.summary.get("train_metrics") or {}).get("train_runtime"),
                 "resumed_from": self.summary.get("resumed_from")}
 

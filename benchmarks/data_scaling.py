@@ -1,0 +1,298 @@
+"""The data-scaling table: Medusa, Hydra and EAGLE-3 trained on 1x, 4x and 16x regenerated data, side by side.
+
+    nohup python benchmarks/data_scaling.py --cells medusa:1 hydra:1 eagle3:1 medusa:4 --commit > runs/scale/log &
+    python benchmarks/data_scaling.py --render       # docs/data-scaling.md and the plot again, from the JSON
+
+A cell is ``DRAFTER:SIZE`` (``medusa``, ``hydra`` or ``eagle3``; SIZE a multiple of the quickstart's 700 ShareGPT
+conversations), optionally ``:vocab=N`` (the head / draft vocabulary) and ``:ttt=K`` (EAGLE-3's training-time-test
+steps). For each cell, in order:
+
+1. ``bash launch/recipe_scale.sh DRAFTER SIZE``: regenerated replies (shared by the drafters of a size), training,
+   export and the tree tuned on this CPU (every step resumes after a kill, a finished one is not redone);
+2. three ``medusa-eval`` runs on the export (each resumes): MT-Bench first turns (``--per-category`` of each of its 8
+   categories, in the dtype the tree was tuned in) with our tree decoder beside plain decoding, and vLLM plain and
+   with the drafter where vLLM serves it (Medusa, EAGLE-3; its mean acceptance length); the Spec-Bench set the same
+   way with ours; the fp32 exactness check (MT-Bench, one prompt a category, greedy, fp32);
+3. the cell's record appended to ``docs/data-scaling.json`` (atomic), ``docs/data-scaling.md`` and
+   ``docs/figures/data-scaling.png`` rewritten; with ``--commit`` those files committed (nothing else).
+
+A cell already in the JSON is never run again (delete its object to redo it). Timed steps run alone only if nothing
+else runs on the machine: each record keeps the load average before and after, and the CPU's flags and model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from medusa_train.atomic import atomic_write_text  # noqa: E402
+from medusa_train.precision import cpu_flags  # noqa: E402
+
+DRAFTERS = ("medusa", "hydra", "eagle3")
+VLLM_DECODER = {"medusa": "vllm_medusa", "eagle3": "vllm_eagle3"}  # vLLM serves no Hydra heads
+QUICKSTART_CONVERSATIONS = 700
+TABLE = ROOT / "docs" / "data-scaling.json"
+DOC = ROOT / "docs" / "data-scaling.md"
+PLOT = ROOT / "docs" / "figures" / "data-scaling.png"
+
+
+def parse_cell(text: str) -> dict[str, Any]:
+    """``DRAFTER:SIZE[:vocab=N][:ttt=K]`` -> ``{"drafter", "size", "vocab", "ttt"}`` (None: the recipe's default).
+
+    Raises:
+        ValueError: an unknown drafter, a size or setting that is not a positive integer, ttt for another drafter.
+    """
+    parts = text.split(":")
+    if len(parts) < 2 or parts[0] not in DRAFTERS:
+        raise ValueError(f"--cells {text!r}: write DRAFTER:SIZE with DRAFTER one of {', '.join(DRAFTERS)}")
+    cell: dict[str, Any] = {"drafter": parts[0], "size": _positive(parts[1], text), "vocab": None, "ttt": None}
+    for option in parts[2:]:
+        key, _, value = option.partition("=")
+        if key not in ("vocab", "ttt"):
+            raise ValueError(f"--cells {text!r}: unknown setting {key!r} (vocab=N, ttt=K)")
+        cell[key] = _positive(value, text)
+    if cell["ttt"] is not None and cell["drafter"] != "eagle3":
+        raise ValueError(f"--cells {text!r}: ttt= is EAGLE-3's training-time-test steps (eagle3 cells only)")
+    return cell
+
+
+def _positive(value: str, text: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--cells {text!r}: {value!r} is not a positive integer")
+    return int(value)
+
+
+def cell_name(cell: dict[str, Any]) -> str:
+    """The cell's key and run folder name: ``eagle3-4``, ``eagle3-4-vocab16384-ttt7``."""
+    tag = "".join(f"-{key}{cell[key]}" for key in ("vocab", "ttt") if cell.get(key) is not None)
+    return f"{cell['drafter']}-{cell['size']}{tag}"
+
+
+def run(command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    """Run ``command`` from the checkout, its output appended to ``log``.
+
+    Raises:
+        RuntimeError: it failed (naming the log).
+    """
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a", encoding="utf-8") as out:
+        out.write(f"\n$ {' '.join(command)}  # {datetime.now(timezone.utc).isoformat(timespec='seconds')}\n")
+        out.flush()
+        done = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command[:3])} failed (exit {done.returncode}): see {log}")
+
+
+def evaluate(export: Path, out: Path, log: Path, decoders: list[str], settings: list[str]) -> dict[str, Any]:
+    """One ``medusa-eval`` run (resumed when ``out`` holds a part of it) -> its ``summary.json``."""
+    medusa_eval = str(Path(sys.executable).with_name("medusa-eval"))
+    run([medusa_eval, f"export_dir={export}", f"output_dir={out}", "max_turns=1", f"decoders=[{','.join(decoders)}]",
+         *settings], log)
+    return json.loads((out / "summary.json").read_text(encoding="utf-8"))
+
+
+def ours(summary: dict[str, Any]) -> dict[str, Any]:
+    """Our tree decoder's figures in a ``summary.json``: τ, speedup over plain decoding and its 95% interval."""
+    m = summary["decoders"]["medusa"]
+    interval = m.get("speedup_interval") or {}
+    return {"tau": m["mean_accepted_tokens"], "speedup": m["speedup"], "speedup_low": interval.get("low"),
+            "speedup_high": interval.get("high"), "prompts": summary["prompts"],
+            "exact_match_vs_vanilla": m["exact_match_vs_greedy"], "dtype": summary["dtype"]}
+
+
+def measure(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Train (``launch/recipe_scale.sh``) and evaluate one cell -> its record."""
+    name = cell_name(cell)
+    folder = Path(args.out) / name
+    log = Path(args.out) / f"{name}.log"
+    env = {"SCALE_OUT": args.out}
+    if cell["vocab"] is not None:
+        env["SCALE_HEAD_VOCAB"] = str(cell["vocab"])
+    if cell["ttt"] is not None:
+        env["SCALE_TTT_STEPS"] = str(cell["ttt"])
+    if name != f"{cell['drafter']}-{cell['size']}":
+        env["SCALE_TAG"] = name.split("-", 2)[2]
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    run(["bash", "launch/recipe_scale.sh", cell["drafter"], str(cell["size"])], log, env)
+    export = folder / "export"
+    config = json.loads((export / "config.json").read_text(encoding="utf-8"))
+    training = config.get("training") or {}
+    vllm_ready = (ROOT / ".venv-vllm" / ".medusa-vllm-installed").is_file()
+    common = ["max_new_tokens=64", "dtype=auto"]
+    mt_decoders = ["vanilla", "medusa"]
+    if vllm_ready and cell["drafter"] in VLLM_DECODER:
+        mt_decoders += ["vllm", VLLM_DECODER[cell["drafter"]]]
+    mt = evaluate(export, folder / "eval-mt_bench", log, mt_decoders,
+                  ["prompts=mt_bench", f"per_category={args.per_category}", *common])
+    spec = evaluate(export, folder / "eval-spec_bench", log, ["vanilla", "medusa"],
+                    ["prompts=spec_bench", f"per_category={args.per_category}", *common])
+    exact = evaluate(export, folder / "eval-fp32", log, ["vanilla", "medusa"],
+                     ["prompts=mt_bench", "per_category=1", "max_new_tokens=32", "dtype=float32"])
+    engine = VLLM_DECODER.get(cell["drafter"])
+    vllm_tau = mt["decoders"].get(engine, {}).get("mean_accepted_tokens") if engine else None
+    data = training.get("data") or {}
+    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    return {
+        "cell": name, **cell, "conversations_read": QUICKSTART_CONVERSATIONS * cell["size"],
+        "labelled_tokens": data.get("labelled_tokens"), "train_conversations": data.get("train_conversations"),
+        "epochs": training.get("num_train_epochs"), "precision": training.get("precision"),
+        "head_vocab_size": config.get("head_vocab_size"), "steps": config.get("medusa_num_heads")
+        or config.get("eagle3_num_steps") or config.get("hydra_num_heads"),
+        "train_minutes": None if training.get("train_runtime_s") is None else training["train_runtime_s"] / 60,
+        "resumed": training.get("resumed_from") is not None,
+        "cell_minutes": (time.perf_counter() - started) / 60,
+        "mt_bench": ours(mt), "spec_bench": ours(spec),
+        "vllm_mean_acceptance_length": vllm_tau,
+        "vllm": None if engine else "vLLM serves no Hydra heads",
+        "exact_match_fp32": exact["decoders"]["medusa"]["exact_match_vs_greedy"],
+        "cpu": {"model": _cpu_model(), "flags": flags, "cores": os.cpu_count()},
+        "load_average": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
+        "commit": _git("rev-parse", "--short", "HEAD"), "date": datetime.now(timezone.utc).date().isoformat(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def read_table() -> list[dict[str, Any]]:
+    return json.loads(TABLE.read_text(encoding="utf-8")) if TABLE.is_file() else []
+
+
+def _f(value: Any, spec: str = ".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def markdown(cells: list[dict[str, Any]]) -> str:
+    """The table of ``docs/data-scaling.md`` (between its markers): one row per cell, sorted by drafter and size."""
+    lines = ["| cell | labelled tokens | epochs | precision | train min | MT-Bench τ | speedup [95%] | "
+             "Spec-Bench τ | speedup [95%] | vLLM acceptance length | exact fp32 | CPU (load) |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for c in sorted(cells, key=lambda c: (DRAFTERS.index(c["drafter"]), c["size"], c["cell"])):
+        def bench(b: dict[str, Any]) -> str:
+            return (f"{_f(b['tau'])} | {_f(b['speedup'])}x [{_f(b['speedup_low'])}, {_f(b['speedup_high'])}] "
+                    f"({b['prompts']})")
+        cpu = "AMX" if "amx_bf16" in c["cpu"]["flags"] else "AVX-512 BF16" if "avx512_bf16" in c["cpu"]["flags"] \
+            else "AVX2"
+        lines.append(f"| {c['cell']} | {_f(c['labelled_tokens'], ',')} | {_f(c['epochs'], '')} | "
+                     f"{c['precision'] or 'n/a'} | {_f(c['train_minutes'], '.1f')} | {bench(c['mt_bench'])} | "
+                     f"{bench(c['spec_bench'])} | {_f(c['vllm_mean_acceptance_length'])} | "
+                     f"{_f(c['exact_match_fp32'])} | {cpu} ({c['load_average']['before']}/"
+                     f"{c['load_average']['after']}) |")
+    return "\n".join(lines) + "\n"
+
+
+BEGIN, END = "<!-- table: benchmarks/data_scaling.py --render -->", "<!-- end of table -->"
+
+
+def render(cells: list[dict[str, Any]]) -> None:
+    """Rewrite the table in ``docs/data-scaling.md`` (the text around the markers is kept) and the plot."""
+    text = DOC.read_text(encoding="utf-8") if DOC.is_file() else f"# Which drafter at which data size\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{DOC}: the table markers {BEGIN!r} and {END!r} are missing: put them back where the "
+                         "table goes")
+    head, rest = text.split(BEGIN, 1)
+    atomic_write_text(DOC, f"{head}{BEGIN}\n{markdown(cells)}{END}{rest.split(END, 1)[1]}")
+    plot(cells)
+
+
+def plot(cells: list[dict[str, Any]]) -> None:
+    """τ on MT-Bench against labelled tokens, one line per drafter (default settings only)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for drafter in DRAFTERS:
+        mine = sorted((c for c in cells if c["drafter"] == drafter and c["vocab"] is None and c["ttt"] is None
+                       and c["labelled_tokens"]), key=lambda c: c["labelled_tokens"])
+        if mine:
+            ax.plot([c["labelled_tokens"] for c in mine], [c["mt_bench"]["tau"] for c in mine], marker="o",
+                    label=drafter)
+    ax.set_xscale("log")
+    ax.set_xlabel("labelled tokens (self-distilled replies)")
+    ax.set_ylabel("τ, MT-Bench, our tree decoder")
+    ax.set_title("mean accepted tokens against training data")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(PLOT.with_suffix(".tmp.png"), dpi=120)
+    plt.close(fig)
+    os.replace(PLOT.with_suffix(".tmp.png"), PLOT)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cells", nargs="*", default=[], help="DRAFTER:SIZE[:vocab=N][:ttt=K], run in order")
+    parser.add_argument("--out", default="runs/scale", help="the runs' folder (SCALE_OUT)")
+    parser.add_argument("--per-category", type=int, default=2, help="prompts of each category, MT-Bench and Spec-Bench")
+    parser.add_argument("--commit", action="store_true", help="commit the table's files after each cell")
+    parser.add_argument("--render", action="store_true", help="only rewrite the Markdown table and the plot")
+    args = parser.parse_args(argv)
+    try:
+        cells = [parse_cell(c) for c in args.cells]
+    except ValueError as e:
+        parser.error(str(e))
+    if args.render:
+        render(read_table())
+        return 0
+    for cell in cells:
+        name = cell_name(cell)
+        if any(c["cell"] == name for c in read_table()):
+            print(f"{name}: in {TABLE} already, not run again", flush=True)
+            continue
+        print(f"{name}: running (log: {Path(args.out) / (name + '.log')})", flush=True)
+        record = measure(cell, args)
+        table = [c for c in read_table() if c["cell"] != name] + [record]
+        atomic_write_text(TABLE, json.dumps(table, indent=1, ensure_ascii=False) + "\n")
+        render(table)
+        print(f"{name}: done, {json.dumps(record['mt_bench'])}", flush=True)
+        if args.commit:
+            commit([TABLE, DOC, PLOT], f"data-scaling: cell {name}")
+    return 0
+
+
+def commit(paths: list[Path], message: str, tries: int = 10) -> None:
+    """Commit ``paths`` alone (whatever else is staged stays out), retried while another git command holds the
+    index lock.
+
+    Raises:
+        RuntimeError: git refused every try (its message given).
+    """
+    files = [str(p.relative_to(ROOT)) for p in paths]
+    for _ in range(tries):
+        added = subprocess.run(["git", "add", "--", *files], cwd=ROOT, capture_output=True, text=True)
+        done = added if added.returncode else subprocess.run(
+            ["git", "commit", "-q", "-m", message, "--", *files], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+        time.sleep(30)
+    raise RuntimeError(f"git would not commit {files}: {done.stderr.strip()}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""benchmarks/data_scaling.py: the cells' names and settings, bad cells refused, the table rendered and a finished
+cell never run again (the recipe itself is run by the benchmark, not here)."""
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def scaling(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("data_scaling", REPO_ROOT / "benchmarks" / "data_scaling.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "TABLE", tmp_path / "data-scaling.json")
+    monkeypatch.setattr(module, "DOC", tmp_path / "data-scaling.md")
+    monkeypatch.setattr(module, "PLOT", tmp_path / "figures" / "data-scaling.png")
+    return module
+
+
+def test_cells_parse_into_settings_and_names(scaling):
+    assert scaling.parse_cell("medusa:4") == {"drafter": "medusa", "size": 4, "vocab": None, "ttt": None}
+    cell = scaling.parse_cell("eagle3:16:vocab=16384:ttt=7")
+    assert (cell["vocab"], cell["ttt"]) == (16384, 7)
+    assert scaling.cell_name(cell) == "eagle3-16-vocab16384-ttt7" and scaling.cell_name(scaling.parse_cell("hydra:1")) == "hydra-1"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("medusa", "write DRAFTER:SIZE"), ("lookahead:1", "write DRAFTER:SIZE with DRAFTER one of medusa, hydra, eagle3"),
+    ("medusa:0", "'0' is not a positive integer"), ("eagle3:4:vocab=big", "'big' is not a positive integer"),
+    ("eagle3:4:depth=3", "unknown setting 'depth'"), ("medusa:4:ttt=5", "ttt= is EAGLE-3's"),
+])
+def test_a_bad_cell_is_refused_naming_it(scaling, text, message):
+    with pytest.raises(ValueError, match=message):
+        scaling.parse_cell(text)
+
+
+def record(name, drafter, size, tokens, tau):
+    bench = {"tau": tau, "speedup": 1.1, "speedup_low": 1.0, "speedup_high": 1.2, "prompts": 16,
+             "exact_match_vs_vanilla": 1.0, "dtype": "bfloat16"}
+    return {"cell": name, "drafter": drafter, "size": size, "vocab": None, "ttt": None, "labelled_tokens": tokens,
+            "epochs": 5, "precision": "bf16", "train_minutes": 4.25, "mt_bench": bench, "spec_bench": bench,
+            "vllm_mean_acceptance_length": None, "exact_match_fp32": 1.0,
+            "cpu": {"model": "x", "flags": ["amx_bf16", "avx2"], "cores": 2}, "load_average": {"before": 0.5, "after": 1.0}}
+
+
+def test_the_table_is_rendered_between_its_markers_and_the_text_around_kept(scaling):
+    scaling.DOC.write_text(f"# Title\n\nintro\n\n{scaling.BEGIN}\nold\n{scaling.END}\n\nafter\n", encoding="utf-8")
+    cells = [record("eagle3-1", "eagle3", 1, 80_000, 1.61), record("medusa-4", "medusa", 4, 320_000, 1.72),
+             record("medusa-1", "medusa", 1, 80_000, 1.55)]
+    scaling.render(cells)
+    text = scaling.DOC.read_text(encoding="utf-8")
+    assert text.startswith("# Title\n\nintro\n\n") and text.endswith("\n\nafter\n") and "old" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| medusa") or line.startswith("| eagle3")]
+    assert [r.split(" | ")[0] for r in rows] == ["| medusa-1", "| medusa-4", "| eagle3-1"]  # by drafter, then size
+    assert "| 320,000 | 5 | bf16 | 4.2 | 1.72 | 1.10x [1.00, 1.20] (16) |" in rows[1] and rows[1].endswith("AMX (0.5/1.0) |")
+    assert scaling.PLOT.stat().st_size > 1000
+    scaling.DOC.write_text("# markers gone\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="table markers .* are missing"):
+        scaling.render(cells)
+
+
+def test_a_finished_cell_is_not_run_again(scaling, monkeypatch, capsys):
+    scaling.TABLE.write_text(json.dumps([record("medusa-1", "medusa", 1, 80_000, 1.5)]), encoding="utf-8")
+    monkeypatch.setattr(scaling, "measure", lambda cell, args: pytest.fail("a finished cell was measured again"))
+    assert scaling.main(["--cells", "medusa:1"]) == 0
+    assert "medusa-1: in" in capsys.readouterr().out
+
+
+def test_recipe_scale_refuses_bad_arguments_before_any_work(tmp_path):
+    for args, message in [(["medusa"], "usage: bash launch/recipe_scale.sh DRAFTER SIZE"),
+                          (["lookahead", "1"], "DRAFTER=lookahead: choose medusa, hydra or eagle3"),
+                          (["medusa", "x"], "SIZE=x: give a positive integer")]:
+        done = subprocess.run(["bash", str(REPO_ROOT / "launch" / "recipe_scale.sh"), *args], capture_output=True,
+                              text=True, env={"PATH": "/usr/bin:/bin", "SCALE_OUT": str(tmp_path / "scale")})
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+    done = subprocess.run(["bash", str(REPO_ROOT / "launch" / "recipe_scale.sh"), "medusa", "1"], capture_output=True,
+                          text=True, env={"PATH": "/usr/bin:/bin", "SCALE_TTT_STEPS": "3"})
+    assert done.returncode == 2 and "only EAGLE-3 has training-time-test steps" in done.stderr
+    assert not (tmp_path / "scale").exists()
