@@ -1,17 +1,33 @@
 """Free-space checks made before a write whose size is known: the hidden cache's blocks, a run's checkpoints and
-export. A refusal names the folder, the bytes needed and free, what they are for and the ways out, before any work."""
+export. A refusal names the folder, the bytes needed and free, what they are for and the ways out, before any work.
+
+A disk that fills anyway (another job writes there too; self-distillation's replies, whose size is not known up
+front) fails the write with ``ENOSPC``, ``EDQUOT`` or, past a file-size limit (``ulimit -f``; Python ignores
+``SIGXFSZ``), ``EFBIG``: :func:`disk_full_named` turns those into a :class:`DiskFullError` naming the file, the bytes
+the write needed and the bytes free."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 GIB = 2**30
 
 
+# the errors of a write that found no room: no space, over quota, past the file-size limit (RLIMIT_FSIZE)
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 class DiskSpaceError(OSError):
     """A folder's file system has fewer bytes free than a write planned there needs."""
+
+
+class DiskFullError(DiskSpaceError):
+    """A write failed for want of room (:data:`DISK_FULL_ERRNOS`); the file it wrote is named."""
 
 
 def existing_parent(folder: str | os.PathLike[str]) -> Path:
@@ -43,4 +59,30 @@ def require_free(folder: str | os.PathLike[str], needed: int, what: str, ways_ou
                     f"{free:,} bytes ({free / GIB:.2f} GiB) free; {ways_out}")
 
 
-__all__ = ["DiskSpaceError", "existing_parent", "require_free"]
+@contextmanager
+def disk_full_named(path: str | os.PathLike[str], needed: int, what: str, ways_out: str) -> Iterator[None]:
+    """Run the ``with`` block's write of ``path``; an ``OSError`` of :data:`DISK_FULL_ERRNOS` from it becomes a
+    :class:`DiskFullError` (chained to it) that names ``path``, the ``needed`` bytes, the bytes free now and
+    ``ways_out``; other errors pass unchanged.
+
+    Args:
+        needed: the bytes the write needs (a lower bound where the whole is not known: say so in ``what``).
+        what: what is written (``"hidden-cache block 3"``).
+
+    Raises:
+        DiskFullError: ``"{path}: no room to write {what}: it needs N bytes (G GiB), its file system has F bytes
+            (G GiB) free ({strerror}); {ways_out}"``.
+    """
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DISK_FULL_ERRNOS or isinstance(e, DiskSpaceError):
+            raise
+        free = shutil.disk_usage(existing_parent(Path(path).parent)).free
+        raise DiskFullError(e.errno, f"{path}: no room to write {what}: it needs {needed:,} bytes "
+                            f"({needed / GIB:.2f} GiB), its file system has {free:,} bytes ({free / GIB:.2f} GiB) "
+                            f"free ({e.strerror}); {ways_out}") from e
+
+
+__all__ = ["DISK_FULL_ERRNOS", "DiskFullError", "DiskSpaceError", "disk_full_named", "existing_parent",
+           "require_free"]

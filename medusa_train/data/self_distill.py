@@ -37,6 +37,8 @@ from medusa_train.chat import encode, render, resolve_chat_template
 from medusa_train.conversations import Conversation
 from medusa_train.data.collate import pad_token_id_of
 from medusa_train.data.tokenize import end_of_turn_ids
+from medusa_train.disk_space import disk_full_named
+from medusa_train.drills import EXIT_AT_DISTILL_BATCH, exit_if_drilled
 from medusa_train.generation import greedy_generate, length_batches
 from medusa_train.json_stream import jsonl_lines
 from medusa_train.text_files import not_utf8, read_text
@@ -49,6 +51,8 @@ CHECKSUM_KEY = "sha256"  # of the record's other fields, see record_checksum
 GenerateFn = Callable[[list[list[int]], int, set[int]], list[tuple[list[int], bool]]]
 # Conversations per block file: fixed, so a run resumed on another number of ranks finds the same blocks.
 BLOCK_CONVERSATIONS = 256
+DISTILL_FULL_WAYS_OUT = ("free space there or point data.self_distill_dir at a larger disk, then rerun: every whole "
+                         "record is kept and only the missing replies are generated")
 
 
 @dataclass
@@ -65,6 +69,9 @@ class SelfDistillStats:
         too_long: assigned conversations whose prompt exceeds ``max_prompt_tokens`` (skipped).
         generated: records written by this call.
         unfinished: written records whose reply hit max_new_tokens before an end-of-turn token.
+        empty: written records whose reply is empty (no token, or only whitespace, before the end of turn: an
+            engine that answered nothing); kept on disk so that a rerun does not ask again, left out of training
+            (:func:`~medusa_train.training.data_prep.read_distilled` counts them).
     """
 
     paths: list[Path]
@@ -75,6 +82,7 @@ class SelfDistillStats:
     too_long: int = 0
     generated: int = 0
     unfinished: int = 0
+    empty: int = 0
 
 
 def block_path(output_path: str | Path, block: int) -> Path:
@@ -227,6 +235,8 @@ def self_distill(
         ValueError: ``max_new_tokens``/``batch_size``/``block_size`` not positive, ``rank`` not in [0, world_size),
             or a block file (or an earlier version's file) holds lines that are not records or records that fail
             their checksum.
+        DiskFullError: the disk filled while a batch's records were appended (the block file and the bytes named);
+            the records written before stay and a rerun generates only the others.
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -282,7 +292,8 @@ def self_distill(
         # as many batches as batch_size asks for, of even size: 520 prompts in 128s go as 5 x 104, not as
         # 4 x 128 and a last batch of 8 that decodes alone
         even = math.ceil(len(pending) / math.ceil(len(pending) / batch_size)) if pending else batch_size
-        for chunk in length_batches([len(item[3]) for item in pending], even):
+        for n, chunk in enumerate(length_batches([len(item[3]) for item in pending], even), start=1):
+            exit_if_drilled(EXIT_AT_DISTILL_BATCH, n, rank)
             batch = [pending[j] for j in chunk]
             replies = [(tokens[:-1] if finished and tokens and tokens[-1] in stop_ids else tokens, finished)
                        for tokens, finished in generate([item[3] for item in batch], max_new_tokens, stop_ids)]
@@ -293,6 +304,7 @@ def self_distill(
                     _record(index, rid, prompt, text, len(reply), finished))
                 stats.generated += 1
                 stats.unfinished += not finished
+                stats.empty += not text
             for b, records in sorted(by_block.items()):
                 _append(block_path(output_path, b), records)
             bar.update(len(batch))
@@ -308,17 +320,25 @@ def self_distill(
                        max_prompt_tokens)
     if stats.unfinished:
         logger.warning("%s: %d replies hit max_new_tokens=%d", output_path, stats.unfinished, max_new_tokens)
+    if stats.empty:
+        logger.warning("%s: %d replies are empty (left out of training)", output_path, stats.empty)
     return stats
 
 
 def _append(path: Path, records: list[dict[str, Any]]) -> None:
-    """Append ``records`` as JSON lines to ``path``, flushed to disk."""
-    with path.open("a", encoding="utf-8") as out:
-        for record in records:
-            out.write(json.dumps(record, ensure_ascii=False))
-            out.write("\n")
-        out.flush()
-        os.fsync(out.fileno())
+    """Append ``records`` as JSON lines to ``path``, flushed to disk.
+
+    Raises:
+        DiskFullError: no room for them (the file and the bytes named); the lines already there stay whole, and a
+            last line the full disk cut is dropped by the next run (:func:`_done_ids`), which writes it again.
+    """
+    data = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records).encode("utf-8")
+    with disk_full_named(path, len(data), f"{len(records)} self-distillation records (this batch's replies; the "
+                         "size of those still to generate is not known before they are)", DISTILL_FULL_WAYS_OUT):
+        with path.open("ab") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
 
 
 def _record(index: int, rid: str, prompt: Conversation, reply: str, new_tokens: int, finished: bool) -> dict:

@@ -9,7 +9,7 @@ checkpoint of the new run is sealed (:mod:`medusa_train.training.run_dir`).
 :class:`ExitAfterStep` stops the process abruptly (``os._exit``: no cleanup, no final save) once a given optimizer step
 has finished, to test that a killed run resumes to the same heads. ``medusa-train`` adds it when the environment
 variable ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds a step number, ``N:RANK`` for one rank alone (tests and
-fault-injection drills only).
+fault-injection drills only; every drill variable is in :mod:`medusa_train.drills`).
 
 :class:`StopOnSignal` turns SIGTERM or SIGUSR1 (SLURM's preemption and its ``--signal`` warning, ``scancel``) into a
 sealed checkpoint at the end of the current optimizer step and an exit with :data:`PREEMPTED_EXIT_CODE`, which
@@ -27,15 +27,15 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from medusa_train.drills import EXIT_AFTER_STEP, EXIT_CODE, SIGNAL_AT_STEP, count_and_rank
 from medusa_train.training import checkpoints
 from medusa_train.training.process_group import ranks_max
 from medusa_train.training.run_dir import RunPaths, discard_overwritten
 
 log = logging.getLogger(__name__)
 
-EXIT_ENV = "MEDUSA_TRAIN_EXIT_AFTER_STEP"
-EXIT_CODE = 17
-SIGNAL_ENV = "MEDUSA_TRAIN_SIGNAL_AT_STEP"  # "N" or "N:RANK": SIGTERM to this process as step N begins (drills)
+EXIT_ENV = EXIT_AFTER_STEP  # the drills' variables: medusa_train.drills
+SIGNAL_ENV = SIGNAL_AT_STEP
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped on a signal, checkpoint sealed, run again to resume
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -127,28 +127,13 @@ class ExitAfterStep(TrainerCallback):
             self._exit(args, state)
 
 
-def _step_and_rank(name: str) -> tuple[int, int | None] | None:
-    """``(N, RANK or None)`` from the variable ``name`` holding ``N`` or ``N:RANK``; None when it is unset or empty.
-
-    Raises:
-        ValueError: another value (the variable named).
-    """
-    value = os.environ.get(name)
-    if not value:
-        return None
-    step, _, rank = value.partition(":")
-    if not step.isdigit() or int(step) < 1 or (rank and not rank.isdigit()):
-        raise ValueError(f"{name} must be a step >= 1, optionally ':RANK' (e.g. 3 or 3:1), got {value!r}")
-    return int(step), int(rank) if rank else None
-
-
 def exit_callback_from_env() -> ExitAfterStep | None:
     """:class:`ExitAfterStep` when ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds ``N`` or ``N:RANK``, else None.
 
     Raises:
         ValueError: the variable is not of that form.
     """
-    parsed = _step_and_rank(EXIT_ENV)
+    parsed = count_and_rank(EXIT_ENV)
     return None if parsed is None else ExitAfterStep(*parsed)
 
 
@@ -207,5 +192,5 @@ def signal_callback_from_env() -> SignalAtStep | None:
     Raises:
         ValueError: the variable is not of that form.
     """
-    parsed = _step_and_rank(SIGNAL_ENV)
+    parsed = count_and_rank(SIGNAL_ENV)
     return None if parsed is None else SignalAtStep(*parsed)

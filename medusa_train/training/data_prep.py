@@ -56,7 +56,9 @@ class PreparedData:
         stats: what tokenization kept and skipped.
         conversations: conversations given to tokenization.
         load: what loading the source read and dropped (None for ``source=prompts``).
-        no_reply: prompts self-distillation left without a reply.
+        no_reply: prompts self-distillation left without a reply (longer than ``data.max_prompt_tokens`` or
+            ``max_length``, or without a user turn).
+        empty_reply: prompts whose self-distilled reply is empty (left out).
     """
 
     train: Any
@@ -65,6 +67,23 @@ class PreparedData:
     conversations: int
     load: LoadStats | None = None
     no_reply: int = 0
+    empty_reply: int = 0
+
+    def record(self) -> dict[str, Any]:
+        """What preparing the data kept and dropped, for the run's record (the export's ``training.data``):
+        ``{"train", "eval", "loaded": {...} | None, "self_distill": {"no_reply", "empty_reply"}, "tokenized":
+        {"kept", "at_max_length", "skipped": {reason: count}, "tokens", "label_tokens"}}`` (counts of
+        conversations, tokens for ``tokens`` and ``label_tokens``)."""
+        load = self.load
+        loaded = None if load is None else {
+            "path": load.path, "records": load.records, "kept": load.kept, "empty": load.empty, "blank": load.blank,
+            "no_assistant": load.no_assistant, "unknown_role": load.unknown_role, "malformed": load.malformed,
+            "truncated_chars": load.truncated_chars, "strided": load.strided}
+        stats = self.stats
+        return {"train": len(self.train), "eval": len(self.eval), "loaded": loaded,
+                "self_distill": {"no_reply": self.no_reply, "empty_reply": self.empty_reply},
+                "tokenized": {"kept": stats.kept, "at_max_length": stats.at_max_length, "skipped": dict(stats.skipped),
+                              "tokens": stats.tokens, "label_tokens": stats.label_tokens}}
 
     def record(self) -> dict[str, Any]:
         """The counts the export's ``training.data`` record keeps (JSON-ready): conversations given to tokenization,
@@ -118,6 +137,8 @@ def check_enough_data(data: PreparedData, num_heads: int, trainer: TrainerConfig
     dropped = [data.load.summary()] if data.load is not None else []
     if data.no_reply:
         dropped.append(f"{data.no_reply} prompts without a self-distilled reply")
+    if data.empty_reply:
+        dropped.append(f"{data.empty_reply} prompts whose self-distilled reply is empty")
     dropped.append(data.stats.skipped_summary() or "tokenization skipped none")
     why = (f"one optimizer step takes {rows_per_step} ({rows_per_step_text})" if rows < rows_per_step else
            f"head {num_heads - 1} would never have a target (no labelled token at position {num_heads + 1} or later)")
@@ -150,12 +171,18 @@ def source_conversations(data: DataConfig, seed: int) -> tuple[list[Conversation
     return conversations, stats
 
 
-def read_distilled(conversations: list[Conversation], output_path: Path) -> list[Conversation]:
+def read_distilled(conversations: list[Conversation], output_path: Path,
+                   counts: dict[str, int] | None = None) -> list[Conversation]:
     """The regenerated conversations of every block file, in the order of ``conversations``.
 
     Call it after every rank's :func:`self_distill` returned (a barrier): prompts without a record then are the ones
-    self-distillation skipped (longer than ``max_length``), counted in a warning. Only records whose id matches a
-    current prompt are used (a block may hold records of an earlier prompt list).
+    self-distillation skipped (longer than ``max_length``), counted in a warning. A record whose reply is empty (an
+    engine that answered nothing) is left out and counted apart. Only records whose id matches a current prompt are
+    used (a block may hold records of an earlier prompt list).
+
+    Args:
+        counts: filled with ``no_reply`` (conversations without a record: no user turn, or a prompt too long) and
+            ``empty_reply`` (records with an empty reply).
 
     Raises:
         ValueError: no prompt has a reply.
@@ -173,15 +200,30 @@ def read_distilled(conversations: list[Conversation], output_path: Path) -> list
             for i in wanted.get(prompt_key(str(record["id"])), []):
                 records[i] = record
     prompts = sum(len(v) for v in wanted.values())
+    answered = len(records)
+    empty = [i for i, r in records.items() if not _reply_text(r).strip()]
+    for i in empty:
+        del records[i]
+    if counts is not None:
+        counts.update(no_reply=len(conversations) - answered, empty_reply=len(empty))
+    if empty:
+        log.warning("self-distillation: %d of %d replies are empty and are left out", len(empty), answered)
     if not records:
-        raise ValueError(f"self-distillation answered none of the {prompts} prompts (all longer than max_length?);"
-                         " raise max_length or use shorter prompts")
-    if len(records) != prompts:
+        raise ValueError(f"self-distillation answered none of the {prompts} prompts ({answered - len(empty)} "
+                         f"replies, {len(empty)} of them empty; all prompts longer than max_length?): raise "
+                         "max_length or use shorter prompts, and check the engine's replies")
+    if answered != prompts:
         log.warning("self-distillation: %d of %d prompts have no reply (longer than data.max_prompt_tokens or "
-                    "max_length) and are left out", prompts - len(records), prompts)
+                    "max_length) and are left out", prompts - answered, prompts)
     stats = LoadStats(source="self_distill", path=str(output_path))
     distilled = [normalize_record(records[i], stats, require_assistant=True) for i in sorted(records)]
     return [c for c in distilled if c is not None]
+
+
+def _reply_text(record: dict[str, Any]) -> str:
+    """The reply of a self-distillation record: its last turn's text (records are written by ``_record``)."""
+    turns = record.get("conversations") or [{}]
+    return str(turns[-1].get("value") or "")
 
 
 def prepare_data(
@@ -211,7 +253,7 @@ def prepare_data(
     """
     data.check_context(max_positions(getattr(model, "config", None)))  # before reading or generating anything
     conversations, load = source_conversations(data, seed)
-    no_reply = 0
+    counts = {"no_reply": 0, "empty_reply": 0}
     if data.self_distill:
         output_path = self_distill_dir / DISTILLED_FILE
         # a prompt of max_length tokens or more leaves no room for a labelled reply: do not generate one
@@ -226,9 +268,7 @@ def prepare_data(
             log.info("self-distillation (rank %d) by %s in %.0f s: %s", rank, engine, time.perf_counter() - started,
                      stats)
         barrier()
-        prompts = len(conversations)
-        conversations = read_distilled(conversations, output_path)
-        no_reply = prompts - len(conversations)
+        conversations = read_distilled(conversations, output_path, counts)
     train, held_out, build = build_dataset(tokenizer, conversations, max_length, data.eval_fraction, seed,
                                            num_proc=data.num_proc, cache_dir=cache_dir() / TOKENIZED_DIR,
                                            local_main=local_rank == 0, barrier=barrier)
@@ -240,4 +280,4 @@ def prepare_data(
     log.info("data: %d train and %d eval conversations, %d tokens, %d labelled", len(train), len(held_out),
              build.tokens, build.label_tokens)
     return PreparedData(train=train, eval=held_out, stats=build, conversations=len(conversations), load=load,
-                        no_reply=no_reply)
+                        **counts)

@@ -59,7 +59,8 @@ from torch import nn
 from medusa_train.atomic import atomic_write, atomic_write_text
 from medusa_train.blocks import block_count, block_rows, check_block_size, check_rank
 from medusa_train.checksums import file_sha256
-from medusa_train.disk_space import DiskSpaceError, require_free
+from medusa_train.disk_space import DiskSpaceError, disk_full_named, require_free
+from medusa_train.drills import EXIT_AT_CACHE_BLOCK, exit_if_drilled
 from medusa_train.data.collate import Collator
 from medusa_train.features import FINAL, check_feature_layers, count_layers, feature_layer, target_features
 from medusa_train.safetensors_stream import SafetensorsStream, TensorPlan, planned_size
@@ -239,12 +240,16 @@ def plan_block(dataset: Any, block: int, block_size: int, batch_size: int) -> Bl
     return BlockPlan(block, rows, lengths, [order[s : s + batch_size] for s in range(0, len(order), batch_size)])
 
 
+# the ways out of a cache folder without room, in every message that says so
+FULL_WAYS_OUT = ("free space there, point hidden_cache_dir at a larger shared disk, or train without the cache "
+                 "(hidden_cache=false); a rerun reuses every sealed block")
+
+
 def check_disk_space(folder: Path, needed: int, what: str) -> None:
     """Raises:
         CacheSpaceError: ``folder``'s file system has fewer than ``needed`` bytes free (both named, with ``what``
             they are for and the ways out)."""
-    require_free(folder, needed, what, "free space there, point hidden_cache_dir at a larger shared disk, or train "
-                 "without the cache (hidden_cache=false)", error=CacheSpaceError, prefix="hidden cache: ")
+    require_free(folder, needed, what, FULL_WAYS_OUT, error=CacheSpaceError, prefix="hidden cache: ")
 
 
 def _base_forward(base: FrozenBase, batch: dict[str, torch.Tensor], layers: list[int],
@@ -324,6 +329,9 @@ def build_hidden_cache(
             world size or block size.
         CacheSpaceError: the folder's file system has less room than the blocks still to build (by any rank) need;
             raised before any forward pass.
+        DiskFullError: the disk filled anyway while a block was written (another writer, a file-size limit): the
+            block and the bytes named; the block's temporary file is removed and it has no seal, so no reader takes
+            it, and a rerun rebuilds it alone.
     """
     features = check_features(features)
     check_rank(rank, world_size)
@@ -370,14 +378,20 @@ def build_hidden_cache(
     def run(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         return _base_forward(base, batch, layers, device)
 
-    for plan, tensors in todo:
+    left = sum(planned_size(tensors) for _, tensors in todo)  # this rank's bytes still to write
+    for n, (plan, tensors) in enumerate(todo, start=1):
+        exit_if_drilled(EXIT_AT_CACHE_BLOCK, n, rank)
         name = block_name(split, plan.block)
         path, seal_path = folder / f"{name}.safetensors", folder / f"{name}.json"
         seal_path.unlink(missing_ok=True)  # first: the block being rebuilt is never read under its old seal
-        sha256 = _write_block(path, plan, tensors, run, dataset, collator, features, dtype)
-        seal = BlockSeal(fingerprint=fingerprint, rows=[plan.rows.start, plan.rows.stop], hidden_size=H,
-                         dtype=str(dtype), size=path.stat().st_size, sha256=sha256, features=list(features))
-        atomic_write_text(seal_path, json.dumps(seal.to_json()))
+        size = planned_size(tensors)
+        what = f"hidden-cache block {plan.block} ({size:,} bytes) and this rank's {len(todo) - n} blocks after it"
+        with disk_full_named(path, left, what, FULL_WAYS_OUT):
+            sha256 = _write_block(path, plan, tensors, run, dataset, collator, features, dtype)
+            seal = BlockSeal(fingerprint=fingerprint, rows=[plan.rows.start, plan.rows.stop], hidden_size=H,
+                             dtype=str(dtype), size=path.stat().st_size, sha256=sha256, features=list(features))
+            atomic_write_text(seal_path, json.dumps(seal.to_json()))
+        left -= size
         log.info("hidden cache: wrote %s (%d rows, %d tokens)", path, len(plan.rows), sum(plan.lengths))
     if padding:
         dummy = collator([{"input_ids": list(dataset[0]["input_ids"][:1]), "labels": [-100]}])
