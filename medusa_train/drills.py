@@ -44,6 +44,16 @@ def count_and_rank(name: str) -> tuple[int, int | None] | None:
     return int(count), int(rank) if rank else None
 
 
+def check_drills() -> None:
+    """Parse every drill variable, so a bad one fails at the start of a run, not hours into it.
+
+    Raises:
+        ValueError: a variable is not ``N`` or ``N:RANK`` (named).
+    """
+    for name in (EXIT_AFTER_STEP, SIGNAL_AT_STEP, EXIT_AT_CACHE_BLOCK, EXIT_AT_DISTILL_BATCH):
+        count_and_rank(name)
+
+
 def exit_if_drilled(name: str, count: int, rank: int) -> None:
     """``os._exit(EXIT_CODE)`` when the drill ``name`` asks for it at ``count`` (1-based) on ``rank``.
 
@@ -58,4 +68,4 @@ def exit_if_drilled(name: str, count: int, rank: int) -> None:
 
 
 __all__ = ["EXIT_AFTER_STEP", "EXIT_AT_CACHE_BLOCK", "EXIT_AT_DISTILL_BATCH", "EXIT_CODE", "SIGNAL_AT_STEP",
-           "count_and_rank", "exit_if_drilled"]
+           "check_drills", "count_and_rank", "exit_if_drilled"]

@@ -80,6 +80,7 @@ from medusa_train.training.callbacks import (
     exit_callback_from_env,
     signal_callback_from_env,
 )
+from medusa_train.drills import check_drills
 from medusa_train.training.data_prep import PreparedData, check_data_source, check_enough_data, prepare_data
 from medusa_train.training.head_accuracy import head_accuracy
 from medusa_train.training.metrics import format_table
@@ -236,6 +237,7 @@ class BaseRecipe:
         """Checks and the folder's lock (:meth:`hold`), then the process group (through ``TrainingArguments``), the
         lock seen by every rank and the seed; returns the Trainer's arguments."""
         cfg = self.cfg
+        check_drills()  # a bad drill variable fails now, not when its point is reached
         ds_config = self.hold()
         args = training_arguments(cfg.trainer, cfg.logger, checkpoints_dir=self.paths.checkpoints, seed=cfg.seed,
                                   deepspeed_config=ds_config, world_size=self.env.world_size)

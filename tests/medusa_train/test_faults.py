@@ -62,6 +62,7 @@ except DiskFullError as e:
 """
 
 
+@pytest.mark.slow  # a subprocess: about 20 s on 2 shared cores
 def test_a_cache_block_cut_by_a_full_disk_is_named_never_read_and_alone_rebuilt(tiny_llama, tmp_path):
     data, folder = rows(), tmp_path / "cache"
     # rows of 3 + (5i mod 7) tokens: block 2 (rows 4 and 5, 16 tokens) is the largest; the limit lets the others by
@@ -107,6 +108,7 @@ def distill_prompts(n: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": f"count from {i} to {i + 3 + i % 5}"}] for i in range(n)]
 
 
+@pytest.mark.slow  # a subprocess: about 20 s on 2 shared cores
 def test_self_distillation_cut_by_a_full_disk_names_the_file_and_the_rerun_generates_only_the_rest(tmp_path,
                                                                                                   monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -237,3 +239,6 @@ def test_the_data_drills_parse_like_the_training_ones(name, monkeypatch):
     monkeypatch.setenv(name, "2:1")
     drills.exit_if_drilled(name, 2, 0)  # another rank's drill: this one goes on
     drills.exit_if_drilled(name, 1, 1)  # another count
+    monkeypatch.setenv(name, "0")
+    with pytest.raises(ValueError, match=name):
+        drills.check_drills()  # what a run calls first
