@@ -277,7 +277,6 @@ class BaseRecipe:
             self.tokenizer = tokenizer
             if not first:
                 data = self.prepare(args, base, tokenizer)
-        self.summary["data"] = data.record()  # the export's training record keeps it
         check_enough_data(data, cfg.heads.medusa_num_heads, cfg.trainer, self.env.world_size)
         self.data = data
         return data
@@ -490,8 +489,7 @@ class BaseRecipe:
         return table
 
     def training_record(self) -> dict[str, Any]:
-        """The ``training`` entry of the export's config (a flow adds its settings); ``data`` what preparing the data
-        kept and dropped (:meth:`~medusa_train.training.data_prep.PreparedData.record`); ``memory`` holds the memory
+        """The ``training`` entry of the export's config (a flow adds its settings); ``memory`` holds the memory
         plan's peak per device and, on CUDA, ``torch.cuda.max_memory_allocated`` after training (bytes; None where
         not planned or not measured); ``data`` the data's counts (:meth:`PreparedData.record`: labelled tokens,
         skips); ``train_runtime_s`` the Trainer's seconds in this process (a resumed run: since ``resumed_from``)."""
@@ -499,7 +497,6 @@ class BaseRecipe:
         return {"target": cfg.heads.target, "loss_decay": cfg.heads.loss_decay, "data_source": cfg.data.source,
                 "self_distill": cfg.data.self_distill, "max_length": cfg.max_length,
                 "global_step": self.summary.get("global_step"), "seed": cfg.seed, "mode": cfg.heads.mode,
-                "data": self.summary.get("data"),
                 "memory": {"planned_peak_device_bytes": self.summary.get("planned_peak_device_bytes"),
                            "measured_peak_device_bytes": self.summary.get("peak_device_memory_bytes")},
                 "data": self.data.record() if getattr(self, "data", None) is not None else None,

@@ -70,30 +70,18 @@ class PreparedData:
     empty_reply: int = 0
 
     def record(self) -> dict[str, Any]:
-        """What preparing the data kept and dropped, for the run's record (the export's ``training.data``):
-        ``{"train", "eval", "loaded": {...} | None, "self_distill": {"no_reply", "empty_reply"}, "tokenized":
-        {"kept", "at_max_length", "skipped": {reason: count}, "tokens", "label_tokens"}}`` (counts of
-        conversations, tokens for ``tokens`` and ``label_tokens``)."""
-        load = self.load
-        loaded = None if load is None else {
-            "path": load.path, "records": load.records, "kept": load.kept, "empty": load.empty, "blank": load.blank,
-            "no_assistant": load.no_assistant, "unknown_role": load.unknown_role, "malformed": load.malformed,
-            "truncated_chars": load.truncated_chars, "strided": load.strided}
-        stats = self.stats
-        return {"train": len(self.train), "eval": len(self.eval), "loaded": loaded,
-                "self_distill": {"no_reply": self.no_reply, "empty_reply": self.empty_reply},
-                "tokenized": {"kept": stats.kept, "at_max_length": stats.at_max_length, "skipped": dict(stats.skipped),
-                              "tokens": stats.tokens, "label_tokens": stats.label_tokens}}
-
-    def record(self) -> dict[str, Any]:
         """The counts the export's ``training.data`` record keeps (JSON-ready): conversations given to tokenization,
         kept in each split, skipped by reason, cut at ``max_length``, left without a self-distilled reply, and the
-        input and labelled tokens over both splits."""
-        stats = self.stats
+        input and labelled tokens over both splits; ``empty_reply``: self-distilled replies that were empty (left
+        out); ``load_dropped``: what loading the source dropped, by reason (None for ``source=prompts``)."""
+        stats, load = self.stats, self.load
+        dropped = None if load is None else {
+            "records": load.records, "empty": load.empty, "blank": load.blank, "no_assistant": load.no_assistant,
+            "unknown_role": load.unknown_role, "malformed": load.malformed, "truncated_chars": load.truncated_chars}
         return {"conversations": self.conversations, "train_conversations": len(stats.train_indices),
                 "eval_conversations": len(stats.eval_indices), "skipped": dict(stats.skipped),
-                "at_max_length": stats.at_max_length, "no_reply": self.no_reply, "tokens": stats.tokens,
-                "labelled_tokens": stats.label_tokens}
+                "at_max_length": stats.at_max_length, "no_reply": self.no_reply, "empty_reply": self.empty_reply,
+                "load_dropped": dropped, "tokens": stats.tokens, "labelled_tokens": stats.label_tokens}
 
 
 def check_data_source(data: DataConfig) -> None:

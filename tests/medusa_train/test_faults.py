@@ -206,12 +206,13 @@ def test_the_run_record_counts_empty_replies_and_conversations_cut_at_max_length
     records = [r for p in sorted((tmp_path / "run" / "self_distill").glob("*.jsonl")) for r in read_records(p)]
     empty = sum(1 for r in records if r["conversations"][-1]["value"] == "")
     assert len(records) == 24 and 0 < empty < 24
-    assert record["self_distill"] == {"no_reply": 0, "empty_reply": empty}
+    assert (record["no_reply"], record["empty_reply"]) == (0, empty)
+    assert record["conversations"] == 24 - empty  # given to tokenization
     rows = [*recipe.data.train, *recipe.data.eval]
     cut = sum(1 for r in rows if len(r["input_ids"]) == max_length)
-    assert record["tokenized"]["at_max_length"] == cut > 0
-    assert record["train"] + record["eval"] == len(rows) == record["tokenized"]["kept"]
-    assert record["loaded"]["records"] == 24 and record["loaded"]["kept"] == 24
+    assert record["at_max_length"] == cut > 0
+    assert record["train_conversations"] + record["eval_conversations"] == len(rows)
+    assert record["load_dropped"]["records"] == 24 and record["load_dropped"]["malformed"] == 0
 
 
 def test_a_non_utf8_line_deep_in_a_500k_line_jsonl_is_refused_with_its_line_before_any_model_loads(tmp_path):

@@ -100,9 +100,10 @@ def test_a_rank_killed_in_self_distillation_then_in_the_cache_build_stops_the_ru
     now = cache_files(cache)
     assert {k: now[k] for k in sealed} == sealed
     counts = json.loads((run / "export" / "config.json").read_text())["training"]["data"]
-    assert sorted(now) == [*(f"eval-block-{b:06d}" for b in range(math.ceil(counts["eval"] / 256))),
-                           *(f"train-block-{b:06d}" for b in range(math.ceil(counts["train"] / 256)))]
-    assert counts["train"] > 3 * 256
+    train, held_out = counts["train_conversations"], counts["eval_conversations"]
+    assert sorted(now) == [*(f"eval-block-{b:06d}" for b in range(math.ceil(held_out / 256))),
+                           *(f"train-block-{b:06d}" for b in range(math.ceil(train / 256)))]
+    assert train > 3 * 256
 
 
 def unshare_works() -> bool:
