@@ -48,7 +48,7 @@ from medusa_train.loading.base import (
 )
 from medusa_train.loading.medusa import export_extra_config
 from medusa_train.heads import build_token_map
-from medusa_train.precision import choose_dtype
+from medusa_train.precision import choose_dtype, choose_precision
 from medusa_train.model import DraftHeads, base_sizes, check_supported, new_heads_for
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import (
@@ -57,6 +57,7 @@ from medusa_train.training.arguments import (
     check_strategy,
     load_deepspeed_config,
     training_arguments,
+    training_device,
     zero3_hidden_from_transformers,
 )
 from medusa_train.training.base_placement import (
@@ -161,6 +162,10 @@ class BaseRecipe:
 
     def __init__(self, cfg: TrainConfig | DictConfig | dict[str, Any], callbacks: Sequence[TrainerCallback] = ()):
         self.cfg, self.resolved = resolve_config(cfg)
+        # trainer.precision=auto resolved once for the training device; self.resolved keeps what was asked for
+        self.precision = choose_precision(self.cfg.trainer.precision, training_device(self.cfg.trainer))
+        self.cfg.trainer.precision = self.precision.precision
+        log.info(self.precision.describe())
         self.extra_callbacks = list(callbacks)
         self.env = DistEnv.from_environ()
         self.paths = RunPaths(Path(self.cfg.output_dir).resolve())
@@ -487,13 +492,15 @@ class BaseRecipe:
         return table
 
     def training_record(self) -> dict[str, Any]:
-        """The ``training`` entry of the export's config (a flow adds its settings); ``memory`` holds the memory
-        plan's peak per device and, on CUDA, ``torch.cuda.max_memory_allocated`` after training (bytes; None where
-        not planned or not measured)."""
+        """The ``training`` entry of the export's config (a flow adds its settings); ``precision`` the mixed
+        precision trained in (:meth:`~medusa_train.precision.PrecisionChoice.record`: asked for, used, why);
+        ``memory`` holds the memory plan's peak per device and, on CUDA, ``torch.cuda.max_memory_allocated`` after
+        training (bytes; None where not planned or not measured)."""
         cfg = self.cfg
         return {"target": cfg.heads.target, "loss_decay": cfg.heads.loss_decay, "data_source": cfg.data.source,
                 "self_distill": cfg.data.self_distill, "max_length": cfg.max_length,
                 "global_step": self.summary.get("global_step"), "seed": cfg.seed, "mode": cfg.heads.mode,
+                "precision": self.precision.record(),
                 "memory": {"planned_peak_device_bytes": self.summary.get("planned_peak_device_bytes"),
                            "measured_peak_device_bytes": self.summary.get("peak_device_memory_bytes")}}
 
