@@ -4,7 +4,8 @@ A random fp32 drafter at a target's shapes (default SmolLM2-135M: H=576, 9 heads
 intermediate 1536) over random target features, with a draft vocabulary of V' tokens, K unrolled steps, B sequences of
 T tokens whose first ``--prompt-fraction`` carry no loss (prompts). Variants, alternated on the same batch
 (``--repeats`` rounds, one step of each per round, after one warm-up round; the table gives each variant's median and
-its ratio to the first variant's median):
+its ratio to the first variant's, in wall time and in this process's CPU time, the second less disturbed by other
+processes on shared cores):
 
 - ``full``: every step of the unroll at all T positions, the features then read at the loss positions (what the
   training-time test computed before the compact unroll);
@@ -89,11 +90,12 @@ def main() -> None:
                                    chunk_size=args.loss_chunk_size, token_map=token_map,
                                    vocab_size=args.vocab_size)
 
-    def step(variant: str) -> float:
+    def step(variant: str) -> tuple[float, float]:
+        """(wall seconds, this process's CPU seconds) of one forward + backward."""
         heads.zero_grad(set_to_none=True)
         autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if variant.endswith("bf16")
                     else contextlib.nullcontext())
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         with autocast:
             if variant == "full":
                 out = heads.unroll(taps, path_embeds, None, K, None,
@@ -101,33 +103,43 @@ def main() -> None:
             else:
                 out = heads.unroll(taps, path_embeds, None, K, at, loss_fn)
         out.loss.backward()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu_start
 
     load_before = os.getloadavg()
     for variant in variants:  # warm-up round
         step(variant)
     times: dict[str, list[float]] = {v: [] for v in variants}
+    cpu_times: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):
         for variant in variants:
-            times[variant].append(step(variant))
+            wall, cpu = step(variant)
+            times[variant].append(wall)
+            cpu_times[variant].append(cpu)
     load_after = os.getloadavg()
-    medians = {v: statistics.median(ts) for v, ts in times.items()}
     first = variants[0]
+    medians = {v: statistics.median(ts) for v, ts in times.items()}
+    cpu_medians = {v: statistics.median(ts) for v, ts in cpu_times.items()}
+    # per round: each variant over the first one measured just before it (robust to the load drifting)
+    round_ratios = {v: statistics.median(a / b for a, b in zip(times[v], times[first])) for v in variants}
     result = {
         "shapes": {"B": B, "T": T, "K": K, "H": H, "draft_vocab": args.draft_vocab, "heads": args.heads,
                    "kv_heads": args.kv_heads, "head_dim": args.head_dim, "intermediate": args.intermediate_size,
                    "loss_positions": int(at[0].numel()), "labelled": int(normalizer)},
         "threads": torch.get_num_threads(), "cpu": cpu_isa(), "load_before": load_before, "load_after": load_after,
-        "repeats": args.repeats, "seconds": times, "median_s": medians,
+        "repeats": args.repeats, "seconds": times, "cpu_seconds": cpu_times, "median_s": medians,
+        "median_cpu_s": cpu_medians,
         "ratio_to_" + first: {v: medians[v] / medians[first] for v in variants},
+        "cpu_ratio_to_" + first: {v: cpu_medians[v] / cpu_medians[first] for v in variants},
+        "median_round_ratio_to_" + first: round_ratios,
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "eagle3_step.json").write_text(json.dumps(result, indent=2))
     print(f"B={B} T={T} K={K} V'={args.draft_vocab}: {result['shapes']['loss_positions']} of {B * T} positions carry "
           f"loss; threads {result['threads']}; load {load_before[0]:.2f} -> {load_after[0]:.2f}")
     for v in variants:
-        print(f"  {v:>13}: median {medians[v] * 1000:8.1f} ms  ({medians[v] / medians[first]:.3f} x {first})")
-
+        print(f"  {v:>13}: median {medians[v] * 1000:8.1f} ms wall, {cpu_medians[v] * 1000:8.1f} ms CPU  "
+              f"({medians[v] / medians[first]:.3f} x {first} wall, {cpu_medians[v] / cpu_medians[first]:.3f} CPU, "
+              f"{round_ratios[v]:.3f} per round)")
 
 if __name__ == "__main__":
     main()

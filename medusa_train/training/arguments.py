@@ -149,8 +149,9 @@ def training_arguments(
 
     Rotation is not the Trainer's (``save_total_limit=None``): see :mod:`medusa_train.training.checkpoints`.
     """
-    use_cpu = training_device(trainer) == "cpu"
-    precision = choose_precision(trainer.precision, "cpu" if use_cpu else "cuda").precision  # BaseRecipe resolved auto
+    device = training_device(trainer)
+    use_cpu = device == "cpu"
+    precision = choose_precision(trainer.precision, device).precision  # auto: BaseRecipe resolved it already
     backend = trainer.ddp_backend or ("gloo" if use_cpu else "nccl")
     start_cpu_group(trainer.timeout_minutes, use_cpu, backend, world_size)  # HF gives a CPU group no timeout
     if deepspeed_config is not None:
