@@ -121,6 +121,8 @@ def main() -> None:
     cpu_medians = {v: statistics.median(ts) for v, ts in cpu_times.items()}
     # per round: each variant over the first one measured just before it (robust to the load drifting)
     round_ratios = {v: statistics.median(a / b for a, b in zip(times[v], times[first])) for v in variants}
+    cpu_round_ratios = {v: statistics.median(a / b for a, b in zip(cpu_times[v], cpu_times[first]))
+                        for v in variants}
     result = {
         "shapes": {"B": B, "T": T, "K": K, "H": H, "draft_vocab": args.draft_vocab, "heads": args.heads,
                    "kv_heads": args.kv_heads, "head_dim": args.head_dim, "intermediate": args.intermediate_size,
@@ -131,6 +133,7 @@ def main() -> None:
         "ratio_to_" + first: {v: medians[v] / medians[first] for v in variants},
         "cpu_ratio_to_" + first: {v: cpu_medians[v] / cpu_medians[first] for v in variants},
         "median_round_ratio_to_" + first: round_ratios,
+        "median_cpu_round_ratio_to_" + first: cpu_round_ratios,
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "eagle3_step.json").write_text(json.dumps(result, indent=2))
@@ -139,7 +142,7 @@ def main() -> None:
     for v in variants:
         print(f"  {v:>13}: median {medians[v] * 1000:8.1f} ms wall, {cpu_medians[v] * 1000:8.1f} ms CPU  "
               f"({medians[v] / medians[first]:.3f} x {first} wall, {cpu_medians[v] / cpu_medians[first]:.3f} CPU, "
-              f"{round_ratios[v]:.3f} per round)")
+              f"per round {round_ratios[v]:.3f} wall, {cpu_round_ratios[v]:.3f} CPU)")
 
 if __name__ == "__main__":
     main()
