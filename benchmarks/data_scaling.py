@@ -147,7 +147,7 @@ def measure(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     return {
         "cell": name, **cell, "conversations_read": QUICKSTART_CONVERSATIONS * cell["size"],
         "labelled_tokens": data.get("labelled_tokens"), "train_conversations": data.get("train_conversations"),
-        "epochs": training.get("num_train_epochs"), "precision": training.get("precision"),
+        "epochs": training.get("num_train_epochs"), "precision": _precision(training.get("precision")),
         "head_vocab_size": config.get("head_vocab_size"), "steps": config.get("medusa_num_heads")
         or config.get("eagle3_num_steps") or config.get("hydra_num_heads"),
         "train_minutes": None if training.get("train_runtime_s") is None else training["train_runtime_s"] / 60,
@@ -161,6 +161,11 @@ def measure(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "load_average": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
         "commit": _git("rev-parse", "--short", "HEAD"), "date": datetime.now(timezone.utc).date().isoformat(),
     }
+
+
+def _precision(record: Any) -> Any:
+    """The mixed precision trained in: the record's ``precision`` (``auto`` resolved), or an older export's string."""
+    return record.get("precision") if isinstance(record, dict) else record
 
 
 def _cpu_model() -> str:

@@ -26,7 +26,7 @@ from medusa_train.bounds import (
 )
 from medusa_train.drafters.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, head_types, titles
 from medusa_train.hydra_heads import COMBINES
-from medusa_train.precision import check_dtype_name
+from medusa_train.precision import TRAINING_PRECISIONS, check_dtype_name
 
 MODEL_FORMATS = ("auto", "hf", "gguf", "llama2c")
 DEVICES = ("cpu", "cuda", "cuda:N", "auto")  # what medusa_train.loading.base.resolve_device places a model on
@@ -283,7 +283,7 @@ class HeadsConfig(StageOneSettings, JointSettings, HeadsTraining, HeadShape):
 
 DATA_SOURCES = ("sharegpt", "json", "hf_disk", "prompts")
 DISTILL_ENGINES = ("hf", "vllm", "server")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = TRAINING_PRECISIONS  # fp32, bf16, fp16, auto
 BASE_PLACEMENTS = ("auto", "replicated", "zero3")
 STRATEGIES = ("single", "ddp", "deepspeed")
 
@@ -424,7 +424,10 @@ class TrainerConfig:
         optim: a TrainingArguments optimizer name; ``adamw_torch`` avoids DeepSpeed's compiled fused Adam.
         lr_scheduler_type: ``cosine`` by default; warmup_ratio: linear warmup as a share of all steps.
         num_train_epochs, max_steps: length (``max_steps > 0`` wins).
-        precision: ``fp32``, ``bf16`` or ``fp16`` mixed precision for the heads.
+        precision: ``fp32``, ``bf16`` or ``fp16`` mixed precision for the heads (the HF Trainer's autocast), or
+            ``auto``: ``bf16`` on a CUDA GPU with bf16 or a CPU with bf16 instructions (AVX-512 BF16, AMX), else
+            ``fp32`` (:func:`medusa_train.precision.choose_precision`; resolved once, logged, and recorded in the
+            export's ``training`` entry).
         logging_steps, save_steps, save_total_limit: log and checkpoint cadence (checkpoints are atomic).
         dataloader_num_workers: DataLoader worker processes.
         loss_chunk_size: rows (one head at one position) projected onto the vocabulary at once by the heads' loss:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, rotate_half
 
 from medusa_train.drafters.catalog import DrafterType, ProjectFn, TargetInputs, register
 from medusa_train.features import FINAL, layer_feature
@@ -131,6 +131,21 @@ class Eagle3Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *rope)
         return q, k, v
+
+    def project_query(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``x [B, M, 2H]`` -> ``q [B, heads, M, d]`` with RoPE (:meth:`project`'s q alone, ``rope`` ``[B, M, d]``)."""
+        B, M, _ = x.shape
+        q = self.q_proj(x).view(B, M, self.heads, self.head_dim).transpose(1, 2)
+        cos, sin = (r.unsqueeze(1) for r in rope)
+        return q * cos + rotate_half(q) * sin  # apply_rotary_pos_emb's formula, for q only
+
+    def project_context(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """``x [B, T, 2H]`` -> ``(k, v)`` ``[B, kv_heads, T, d]`` with RoPE on k (:meth:`project`'s k and v alone)."""
+        B, T, _ = x.shape
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = (r.unsqueeze(1) for r in rope)
+        return k * cos + rotate_half(k) * sin, v
 
     def expand(self, kv: torch.Tensor) -> torch.Tensor:
         """Keys or values ``[B, kv_heads, ..., d]`` repeated for each query head of their group:
@@ -272,33 +287,49 @@ class Eagle3Drafter(nn.Module):
 
     def unrolled_step(self, hidden: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
                       context_mask: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      drafted: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> tuple[Any, ...]:
-        """One step of the training-time test at every position t of whole sequences (no KV cache).
+                      drafted: tuple[tuple[torch.Tensor, torch.Tensor], ...] = (),
+                      queries: torch.Tensor | None = None) -> tuple[Any, ...]:
+        """One step of the training-time test at every position t of whole sequences (no KV cache), or at the
+        positions ``queries`` only.
 
         Step 0 (``context`` None) is :meth:`forward` under ``context_mask``; its keys/values become the ``context``
         of the later steps. Step k > 0 at query t reads the context where ``context_mask`` allows it and the
         keys/values of steps 1..k at t (``drafted``, then its own): what draft step k at position t + k reads in
         decoding (the committed context up to t, then the drafted positions t+1 .. t+k).
 
+        With ``queries`` (the compact unroll, :meth:`unroll` with ``at``): step 0 projects its keys/values at all T
+        positions (every later query reads them) and its queries, attention and MLP at the M query positions only;
+        its ``out`` and every later step's inputs and outputs are ``[B, M, ...]``, slot j of sequence b standing for
+        position ``queries[b, j]``.
+
         Args:
-            hidden: ``[B, T, H]``, the fused target feature (step 0) or the step before's ``out``.
-            embeds: ``[B, T, H]``, the embeddings of the tokens t + k + 1.
-            position_ids: long ``[B, T]``, t + k.
-            context_mask: additive ``[B, 1, T, T]`` (query t, key s), 0 where query t may read step 0's key s.
+            hidden: ``[B, T, H]``, the fused target feature (step 0) or the step before's ``out`` (``[B, M, H]``
+                with ``queries``).
+            embeds: ``[B, T, H]`` (``[B, M, H]`` after step 0 with ``queries``), the embeddings of the tokens t+k+1.
+            position_ids: long ``[B, T]`` (``[B, M]`` after step 0 with ``queries``), t + k.
+            context_mask: additive ``[B, 1, T, T]`` (query t, key s), 0 where query t may read step 0's key s;
+                ``[B, 1, M, T]`` with ``queries`` (:func:`unrolled_context_mask`'s rows at the queries).
             context: step 0's ``(k, v)`` ``[B, kv_heads, T, d]``, or None at step 0.
-            drafted: steps 1 .. k-1's ``(k, v)``.
+            drafted: steps 1 .. k-1's ``(k, v)`` (``[B, kv_heads, M, d]`` with ``queries``).
+            queries: long ``[B, M]``, the query positions of step 0 (padding slots repeat any real position), or None
+                (every position).
 
         Returns:
-            ``(out [B, T, H], context, drafted)``: the step's feature (:meth:`project` gives its logits) and the
-            keys/values the next step reads.
+            ``(out [B, T, H] or [B, M, H], context, drafted)``: the step's feature (:meth:`project` gives its
+            logits) and the keys/values the next step reads.
         """
         x, residual = self._layer_input(hidden, embeds)
         attn = self.midlayer.self_attn
-        q, k, v = attn.project(x, self.rope(x, position_ids))
-        if context is None:
+        if context is not None:
+            q, k, v = attn.project(x, self.rope(x, position_ids))
+            drafted = (*drafted, (k, v))
+        elif queries is None:
+            q, k, v = attn.project(x, self.rope(x, position_ids))
             context = (k, v)
         else:
-            drafted = (*drafted, (k, v))
+            context = attn.project_context(x, self.rope(x, position_ids))
+            x, residual = _rows(x, queries), _rows(residual, queries)
+            q = attn.project_query(x, self.rope(x, position_ids.gather(1, queries)))
         s = attn.attend_unrolled(q, context, context_mask, list(drafted)) + residual
         return self._layer_output(s), context, drafted
 
@@ -323,7 +354,9 @@ class Eagle3Drafter(nn.Module):
             path_embeds: ``[B, T, K, H]``, the input embeddings of the tokens t+1 .. t+K (frozen).
             attention_mask: ``[B, T]``, 1 on real tokens, 0 on padding (None: all real).
             num_steps: the first K' <= K steps (None: K, all embeddings given).
-            at: ``(b, t)`` ``[M]`` long each: the logits there only (None: everywhere).
+            at: ``(b, t)`` ``[M]`` long each: the logits there only (None: everywhere). Only step 0's keys/values
+                are computed at all T positions; its queries and every later step run at these positions alone
+                (:func:`loss_slots`' layout ``[B, Mmax]``), the same values as the full unroll's at ``at``.
             project_fn: training's chunked loss: ``project_fn(features [K', M, H] (or [K', B, T, H]), lm_head
                 weight [V', H])`` is returned instead of the logits, the features after the final norm (what
                 ``lm_head`` reads), so the loss projects them in chunks.
@@ -339,30 +372,62 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(f"unroll needs {len(self.spec.feature_layers)} taps and >= {K} path embeddings per "
                              f"position, got {len(taps)} taps and path_embeds {tuple(path_embeds.shape)}")
         B, T = path_embeds.shape[:2]
-        mask = unrolled_context_mask(attention_mask, B, T, self.dtype, path_embeds.device)
         positions = torch.arange(T, device=path_embeds.device).expand(B, T)
+        queries, slots = (None, None) if at is None else loss_slots(at, B, T)
+        mask = unrolled_context_mask(attention_mask, B, T, self.dtype, path_embeds.device, queries)
         hidden, context, drafted, normed = self.fuse(taps), None, (), []
         for k in range(K):
-            hidden, context, drafted = self.unrolled_step(hidden, path_embeds[:, :, k], positions + k, mask, context,
-                                                          drafted)
-            normed.append(self.norm(hidden if at is None else hidden[at]))
+            embeds = path_embeds[:, :, k]
+            if k == 0 or queries is None:
+                step_positions = positions + k
+            else:  # the compact unroll: steps after the first at the queries only
+                embeds, step_positions = _rows(embeds, queries), queries + k
+            hidden, context, drafted = self.unrolled_step(hidden, embeds, step_positions, mask, context, drafted,
+                                                          queries)
+            normed.append(self.norm(hidden if at is None else hidden[slots]))
         if project_fn is not None:
             return project_fn(torch.stack(normed), self.lm_head.weight)
         return torch.stack([self.lm_head(x) for x in normed])
 
 
 def unrolled_context_mask(attention_mask: torch.Tensor | None, batch: int, length: int, dtype: torch.dtype,
-                          device: torch.device | str) -> torch.Tensor:
+                          device: torch.device | str, queries: torch.Tensor | None = None) -> torch.Tensor:
     """The additive mask ``[B, 1, T, T]`` (query t, key s) of step 0's keys in the training-time test: 0 where
     s <= t and s is a real token (``attention_mask [B, T]``, None: all real) or s = t, the dtype's minimum
-    elsewhere (a padding query reads itself, so that no row is empty)."""
-    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    allowed = causal.expand(batch, length, length)
+    elsewhere (a padding query reads itself, so that no row is empty).
+
+    With ``queries`` (long ``[B, M]``, query positions): that mask's rows at those positions, ``[B, 1, M, T]``."""
+    keys = torch.arange(length, device=device)
+    rows = keys.expand(batch, length) if queries is None else queries.to(device)  # [B, M]
+    allowed = keys <= rows[..., None]  # [B, M, T]
     if attention_mask is not None:
         allowed = allowed & attention_mask.to(device=device, dtype=torch.bool)[:, None, :]
-        allowed = allowed | torch.eye(length, dtype=torch.bool, device=device)
+        allowed = allowed | (keys == rows[..., None])
     zero = torch.zeros((), dtype=dtype, device=device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+
+
+def loss_slots(at: tuple[torch.Tensor, torch.Tensor], batch: int, length: int) -> tuple[torch.Tensor, ...]:
+    """The compact unroll's layout of the positions ``at = (b, t)`` (``[M]`` long each, any order, repeats allowed):
+    each sequence's distinct positions in increasing order, padded to the longest.
+
+    Returns:
+        ``(queries [B, Mmax] long, (b, j) [M] long each)``: ``queries[b, :n_b]`` the n_b positions of sequence b
+        (the padding slots repeat position T - 1, computed and never read), and the slot ``j`` of each ``at`` entry,
+        so that ``y[b, j]`` of a ``[B, Mmax, ...]`` tensor is position ``(b, t)``.
+    """
+    b, t = at
+    chosen = torch.zeros(batch, length, dtype=torch.bool, device=t.device)
+    chosen[b, t] = True
+    width = int(chosen.sum(1).max()) if batch else 0
+    ranked = torch.where(chosen, torch.arange(length, device=t.device), length).sort(dim=1).values
+    queries = ranked[:, :width].clamp(max=length - 1)
+    return queries, (b, chosen.cumsum(1)[b, t] - 1)
+
+
+def _rows(x: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """``x [B, T, C]`` at the positions ``queries [B, M]`` -> ``[B, M, C]``."""
+    return x.gather(1, queries[..., None].expand(-1, -1, x.shape[-1]))
 
 
 def eagle3_target_fields(config: Any, feature_layers: Any = None) -> dict[str, Any]:
@@ -438,4 +503,4 @@ EAGLE3 = register(DrafterType(
 
 
 __all__ = ["EAGLE3", "Eagle3Attention", "Eagle3Drafter", "Eagle3Layer", "Eagle3Spec", "eagle3_target_fields",
-           "unrolled_context_mask"]
+           "loss_slots", "unrolled_context_mask"]

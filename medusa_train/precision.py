@@ -188,5 +188,59 @@ def choose_dtype(requested: str | None, device: torch.device | str) -> DtypeChoi
     return DtypeChoice(requested, dtype, kind, "requested" + (f" ({warning})" if warning else ""), warning, isa)
 
 
-__all__ = ["AUTO", "BF16_FLAGS", "CPU_FLAGS_ENV", "DEFAULT_DTYPE", "DtypeChoice", "check_dtype_name", "choose_dtype", "cpu_flags",
-           "cpu_isa", "dtype_names", "parse_dtype"]
+TRAINING_PRECISIONS = ("fp32", "bf16", "fp16", AUTO)  # trainer.precision's values
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """The mixed precision a training run uses (``trainer.precision``) and why.
+
+    Attributes:
+        requested: what was asked for (``auto``, ``fp32``, ``bf16`` or ``fp16``).
+        precision: what is used: ``fp32``, ``bf16`` or ``fp16`` (the HF Trainer's ``bf16``/``fp16`` autocast).
+        device: the device type it was decided for (``cpu``, ``cuda``).
+        reason: one sentence, for logs and records.
+        cpu: :func:`cpu_isa` of this machine.
+    """
+
+    requested: str
+    precision: str
+    device: str
+    reason: str
+    cpu: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line: ``trainer.precision bf16 (auto on cpu): ...``."""
+        return f"trainer.precision {self.precision} ({self.requested} on {self.device}): {self.reason}"
+
+    def record(self) -> dict[str, Any]:
+        """A JSON-ready record (the export's ``training`` entry)."""
+        return {"precision": self.precision, "requested": self.requested, "device": self.device,
+                "reason": self.reason, "cpu": dict(self.cpu)}
+
+
+def choose_precision(requested: str, device: torch.device | str) -> PrecisionChoice:
+    """Resolve ``trainer.precision=auto`` for the training device, or pass an explicit precision through.
+
+    ``auto`` follows :func:`choose_dtype`'s rule for ``dtype=auto``: ``bf16`` where it picks bfloat16 (a CUDA GPU
+    with bf16, a CPU with ``avx512_bf16``/``amx_bf16``/Arm ``bf16``), ``fp32`` everywhere else: a GPU without bf16
+    trains in fp32 too (fp16 mixed precision needs loss scaling; ask for it with ``trainer.precision=fp16``).
+
+    Args:
+        requested: one of :data:`TRAINING_PRECISIONS` (checked by :class:`~medusa_train.config.TrainerConfig`).
+        device: where the run trains (``cpu``, ``cuda``, a ``torch.device``).
+    """
+    kind = torch.device(device).type
+    if requested != AUTO:
+        return PrecisionChoice(requested, requested, kind, "requested", cpu_isa())
+    choice = choose_dtype(AUTO, device)
+    if choice.dtype == torch.bfloat16:
+        return PrecisionChoice(AUTO, "bf16", kind, choice.reason, choice.cpu)
+    reason = choice.reason if choice.dtype == torch.float32 else (
+        f"{choice.reason.removesuffix(': float16')}: fp32 (auto never picks fp16; set trainer.precision=fp16 for it)")
+    return PrecisionChoice(AUTO, "fp32", kind, reason, choice.cpu)
+
+
+__all__ = ["AUTO", "BF16_FLAGS", "CPU_FLAGS_ENV", "DEFAULT_DTYPE", "DtypeChoice", "PrecisionChoice",
+           "TRAINING_PRECISIONS", "check_dtype_name", "choose_dtype", "choose_precision", "cpu_flags", "cpu_isa",
+           "dtype_names", "parse_dtype"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from medusa_train.config import TrainConfig
-from medusa_train.precision import parse_dtype
+from medusa_train.precision import choose_precision, parse_dtype
 
 # trainer.strategy / trainer presets -> the ZeRO stage the plan divides by (0: every rank holds everything)
 PRESET_STAGES = {"single": 0, "ddp": 0, "deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3}
@@ -128,7 +128,8 @@ def settings_from_config(cfg: TrainConfig, gpus: int, gpu_bytes: int, gpus_per_h
     return PlanSettings(
         gpus=gpus, gpu_bytes=gpu_bytes, gpus_per_host=gpus_per_host, host_bytes=host_bytes, seq=cfg.max_length,
         batch=cfg.trainer.per_device_train_batch_size, base_dtype=base_dtype or cfg.model.dtype,
-        precision=cfg.trainer.precision, zero_stage=zero_stage_of(cfg.trainer),
+        precision=choose_precision(cfg.trainer.precision, device_kind).precision,  # auto resolved as training does
+        zero_stage=zero_stage_of(cfg.trainer),
         loss_chunk_size=cfg.trainer.loss_chunk_size, recipe=cfg.heads.mode, hidden_cache=hidden_cache,
         base_placement=cfg.base_placement, self_distill=distill, max_num_seqs=cfg.data.generation_batch_size,
         lora_r=lora_r, lora_targets=tuple(cfg.heads.lora.target_modules) if cfg.heads.lora.target_modules else None,

@@ -21,6 +21,7 @@ from transformers import TrainingArguments
 
 from medusa_train.config import LoggerConfig, TrainerConfig
 from medusa_train.paths import CONF_DIR, cache_dir
+from medusa_train.precision import choose_precision
 from medusa_train.training.process_group import start_cpu_group, timeout_seconds
 
 
@@ -128,6 +129,11 @@ def check_strategy(trainer: TrainerConfig, env: DistEnv) -> None:
         )
 
 
+def training_device(trainer: TrainerConfig) -> str:
+    """The device type a run trains on: ``cpu`` with ``trainer.use_cpu`` or without CUDA, else ``cuda``."""
+    return "cpu" if trainer.use_cpu or not torch.cuda.is_available() else "cuda"
+
+
 def training_arguments(
     trainer: TrainerConfig,
     logger: LoggerConfig,
@@ -143,7 +149,9 @@ def training_arguments(
 
     Rotation is not the Trainer's (``save_total_limit=None``): see :mod:`medusa_train.training.checkpoints`.
     """
-    use_cpu = trainer.use_cpu or not torch.cuda.is_available()
+    device = training_device(trainer)
+    use_cpu = device == "cpu"
+    precision = choose_precision(trainer.precision, device).precision  # auto: BaseRecipe resolved it already
     backend = trainer.ddp_backend or ("gloo" if use_cpu else "nccl")
     start_cpu_group(trainer.timeout_minutes, use_cpu, backend, world_size)  # HF gives a CPU group no timeout
     if deepspeed_config is not None:
@@ -170,8 +178,8 @@ def training_arguments(
         warmup_steps=trainer.warmup_ratio,  # a float in [0, 1) is a share of all steps
         num_train_epochs=trainer.num_train_epochs,
         max_steps=trainer.max_steps,
-        bf16=trainer.precision == "bf16",
-        fp16=trainer.precision == "fp16",
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
         logging_steps=trainer.logging_steps,
         save_strategy="steps",
         save_steps=trainer.save_steps,

@@ -48,7 +48,7 @@ from medusa_train.loading.base import (
 )
 from medusa_train.loading.medusa import export_extra_config
 from medusa_train.heads import build_token_map
-from medusa_train.precision import choose_dtype
+from medusa_train.precision import choose_dtype, choose_precision
 from medusa_train.model import DraftHeads, base_sizes, check_supported, new_heads_for
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import (
@@ -57,6 +57,7 @@ from medusa_train.training.arguments import (
     check_strategy,
     load_deepspeed_config,
     training_arguments,
+    training_device,
     zero3_hidden_from_transformers,
 )
 from medusa_train.training.base_placement import (
@@ -162,6 +163,10 @@ class BaseRecipe:
 
     def __init__(self, cfg: TrainConfig | DictConfig | dict[str, Any], callbacks: Sequence[TrainerCallback] = ()):
         self.cfg, self.resolved = resolve_config(cfg)
+        # trainer.precision=auto resolved once for the training device; self.resolved keeps what was asked for
+        self.precision = choose_precision(self.cfg.trainer.precision, training_device(self.cfg.trainer))
+        self.cfg.trainer.precision = self.precision.precision
+        log.info(self.precision.describe())
         self.extra_callbacks = list(callbacks)
         self.env = DistEnv.from_environ()
         self.paths = RunPaths(Path(self.cfg.output_dir).resolve())
@@ -489,19 +494,21 @@ class BaseRecipe:
         return table
 
     def training_record(self) -> dict[str, Any]:
-        """The ``training`` entry of the export's config (a flow adds its settings); ``memory`` holds the memory
-        plan's peak per device and, on CUDA, ``torch.cuda.max_memory_allocated`` after training (bytes; None where
-        not planned or not measured); ``data`` the data's counts (:meth:`PreparedData.record`: labelled tokens,
-        skips); ``train_runtime_s`` the Trainer's seconds in this process (a resumed run: since ``resumed_from``)."""
+        """The ``training`` entry of the export's config (a flow adds its settings); ``precision`` the mixed
+        precision trained in (:meth:`~medusa_train.precision.PrecisionChoice.record`: asked for, used, why);
+        ``memory`` holds the memory plan's peak per device and, on CUDA, ``torch.cuda.max_memory_allocated`` after
+        training (bytes; None where not planned or not measured); ``data`` the data's counts
+        (:meth:`PreparedData.record`: labelled tokens, skips); ``train_runtime_s`` the Trainer's seconds in this
+        process (a resumed run: since ``resumed_from``)."""
         cfg = self.cfg
         return {"target": cfg.heads.target, "loss_decay": cfg.heads.loss_decay, "data_source": cfg.data.source,
                 "self_distill": cfg.data.self_distill, "max_length": cfg.max_length,
                 "global_step": self.summary.get("global_step"), "seed": cfg.seed, "mode": cfg.heads.mode,
+                "precision": self.precision.record(),
                 "memory": {"planned_peak_device_bytes": self.summary.get("planned_peak_device_bytes"),
                            "measured_peak_device_bytes": self.summary.get("peak_device_memory_bytes")},
                 "data": self.data.record() if getattr(self, "data", None) is not None else None,
                 "num_train_epochs": cfg.trainer.num_train_epochs, "max_steps": cfg.trainer.max_steps,
-                "precision": cfg.trainer.precision,
                 "train_runtime_s": (self.summary.get("train_metrics") or {}).get("train_runtime"),
                 "resumed_from": self.summary.get("resumed_from")}
 

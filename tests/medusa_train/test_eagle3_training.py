@@ -92,6 +92,60 @@ def test_padding_changes_no_real_positions_logits(eagle3_model):
     assert (padded[0, 1, 5] - alone[0, 0, 5]).abs().max() > 1e-3  # token 6: a padding token, not the end
 
 
+def unroll_inputs(heads, B: int, T: int, seed: int) -> dict:
+    """Random fp32 taps ``[B, T, H]`` (requiring grad) and path embeddings ``[B, T, K, H]`` for ``heads.unroll``."""
+    g = torch.Generator().manual_seed(seed)
+    H = heads.spec.hidden_size
+    taps = [torch.randn(B, T, H, generator=g).requires_grad_() for _ in heads.spec.feature_layers]
+    return dict(taps=taps, path_embeds=torch.randn(B, T, K, H, generator=g))
+
+
+def test_the_compact_unroll_at_the_loss_positions_is_the_full_unroll_there(eagle3_model):
+    """With ``at``, the later steps run at the loss positions only: the same logits, lm_head inputs and gradients
+    (weights and taps) as the full unroll read at those positions, with padding, sequences of different loss counts
+    (one with none), unsorted and repeated positions."""
+    heads = eagle3_model.heads
+    B, T = 3, 12
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 7:] = 0
+    b = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 1])  # sequence 2: no loss position
+    t = torch.tensor([11, 4, 5, 6, 2, 3, 9, 4, 8])  # unsorted, (0, 4) twice, (1, 8) a padding position
+    weights = torch.randn(K, len(b), heads.spec.out_size, generator=torch.Generator().manual_seed(3))
+    results = []
+    for at in (None, (b, t)):
+        inputs = unroll_inputs(heads, B, T, seed=2)
+        heads.zero_grad()
+        seen = []
+
+        def project_fn(features, lm_head_weight):
+            seen.append(features.detach())
+            return features @ lm_head_weight.T
+
+        logits = heads.unroll(**inputs, attention_mask=mask, at=at, project_fn=project_fn)
+        if at is None:
+            logits, seen[0] = logits[:, b, t], seen[0][:, b, t]
+        (logits * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in heads.named_parameters()} | {
+            f"tap{i}": x.grad for i, x in enumerate(inputs["taps"])}
+        results.append((logits.detach(), seen[0], grads))
+    (full, full_features, full_grads), (compact, compact_features, compact_grads) = results
+    assert compact.shape == (K, len(b), heads.spec.out_size)
+    torch.testing.assert_close(compact, full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(compact_features, full_features, atol=1e-5, rtol=0)
+    assert full_grads.keys() == compact_grads.keys() and len(full_grads) > 10
+    for name, grad in full_grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(compact_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_loss_slots_lay_each_sequences_positions_out_in_order():
+    from medusa_train.eagle3 import loss_slots
+
+    queries, (b, j) = loss_slots((torch.tensor([1, 0, 1, 0]), torch.tensor([5, 3, 2, 3])), batch=3, length=6)
+    assert queries.tolist() == [[3, 5], [2, 5], [5, 5]]  # padding slots repeat T - 1
+    assert b.tolist() == [1, 0, 1, 0] and j.tolist() == [1, 0, 0, 0]
+
+
 def test_rope_is_transformers_llama_rotary_embedding(eagle3_model):
     heads = eagle3_model.heads
     x, positions = torch.zeros(1, 7, 2 * heads.spec.hidden_size), torch.arange(3, 10)[None]
@@ -157,6 +211,78 @@ def test_a_crashed_cached_run_resumes_to_the_same_drafter(tiny_inputs, tmp_path)
     whole = load_file(str(tmp_path / "whole" / "export" / WEIGHTS))
     assert "fc.weight" in whole and not any(k.startswith("rot") for k in whole)
     assert_same_heads(whole, load_file(str(tmp_path / "crashed" / "export" / WEIGHTS)))
+
+
+@pytest.fixture
+def cpu_flags(monkeypatch):
+    """Fake the CPU's instruction-set flags (:data:`medusa_train.precision.CPU_FLAGS_ENV`): ``cpu_flags(flags)``."""
+    from medusa_train.precision import CPU_FLAGS_ENV
+
+    return lambda flags: monkeypatch.setenv(CPU_FLAGS_ENV, " ".join(sorted(flags)))
+
+
+def export_training_record(run: Path) -> dict:
+    import json
+
+    return json.loads((run / "export" / "config.json").read_text())["training"]
+
+
+def test_auto_precision_trains_in_bf16_on_an_amx_cpu_with_the_hidden_cache(tiny_inputs, tmp_path, cpu_flags):
+    """trainer.precision=auto on a (faked) AMX CPU: the HF Trainer's bf16 autocast on the CPU, end to end through
+    the hidden cache and the training-time test; the export records what was asked for, used and why."""
+    from tests.conftest import SAPPHIRE_RAPIDS
+
+    cpu_flags(SAPPHIRE_RAPIDS)
+    model_dir, data = tiny_inputs
+    run = tmp_path / "run"
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, run, hidden_cache="true", **{
+        "trainer.precision": "auto", "model.dtype": "float32"}) + EAGLE3))
+    assert recipe.resolved["trainer"]["precision"] == "auto" and recipe.cfg.trainer.precision == "bf16"
+    recipe.run()
+    assert recipe.trainer.args.bf16 and not recipe.trainer.args.fp16
+    losses = [e["loss"] for e in recipe.trainer.state.log_history if "loss" in e]
+    assert len(losses) >= 3 and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    record = export_training_record(run)["precision"]
+    assert record["precision"] == "bf16" and record["requested"] == "auto" and record["device"] == "cpu"
+    assert "amx_bf16" in record["reason"] and "amx_bf16" in record["cpu"]["flags"]
+    weights = load_file(str(run / "export" / WEIGHTS))
+    assert weights["fc.weight"].dtype == torch.float32  # fp32 master weights, bf16 only inside the autocast
+
+
+def test_auto_precision_is_fp32_on_an_avx2_cpu(tiny_inputs, tmp_path, cpu_flags):
+    from tests.conftest import AVX2_ONLY
+
+    cpu_flags(AVX2_ONLY)
+    recipe = build_recipe(compose_train(tiny_overrides(*tiny_inputs, tmp_path / "run", **{
+        "trainer.precision": "auto"}) + EAGLE3))
+    assert recipe.cfg.trainer.precision == "fp32" and recipe.resolved["trainer"]["precision"] == "auto"
+    assert "no bf16 instructions" in recipe.precision.reason
+    assert recipe.training_record()["precision"]["precision"] == "fp32"
+
+
+def test_more_steps_and_a_large_draft_vocabulary_reach_training_and_export(tiny_inputs, tmp_path):
+    """heads.medusa_num_heads (K, the unrolled steps) and heads.head_vocab_size=8192 through the hidden cache to
+    the exported drafter (a tiny target with a 16,384-token vocabulary, the tiny tokenizer's 512 ids among it)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "wide_vocab"
+    make_tiny_model("llama", vocab_size=16384).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(tiny_inputs[0]).save_pretrained(model_dir)
+    run = tmp_path / "run"
+    recipe = build_recipe(compose_train(tiny_overrides(model_dir, tiny_inputs[1], run, hidden_cache="true", **{
+        "heads.medusa_num_heads": 3, "trainer.max_steps": 4}) + [*EAGLE3[:2], "heads.head_vocab_size=8192"]))
+    recipe.run()
+    heads = recipe.trainer.model
+    assert heads.spec.num_heads == 3 and heads.spec.out_size == 8192
+    weights = load_file(str(run / "export" / WEIGHTS))
+    H = heads.spec.hidden_size
+    assert weights["lm_head.weight"].shape == (8192, H)
+    token_map = load_file(str(run / "export" / "token_map.safetensors"))["token_map"]
+    assert token_map.shape == (8192,) and token_map.max() < 16384
+    config = json.loads((run / "export" / "config.json").read_text())
+    assert config["eagle3_num_steps"] == 3 and config["head_vocab_size"] == 8192
 
 
 # ---- refused before training -----------------------------------------------------------------------------------------

@@ -53,6 +53,26 @@ def test_auto_on_cuda_takes_bf16_where_the_gpu_has_it(cpu, monkeypatch, bf16_gpu
     assert choice.dtype == dtype and choice.device == "cuda"
 
 
+@pytest.mark.parametrize("flags, expected, found", [(AVX2_ONLY, "fp32", "no bf16 instructions"),
+                                                     (SAPPHIRE_RAPIDS, "bf16", "amx_bf16")])
+def test_training_precision_auto_on_a_cpu_follows_its_bf16_instructions(cpu, flags, expected, found):
+    cpu(flags)
+    choice = precision.choose_precision("auto", "cpu")
+    assert choice.precision == expected and choice.requested == "auto" and found in choice.reason
+    assert choice.record()["cpu"]["bf16_instructions"] == (expected == "bf16")
+    assert precision.choose_precision("fp32", "cpu").precision == "fp32"  # an explicit one passes through
+    assert precision.choose_precision("bf16", "cpu").reason == "requested"
+
+
+@pytest.mark.parametrize("bf16_gpu, expected", [(True, "bf16"), (False, "fp32")])
+def test_training_precision_auto_on_cuda_is_bf16_or_fp32_never_fp16(cpu, monkeypatch, bf16_gpu, expected):
+    cpu(AVX2_ONLY)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_gpu)
+    choice = precision.choose_precision("auto", "cuda:0")
+    assert choice.precision == expected and choice.device == "cuda"
+    assert bf16_gpu or "set trainer.precision=fp16" in choice.reason
+
+
 def test_bf16_forced_on_a_cpu_without_bf16_instructions_works_but_warns_with_the_slowdown(cpu):
     cpu(AVX2_ONLY)
     with pytest.warns(RuntimeWarning, match="about 3x slower than float32"):
