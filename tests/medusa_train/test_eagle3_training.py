@@ -227,6 +227,7 @@ def export_training_record(run: Path) -> dict:
     return json.loads((run / "export" / "config.json").read_text())["training"]
 
 
+@pytest.mark.slow
 def test_auto_precision_trains_in_bf16_on_an_amx_cpu_with_the_hidden_cache(tiny_inputs, tmp_path, cpu_flags):
     """trainer.precision=auto on a (faked) AMX CPU: the HF Trainer's bf16 autocast on the CPU, end to end through
     the hidden cache and the training-time test; the export records what was asked for, used and why."""
@@ -260,6 +261,7 @@ def test_auto_precision_is_fp32_on_an_avx2_cpu(tiny_inputs, tmp_path, cpu_flags)
     assert recipe.training_record()["precision"]["precision"] == "fp32"
 
 
+@pytest.mark.slow
 def test_more_steps_and_a_large_draft_vocabulary_reach_training_and_export(tiny_inputs, tmp_path):
     """heads.medusa_num_heads (K, the unrolled steps) and heads.head_vocab_size=8192 through the hidden cache to
     the exported drafter (a tiny target with a 16,384-token vocabulary, the tiny tokenizer's 512 ids among it)."""
