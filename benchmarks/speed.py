@@ -40,11 +40,10 @@ from inference.decoders.batching import additive_mask
 from inference.decoders.choices import resolve_medusa_choices
 from inference.decoders.medusa import make_verifier, tree_step, medusa_tree
 from inference.decoders.vanilla import VanillaDecoder
-from inference.kv_cache import preallocated_cache
 from inference.proposers.tree_drafters import tree_drafter
-from medusa_train.features import FINAL
 from medusa_train.cli.app import register_shared_schemas
 from medusa_train.config import ModelConfig, as_dataclass
+from medusa_train.features import FINAL
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.cpu_kernels import PackedKernels, apply_cpu_kernels, choose_cpu_kernels
 from medusa_train.loading.medusa import load_medusa
@@ -52,6 +51,7 @@ from medusa_train.model import MedusaModel, new_heads_for
 from medusa_train.paths import CONF_DIR
 from medusa_train.precision import cpu_isa
 from medusa_train.prompts import encode_prompt
+from medusa_train.tree.kv_cache import preallocated_cache
 from medusa_train.tuning.latency import PassTimer
 
 DEFAULT_TREE = [[0], [1], [0, 0], [2], [0, 1]]  # 5 nodes (6 tokens a pass with the root): a size medusa-tune-tree chose

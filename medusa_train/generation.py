@@ -57,6 +57,12 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) 
     return input_ids.to(device), attention_mask.to(device)
 
 
+def max_positions(config: Any) -> int | None:
+    """The model's context length (``max_position_embeddings``; GPT-2's ``n_positions`` maps to it), or None."""
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 @torch.inference_mode()
 def greedy_generate(
     model: Any, prompts: list[list[int]], max_new_tokens: int, pad_id: int, stop_ids: set[int]

@@ -10,9 +10,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from inference.tree import default_medusa_choices
 from medusa_train.export.tree_files import COMPOSITE_FILE, DYNAMIC_TREE_FILE, read_tree_files
 from medusa_train.text_files import read_text
+from medusa_train.tree.buffers import default_medusa_choices
 
 
 def resolve_medusa_choices(setting: Any, export_dir: str, num_heads: int, topk: int) -> list[list[int]]:
@@ -23,7 +23,7 @@ def resolve_medusa_choices(setting: Any, export_dir: str, num_heads: int, topk: 
         export_dir: the export folder, searched for ``medusa_choices.json`` (written by ``medusa-tune-tree``) when
             ``setting`` is None.
         num_heads, topk: cut Medusa's default tree to these when neither gives a tree
-            (:func:`~inference.tree.default_medusa_choices`).
+            (:func:`~medusa_train.tree.buffers.default_medusa_choices`).
 
     Returns:
         The paths (validated later, by the decoder's tree buffers).
@@ -99,7 +99,7 @@ def resolve_composite(settings: Any, tuned: dict[str, Any] | None, heads_nodes: 
         ValueError: a split that is not valid (``decoder.composite.<field>`` named, e.g. ``nodes`` below the lookup
             drafts' tokens).
     """
-    from inference.proposers.composite import DEFAULTS, KEYS, setting_split
+    from medusa_train.tree.composite import DEFAULTS, KEYS, setting_split
 
     values, sources = {}, []
     for key in KEYS:

@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inference.sampling import SAMPLING_DEFAULTS
 from medusa_train.paths import REPO_ROOT
+from medusa_train.tree.sampling import SAMPLING_DEFAULTS
 
 VENV_VARIABLE = "MEDUSA_VLLM_VENV"
 INSTALL_COMMAND = "bash launch/install_vllm.sh"

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import torch
 
-from inference.tree import TOPK
 from medusa_train.generation import greedy_generate, length_batches
 from medusa_train.heads import to_head_vocab
 from medusa_train.model import MedusaModel
+from medusa_train.tree.buffers import TOPK
 
 
 def target_ranks(head_logits: torch.Tensor, tokens: torch.Tensor, topk: int) -> torch.Tensor:

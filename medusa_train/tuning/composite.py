@@ -20,8 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from inference.proposers.composite import LOOKUP_MATCHES, CompositeTree
-from inference.proposers.prompt_lookup import LOOKUP_LENGTH
+from medusa_train.tree.composite import LOOKUP_LENGTH, LOOKUP_MATCHES, CompositeTree
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The shape of an EAGLE-2 dynamic tree (depth, topk, total) for drafters that grow one, chosen by decoding.
 
-A dynamic tree (:mod:`inference.dynamic_tree`) is grown anew every step from the drafter's own confidence, so no
+A dynamic tree (:mod:`medusa_train.tree.dynamic`) is grown anew every step from the drafter's own confidence, so no
 accuracy table predicts its τ as one predicts a static tree's (:mod:`medusa_train.tuning.search`): its shape is
 chosen by decoding the tuning prompts with each shape of a small shortlist, as the static tree's size is
 (:mod:`medusa_train.tuning.timed`), and the fastest is kept when it beats the reference shape beyond the noise
@@ -20,7 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from inference.dynamic_tree import DynamicTree
+from medusa_train.tree.dynamic import DynamicTree
 
 log = logging.getLogger(__name__)
 

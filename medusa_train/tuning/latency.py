@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from inference.kv_cache import preallocated_cache
+from medusa_train.tree.kv_cache import preallocated_cache
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 

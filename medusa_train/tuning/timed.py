@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from inference.decoders.base import DecodeConfig
 from inference.decoders.medusa import TreeDecoder
 from inference.evaluation.intervals import bounds_text, ratio_interval
-from inference.tree import TOPK
+from medusa_train.tree.buffers import TOPK
 
 # Sizes timed: those predicted at least this share of the best predicted tokens/s (the profile's error seen so far
 # is about 25%), among the measured profile sizes and the predicted best.

@@ -6,14 +6,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from inference.decoders.base import max_positions
+from inference.proposers.tree_drafters import grows_dynamic_trees
 from medusa_train.data.collate import pad_token_id_of
 from medusa_train.export.files import write_json
-from medusa_train.model import MedusaModel
-from medusa_train.prompts import Prompt, encode_prompt
-from medusa_train.tuning.accuracy import measure_head_accuracy
-from medusa_train.tuning.tune_tree_config import TuneTreeConfig
-from inference.proposers.tree_drafters import grows_dynamic_trees
 from medusa_train.export.tree_files import (
     ACCURACY_FILE,
     CHOICES_FILE,
@@ -22,11 +17,16 @@ from medusa_train.export.tree_files import (
     LATENCY_FILE,
     read_latency_profile,
 )
+from medusa_train.generation import max_positions
+from medusa_train.model import MedusaModel
+from medusa_train.prompts import Prompt, encode_prompt
+from medusa_train.tuning.accuracy import measure_head_accuracy
 from medusa_train.tuning.composite import composite_shortlist, tune_composite
 from medusa_train.tuning.dynamic import prefer_faster_kind, tune_dynamic_tree
 from medusa_train.tuning.latency import check_profile_runtime, measure_verification_latency
 from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length, greedy_tree
 from medusa_train.tuning.timed import choose, describe_choice, shortlist, time_trees
+from medusa_train.tuning.tune_tree_config import TuneTreeConfig
 
 log = logging.getLogger(__name__)
 

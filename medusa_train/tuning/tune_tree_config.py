@@ -10,12 +10,12 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from inference.tree import TOPK
 from medusa_train.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
 from medusa_train.config import check_device
 from medusa_train.export.tree_files import read_latency_profile
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
+from medusa_train.tree.buffers import TOPK
 from medusa_train.tuning.latency import DEFAULT_SIZES
 
 

@@ -9,10 +9,10 @@ import json
 import pytest
 
 from inference.decoders import DecodeConfig
-from inference.proposers.composite import CompositeTree
 from inference.registry import BuildContext, build_decoder, decoder_settings
 from medusa_train.export.tree_files import read_tree_files
 from medusa_train.loading.runtime import load_for_inference
+from medusa_train.tree.composite import CompositeTree
 from tests.inference.test_decoders import PROMPTS, greedy
 from tests.medusa_train.test_tune_tree_dynamic import _tune, exports  # noqa: F401 (a fixture)
 

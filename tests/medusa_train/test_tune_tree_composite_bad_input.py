@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from inference.proposers.composite import CompositeTree
 from inference.registry import BuildContext, build_decoder, decoder_settings
 from medusa_train.loading.runtime import load_for_inference
+from medusa_train.tree.composite import CompositeTree
 from tests.medusa_train.test_tune_tree_dynamic import exports  # noqa: F401 (a fixture)
 
 RECORD = {"nodes": 8, "lookup_length": 3, "lookup_matches": 1, "max_matching_ngram_size": 2, "heads_nodes": 5,

@@ -10,7 +10,6 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from inference.decoders import DecodeConfig, TreeDecoder
-from inference.dynamic_tree import DynamicTree
 from inference.registry import BuildContext, build_decoder, decoder_settings
 from medusa_train.cli.tune_tree import register_schemas
 from medusa_train.config import ModelConfig
@@ -19,6 +18,7 @@ from medusa_train.export.tree_files import read_tree_files
 from medusa_train.loading.medusa import export_extra_config
 from medusa_train.model import new_heads_for
 from medusa_train.paths import CONF_DIR
+from medusa_train.tree.dynamic import DynamicTree
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 from tests.inference.test_decoders import PROMPTS, greedy
 
