@@ -190,9 +190,9 @@ def fastest(runs: dict[str, dict[str, Any]], ks: dict[str, int]) -> dict[str, An
 
 def choose_k(runs: dict[str, dict[str, Any]], ks: dict[str, int], reference: int) -> dict[str, Any]:
     """The drafted length to serve, from one batch size's ``runs``: the fastest k when it beats the ``reference``
-    (the export's default) beyond the noise, else the reference (:func:`medusa_train.tuning.timed.choose`, the rule
+    (the export's default) beyond the noise, else the reference (:func:`inference.tuning.timed.choose`, the rule
     the tree tuner follows): ``{"num_speculative_tokens", "reference", "margin"}``."""
-    from medusa_train.tuning.timed import choose
+    from inference.tuning.timed import choose
 
     timed = {k: {"tokens_per_s": runs[name]["tokens_per_second"], "prompt_tokens": runs[name]["call_tokens"],
                  "prompt_seconds": runs[name]["call_seconds"]} for name, k in ks.items()}
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
     print(table(summary))
     if args.record:
-        from medusa_train.tuning.timed import describe_choice
+        from inference.tuning.timed import describe_choice
 
         chosen = summary["recorded"]["chosen"]
         print(f"recorded num_speculative_tokens = {chosen['num_speculative_tokens']} in {export}/vllm_speculative.json "

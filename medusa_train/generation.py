@@ -1,7 +1,7 @@
 """Batched greedy generation with HF ``generate``: the base model's own continuations of many prompts at once.
 
 Self-distillation (:mod:`medusa_train.data.self_distill`) and the head-accuracy measurement of tree tuning
-(:mod:`medusa_train.tuning.accuracy`) both need the base model's greedy replies to many prompts. Prompts are
+(:mod:`inference.tuning.accuracy`) both need the base model's greedy replies to many prompts. Prompts are
 left-padded into one batch (``attention_mask`` marks the padding), so one ``generate`` call serves B prompts; on a CPU
 batches of prompts of similar length make several times the tokens per second of one prompt at a time
 (``benchmarks/self_distill_engines.py`` measures it).

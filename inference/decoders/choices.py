@@ -57,7 +57,7 @@ def resolve_dynamic_tree(setting: Any, medusa_choices: Any, export_dir: str, mod
     no static tree is set (``medusa_choices`` None) and ``model``'s drafter grows dynamic trees
     (:func:`~inference.proposers.tree_drafters.grows_dynamic_trees`), the export's tuned ``dynamic_tree.json``
     (``medusa-tune-tree``) unless it records the static tree as faster beyond the noise (``chosen.static_faster``,
-    :func:`medusa_train.tuning.dynamic.prefer_faster_kind`); else None (the static tree).
+    :func:`inference.tuning.dynamic.prefer_faster_kind`); else None (the static tree).
 
     Args:
         setting: ``dynamic_tree`` as given (``{depth, topk, total}``, a triple, or None).
@@ -92,7 +92,7 @@ def resolve_composite(settings: Any, tuned: dict[str, Any] | None, heads_nodes: 
     ``heads_nodes`` plus the lookup drafts').
 
     Returns:
-        ``(composite, source)``: a :class:`~inference.proposers.composite.CompositeTree` and where its fields came
+        ``(composite, source)``: a :class:`~medusa_train.tree.composite.CompositeTree` and where its fields came
         from (``settings``, ``export composite_tree.json``, ``default``, joined by ``+`` when mixed).
 
     Raises:

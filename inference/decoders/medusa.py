@@ -334,7 +334,7 @@ class TreeDecoder:
             (:class:`~medusa_train.tree.dynamic.DynamicTree`, or ``(depth, topk, total)``, or a mapping of them), for
             drafters that grow one (:class:`~inference.proposers.tree_drafters.DynamicTreeDrafter`: EAGLE-3);
             ``medusa_choices`` and ``topk`` are then not used (``medusa_choices`` may be None).
-        composite: None, or a :class:`~inference.proposers.composite.CompositeTree` (or a mapping of its fields):
+        composite: None, or a :class:`~medusa_train.tree.composite.CompositeTree` (or a mapping of its fields):
             every step's tree merges the drafter's candidates (over ``medusa_choices`` or ``dynamic_tree``) with
             prompt lookup's drafts of the prompt and the reply so far, within its node budget
             (:mod:`inference.proposers.composite`); the drafter is then a

@@ -1,6 +1,6 @@
 """The tuned tree files of an export folder: their names and their one reader.
 
-``medusa-tune-tree`` writes them beside the heads (:mod:`medusa_train.tuning.tune`); decoders, evaluation,
+``medusa-tune-tree`` writes them beside the heads (:mod:`inference.tuning.tune`); decoders, evaluation,
 publishing and the benchmarks read them through :func:`read_tree_files` (or :func:`read_latency_profile` for a
 profile reused by another export's tuning run).
 
@@ -10,11 +10,11 @@ profile reused by another export's tuning run).
   kernels it was measured on.
 - ``dynamic_tree.json`` (drafters that grow an EAGLE-2 dynamic tree, :mod:`medusa_train.tree.dynamic`): the shape
   ``depth``, ``topk``, ``total`` chosen by decoding, its ``tokens_per_s`` and ``mean_accepted_tokens`` on the tuning
-  prompts (null when it was not decoded), and ``chosen`` (how: :mod:`medusa_train.tuning.dynamic`).
+  prompts (null when it was not decoded), and ``chosen`` (how: :mod:`inference.tuning.dynamic`).
 - ``composite_tree.json``: the composite tree's budget split (``nodes``, ``lookup_length``, ``lookup_matches``,
-  ``max_matching_ngram_size``, :class:`inference.proposers.composite.CompositeTree`), the heads' nodes beside the
+  ``max_matching_ngram_size``, :class:`medusa_train.tree.composite.CompositeTree`), the heads' nodes beside the
   lookup (``heads_nodes``), the heads' tree of the whole budget best node first (``medusa_choices``), its speed and
-  τ on the tuning prompts (null when not decoded) and ``chosen`` (:mod:`medusa_train.tuning.composite`).
+  τ on the tuning prompts (null when not decoded) and ``chosen`` (:mod:`inference.tuning.composite`).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def check_dynamic_tree(data: Any, path: Path, head_vocab: int | None) -> dict[st
 
 def check_composite_tree(data: Any, path: Path, num_heads: int | None, head_vocab: int | None) -> dict[str, Any]:
     """Check ``composite_tree.json`` and return it: an object whose split makes a valid
-    :class:`~inference.proposers.composite.CompositeTree`, whose ``medusa_choices`` is a valid tree for the heads
+    :class:`~medusa_train.tree.composite.CompositeTree`, whose ``medusa_choices`` is a valid tree for the heads
     (:func:`check_medusa_choices`), with ``tokens_per_s``, ``mean_accepted_tokens`` and ``chosen`` as
     ``dynamic_tree.json``'s.
 

@@ -103,7 +103,7 @@ def measure_head_accuracy(
         "target_ranks": [prompt][state][k] int}``: ``target_ranks`` holds, for every decoding state of every prompt
         (the position whose hidden state the heads read: the last prompt token, then each continuation token but the
         last two), the rank of each head's target or -1 (:func:`target_ranks`), what
-        :func:`medusa_train.tuning.replay.replayed_accept_length` replays a tree on.
+        :func:`inference.tuning.replay.replayed_accept_length` replays a tree on.
 
     Raises:
         ValueError: no prompts, an empty prompt, or ``batch_size`` < 1.

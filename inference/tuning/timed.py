@@ -33,7 +33,7 @@ def shortlist(rates: dict[int, dict[str, float]], measured_sizes: Sequence[int],
 
     Args:
         rates: ``{n: {"tokens_per_s": float, ...}}`` predicted for every candidate size n
-            (:func:`medusa_train.tuning.search.best_tree_for_latency`'s table).
+            (:func:`inference.tuning.search.best_tree_for_latency`'s table).
         measured_sizes: the sizes whose latency was measured rather than interpolated.
         ratio: keep sizes predicted at least ``ratio`` of the best.
 
