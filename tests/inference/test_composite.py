@@ -17,6 +17,7 @@ from inference.proposers.prompt_lookup import NgramIndex
 from inference.registry import decoder_settings
 from medusa_train.drafters.catalog import head_types
 from medusa_train.tree.buffers import build_tree_buffers
+from medusa_train.tree.composite import CompositeTree, composite_tree
 from tests.conftest import make_tiny_model
 from tests.inference.test_decoders import (
     PROMPTS,
