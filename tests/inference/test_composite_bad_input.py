@@ -10,7 +10,7 @@ import pytest
 
 from inference.decoders import DecodeConfig, TreeDecoder
 import inference.decoders.medusa as medusa_module
-from inference.engines.vllm_env import speculative_config, tuned_speculative_tokens
+from medusa_train.engines.vllm_env import speculative_config, tuned_speculative_tokens
 from medusa_train.export import save_export
 from medusa_train.heads import HeadsSpec, MedusaHeads
 from medusa_train.tree.composite import composite_tree

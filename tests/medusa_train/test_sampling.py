@@ -122,8 +122,8 @@ import medusa_train.tree.sampling as sampling
 sampling.SAMPLING_DEFAULTS = sampling.SamplingDefaults(temperature=0.5, top_p=0.9, top_k=7, max_new_tokens=99)
 from inference.cli.generate import GenerateConfig
 from inference.decoders.base import DecodeConfig
-from inference.engines.vllm_env import VllmWorker
 from inference.evaluation.eval_config import EvaluateConfig
+from medusa_train.engines.vllm_env import VllmWorker
 found = {}
 for cls in (DecodeConfig, GenerateConfig, EvaluateConfig):
     found[cls.__name__] = {f.name: f.default for f in dataclasses.fields(cls)

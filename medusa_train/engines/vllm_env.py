@@ -1,5 +1,5 @@
 """vLLM's own environment, found and driven from ours: :func:`vllm_python` finds it, :class:`VllmWorker` runs an engine
-there as a subprocess (``inference/engines/vllm_worker.py``) and talks JSON lines to it.
+there as a subprocess (``medusa_train/engines/vllm_worker.py``) and talks JSON lines to it.
 
 vLLM pins its own torch and transformers (vllm 0.32: ``transformers<5.20``; we use 5.24), so it lives in a second
 virtual environment that ``launch/install_vllm.sh`` builds: ``.venv-vllm`` in the checkout, or ``$MEDUSA_VLLM_VENV``.
