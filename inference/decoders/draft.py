@@ -4,8 +4,8 @@ runs on (Leviathan et al. 2023, "Fast Inference from Transformers via Speculativ
 
 One step (:func:`speculative_step`, after gpt-fast ``generate.py:speculative_decode``): the proposer drafts, the
 target reads the root, the proposal's auxiliary branch and its G candidates in ONE forward pass, the verifier
-(:mod:`medusa_train.tree.acceptance`) keeps the longest accepted prefix plus the recovered or bonus token, and the KV cache
-keeps only the root and the accepted tokens:
+(:mod:`medusa_train.tree.acceptance`) keeps the longest accepted prefix plus the recovered or bonus token, and the KV
+cache keeps only the root and the accepted tokens:
 
 - a single chain with no auxiliary branch (the draft model) is an ordinary causal pass; the cache is cropped;
 - anything else (Lookahead's window and G n-grams) gets a 4-D additive mask ``[1, 1, T, past + T]`` and explicit
@@ -14,9 +14,9 @@ keeps only the root and the accepted tokens:
 
 Acceptance: greedy (temperature 0) keeps the longest candidate prefix equal to the target's argmax chain
 (:func:`~medusa_train.tree.acceptance.greedy_accept`), so the output is exactly greedy decoding's. Sampling verifies one
-chain with lossless speculative sampling (:func:`~medusa_train.tree.acceptance.chain_speculative_sample`): accept drafted
-token x with min(1, p(x) / q(x)), on rejection resample from norm(max(0, p - q)), a bonus token from p when all K
-are accepted. An empty proposal decodes one token exactly as plain decoding does.
+chain with lossless speculative sampling (:func:`~medusa_train.tree.acceptance.chain_speculative_sample`): accept
+drafted token x with min(1, p(x) / q(x)), on rejection resample from norm(max(0, p - q)), a bonus token from p when all
+K are accepted. An empty proposal decodes one token exactly as plain decoding does.
 
 Shapes: B batch (1), T tokens in a pass, G candidates, K drafted tokens, S auxiliary tokens, V vocabulary.
 """

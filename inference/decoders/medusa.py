@@ -3,8 +3,8 @@ kept (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
 Sec. 2.1.2, tree attention). :class:`TreeDecoder` runs any :class:`~inference.proposers.tree_drafters.TreeDrafter`:
 Medusa heads, Hydra heads, EAGLE-3 drafters (``model.head_type``,
 :func:`~inference.proposers.tree_drafters.tree_drafter`), over a static tree or, for drafters that grow one, an
-EAGLE-2 dynamic tree built anew every step (``dynamic_tree``, :mod:`medusa_train.tree.dynamic`); with ``composite``, every
-step's tree also holds prompt lookup's drafts (:mod:`inference.proposers.composite`).
+EAGLE-2 dynamic tree built anew every step (``dynamic_tree``, :mod:`medusa_train.tree.dynamic`); with ``composite``,
+every step's tree also holds prompt lookup's drafts (:mod:`inference.proposers.composite`).
 
 One step (:func:`tree_step`), following the split of FasterDecoding/Medusa ``medusa/model/utils.py`` at 10a2697
 (generate candidates -> tree decoding -> evaluate posterior -> update inputs) with all state passed in and out:
@@ -18,8 +18,8 @@ b. **tree pass**: ONE backbone pass over the N node tokens on top of the KV cach
    unchanged (``masking_utils._preprocess_mask_arguments``), so no modeling code is patched;
 c. **verification**: base logits of every node (lm_head over the N hidden states), laid out along the root-to-leaf
    paths and handed to the acceptance rule (:mod:`medusa_train.tree.acceptance`);
-d. **cache compaction**: the cache keeps the past and the accepted nodes only (:mod:`medusa_train.tree.kv_cache`: a cache
-   preallocated for the request, written in place, compacted by an index copy);
+d. **cache compaction**: the cache keeps the past and the accepted nodes only (:mod:`medusa_train.tree.kv_cache`:
+   a cache preallocated for the request, written in place, compacted by an index copy);
 e. **next step**: the drafter is given the accepted path's tokens and target features (``TreeDrafter.accept``; Medusa
    and Hydra heads keep the last accepted node's hidden state: one position, no second pass, and compute only the
    first D heads, D the tree's depth, :func:`medusa_tree`); the recovered or bonus token becomes the next step's
@@ -71,7 +71,12 @@ from inference.proposers.composite import CompositeShape, CompositeTreeDrafter, 
 from inference.proposers.tree_drafters import DynamicTreeDrafter, TreeDrafter, tree_drafter
 from medusa_train.features import FINAL
 from medusa_train.generation import max_positions
-from medusa_train.tree.acceptance import check_posterior, greedy_accept_tokens, tree_speculative_sample_batch, typical_accept
+from medusa_train.tree.acceptance import (
+    check_posterior,
+    greedy_accept_tokens,
+    tree_speculative_sample_batch,
+    typical_accept,
+)
 from medusa_train.tree.buffers import (
     TOPK,
     TreeBuffers,

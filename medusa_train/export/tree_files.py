@@ -52,7 +52,8 @@ def check_medusa_choices(choices: Any, path: Path, num_heads: int | None, head_v
     ``num_heads`` deep with ranks in ``[0, head_vocab)`` (the heads' output vocabulary; unchecked when None).
 
     Raises:
-        ValueError: the file and the offending entry named (:func:`medusa_train.tree.buffers.validate_medusa_choices`'s rules).
+        ValueError: the file and the offending entry named
+            (:func:`medusa_train.tree.buffers.validate_medusa_choices`'s rules).
     """
     from medusa_train.tree.buffers import validate_medusa_choices
 
