@@ -46,6 +46,21 @@ def length_batches(lengths: list[int], batch_size: int, max_tokens: int | None =
     return batches
 
 
+def pad_token_id_of(tokenizer: Any) -> int:
+    """The tokenizer's pad id, else its EOS id (padding is masked out, so any id works).
+
+    Raises:
+        ValueError: the tokenizer has neither a pad nor an EOS token.
+    """
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, list):  # some tokenizers list several EOS ids
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    raise ValueError("the tokenizer has neither pad_token_id nor eos_token_id; set tokenizer.pad_token")
+
+
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_ids`` and ``attention_mask``, both ``[B, T]`` int64, each prompt right-aligned (T = longest prompt)."""
     width = max(len(p) for p in prompts)

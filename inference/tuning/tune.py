@@ -14,7 +14,6 @@ from inference.tuning.latency import check_profile_runtime, measure_verification
 from inference.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length, greedy_tree
 from inference.tuning.timed import choose, describe_choice, shortlist, time_trees
 from inference.tuning.tune_tree_config import TuneTreeConfig
-from medusa_train.data.collate import pad_token_id_of
 from medusa_train.export.files import write_json
 from medusa_train.export.tree_files import (
     ACCURACY_FILE,
@@ -24,7 +23,7 @@ from medusa_train.export.tree_files import (
     LATENCY_FILE,
     read_latency_profile,
 )
-from medusa_train.generation import max_positions
+from medusa_train.generation import max_positions, pad_token_id_of
 from medusa_train.model import MedusaModel
 from medusa_train.prompts import Prompt, encode_prompt
 
