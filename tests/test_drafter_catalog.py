@@ -148,7 +148,7 @@ def test_a_new_drafter_type_trains_exports_resumes_tunes_and_decodes_exactly_gre
     from inference.decoders.base import DecodeConfig
     from inference.decoders.medusa import MedusaDecoder
     from inference.decoders.vanilla import VanillaDecoder
-    from medusa_train.cli.tune_tree import register_schemas, run as tune
+    from inference.cli.tune_tree import register_schemas, run as tune
     from medusa_train.export import load_heads, read_export_config
     from medusa_train.training.recipe import build_recipe
 
@@ -279,8 +279,8 @@ def test_every_types_tuner_replay_gives_the_decoders_counts(head_type, tmp_path)
     from inference.decoders.medusa import MedusaDecoder
     from medusa_train.loading.medusa import load_medusa
     from medusa_train.training.recipe import build_recipe
-    from medusa_train.tuning.accuracy import measure_head_accuracy
-    from medusa_train.tuning.replay import replay_counts
+    from inference.tuning.accuracy import measure_head_accuracy
+    from inference.tuning.replay import replay_counts
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"output_dir={tmp_path / 'run'}", f"heads.head_type={head_type}",

@@ -1,8 +1,10 @@
 """The dependency rules of the code base, checked on the source (every import, including those inside functions).
 
 - no import cycle among the modules of ``medusa_train`` and ``inference``;
-- ``inference`` imports nothing from ``medusa_train``'s training, tuning, publish or data packages, directly or
-  through any module it imports (transitively);
+- ``medusa_train`` is the lower floor: it imports nothing of ``inference`` (the tree core, ``medusa_train.tree``, and
+  the engines, ``medusa_train.engines``, sit below both; the tree tuner, ``inference.tuning``, decodes from above);
+- ``inference`` imports nothing from ``medusa_train``'s training, publish or data packages, directly or through any
+  module it imports (transitively);
 - training imports nothing from publish; only entry points (``medusa_train.cli``, ``inference.cli``, ``benchmarks``)
   and publish itself import publish;
 - no file cites a document outside the repository (a clone has none of them).
@@ -103,8 +105,16 @@ def test_no_import_cycle():
     assert cycles(import_graph(modules())) == []
 
 
-def test_inference_imports_no_training_tuning_publish_or_data():
-    forbidden = tuple(f"medusa_train.{p}" for p in ("training", "tuning", "publish", "data"))
+def test_medusa_train_imports_nothing_of_inference():
+    """No arrow runs back up: not even a function-level import (a lazy one is an arrow all the same)."""
+    assert edges_between(import_graph(modules()), "medusa_train", ("inference",)) == []
+
+
+TRAINING_SIDE = tuple(f"medusa_train.{p}" for p in ("training", "publish", "data"))
+
+
+def test_inference_imports_no_training_publish_or_data():
+    forbidden = TRAINING_SIDE
     assert edges_between(import_graph(modules()), "inference", forbidden) == []
 
 
@@ -124,11 +134,11 @@ def reachable_paths(edges: dict[str, set[str]], known: dict[str, Path], sources:
     return path_to
 
 
-def test_inference_reaches_no_training_tuning_publish_or_data_transitively():
+def test_inference_reaches_no_training_publish_or_data_transitively():
     """Not even through a core module: every module an ``inference`` module imports, and what that imports, and so
     on (function-level imports included), stays outside the training-side packages."""
     known = modules()
-    forbidden = tuple(f"medusa_train.{p}" for p in ("training", "tuning", "publish", "data"))
+    forbidden = TRAINING_SIDE
     reached = reachable_paths(import_graph(known), known, sorted(m for m in known if m.split(".")[0] == "inference"))
     offending = sorted(" -> ".join(path) for module, path in reached.items()
                        if any(module == f or module.startswith(f + ".") for f in forbidden))

@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from inference.sampling import SAMPLING_DEFAULTS, greedy_tokens, is_greedy, logits_to_probs
+from medusa_train.tree.sampling import SAMPLING_DEFAULTS, greedy_tokens, is_greedy, logits_to_probs
 
 
 @dataclass(frozen=True)
@@ -205,12 +205,6 @@ def prompt_tensor(input_ids: Tensor | Sequence[int], device: torch.device) -> Te
     return ids.to(device=device, dtype=torch.long)
 
 
-def max_positions(config: Any) -> int | None:
-    """The model's context length (``max_position_embeddings``; GPT-2's ``n_positions`` maps to it), or None."""
-    value = getattr(config, "max_position_embeddings", None)
-    return int(value) if isinstance(value, int) and value > 0 else None
-
-
 def check_context(
     prompt_len: int, max_new_tokens: int, limit: int | None, what: str = "the model's context", reserve: int = 0
 ) -> None:
@@ -246,7 +240,7 @@ def choose_token(logits: Tensor, config: DecodeConfig, generator: torch.Generato
 
     Args:
         logits: float ``[B, V]``.
-        config: temperature, top-k, top-p (see :func:`inference.sampling.logits_to_probs`).
+        config: temperature, top-k, top-p (see :func:`medusa_train.tree.sampling.logits_to_probs`).
         generator: the sampling generator (unused when greedy).
 
     Returns:
@@ -269,6 +263,5 @@ __all__ = [
     "check_context",
     "choose_token",
     "make_generator",
-    "max_positions",
     "prompt_tensor",
 ]

@@ -10,9 +10,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from inference.tree import default_medusa_choices
 from medusa_train.export.tree_files import COMPOSITE_FILE, DYNAMIC_TREE_FILE, read_tree_files
 from medusa_train.text_files import read_text
+from medusa_train.tree.buffers import default_medusa_choices
 
 
 def resolve_medusa_choices(setting: Any, export_dir: str, num_heads: int, topk: int) -> list[list[int]]:
@@ -23,7 +23,7 @@ def resolve_medusa_choices(setting: Any, export_dir: str, num_heads: int, topk: 
         export_dir: the export folder, searched for ``medusa_choices.json`` (written by ``medusa-tune-tree``) when
             ``setting`` is None.
         num_heads, topk: cut Medusa's default tree to these when neither gives a tree
-            (:func:`~inference.tree.default_medusa_choices`).
+            (:func:`~medusa_train.tree.buffers.default_medusa_choices`).
 
     Returns:
         The paths (validated later, by the decoder's tree buffers).
@@ -57,7 +57,7 @@ def resolve_dynamic_tree(setting: Any, medusa_choices: Any, export_dir: str, mod
     no static tree is set (``medusa_choices`` None) and ``model``'s drafter grows dynamic trees
     (:func:`~inference.proposers.tree_drafters.grows_dynamic_trees`), the export's tuned ``dynamic_tree.json``
     (``medusa-tune-tree``) unless it records the static tree as faster beyond the noise (``chosen.static_faster``,
-    :func:`medusa_train.tuning.dynamic.prefer_faster_kind`); else None (the static tree).
+    :func:`inference.tuning.dynamic.prefer_faster_kind`); else None (the static tree).
 
     Args:
         setting: ``dynamic_tree`` as given (``{depth, topk, total}``, a triple, or None).
@@ -92,14 +92,14 @@ def resolve_composite(settings: Any, tuned: dict[str, Any] | None, heads_nodes: 
     ``heads_nodes`` plus the lookup drafts').
 
     Returns:
-        ``(composite, source)``: a :class:`~inference.proposers.composite.CompositeTree` and where its fields came
+        ``(composite, source)``: a :class:`~medusa_train.tree.composite.CompositeTree` and where its fields came
         from (``settings``, ``export composite_tree.json``, ``default``, joined by ``+`` when mixed).
 
     Raises:
         ValueError: a split that is not valid (``decoder.composite.<field>`` named, e.g. ``nodes`` below the lookup
             drafts' tokens).
     """
-    from inference.proposers.composite import DEFAULTS, KEYS, setting_split
+    from medusa_train.tree.composite import DEFAULTS, KEYS, setting_split
 
     values, sources = {}, []
     for key in KEYS:

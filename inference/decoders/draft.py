@@ -4,19 +4,19 @@ runs on (Leviathan et al. 2023, "Fast Inference from Transformers via Speculativ
 
 One step (:func:`speculative_step`, after gpt-fast ``generate.py:speculative_decode``): the proposer drafts, the
 target reads the root, the proposal's auxiliary branch and its G candidates in ONE forward pass, the verifier
-(:mod:`inference.acceptance`) keeps the longest accepted prefix plus the recovered or bonus token, and the KV cache
-keeps only the root and the accepted tokens:
+(:mod:`medusa_train.tree.acceptance`) keeps the longest accepted prefix plus the recovered or bonus token, and the KV
+cache keeps only the root and the accepted tokens:
 
 - a single chain with no auxiliary branch (the draft model) is an ordinary causal pass; the cache is cropped;
 - anything else (Lookahead's window and G n-grams) gets a 4-D additive mask ``[1, 1, T, past + T]`` and explicit
   position ids (``past + offset``), as Medusa's tree pass does; the cache is compacted to the accepted positions
-  (:func:`inference.kv_cache.keep_positions`).
+  (:func:`medusa_train.tree.kv_cache.keep_positions`).
 
 Acceptance: greedy (temperature 0) keeps the longest candidate prefix equal to the target's argmax chain
-(:func:`~inference.acceptance.greedy_accept`), so the output is exactly greedy decoding's. Sampling verifies one
-chain with lossless speculative sampling (:func:`~inference.acceptance.chain_speculative_sample`): accept drafted
-token x with min(1, p(x) / q(x)), on rejection resample from norm(max(0, p - q)), a bonus token from p when all K
-are accepted. An empty proposal decodes one token exactly as plain decoding does.
+(:func:`~medusa_train.tree.acceptance.greedy_accept`), so the output is exactly greedy decoding's. Sampling verifies one
+chain with lossless speculative sampling (:func:`~medusa_train.tree.acceptance.chain_speculative_sample`): accept
+drafted token x with min(1, p(x) / q(x)), on rejection resample from norm(max(0, p - q)), a bonus token from p when all
+K are accepted. An empty proposal decodes one token exactly as plain decoding does.
 
 Shapes: B batch (1), T tokens in a pass, G candidates, K drafted tokens, S auxiliary tokens, V vocabulary.
 """
@@ -32,21 +32,18 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from inference.acceptance import chain_speculative_sample, greedy_accept
 from inference.decoders.base import (
     DecodeConfig,
     DecodeResult,
     check_context,
     choose_token,
     make_generator,
-    max_positions,
     prompt_tensor,
 )
 from inference.decoders.medusa import tree_attention_mask
 from inference.decoders.stopping import StopCondition
 from inference.decoders.streaming import StreamFeed
 from inference.draft_loading import check_draft_compatible, check_draft_length, check_schedule
-from inference.kv_cache import crop, keep_positions
 from inference.proposers.base import Proposal, Proposer
 from inference.proposers.draft_model import (
     DraftModelProposer,
@@ -54,7 +51,10 @@ from inference.proposers.draft_model import (
     last_logits,
     takes_logits_to_keep,
 )
-from inference.sampling import logits_to_probs
+from medusa_train.generation import max_positions
+from medusa_train.tree.acceptance import chain_speculative_sample, greedy_accept
+from medusa_train.tree.kv_cache import crop, keep_positions
+from medusa_train.tree.sampling import logits_to_probs
 
 # (prompt ids, sampling generator or None) -> the request's proposer
 ProposerFactory = Callable[[list[int], "torch.Generator | None"], Proposer]

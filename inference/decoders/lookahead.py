@@ -7,8 +7,8 @@ ICML 2024): no draft model; every step is ONE target pass over
 
 with the combined attention mask (Sec. 3.3, Fig. 2b: the branches cannot see each other; each token sees the
 committed sequence, the root and its own predecessors), explicit position ids on top of the KV cache, greedy
-verification through :mod:`inference.acceptance`, and KV compaction keeping only the accepted verification tokens.
-The pool is updated after every pass. Greedy and lossless: the output is exactly greedy decoding's.
+verification through :mod:`medusa_train.tree.acceptance`, and KV compaction keeping only the accepted verification
+tokens. The pool is updated after every pass. Greedy and lossless: the output is exactly greedy decoding's.
 
 The drafter is :class:`~inference.proposers.lookahead.LookaheadProposer`; the pass and the verification are
 :func:`inference.decoders.draft.speculative_step`. Cost per pass: (N - 1) W + G (N - 1) tokens (the root is the

@@ -3,8 +3,8 @@ kept (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
 Sec. 2.1.2, tree attention). :class:`TreeDecoder` runs any :class:`~inference.proposers.tree_drafters.TreeDrafter`:
 Medusa heads, Hydra heads, EAGLE-3 drafters (``model.head_type``,
 :func:`~inference.proposers.tree_drafters.tree_drafter`), over a static tree or, for drafters that grow one, an
-EAGLE-2 dynamic tree built anew every step (``dynamic_tree``, :mod:`inference.dynamic_tree`); with ``composite``, every
-step's tree also holds prompt lookup's drafts (:mod:`inference.proposers.composite`).
+EAGLE-2 dynamic tree built anew every step (``dynamic_tree``, :mod:`medusa_train.tree.dynamic`); with ``composite``,
+every step's tree also holds prompt lookup's drafts (:mod:`inference.proposers.composite`).
 
 One step (:func:`tree_step`), following the split of FasterDecoding/Medusa ``medusa/model/utils.py`` at 10a2697
 (generate candidates -> tree decoding -> evaluate posterior -> update inputs) with all state passed in and out:
@@ -17,9 +17,9 @@ b. **tree pass**: ONE backbone pass over the N node tokens on top of the KV cach
    dtype's minimum elsewhere) and ``position_ids = committed length + depth``. transformers 5 passes a prepared 4-D mask through
    unchanged (``masking_utils._preprocess_mask_arguments``), so no modeling code is patched;
 c. **verification**: base logits of every node (lm_head over the N hidden states), laid out along the root-to-leaf
-   paths and handed to the acceptance rule (:mod:`inference.acceptance`);
-d. **cache compaction**: the cache keeps the past and the accepted nodes only (:mod:`inference.kv_cache`: a cache
-   preallocated for the request, written in place, compacted by an index copy);
+   paths and handed to the acceptance rule (:mod:`medusa_train.tree.acceptance`);
+d. **cache compaction**: the cache keeps the past and the accepted nodes only (:mod:`medusa_train.tree.kv_cache`:
+   a cache preallocated for the request, written in place, compacted by an index copy);
 e. **next step**: the drafter is given the accepted path's tokens and target features (``TreeDrafter.accept``; Medusa
    and Hydra heads keep the last accepted node's hidden state: one position, no second pass, and compute only the
    first D heads, D the tree's depth, :func:`medusa_tree`); the recovered or bonus token becomes the next step's
@@ -39,7 +39,7 @@ Acceptance rules (``acceptance``):
 - ``typical``: Medusa's typical acceptance (Sec. 2.3.1); lossy at temperature > 0, greedy at temperature 0.
 - ``speculative``: tree speculative sampling, lossless at any temperature. The candidates are the heads' top-k,
   a deterministic function of the heads' logits, so each drafted token is treated as a point mass
-  (``draft_probs=None`` in :func:`inference.acceptance.tree_speculative_sample_batch`): child x is accepted with
+  (``draft_probs=None`` in :func:`medusa_train.tree.acceptance.tree_speculative_sample_batch`): child x is accepted with
   probability p(x), and on rejection p(x) is zeroed and p renormalised before the next sibling. This is exact for
   any deterministic candidate set; using the heads' softmax as q would not be, since the candidates were not drawn
   from it. At temperature 0 it is greedy acceptance.
@@ -58,25 +58,26 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from inference.acceptance import check_posterior, greedy_accept_tokens, tree_speculative_sample_batch, typical_accept
 from inference.decoders.base import (
     DecodeConfig,
     DecodeResult,
     check_context,
     choose_token,
     make_generator,
-    max_positions,
 )
 from inference.decoders.batching import Replies, additive_mask, left_pad, positions, prefill_mask, sliding_window
 from inference.decoders.timing import StepTimes
-from inference.kv_cache import check_compactable, compact, preallocated_cache, select_rows, truncate
-from inference.dynamic_tree import DynamicTree, dynamic_tree as to_dynamic_tree
-from inference.proposers.composite import CompositeShape, CompositeTree, CompositeTreeDrafter, priority_order
-from inference.proposers.composite import composite_tree as to_composite_tree
+from inference.proposers.composite import CompositeShape, CompositeTreeDrafter, priority_order
 from inference.proposers.tree_drafters import DynamicTreeDrafter, TreeDrafter, tree_drafter
 from medusa_train.features import FINAL
-from inference.sampling import greedy_tokens, logits_to_probs
-from inference.tree import (
+from medusa_train.generation import max_positions
+from medusa_train.tree.acceptance import (
+    check_posterior,
+    greedy_accept_tokens,
+    tree_speculative_sample_batch,
+    typical_accept,
+)
+from medusa_train.tree.buffers import (
     TOPK,
     TreeBuffers,
     build_tree_buffers,
@@ -84,6 +85,11 @@ from inference.tree import (
     gather_paths,
     validate_medusa_choices,
 )
+from medusa_train.tree.composite import CompositeTree
+from medusa_train.tree.composite import composite_tree as to_composite_tree
+from medusa_train.tree.dynamic import DynamicTree, dynamic_tree as to_dynamic_tree
+from medusa_train.tree.kv_cache import check_compactable, compact, preallocated_cache, select_rows, truncate
+from medusa_train.tree.sampling import greedy_tokens, logits_to_probs
 
 ACCEPTANCE_RULES = ("greedy", "typical", "speculative")
 # The defaults of every Medusa setting, defined here only (the decoder, MedusaSettings and medusa-tune-tree read
@@ -107,7 +113,7 @@ def medusa_tree(medusa_choices: Sequence[Sequence[int]], num_heads: int, topk: i
     on 4 heads skips half the heads' work.
 
     Raises:
-        ValueError: as :func:`inference.tree.validate_medusa_choices` (against all K heads).
+        ValueError: as :func:`medusa_train.tree.buffers.validate_medusa_choices` (against all K heads).
     """
     depth = max(len(p) for p in validate_medusa_choices(medusa_choices, num_heads, topk))
     return build_tree_buffers(medusa_choices, depth, topk, device=device)
@@ -254,12 +260,12 @@ def tree_step(
 
     Args:
         model: a :class:`~medusa_train.model.MedusaModel` (``hidden``, ``lm_head``).
-        cache: KV cache of L slots (``L = past_valid.shape[1]``), compactable (:func:`inference.kv_cache.
+        cache: KV cache of L slots (``L = past_valid.shape[1]``), compactable (:func:`medusa_train.tree.kv_cache.
             check_compactable`); updated in place.
         tree: buffers on the model's device (:func:`medusa_tree`: built for the D heads it reads, ``tree.num_heads``);
             or the shape of a tree the drafter grows this step (``drafter.draft_dynamic``,
             :class:`~inference.proposers.tree_drafters.DynamicTreeDrafter`): a
-            :class:`~inference.dynamic_tree.DynamicTree`, or a :class:`~inference.proposers.composite.CompositeShape`
+            :class:`~medusa_train.tree.dynamic.DynamicTree`, or a :class:`~inference.proposers.composite.CompositeShape`
             (the drafter's candidates and prompt lookup's in one tree).
         drafter: fills the tree; started on this request (``drafter.start``) and given every earlier step's
             accepted path.
@@ -330,10 +336,10 @@ class TreeDecoder:
         posterior_alpha: typical acceptance's delta.
         tokenizer: optional; needed for ``stop_strings`` and to fill :attr:`DecodeResult.text`.
         dynamic_tree: None (the static tree ``medusa_choices``), or an EAGLE-2 dynamic tree grown anew every step
-            (:class:`~inference.dynamic_tree.DynamicTree`, or ``(depth, topk, total)``, or a mapping of them), for
+            (:class:`~medusa_train.tree.dynamic.DynamicTree`, or ``(depth, topk, total)``, or a mapping of them), for
             drafters that grow one (:class:`~inference.proposers.tree_drafters.DynamicTreeDrafter`: EAGLE-3);
             ``medusa_choices`` and ``topk`` are then not used (``medusa_choices`` may be None).
-        composite: None, or a :class:`~inference.proposers.composite.CompositeTree` (or a mapping of its fields):
+        composite: None, or a :class:`~medusa_train.tree.composite.CompositeTree` (or a mapping of its fields):
             every step's tree merges the drafter's candidates (over ``medusa_choices`` or ``dynamic_tree``) with
             prompt lookup's drafts of the prompt and the reply so far, within its node budget
             (:mod:`inference.proposers.composite`); the drafter is then a

@@ -11,11 +11,11 @@ import os
 from typing import Any
 
 from inference.decoders.choices import resolve_dynamic_tree, resolve_medusa_choices
-from inference.tree import TOPK
 from medusa_train.export.tree_files import CHOICES_FILE
 from medusa_train.export.writer import weights_files
 from medusa_train.loading.hub import FASTERDECODING_WEIGHTS, decoder_files, download_export
 from medusa_train.loading.medusa import load_medusa
+from medusa_train.tree.buffers import TOPK
 
 log = logging.getLogger(__name__)
 

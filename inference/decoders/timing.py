@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from inference.proposers.tree_drafters import TreeDrafter
-from inference.tree import TreeBuffers
+from medusa_train.tree.buffers import TreeBuffers
 
 
 class StepTimes:

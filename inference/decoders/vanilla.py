@@ -20,10 +20,10 @@ from inference.decoders.base import (
     check_context,
     choose_token,
     make_generator,
-    max_positions,
 )
 from inference.decoders.batching import Replies, additive_mask, left_pad, positions, prefill_mask, sliding_window
-from inference.kv_cache import request_cache, select_rows
+from medusa_train.generation import max_positions
+from medusa_train.tree.kv_cache import request_cache, select_rows
 
 
 @lru_cache(maxsize=None)
@@ -83,7 +83,7 @@ def top2_gaps(logits: Sequence[Tensor]) -> list[float]:
 
 class VanillaDecoder:
     """Greedy or sampled decoding, one token per forward pass, on a KV cache written in place
-    (:func:`inference.kv_cache.request_cache`; transformers' ``DynamicCache`` for sliding-window models).
+    (:func:`medusa_train.tree.kv_cache.request_cache`; transformers' ``DynamicCache`` for sliding-window models).
 
     Args:
         model: a ``*ForCausalLM`` (a :class:`~medusa_train.model.MedusaModel` is accepted: its base model is used).

@@ -1,6 +1,6 @@
 """vLLM as a decoder: the real engine beside ours, on the same prompt ids, with or without the export's Medusa heads.
 
-The engine runs in vLLM's own environment (:class:`inference.engines.vllm_env.VllmWorker`), started once and kept
+The engine runs in vLLM's own environment (:class:`medusa_train.engines.vllm_env.VllmWorker`), started once and kept
 for every prompt. Prompts go to it as token ids, so vLLM decodes exactly the ids our decoders get (our chat template,
 not vLLM's rendering); replies come back as token ids and are decoded by our tokenizer. EOS: exactly the request's
 ``eos_token_ids`` (vLLM's own EOS handling is off).
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from inference.decoders.base import DecodeConfig, DecodeResult, check_context, prompt_tensor
-from inference.engines.vllm_env import VllmWorker
+from medusa_train.engines.vllm_env import VllmWorker
 
 
 def accepted_lengths_from_counts(num_drafts: int, accepted_per_pos: Sequence[int]) -> list[int]:

@@ -1,1 +1,2 @@
-"""Engines outside this environment: vLLM, run in its own environment as a subprocess (:mod:`.vllm_env`)."""
+"""Engines the decoders drive from outside this environment: llama.cpp's server (:mod:`.llamacpp_server`); vLLM
+and the OpenAI-compatible client sit below both packages (:mod:`medusa_train.engines`)."""

@@ -18,7 +18,7 @@ request is that request's.
 
 Timed beside our decoders, the server must be idle for real between its turns (ggml's worker threads poll after each
 graph): with ``pause_when_idle`` its process is stopped (``SIGSTOP``) whenever no request is in flight and continued
-for the next; a reaper (:func:`inference.engines.vllm_env.start_reaper`) kills it when our process dies without
+for the next; a reaper (:func:`medusa_train.engines.vllm_env.start_reaper`) kills it when our process dies without
 closing it. Threads: ``-t`` / ``-tb`` (and the drafter's ``-td`` / ``-tbd``) set to ``threads``.
 """
 
@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inference.engines.openai_client import ServerError, _call
-from inference.engines.vllm_env import start_reaper
+from medusa_train.engines.openai_client import ServerError, _call
+from medusa_train.engines.vllm_env import start_reaper
 from medusa_train.export.gguf import llamacpp_binary
 
 SERVER_BINARY = "llama-server"

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from inference.decoders.batching import additive_mask
 from inference.evaluation.eval_config import BASELINE
-from inference.kv_cache import preallocated_cache
+from medusa_train.tree.kv_cache import preallocated_cache
 
 
 def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int | None:

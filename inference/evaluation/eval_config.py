@@ -11,12 +11,12 @@ from omegaconf import MISSING
 
 from inference.decoders.base import DecodeConfig
 from inference.registry import REGISTRY, check_decoder_names, check_request, decoder_settings, default_decoder_names
-from inference.sampling import SAMPLING_DEFAULTS
 from medusa_train.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
 from medusa_train.config import check_device
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
 from medusa_train.prompts import PROMPT_SOURCES
+from medusa_train.tree.sampling import SAMPLING_DEFAULTS
 
 BASELINE = "vanilla"
 # Keys that leave every measured row valid: a rerun in the same folder with other values here resumes the results

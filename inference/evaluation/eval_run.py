@@ -37,15 +37,14 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from inference.decoders.base import max_positions
 from inference.decoders.chat import eos_ids
-from inference.evaluation.eval_config import BASELINE, RESUMABLE_KEYS, EvaluateConfig
+from inference.evaluation.divergence import explain_divergences, find_divergences, rounding_noise
 from inference.evaluation.environment import describe_environment
+from inference.evaluation.eval_config import BASELINE, RESUMABLE_KEYS, EvaluateConfig
 from inference.evaluation.eval_folder import TOOL, TOOL_KEY, check_eval_dir, hold_eval_dir, hydra_entries
 from inference.evaluation.plots import write_plots
-from inference.evaluation.recommend import candidates_from_rows, recommend
-from inference.evaluation.divergence import explain_divergences, find_divergences, rounding_noise
 from inference.evaluation.provenance import MEASURED_WITH, decoder_identity, differences, fingerprint, run_identity
+from inference.evaluation.recommend import candidates_from_rows, recommend
 from inference.evaluation.results import RESULTS_FILE, SUPERSEDED_FILE, ResultsLog
 from inference.evaluation.runner import conversation_messages, evaluate_prompts
 from inference.evaluation.summary import (
@@ -63,10 +62,11 @@ from medusa_train.atomic import atomic_write_text
 from medusa_train.config import as_dataclass
 from medusa_train.export.files import write_json
 from medusa_train.export.reader import heads_checksum
+from medusa_train.export.tree_files import read_tree_files
+from medusa_train.generation import max_positions
 from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, export_base_config, model_config_for_export
 from medusa_train.loading.runtime import InferenceRuntime, load_for_inference
 from medusa_train.prompts import PROMPT_SOURCES, Prompt, encode_prompt, load_prompts
-from medusa_train.export.tree_files import read_tree_files
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The drafter interface every speculative method implements: :class:`Proposer` proposes, the target verifies in one
-pass (:func:`inference.decoders.draft.speculative_step`, acceptance in :mod:`inference.acceptance`), the proposer
-hears back through its update hook.
+pass (:func:`inference.decoders.draft.speculative_step`, acceptance in :mod:`medusa_train.tree.acceptance`), the
+proposer hears back through its update hook.
 
 Modelled on Hugging Face's ``CandidateGenerator`` (``get_candidates`` / ``update_candidate_strategy``,
 transformers 5.24 ``generation/candidate_generator.py``) and vLLM's proposers (``propose``): two methods, no shared

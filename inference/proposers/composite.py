@@ -5,10 +5,11 @@ A learned tree drafter (Medusa, Hydra or EAGLE-3 heads, :mod:`inference.proposer
 (translation, extraction, summarization), the heads where it does not. A tree pass over a few more tokens costs little
 more than over fewer on a memory-bound target, so :class:`CompositeTreeDrafter` puts both proposals in one tree and
 the verification keeps whichever path is longest (Medusa paper, Sec. 2.1.2: any token tree is verified exactly by tree
-attention; the acceptance rules, :mod:`inference.acceptance`, hold for any deterministic candidate set).
+attention; the acceptance rules, :mod:`medusa_train.tree.acceptance`, hold for any deterministic candidate set).
 
 **The merged tree**, per step and per row, is a trie of token sequences rooted at the root token, grown within a node
-budget (:attr:`CompositeTree.nodes`, the root not counted):
+budget (:attr:`~medusa_train.tree.composite.CompositeTree.nodes`, the root not counted; the split's settings live
+in :mod:`medusa_train.tree.composite`, below training and tuning):
 
 1. the lookup drafts first: up to ``lookup_matches`` distinct continuations of at most ``lookup_length`` tokens
    (:meth:`~inference.proposers.prompt_lookup.NgramIndex.continuations`: transformers' prompt lookup rule over the
@@ -21,7 +22,7 @@ A token already present under the same parent is not added twice (shared prefixe
 begins with the heads' top-1 token extends that node), so a merged node costs nothing; when the lookup finds no
 match, the heads fill the whole budget. Node ``[i_0, i_1, ...]`` of the merged tree is the ``i_1``-th child added
 below the ``i_0``-th child of the root (rank paths in insertion order), and its buffers come from
-:func:`inference.dynamic_tree.tree_of_paths`, so the step verifies it as a dynamic tree (the tree decoder's
+:func:`medusa_train.tree.dynamic.tree_of_paths`, so the step verifies it as a dynamic tree (the tree decoder's
 ``draft_dynamic`` path).
 
 With several batch rows the rows share one tree shape: the union of the rows' rank paths, taken round-robin in each
@@ -33,92 +34,17 @@ Shapes: B batch, N nodes of the merged tree (root included), N_h nodes of the dr
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from inference.dynamic_tree import DynamicTree, tree_of_paths
-from inference.proposers.prompt_lookup import LOOKUP_LENGTH, MAX_MATCHING_NGRAM_SIZE, NgramIndex
+from inference.proposers.prompt_lookup import NgramIndex
 from inference.proposers.tree_drafters import TreeDrafter
-from inference.tree import Path, TreeBuffers
-
-LOOKUP_MATCHES = 1  # distinct lookup drafts per step: prompt lookup's one
-
-
-@dataclass(frozen=True)
-class CompositeTree:
-    """How a composite step splits its node budget (see the module docstring).
-
-    Attributes:
-        nodes: the node budget of a step's tree (root excluded): lookup drafts first, the drafter's nodes fill the
-            rest; the tree pass verifies at most ``nodes + 1`` tokens.
-        lookup_length: tokens per lookup draft (transformers' ``prompt_lookup_num_tokens``).
-        lookup_matches: distinct lookup drafts per step.
-        max_matching_ngram_size: the longest n-gram matched against the context.
-
-    Raises:
-        ValueError: a field that is not a positive int (a lookup length of 0 included), or ``nodes`` below the
-            lookup drafts' ``lookup_length * lookup_matches`` (the message names ``composite.<field>``).
-    """
-
-    nodes: int
-    lookup_length: int = LOOKUP_LENGTH
-    lookup_matches: int = LOOKUP_MATCHES
-    max_matching_ngram_size: int = MAX_MATCHING_NGRAM_SIZE
-
-    def __post_init__(self) -> None:
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"composite.{name} must be a positive int, got {value!r}")
-        lookup = self.lookup_length * self.lookup_matches
-        if self.nodes < lookup:
-            raise ValueError(f"composite.nodes={self.nodes} is smaller than the lookup drafts' {lookup} tokens "
-                             f"(composite.lookup_length={self.lookup_length} x composite.lookup_matches="
-                             f"{self.lookup_matches}): raise composite.nodes to at least {lookup}, or shorten the "
-                             "lookup")
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-
-KEYS = tuple(CompositeTree.__dataclass_fields__)
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(CompositeTree) if f.default is not dataclasses.MISSING}
-
-
-def setting_split(prefix: str = "decoder.composite", **fields: int) -> CompositeTree:
-    """``CompositeTree(**fields)`` with its errors naming the settings (``<prefix>.<field>``) instead of
-    ``composite.<field>``.
-
-    Raises:
-        ValueError: as :class:`CompositeTree`.
-    """
-    try:
-        return CompositeTree(**fields)
-    except ValueError as e:
-        raise ValueError(str(e).replace("composite.", f"{prefix}.")) from None
-
-
-def composite_tree(value: CompositeTree | Mapping[str, Any] | None) -> CompositeTree | None:
-    """A :class:`CompositeTree` from itself or a mapping of its fields (``nodes`` required); None stays None.
-
-    Raises:
-        ValueError: another form, an unknown or missing key, or invalid fields (as :class:`CompositeTree`).
-    """
-    if value is None or isinstance(value, CompositeTree):
-        return value
-    if not (isinstance(value, Mapping) or hasattr(value, "keys")):
-        raise ValueError(f"composite must be a mapping of {list(KEYS)}, got {value!r}")
-    unknown = set(value.keys()) - set(KEYS)
-    if unknown or "nodes" not in value:  # sorted by str: the keys need not be strings
-        raise ValueError(f"composite takes the keys {list(KEYS)} (nodes required), got "
-                         f"{sorted(value.keys(), key=str)}")
-    return CompositeTree(**{key: value[key] for key in value.keys()})
-
+from medusa_train.tree.buffers import Path, TreeBuffers
+from medusa_train.tree.composite import MAX_MATCHING_NGRAM_SIZE, CompositeTree
+from medusa_train.tree.dynamic import DynamicTree, tree_of_paths
 
 @dataclass(frozen=True)
 class CompositeShape:
@@ -287,5 +213,4 @@ def _union(rows: Sequence[Sequence[Path]], budget: int) -> list[Path]:
     return list(union)
 
 
-__all__ = ["DEFAULTS", "KEYS", "LOOKUP_MATCHES", "CompositeShape", "CompositeTree", "CompositeTreeDrafter",
-           "composite_tree", "merge", "priority_order", "setting_split"]
+__all__ = ["CompositeShape", "CompositeTreeDrafter", "merge", "priority_order"]

@@ -32,9 +32,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from inference.decoders.base import DecodeConfig
 from inference.draft_loading import check_draft_length, check_schedule
-from inference.kv_cache import crop
 from inference.proposers.base import Proposal, empty_proposal
-from inference.sampling import logits_to_probs
+from medusa_train.tree.kv_cache import crop
+from medusa_train.tree.sampling import logits_to_probs
 
 
 @lru_cache(maxsize=None)

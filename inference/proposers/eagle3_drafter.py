@@ -18,7 +18,7 @@ Per request (:class:`~inference.proposers.tree_drafters.TreeDrafter`):
   (an additive mask); its top-k are its children. The drafted entries are dropped afterwards (the cache is cut back
   to the committed positions);
 - :meth:`~Eagle3TreeDrafter.accept`: the accepted path's positions become the pending ones;
-- :meth:`~Eagle3TreeDrafter.draft_dynamic`: the same over an EAGLE-2 dynamic tree (:mod:`inference.dynamic_tree`),
+- :meth:`~Eagle3TreeDrafter.draft_dynamic`: the same over an EAGLE-2 dynamic tree (:mod:`medusa_train.tree.dynamic`),
   returning the tree with its tokens.
 
 Batch rows are left-padded at the start and right-padded after each accept: every row has its own positions, and the
@@ -38,11 +38,11 @@ import torch
 from torch import Tensor
 
 from inference.decoders.batching import additive_mask, positions
-from inference.dynamic_tree import DynamicTree, tree_of_paths
-from inference.kv_cache import preallocated_cache, select_rows, truncate
 from inference.proposers.tree_drafters import hydra_levels
-from inference.tree import TreeBuffers
 from medusa_train.features import layer_feature
+from medusa_train.tree.buffers import TreeBuffers
+from medusa_train.tree.dynamic import DynamicTree, tree_of_paths
+from medusa_train.tree.kv_cache import preallocated_cache, select_rows, truncate
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ class Eagle3TreeDrafter:
         return tokens
 
     def draft_dynamic(self, root: Tensor, shape: DynamicTree) -> tuple[Tensor, TreeBuffers]:
-        """An EAGLE-2 dynamic tree (:mod:`inference.dynamic_tree`) and its tokens.
+        """An EAGLE-2 dynamic tree (:mod:`medusa_train.tree.dynamic`) and its tokens.
 
         Returns:
             ``(tokens long [B, N], tree)``, N = ``shape.total + 1``, base ids, root first; ``tree`` the step's

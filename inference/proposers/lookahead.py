@@ -21,7 +21,7 @@ tokens (the first N - 2 passes) no n-gram is collected from the window. As in LA
 still start with initial tokens (level 0 is the last to be replaced).
 
 **Verification branch** (:meth:`LookaheadProposer.propose`): up to G pool continuations of the root, each cut to
-the room left, verified greedily by the target in the same pass (:mod:`inference.acceptance`), so the output is
+the room left, verified greedily by the target in the same pass (:mod:`medusa_train.tree.acceptance`), so the output is
 exactly greedy decoding's.
 
 Shapes: W window, N n-gram size, G guesses, S = (N - 1) W - 1 auxiliary tokens, V vocabulary.

@@ -8,17 +8,13 @@ n-gram (``max_matching_ngram_size``) down to one token, and drafts the ``length`
 (``matches``): the first is transformers' draft, the others follow the next matches in the same order.
 
 Terms as in :mod:`inference.proposers.base`: the **root** is the last emitted token, not yet read by the target; the
-lookup runs over the committed sequence with the root last.
+lookup runs over the committed sequence with the root last. Its default settings (``LOOKUP_LENGTH``,
+``MAX_MATCHING_NGRAM_SIZE``) are :mod:`medusa_train.tree.composite`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-
-# transformers' PromptLookupCandidateGenerator defaults (num_output_tokens=10, max_matching_ngram_size=2),
-# the values medusa-eval's hf_prompt_lookup row runs with too.
-LOOKUP_LENGTH = 10
-MAX_MATCHING_NGRAM_SIZE = 2
 
 
 class NgramIndex:
@@ -84,4 +80,4 @@ class NgramIndex:
         return found
 
 
-__all__ = ["LOOKUP_LENGTH", "MAX_MATCHING_NGRAM_SIZE", "NgramIndex"]
+__all__ = ["NgramIndex"]

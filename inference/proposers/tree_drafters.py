@@ -22,7 +22,7 @@ feature of each row's last committed position, :class:`LastFeatureDrafter`) and 
   (``DecodeResult.draft_time_s``).
 
 An autoregressive drafter with a KV cache of its own, :class:`inference.proposers.eagle3_drafter.Eagle3TreeDrafter`
-(EAGLE-3), also grows EAGLE-2 dynamic trees (:class:`DynamicTreeDrafter`, :mod:`inference.dynamic_tree`).
+(EAGLE-3), also grows EAGLE-2 dynamic trees (:class:`DynamicTreeDrafter`, :mod:`medusa_train.tree.dynamic`).
 
 Both are deterministic functions of the committed sequence and the root, so speculative sampling may treat each
 drafted token as a point mass (see :mod:`inference.decoders.medusa`).
@@ -42,9 +42,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from inference.tree import TreeBuffers, gather_node_tokens
 from medusa_train.drafters.catalog import type_of
 from medusa_train.features import FINAL
+from medusa_train.tree.buffers import TreeBuffers, gather_node_tokens
 
 @runtime_checkable
 class TreeDrafter(Protocol):
@@ -98,7 +98,7 @@ class TreeDrafter(Protocol):
 @runtime_checkable
 class DynamicTreeDrafter(TreeDrafter, Protocol):
     """A :class:`TreeDrafter` that can also grow its own tree every step (an EAGLE-2 dynamic tree,
-    :mod:`inference.dynamic_tree`): the tree decoder calls :meth:`draft_dynamic` in place of :meth:`draft` when it
+    :mod:`medusa_train.tree.dynamic`): the tree decoder calls :meth:`draft_dynamic` in place of :meth:`draft` when it
     is given ``dynamic_tree``, then verifies the returned tree (its mask, positions and paths) in the one pass."""
 
     def draft_dynamic(self, root: Tensor, shape: Any) -> tuple[Tensor, TreeBuffers]:
@@ -106,7 +106,7 @@ class DynamicTreeDrafter(TreeDrafter, Protocol):
 
         Args:
             root: as :meth:`TreeDrafter.draft`.
-            shape: the :class:`~inference.dynamic_tree.DynamicTree` (depth, topk, total).
+            shape: the :class:`~medusa_train.tree.dynamic.DynamicTree` (depth, topk, total).
 
         Returns:
             ``(tokens long [B, N], tree)``: base-vocabulary ids with ``[:, 0] == root``, and the step's buffers

@@ -14,7 +14,7 @@ from medusa_train.conversations import (
     normalize_role,
     resolve_data_path,
 )
-from medusa_train.data.collate import Collator, pad_token_id_of
+from medusa_train.data.collate import Collator
 from medusa_train.data.dataset import BuildStats, build_dataset
 from medusa_train.data.self_distill import SelfDistillStats, block_path, self_distill
 from medusa_train.data.split import split_indices
@@ -46,7 +46,6 @@ __all__ = [
     "end_of_turn_ids",
     "load_conversations",
     "normalize_role",
-    "pad_token_id_of",
     "resolve_chat_template",
     "resolve_data_path",
     "self_distill",

@@ -9,21 +9,7 @@ from typing import Any
 import torch
 
 from medusa_train.data.tokenize import IGNORE_INDEX
-
-
-def pad_token_id_of(tokenizer: Any) -> int:
-    """The tokenizer's pad id, else its EOS id (padding is masked out, so any id works).
-
-    Raises:
-        ValueError: the tokenizer has neither a pad nor an EOS token.
-    """
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, list):  # some tokenizers list several EOS ids
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
-    raise ValueError("the tokenizer has neither pad_token_id nor eos_token_id; set tokenizer.pad_token")
+from medusa_train.generation import pad_token_id_of
 
 
 @dataclass

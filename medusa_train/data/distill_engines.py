@@ -2,7 +2,7 @@
 :data:`~medusa_train.data.self_distill.GenerateFn` per engine, all fed our chat template's prompt ids.
 
 - ``hf``: ``generate`` on the training model (:func:`medusa_train.generation.greedy_generate`), left-padded batches.
-- ``vllm``: vLLM in its own environment (:class:`inference.engines.vllm_env.VllmWorker`), started here and stopped
+- ``vllm``: vLLM in its own environment (:class:`medusa_train.engines.vllm_env.VllmWorker`), started here and stopped
   when self-distillation ends, which runs before the training base loads (the engines have the GPUs to themselves:
   ``data.self_distill_gpu_memory_utilization``). On a CPU one engine per rank; on GPUs one engine per group of
   ``data.self_distill_tensor_parallel_size`` GPUs of a node, started by the group's first local rank with
@@ -19,7 +19,7 @@
   ids. Servers that send the reply's token ids back (vLLM: ``return_token_ids``) give the same records as ``vllm``;
   for the others the reply's text is re-encoded, so ``new_tokens`` can differ by a token or two.
 
-A server that is down or answers garbage raises :class:`~inference.engines.openai_client.ServerError` naming the URL;
+A server that is down or answers garbage raises :class:`~medusa_train.engines.openai_client.ServerError` naming the URL;
 records written before stay (each batch is flushed), so a rerun resumes after them.
 """
 
@@ -119,7 +119,7 @@ def engine_placement_here(data: DataConfig, rank: int, world_size: int) -> Engin
 
 
 def vllm_generate(worker: Any) -> GenerateFn:
-    """Greedy replies from a started :class:`~inference.engines.vllm_env.VllmWorker`."""
+    """Greedy replies from a started :class:`~medusa_train.engines.vllm_env.VllmWorker`."""
 
     def generate(prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[tuple[list[int], bool]]:
         reply = worker.generate(prompts, max_new_tokens, sorted(stop_ids))
@@ -130,7 +130,7 @@ def vllm_generate(worker: Any) -> GenerateFn:
 
 def server_generate(url: str, model: str, tokenizer: Any) -> GenerateFn:
     """Greedy replies from the OpenAI-compatible server at ``url`` serving ``model``."""
-    from inference.engines.openai_client import complete
+    from medusa_train.engines.openai_client import complete
 
     def generate(prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[tuple[list[int], bool]]:
         replies = []
@@ -168,12 +168,12 @@ def distill_engine(data: DataConfig, model: Any, tokenizer: Any, model_config: M
         yield None, f"hf generate ({str(model.dtype).removeprefix('torch.')})"
         return
     if engine == "server":
-        from inference.engines.openai_client import served_model
+        from medusa_train.engines.openai_client import served_model
 
         name = data.server_model or served_model(data.server_url)
         yield server_generate(data.server_url, name, tokenizer), f"server {data.server_url} ({name})"
         return
-    from inference.engines.vllm_env import VllmWorker, vllm_python
+    from medusa_train.engines.vllm_env import VllmWorker, vllm_python
     from medusa_train.loading.base import engine_model_path
 
     vllm_python()  # fail with the install command before converting or starting anything

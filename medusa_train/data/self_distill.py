@@ -35,11 +35,10 @@ from tqdm.auto import tqdm
 from medusa_train.blocks import block_rows, check_block_size, check_rank, rank_blocks
 from medusa_train.chat import encode, render, resolve_chat_template
 from medusa_train.conversations import Conversation
-from medusa_train.data.collate import pad_token_id_of
 from medusa_train.data.tokenize import end_of_turn_ids
 from medusa_train.disk_space import disk_full_named
 from medusa_train.drills import EXIT_AT_DISTILL_BATCH, exit_if_drilled
-from medusa_train.generation import greedy_generate, length_batches
+from medusa_train.generation import greedy_generate, length_batches, pad_token_id_of
 from medusa_train.json_stream import jsonl_lines
 from medusa_train.text_files import not_utf8, read_text
 

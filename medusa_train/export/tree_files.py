@@ -1,6 +1,6 @@
 """The tuned tree files of an export folder: their names and their one reader.
 
-``medusa-tune-tree`` writes them beside the heads (:mod:`medusa_train.tuning.tune`); decoders, evaluation,
+``medusa-tune-tree`` writes them beside the heads (:mod:`inference.tuning.tune`); decoders, evaluation,
 publishing and the benchmarks read them through :func:`read_tree_files` (or :func:`read_latency_profile` for a
 profile reused by another export's tuning run).
 
@@ -8,13 +8,13 @@ profile reused by another export's tuning run).
 - ``head_accuracy.json``: ``acc[k][i]``, head k's rank-i accuracy on held-out continuations, with the prompts used.
 - ``latency_profile.json``: verification latency in ms by tree size (``latency_ms``), the device, the dtype and the
   kernels it was measured on.
-- ``dynamic_tree.json`` (drafters that grow an EAGLE-2 dynamic tree, :mod:`inference.dynamic_tree`): the shape
+- ``dynamic_tree.json`` (drafters that grow an EAGLE-2 dynamic tree, :mod:`medusa_train.tree.dynamic`): the shape
   ``depth``, ``topk``, ``total`` chosen by decoding, its ``tokens_per_s`` and ``mean_accepted_tokens`` on the tuning
-  prompts (null when it was not decoded), and ``chosen`` (how: :mod:`medusa_train.tuning.dynamic`).
+  prompts (null when it was not decoded), and ``chosen`` (how: :mod:`inference.tuning.dynamic`).
 - ``composite_tree.json``: the composite tree's budget split (``nodes``, ``lookup_length``, ``lookup_matches``,
-  ``max_matching_ngram_size``, :class:`inference.proposers.composite.CompositeTree`), the heads' nodes beside the
+  ``max_matching_ngram_size``, :class:`medusa_train.tree.composite.CompositeTree`), the heads' nodes beside the
   lookup (``heads_nodes``), the heads' tree of the whole budget best node first (``medusa_choices``), its speed and
-  τ on the tuning prompts (null when not decoded) and ``chosen`` (:mod:`medusa_train.tuning.composite`).
+  τ on the tuning prompts (null when not decoded) and ``chosen`` (:mod:`inference.tuning.composite`).
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ def check_medusa_choices(choices: Any, path: Path, num_heads: int | None, head_v
     ``num_heads`` deep with ranks in ``[0, head_vocab)`` (the heads' output vocabulary; unchecked when None).
 
     Raises:
-        ValueError: the file and the offending entry named (:func:`inference.tree.validate_medusa_choices`'s rules).
+        ValueError: the file and the offending entry named
+            (:func:`medusa_train.tree.buffers.validate_medusa_choices`'s rules).
     """
-    from inference.tree import validate_medusa_choices
+    from medusa_train.tree.buffers import validate_medusa_choices
 
     paths = choices if isinstance(choices, list) else []
     depth = num_heads if num_heads is not None else max((len(p) for p in paths if isinstance(p, list)), default=1)
@@ -132,14 +133,14 @@ def _check_timed(data: dict[str, Any], path: Path, fix: str) -> None:
 
 def check_dynamic_tree(data: Any, path: Path, head_vocab: int | None) -> dict[str, Any]:
     """Check ``dynamic_tree.json`` and return it: an object whose ``depth``, ``topk`` and ``total`` make a valid
-    :class:`~inference.dynamic_tree.DynamicTree` with ``topk`` at most ``head_vocab`` (the drafter's vocabulary;
+    :class:`~medusa_train.tree.dynamic.DynamicTree` with ``topk`` at most ``head_vocab`` (the drafter's vocabulary;
     unchecked when None), ``tokens_per_s`` and ``mean_accepted_tokens`` finite numbers > 0 or null, and ``chosen``
     an object (its ``static_faster``, when present, a bool).
 
     Raises:
         ValueError: the file and the field named.
     """
-    from inference.dynamic_tree import DynamicTree
+    from medusa_train.tree.dynamic import DynamicTree
 
     fix = "run medusa-tune-tree again to rewrite it"
     _check_object(data, path, fix)
@@ -163,14 +164,14 @@ def check_dynamic_tree(data: Any, path: Path, head_vocab: int | None) -> dict[st
 
 def check_composite_tree(data: Any, path: Path, num_heads: int | None, head_vocab: int | None) -> dict[str, Any]:
     """Check ``composite_tree.json`` and return it: an object whose split makes a valid
-    :class:`~inference.proposers.composite.CompositeTree`, whose ``medusa_choices`` is a valid tree for the heads
+    :class:`~medusa_train.tree.composite.CompositeTree`, whose ``medusa_choices`` is a valid tree for the heads
     (:func:`check_medusa_choices`), with ``tokens_per_s``, ``mean_accepted_tokens`` and ``chosen`` as
     ``dynamic_tree.json``'s.
 
     Raises:
         ValueError: the file and the field named.
     """
-    from inference.proposers.composite import KEYS, CompositeTree
+    from medusa_train.tree.composite import KEYS, CompositeTree
 
     fix = "run medusa-tune-tree again to rewrite it"
     _check_object(data, path, fix)

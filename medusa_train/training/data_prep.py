@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inference.decoders.base import max_positions
+from medusa_train.generation import max_positions
 from medusa_train.config import DataConfig, ModelConfig, TrainerConfig
 from medusa_train.data import (
     BuildStats,

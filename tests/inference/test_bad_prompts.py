@@ -11,10 +11,10 @@ import pytest
 
 from inference.decoders import DecodeConfig, VanillaDecoder
 from inference.decoders.chat import chat_prompt_ids
-from inference.engines.openai_client import ServerError
 from inference.evaluation.results import ResultsLog
 from inference.evaluation.runner import evaluate_prompts
 from medusa_train.data.distill_engines import server_generate
+from medusa_train.engines.openai_client import ServerError
 from medusa_train.prompts import Prompt, encode_prompt, load_prompts
 from tests.conftest import VOCAB, make_tiny_model, make_tiny_tokenizer
 

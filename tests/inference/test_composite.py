@@ -12,11 +12,12 @@ import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 from inference.decoders import DecodeConfig, TreeDecoder
-from inference.proposers.composite import CompositeShape, CompositeTree, composite_tree, merge, priority_order
+from inference.proposers.composite import CompositeShape, merge, priority_order
 from inference.proposers.prompt_lookup import NgramIndex
 from inference.registry import decoder_settings
-from inference.tree import build_tree_buffers
 from medusa_train.drafters.catalog import head_types
+from medusa_train.tree.buffers import build_tree_buffers
+from medusa_train.tree.composite import CompositeTree, composite_tree
 from tests.conftest import make_tiny_model
 from tests.inference.test_decoders import (
     PROMPTS,

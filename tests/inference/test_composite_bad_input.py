@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-import inference.decoders.medusa as medusa_module
 from inference.decoders import DecodeConfig, TreeDecoder
-from inference.engines.vllm_env import speculative_config, tuned_speculative_tokens
-from inference.proposers.composite import composite_tree
+import inference.decoders.medusa as medusa_module
+from medusa_train.engines.vllm_env import speculative_config, tuned_speculative_tokens
 from medusa_train.export import save_export
 from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.tree.composite import composite_tree
 from tests.conftest import VOCAB, make_tiny_model
 from tests.inference.test_decoders import PROMPTS, SMALL_TREE, greedy, random_heads
 from tests.inference.test_vllm_eagle3 import serve_script

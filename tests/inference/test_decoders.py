@@ -21,10 +21,10 @@ from inference.decoders import (
 )
 from inference.decoders.chat import chat_prompt_ids, eos_ids
 from inference.decoders.medusa import tree_attention_mask
-from inference.tree import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
 from medusa_train.drafters.catalog import drafter_type, head_types
 from medusa_train.features import count_layers
 from medusa_train.model import MedusaModel, new_heads_for
+from medusa_train.tree.buffers import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
 from tests.conftest import FAMILIES, chi_square, make_tiny_model
 
 PROMPTS = ([1, 5, 9, 33, 20], [1, 70], [1, 44, 12, 90, 3, 3, 61, 8, 17])
@@ -177,7 +177,7 @@ class HostReads:
 
 def test_a_medusa_step_reads_the_host_once_and_the_cache_is_checked_once_per_request(monkeypatch):
     import inference.decoders.medusa as medusa
-    import inference.kv_cache as kv_cache
+    import medusa_train.tree.kv_cache as kv_cache
 
     base = make_tiny_model("llama")
     model = random_medusa(base)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
-from inference.dynamic_tree import DynamicTree, dynamic_tree
 from inference.proposers.eagle3_drafter import Eagle3TreeDrafter
-from inference.tree import SMALL_TREE_15, chain_choices
 from medusa_train.features import layer_feature
 from medusa_train.model import MedusaModel
+from medusa_train.tree.buffers import SMALL_TREE_15, chain_choices
+from medusa_train.tree.dynamic import DynamicTree, dynamic_tree
 from tests.conftest import FAMILIES, VOCAB, make_tiny_model
 from tests.inference.test_decoders import PROMPTS, check_counts, greedy, random_heads, random_medusa
 

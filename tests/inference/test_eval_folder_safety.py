@@ -15,7 +15,7 @@ from inference.cli.evaluate import register_schemas
 from inference.evaluation.eval_folder import EvalDirError, check_eval_dir
 from medusa_train.paths import CONF_DIR
 from medusa_train.run_lock import EVAL_LOCK, LockHeldError
-from tests.medusa_train.test_tune_lock import start_holder
+from tests.inference.test_tune_lock import start_holder
 
 register_schemas()
 

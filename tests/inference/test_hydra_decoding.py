@@ -9,8 +9,8 @@ import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
 from inference.proposers.tree_drafters import FINAL, HydraTreeDrafter, MedusaTreeDrafter, hydra_levels, tree_drafter
-from inference.tree import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
 from medusa_train.model import MedusaModel, new_heads_for
+from medusa_train.tree.buffers import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
 from tests.conftest import VOCAB, chi_square, make_tiny_model
 from tests.inference.test_decoders import PROMPTS, check_counts, greedy, random_heads
 

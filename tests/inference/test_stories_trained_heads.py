@@ -8,13 +8,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from inference.decoders import DecodeConfig, TreeDecoder, VanillaDecoder
-from inference.tree import chain_choices
+from inference.tuning.accuracy import measure_head_accuracy
+from inference.tuning.replay import replay_counts
 from medusa_train.cli.train import register_schemas
 from medusa_train.loading.medusa import load_medusa
 from medusa_train.paths import CONF_DIR
 from medusa_train.training.recipe import build_recipe
-from medusa_train.tuning.accuracy import measure_head_accuracy
-from medusa_train.tuning.replay import replay_counts
+from medusa_train.tree.buffers import chain_choices
 
 register_schemas()  # what conf/train.yaml composes from
 

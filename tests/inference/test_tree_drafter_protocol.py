@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import Tensor
 
-import inference.decoders.medusa as medusa
 from inference.decoders import DecodeConfig, MedusaDecoder, TreeDecoder
+import inference.decoders.medusa as medusa
 from inference.proposers.tree_drafters import FINAL, TreeDrafter
-from inference.tree import TreeBuffers
+from medusa_train.tree.buffers import TreeBuffers
 from tests.conftest import make_tiny_model
 from tests.inference.test_decoders import PROMPTS, SMALL_TREE, check_counts, greedy, random_medusa
 

@@ -19,10 +19,10 @@ from inference.cli.evaluate import register_schemas
 from inference.decoders.base import DecodeConfig
 from inference.decoders.vanilla import VanillaDecoder
 from inference.decoders.vllm import accepted_lengths_from_counts
-from inference.engines.vllm_env import VllmUnavailable, VllmWorker, speculative_config
 from inference.evaluation.eval_run import evaluate
 from inference.evaluation.results import read_rows
 from medusa_train.config import ModelConfig
+from medusa_train.engines.vllm_env import VllmUnavailable, VllmWorker, speculative_config
 from medusa_train.export import save_export
 from medusa_train.heads import HeadsSpec, MedusaHeads
 from medusa_train.loading.base import engine_model_path, load_base_model
@@ -73,7 +73,7 @@ def test_the_reaper_kills_a_stopped_group_once_its_parent_is_gone():
     import signal
     import subprocess
 
-    from inference.engines.vllm_env import start_reaper
+    from medusa_train.engines.vllm_env import start_reaper
 
     stopped = subprocess.Popen(["sleep", "120"], start_new_session=True)
     os.killpg(stopped.pid, signal.SIGSTOP)

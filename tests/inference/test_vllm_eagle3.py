@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
-from inference.engines.vllm_env import VllmWorker, eagle3_speculative_config
-from inference.tree import chain_choices
 from medusa_train.drafters.catalog import new_spec
 from medusa_train.eagle3 import Eagle3Drafter
+from medusa_train.engines.vllm_env import VllmWorker, eagle3_speculative_config
 from medusa_train.export import load_heads, save_export
 from medusa_train.heads import HeadsSpec, MedusaHeads
 from medusa_train.loading.base import engine_model_path
 from medusa_train.model import MedusaModel
 from medusa_train.prompts import encode_prompt, load_prompts
 from medusa_train.training.recipe import build_recipe
+from medusa_train.tree.buffers import chain_choices
 from tests.conftest import VOCAB, make_tiny_model
 from tests.inference.test_vllm import base, continuations, smollm2  # noqa: F401 - fixtures
 from tests.medusa_train.test_training import compose_train

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from inference.engines.openai_client import ServerError
-from inference.engines.vllm_env import VllmUnavailable
 from medusa_train.config import DataConfig, ModelConfig
 from medusa_train.data import self_distill
 from medusa_train.data.distill_engines import distill_engine
 from medusa_train.data.self_distill import read_records, record_id, written_blocks
+from medusa_train.engines.openai_client import ServerError
+from medusa_train.engines.vllm_env import VllmUnavailable
 from medusa_train.prompts import encode_prompt
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
@@ -217,7 +217,7 @@ def test_vllm_engine_replies_like_hf_generate_in_fp32(tmp_path):
 def fake_vllm(monkeypatch, worker: type) -> None:
     """vLLM's environment and engine replaced by ``worker`` (a class taking ``(path, **kwargs)``), the model path by
     ``"model"``."""
-    import inference.engines.vllm_env as vllm_env
+    import medusa_train.engines.vllm_env as vllm_env
     import medusa_train.loading.base as loading
 
     monkeypatch.setattr(vllm_env, "vllm_python", lambda: Path("python"))
@@ -228,7 +228,7 @@ def fake_vllm(monkeypatch, worker: type) -> None:
 def test_vllm_starts_only_when_a_reply_is_missing_and_stops_with_the_step(tiny, tok, tmp_path, monkeypatch):
     """A resumed data step whose replies are all written starts no engine (vLLM takes minutes to start); otherwise
     one engine serves every batch and is closed when the step ends. vLLM itself is replaced by a recorder here."""
-    import inference.engines.vllm_env as vllm_env
+    import medusa_train.engines.vllm_env as vllm_env
     import medusa_train.loading.base as loading
 
     events = []
@@ -259,7 +259,7 @@ def test_vllm_gets_several_batches_per_request_and_runs_eager_on_a_cpu(tiny, tok
     """vLLM decodes generation_batch_size sequences at once (max_num_seqs) and is sent QUEUED_BATCHES times as many
     prompts per request, so a finished reply's slot is refilled at once; on a CPU it runs without torch.compile, with
     every core computing."""
-    import inference.engines.vllm_env as vllm_env
+    import medusa_train.engines.vllm_env as vllm_env
     import medusa_train.loading.base as loading
     from medusa_train.data.distill_engines import QUEUED_BATCHES, request_size
 

@@ -52,7 +52,7 @@ def test_tensor_parallel_size_is_for_vllm():
 def test_worker_environment_and_start_request_carry_the_gpus(monkeypatch, tmp_path):
     """VllmWorker's subprocess gets CUDA_VISIBLE_DEVICES; its start request, tensor_parallel_size and the memory
     share (the spawn is mocked: nothing starts)."""
-    import inference.engines.vllm_env as vllm_env
+    import medusa_train.engines.vllm_env as vllm_env
 
     spawned, requests = [], []
 

@@ -199,7 +199,7 @@ def test_disabled_adapters_give_the_original_model_bit_for_bit_after_training(lo
 
 def test_export_holds_the_merged_base_and_decodes_like_it(lora_run, tmp_path):
     from inference.decoders import DecodeConfig, TreeDecoder, VanillaDecoder
-    from inference.tree import SMALL_TREE_15
+    from medusa_train.tree.buffers import SMALL_TREE_15
 
     recipe, out = lora_run
     export = out / "export"

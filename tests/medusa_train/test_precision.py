@@ -10,14 +10,14 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from inference.cli.evaluate import register_schemas as register_evaluate_schemas
-from medusa_train.cli.tune_tree import register_schemas as register_tune_tree_schemas
-import medusa_train.precision as precision
+from inference.cli.tune_tree import register_schemas as register_tune_tree_schemas
 from medusa_train.config import ModelConfig
 from medusa_train.export import save_export
 from medusa_train.loading.medusa import export_extra_config
 from medusa_train.model import new_heads_for
 from medusa_train.paths import CONF_DIR
 from medusa_train.precision import BF16_WITHOUT_INSTRUCTIONS, choose_dtype, cpu_isa
+import medusa_train.precision as precision
 from tests.conftest import AVX2_ONLY, SAPPHIRE_RAPIDS, ZEN4, make_tiny_model, make_tiny_tokenizer
 
 register_evaluate_schemas()  # what conf/evaluate.yaml composes from
@@ -151,7 +151,7 @@ def _eval_config(export, prompts, out, *extra):
 
 def test_eval_and_tune_tree_default_to_auto_and_record_the_choice(export, tmp_path, cpu, capsys):
     from inference.evaluation.eval_run import evaluate
-    from medusa_train.cli.tune_tree import run as tune
+    from inference.cli.tune_tree import run as tune
 
     folder, prompts = export
     cpu(AVX2_ONLY)  # auto -> float32 whatever this machine has

@@ -442,7 +442,7 @@ def test_decoder_arguments_from_the_hub(hub, export, heads, base, tmp_path):
 
 
 def test_vllm_script_needs_vllms_environment_and_uses_the_exports_heads(export, monkeypatch, tmp_path):
-    from inference.engines.vllm_env import VllmUnavailable, speculative_config
+    from medusa_train.engines.vllm_env import VllmUnavailable, speculative_config
 
     spec = importlib.util.spec_from_file_location("serve_vllm", Path(__file__).parents[2] / "benchmarks" /
                                                   "serve_vllm.py")

@@ -27,14 +27,14 @@ from inference.cli.generate import GenerateConfig
 from inference.draft_loading import DraftConfig
 from inference.evaluation.eval_config import EvaluateConfig
 from inference.registry import REGISTRY, decoder_settings
+from inference.tuning.tune_tree_config import TuneTreeConfig
 from medusa_train.bounds import field_bound, optional_fields
+from medusa_train.cli.export_gguf import ExportGgufConfig
 from medusa_train.config import DataConfig, TrainConfig, as_dataclass
 from medusa_train.paths import CONF_DIR, REPO_ROOT
-from medusa_train.cli.export_gguf import ExportGgufConfig
 from medusa_train.publish.publish_config import PublishConfig
-from medusa_train.tuning.tune_tree_config import TuneTreeConfig
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
-from tests.medusa_train.test_tune_tree import tiny_export  # noqa: F401 (a fixture: a 3-head export of a tiny Llama)
+from tests.inference.test_tune_tree import tiny_export  # noqa: F401 (a fixture: a 3-head export of a tiny Llama)
 
 PROBES = (0, -1, -3, 10**12)
 FLOAT_PROBES = (0.0, -1.0, 1e12, math.nan, math.inf)
@@ -250,7 +250,7 @@ def test_medusa_train_refuses_before_loading_or_touching_the_run(override, messa
     ("device=mps", "device must be one of cpu, cuda, cuda:N, auto"),
 ])
 def test_tune_tree_refuses_before_loading(override, message, tmp_path, loaders_fail):
-    from medusa_train.cli.tune_tree import run
+    from inference.cli.tune_tree import run
 
     with pytest.raises(ValueError, match=re.escape(message)):
         run(compose_conf("tune_tree", [f"export_dir={tmp_path}", override]))
@@ -264,8 +264,8 @@ def test_tune_tree_refuses_before_loading(override, message, tmp_path, loaders_f
 ])
 def test_tune_tree_refuses_lengths_beyond_the_models_context_before_the_accuracy_pass(tiny_export, override, message,
                                                                                        monkeypatch):
-    from medusa_train.cli.tune_tree import run
-    import medusa_train.tuning.tune as tune
+    from inference.cli.tune_tree import run
+    import inference.tuning.tune as tune
 
     def measured(*args, **kwargs):
         raise AssertionError("the accuracy pass ran before the lengths were checked against the model")

@@ -2,14 +2,14 @@
 
 A composite step (:mod:`inference.proposers.composite`) spends a node budget on prompt lookup's drafts first and on
 the heads' best tree for the rest. No accuracy table predicts how often the lookup matches and is right, so the
-split is chosen as a dynamic tree's shape is (:mod:`medusa_train.tuning.dynamic`): the tuning prompts are decoded
+split is chosen as a dynamic tree's shape is (:mod:`inference.tuning.dynamic`): the tuning prompts are decoded
 with a short list of splits, taking turns, and the fastest is kept when it beats the reference beyond the noise
-(:func:`medusa_train.tuning.timed.choose`).
+(:func:`inference.tuning.timed.choose`).
 
 A split is ``(heads, lookup_length, lookup_matches)``: ``heads`` the drafter's nodes when the lookup drafts fill
 their share, so the budget is ``nodes = heads + lookup_length * lookup_matches``; when the lookup finds no match
 the heads take the whole budget, so their tree is the best tree of ``nodes`` nodes
-(:func:`~medusa_train.tuning.search.greedy_tree`, best node first). The reference split is the static tree kept by
+(:func:`~inference.tuning.search.greedy_tree`, best node first). The reference split is the static tree kept by
 the same tuning run, with transformers' prompt lookup (10 tokens, one match; both cut to fit ``max_nodes``); the
 shortlist changes one factor at a time: ``len(heads) + len(lengths) + len(matches) - 2`` splits at most.
 """
@@ -20,8 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from inference.proposers.composite import LOOKUP_MATCHES, CompositeTree
-from inference.proposers.prompt_lookup import LOOKUP_LENGTH
+from medusa_train.tree.composite import LOOKUP_LENGTH, LOOKUP_MATCHES, CompositeTree
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ def sum_nodes(split: Split) -> int:
 
 
 def composite_of(split: Split) -> CompositeTree:
-    """The :class:`~inference.proposers.composite.CompositeTree` of a split."""
+    """The :class:`~medusa_train.tree.composite.CompositeTree` of a split."""
     heads, length, matches = split
     return CompositeTree(nodes=sum_nodes(split), lookup_length=length, lookup_matches=matches)
 
@@ -95,12 +94,12 @@ def tune_composite(model: Any, prompts: Sequence[Sequence[int]], acc: Sequence[S
         ``{"nodes", "lookup_length", "lookup_matches", "max_matching_ngram_size", "heads_nodes", "medusa_choices",
         "tokens_per_s", "mean_accepted_tokens", "chosen"}``: the kept split, the heads' tree of its budget (best
         node first), its speed and τ on the prompts (None when nothing was decoded), and ``chosen`` as
-        :func:`~medusa_train.tuning.dynamic.tune_dynamic_tree` records it (``reference``, ``timed`` rows,
+        :func:`~inference.tuning.dynamic.tune_dynamic_tree` records it (``reference``, ``timed`` rows,
         ``timed_prompts``, ``timed_new_tokens``, ``margin``).
     """
     from inference.decoders.medusa import TreeDecoder
-    from medusa_train.tuning.search import greedy_tree
-    from medusa_train.tuning.timed import choose, describe_choice, time_decoders
+    from inference.tuning.search import greedy_tree
+    from inference.tuning.timed import choose, describe_choice, time_decoders
 
     def record(split: Split) -> dict[str, Any]:
         return {**composite_of(split).as_dict(), "heads_nodes": split[0]}

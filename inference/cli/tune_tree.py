@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
+from inference.tuning.tune_tree_config import register_tune_tree_schema
 from medusa_train.cli.app import hydra_app, register_shared_schemas
 from medusa_train.config import as_dataclass
 from medusa_train.run_lock import EXPORT_LOCK, RunLock
-from medusa_train.tuning.tune_tree_config import register_tune_tree_schema
 
 if TYPE_CHECKING:
-    from medusa_train.tuning.tune_tree_config import TuneTreeConfig
+    from inference.tuning.tune_tree_config import TuneTreeConfig
 
 
 def register_schemas() -> None:
@@ -30,12 +30,12 @@ def register_schemas() -> None:
 
 
 def run(cfg: DictConfig) -> dict:
-    """Tune ``cfg.export_dir`` holding its lock; returns :func:`~medusa_train.tuning.tune.tune_tree`'s result.
+    """Tune ``cfg.export_dir`` holding its lock; returns :func:`~inference.tuning.tune.tune_tree`'s result.
 
     Raises:
         LockHeldError: another process holds the export folder (its pid, host and command named).
     """
-    from medusa_train.tuning.tune_tree_config import TuneTreeConfig
+    from inference.tuning.tune_tree_config import TuneTreeConfig
 
     tc = as_dataclass(TuneTreeConfig, cfg)
     with RunLock.acquire(tc.export_dir, EXPORT_LOCK, field="export_dir"):
@@ -44,9 +44,9 @@ def run(cfg: DictConfig) -> dict:
 
 def _run(tc: TuneTreeConfig) -> dict:
     from medusa_train.loading.runtime import load_for_inference
-    from medusa_train.tuning.timed import describe_choice
+    from inference.tuning.timed import describe_choice
     from medusa_train.prompts import load_prompts
-    from medusa_train.tuning.tune import tune_tree
+    from inference.tuning.tune import tune_tree
 
     model, tokenizer, _, runtime = load_for_inference(tc.export_dir, model=tc.model, dtype=tc.dtype, device=tc.device,
                                                       cpu_kernels=tc.cpu_kernels)
@@ -82,8 +82,8 @@ def _run(tc: TuneTreeConfig) -> dict:
 def print_timed_choice(record: dict, what: str, columns: list[tuple[str, str]], describe: Callable[[dict], str],
                        written: str) -> None:
     """A choice made by decoding a shortlist (a dynamic tree's shape, the composite tree's split): the timed rows,
-    ``columns`` (header, key) first, then what was kept and why (:func:`medusa_train.tuning.timed.choose`)."""
-    from medusa_train.tuning.timed import describe_choice
+    ``columns`` (header, key) first, then what was kept and why (:func:`inference.tuning.timed.choose`)."""
+    from inference.tuning.timed import describe_choice
 
     chosen = record["chosen"]
     if chosen["by"] == "timed":
@@ -103,7 +103,7 @@ def print_timed_choice(record: dict, what: str, columns: list[tuple[str, str]], 
 
 
 def print_dynamic_tree(dynamic: dict, export_dir: str) -> None:
-    """The dynamic tree's timed shortlist and choice (:func:`medusa_train.tuning.dynamic.tune_dynamic_tree`)."""
+    """The dynamic tree's timed shortlist and choice (:func:`inference.tuning.dynamic.tune_dynamic_tree`)."""
     print_timed_choice(dynamic, "dynamic tree", [("depth", "depth"), ("topk", "topk"), ("total", "total")],
                        lambda d: f"depth {d['depth']}, topk {d['topk']}, total {d['total']}",
                        f"{export_dir}/dynamic_tree.json: the decoder's default for this drafter "
@@ -111,7 +111,7 @@ def print_dynamic_tree(dynamic: dict, export_dir: str) -> None:
 
 
 def print_composite_tree(composite: dict, export_dir: str) -> None:
-    """The composite tree's timed splits and choice (:func:`medusa_train.tuning.composite.tune_composite`)."""
+    """The composite tree's timed splits and choice (:func:`inference.tuning.composite.tune_composite`)."""
     print_timed_choice(composite, "composite tree", [("heads", "heads_nodes"), ("lookup", "lookup_length"),
                                                      ("matches", "lookup_matches"), ("nodes", "nodes")],
                        lambda d: (f"{d['heads_nodes']} heads' nodes + {d['lookup_matches']} x {d['lookup_length']} "

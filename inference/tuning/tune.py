@@ -6,14 +6,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from inference.decoders.base import max_positions
-from medusa_train.data.collate import pad_token_id_of
-from medusa_train.export.files import write_json
-from medusa_train.model import MedusaModel
-from medusa_train.prompts import Prompt, encode_prompt
-from medusa_train.tuning.accuracy import measure_head_accuracy
-from medusa_train.tuning.tune_tree_config import TuneTreeConfig
 from inference.proposers.tree_drafters import grows_dynamic_trees
+from inference.tuning.accuracy import measure_head_accuracy
+from inference.tuning.composite import composite_shortlist, tune_composite
+from inference.tuning.dynamic import prefer_faster_kind, tune_dynamic_tree
+from inference.tuning.latency import check_profile_runtime, measure_verification_latency
+from inference.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length, greedy_tree
+from inference.tuning.timed import choose, describe_choice, shortlist, time_trees
+from inference.tuning.tune_tree_config import TuneTreeConfig
+from medusa_train.export.files import write_json
 from medusa_train.export.tree_files import (
     ACCURACY_FILE,
     CHOICES_FILE,
@@ -22,11 +23,9 @@ from medusa_train.export.tree_files import (
     LATENCY_FILE,
     read_latency_profile,
 )
-from medusa_train.tuning.composite import composite_shortlist, tune_composite
-from medusa_train.tuning.dynamic import prefer_faster_kind, tune_dynamic_tree
-from medusa_train.tuning.latency import check_profile_runtime, measure_verification_latency
-from medusa_train.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length, greedy_tree
-from medusa_train.tuning.timed import choose, describe_choice, shortlist, time_trees
+from medusa_train.generation import max_positions, pad_token_id_of
+from medusa_train.model import MedusaModel
+from medusa_train.prompts import Prompt, encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
     """Measure, search, and write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json``,
     ``composite_tree.json`` (unless ``composite=false``), and for
     drafters that grow an EAGLE-2 dynamic tree (:func:`~inference.proposers.tree_drafters.grows_dynamic_trees`)
-    ``dynamic_tree.json``: its shape chosen by decoding (:mod:`medusa_train.tuning.dynamic`; no accuracy table
+    ``dynamic_tree.json``: its shape chosen by decoding (:mod:`inference.tuning.dynamic`; no accuracy table
     needed).
 
     The caller holds ``cfg.export_dir``'s lock (:data:`~medusa_train.run_lock.EXPORT_LOCK`), as ``medusa-tune-tree``
@@ -47,15 +46,15 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
     Returns:
         ``{"medusa_choices", "expected_accept_length", "replayed_accept_length", "head_accuracy",
         "latency_profile", "rates", "chosen", "dynamic_tree", "composite_tree"}``: the two τ predictions of the chosen
-        tree, by the formula (:func:`~medusa_train.tuning.search.expected_accept_length`) and replayed on the tuning
+        tree, by the formula (:func:`~inference.tuning.search.expected_accept_length`) and replayed on the tuning
         prompts
-        (:func:`~medusa_train.tuning.replay.replayed_accept_length`, what the decoder measures on them); ``chosen``:
+        (:func:`~inference.tuning.replay.replayed_accept_length`, what the decoder measures on them); ``chosen``:
         how the size was chosen (``by``: ``timed``, the shortlist decoded on ``timed_prompts`` tuning prompts and
         the fastest kept when it beats the predicted best beyond the noise, ``margin`` its speed over the predicted
-        best's with the interval, :func:`medusa_train.tuning.timed.choose`; or ``predicted``), the predicted best's
+        best's with the interval, :func:`inference.tuning.timed.choose`; or ``predicted``), the predicted best's
         nodes, and the timing (also in ``latency_profile.json``); ``dynamic_tree``: what ``dynamic_tree.json``
-        holds (:func:`~medusa_train.tuning.dynamic.tune_dynamic_tree`), None for drafters of static trees only;
-        ``composite_tree``: what ``composite_tree.json`` holds (:func:`~medusa_train.tuning.composite.tune_composite`:
+        holds (:func:`~inference.tuning.dynamic.tune_dynamic_tree`), None for drafters of static trees only;
+        ``composite_tree``: what ``composite_tree.json`` holds (:func:`~inference.tuning.composite.tune_composite`:
         the heads' candidates and prompt lookup's in one tree, the budget split chosen by decoding), None with
         ``composite=false``.
     """

@@ -9,16 +9,16 @@ import json
 import pytest
 
 from inference.decoders import DecodeConfig
-from inference.proposers.composite import CompositeTree
 from inference.registry import BuildContext, build_decoder, decoder_settings
 from medusa_train.export.tree_files import read_tree_files
 from medusa_train.loading.runtime import load_for_inference
+from medusa_train.tree.composite import CompositeTree
 from tests.inference.test_decoders import PROMPTS, greedy
-from tests.medusa_train.test_tune_tree_dynamic import _tune, exports  # noqa: F401 (a fixture)
+from tests.inference.test_tune_tree_dynamic import _tune, exports  # noqa: F401 (a fixture)
 
 
 def test_the_shortlist_changes_one_factor_at_a_time_and_fits_max_nodes():
-    from medusa_train.tuning.composite import composite_shortlist
+    from inference.tuning.composite import composite_shortlist
 
     reference, splits = composite_shortlist(11, None, [4, 10, 16], [1, 2], max_nodes=31)
     assert reference == (11, 10, 1)
@@ -32,9 +32,9 @@ def test_the_shortlist_changes_one_factor_at_a_time_and_fits_max_nodes():
 
 
 def test_tune_tree_chooses_the_split_by_decoding_and_the_composite_decoder_uses_it(exports, capsys):
-    from medusa_train.tuning.composite import composite_shortlist, sum_nodes
-    from medusa_train.tuning.search import greedy_tree
-    from medusa_train.tuning.timed import choose
+    from inference.tuning.composite import composite_shortlist, sum_nodes
+    from inference.tuning.search import greedy_tree
+    from inference.tuning.timed import choose
 
     _, medusa, prompts = exports
     result = _tune(medusa, prompts, "max_nodes=12", "composite_lengths=[2,4]", "composite_matches=[1,2]")
@@ -111,7 +111,7 @@ def test_composite_settings_are_refused_by_name_before_the_accuracy_pass(exports
     def no_measuring(*args, **kwargs):
         raise AssertionError("head accuracy measured before the composite settings were checked")
 
-    monkeypatch.setattr("medusa_train.tuning.tune.measure_head_accuracy", no_measuring)
+    monkeypatch.setattr("inference.tuning.tune.measure_head_accuracy", no_measuring)
     with pytest.raises(ValueError, match=r"composite_lengths\[0\] must be >= 1 .* got 0"):
         _tune(medusa, prompts, "composite_lengths=[0]")
     with pytest.raises(ValueError, match="composite_matches is empty"):

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from medusa_train.tuning.search import (
+from inference.tuning.search import (
     best_tree_for_latency,
     monotone_envelope,
     check_accuracy_table,
@@ -107,7 +107,7 @@ def test_table_for_other_heads_and_bad_budget():
 def test_rank_hits_counts_by_hand():
     import torch
 
-    from medusa_train.tuning.accuracy import count_rank_hits, target_ranks
+    from inference.tuning.accuracy import count_rank_hits, target_ranks
 
     def rank_hits(logits, tokens, valid, topk):
         return count_rank_hits(target_ranks(logits, tokens, topk), valid, topk)
@@ -136,7 +136,7 @@ def test_rank_hits_counts_by_hand():
 
 
 def test_replay_follows_greedy_verification_by_hand():
-    from medusa_train.tuning.replay import accepted_depth, replay_counts, replayed_accept_length
+    from inference.tuning.replay import accepted_depth, replay_counts, replayed_accept_length
 
     tree = {(0,), (1,), (0, 0)}
     assert accepted_depth([0, 0, 3], tree) == 2
@@ -156,7 +156,7 @@ def test_replay_is_below_the_formula_when_hits_come_in_runs():
     # head 0 is right on the first half of the positions and wrong on the second: per-position accuracy 0.5, so the
     # formula predicts 1.5, but decoding skips half of the easy positions: 10 passes over the easy 20 (2 tokens
     # each), 20 over the hard 20 -> 40 tokens / 30 passes
-    from medusa_train.tuning.replay import replayed_accept_length
+    from inference.tuning.replay import replayed_accept_length
 
     states = [[0]] * 20 + [[-1]] * 20
     assert expected_accept_length([[0.5]], [[0]]) == pytest.approx(1.5)
@@ -166,7 +166,7 @@ def test_replay_is_below_the_formula_when_hits_come_in_runs():
 def test_target_ranks_and_hits_count_a_target_outside_the_head_vocab_as_a_miss():
     import torch
 
-    from medusa_train.tuning.accuracy import count_rank_hits, target_ranks
+    from inference.tuning.accuracy import count_rank_hits, target_ranks
 
     tokens = torch.tensor([[0, 1, 2, -1]])  # the last token is outside a reduced head vocabulary
     logits = torch.zeros(1, 1, 4, 3)
@@ -192,7 +192,7 @@ def test_tree_size_is_chosen_by_replayed_tokens_when_ranks_are_recorded():
 
 
 def test_the_shortlist_times_the_predicted_best_and_the_measured_sizes_near_it():
-    from medusa_train.tuning.timed import shortlist
+    from inference.tuning.timed import shortlist
 
     rates = {n: {"tokens_per_s": r} for n, r in {2: 10.0, 3: 12.0, 4: 11.0, 8: 8.5, 16: 6.0}.items()}
     assert shortlist(rates, [1, 2, 4, 8, 16]) == [2, 3, 4, 8]  # 3 is the best; 16 (0.5 of it) is left out
@@ -207,7 +207,7 @@ def test_timed_trees_count_what_the_decoder_decodes():
     from inference.decoders.base import DecodeConfig
     from inference.decoders.medusa import TreeDecoder
     from medusa_train.model import MedusaModel, new_heads_for
-    from medusa_train.tuning.timed import fastest, time_trees
+    from inference.tuning.timed import fastest, time_trees
     from tests.conftest import make_tiny_model
 
     base = make_tiny_model("llama")

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from inference.sampling import greedy_tokens, is_greedy, logits_to_probs
 from medusa_train.paths import REPO_ROOT
+from medusa_train.tree.sampling import greedy_tokens, is_greedy, logits_to_probs
 
 
 def test_temperature_only_is_softmax_of_scaled_logits() -> None:
@@ -118,12 +118,12 @@ def test_greedy_tokens_is_argmax_first_index_among_ties(dtype) -> None:
 
 CHANGED_DEFAULTS = """
 import dataclasses, inspect, json
-import inference.sampling as sampling
+import medusa_train.tree.sampling as sampling
 sampling.SAMPLING_DEFAULTS = sampling.SamplingDefaults(temperature=0.5, top_p=0.9, top_k=7, max_new_tokens=99)
 from inference.cli.generate import GenerateConfig
 from inference.decoders.base import DecodeConfig
-from inference.engines.vllm_env import VllmWorker
 from inference.evaluation.eval_config import EvaluateConfig
+from medusa_train.engines.vllm_env import VllmWorker
 found = {}
 for cls in (DecodeConfig, GenerateConfig, EvaluateConfig):
     found[cls.__name__] = {f.name: f.default for f in dataclasses.fields(cls)

@@ -5,7 +5,7 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 
-from medusa_train.cli.tune_tree import register_schemas
+from inference.cli.tune_tree import register_schemas
 from medusa_train.config import ModelConfig
 from medusa_train.export import save_export
 from medusa_train.loading.medusa import export_extra_config
@@ -31,10 +31,10 @@ def tiny_export(tmp_path):
 
 
 def test_tune_tree_writes_a_valid_tree_for_the_export(tiny_export):
-    from medusa_train.cli.tune_tree import run
-    from medusa_train.tuning.replay import replayed_accept_length
-    from medusa_train.tuning.search import expected_accept_length, greedy_tree
-    from medusa_train.tuning.timed import choose, fastest
+    from inference.cli.tune_tree import run
+    from inference.tuning.replay import replayed_accept_length
+    from inference.tuning.search import expected_accept_length, greedy_tree
+    from inference.tuning.timed import choose, fastest
 
     export, prompts = tiny_export
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -75,8 +75,8 @@ def test_tune_tree_writes_a_valid_tree_for_the_export(tiny_export):
 
 
 def test_the_tree_decoded_fastest_is_kept_over_the_predicted_best(tiny_export, monkeypatch):
-    from medusa_train.cli.tune_tree import run
-    from medusa_train.tuning.search import greedy_tree
+    from inference.cli.tune_tree import run
+    from inference.tuning.search import greedy_tree
 
     export, prompts = tiny_export
     seen = {}
@@ -90,8 +90,8 @@ def test_the_tree_decoded_fastest_is_kept_over_the_predicted_best(tiny_export, m
                 for i, n in enumerate(ranked)}
 
     # which sizes are timed is shortlist's (test_tree_search.py); here: 2, 4 and 8 tokens, whatever the profile
-    monkeypatch.setattr("medusa_train.tuning.tune.shortlist", lambda rates, sizes: [2, 4, 8])
-    monkeypatch.setattr("medusa_train.tuning.tune.time_trees", timed_by_hand)
+    monkeypatch.setattr("inference.tuning.tune.shortlist", lambda rates, sizes: [2, 4, 8])
+    monkeypatch.setattr("inference.tuning.tune.time_trees", timed_by_hand)
     seen["fastest"] = "largest"
     overrides = [f"export_dir={export}", "prompts.source=jsonl", f"prompts.path={prompts}", "max_new_tokens=12",
                  "topk=4", "latency_sizes=[1,2,4,8]", "context_length=16", "repeats=1", "max_nodes=7",
@@ -119,7 +119,7 @@ def test_the_tree_decoded_fastest_is_kept_over_the_predicted_best(tiny_export, m
 
 
 def test_tune_tree_rejects_bad_budget_before_loading(tiny_export):
-    from medusa_train.cli.tune_tree import run
+    from inference.cli.tune_tree import run
 
     export, prompts = tiny_export
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -135,7 +135,7 @@ def test_a_second_export_of_the_base_is_tuned_against_the_first_ones_latency_pro
                                                                                      monkeypatch):
     """``latency_from``: one profile for several exports of one base (no new measurement, the same numbers), refused
     when missing or measured on another dtype or other linear kernels."""
-    from medusa_train.cli.tune_tree import run
+    from inference.cli.tune_tree import run
 
     export, prompts = tiny_export
     common = ["prompts.source=jsonl", f"prompts.path={prompts}", "max_new_tokens=12", "topk=4",
@@ -158,7 +158,7 @@ def test_a_second_export_of_the_base_is_tuned_against_the_first_ones_latency_pro
         def no_measuring(*args, **kwargs):
             raise AssertionError("head accuracy measured before the profile was checked")
 
-        monkeypatch.setattr("medusa_train.tuning.tune.measure_head_accuracy", no_measuring)  # the check comes first
+        monkeypatch.setattr("inference.tuning.tune.measure_head_accuracy", no_measuring)  # the check comes first
         with pytest.raises(ValueError, match="measured on onednn_packed linear kernels, but these heads decode on "
                                              "pytorch"):
             run(compose("tune_tree", overrides=[f"export_dir={second}", f"latency_from={export}", *common,
@@ -167,13 +167,13 @@ def test_a_second_export_of_the_base_is_tuned_against_the_first_ones_latency_pro
 
 def compose_and_validate(overrides):
     from medusa_train.config import as_dataclass
-    from medusa_train.tuning.tune_tree_config import TuneTreeConfig
+    from inference.tuning.tune_tree_config import TuneTreeConfig
 
     return as_dataclass(TuneTreeConfig, compose("tune_tree", overrides=overrides))
 
 
 def test_the_prediction_is_kept_unless_the_fastest_timed_beats_it_beyond_the_noise():
-    from medusa_train.tuning.timed import choose
+    from inference.tuning.timed import choose
 
     def row(seconds):
         return {"tokens_per_s": 40 / sum(seconds), "prompt_tokens": [10] * 4, "prompt_seconds": seconds}
@@ -197,13 +197,13 @@ def test_a_folder_that_is_not_an_export_is_refused_before_anything_is_written_in
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("mine\n")
-    run = subprocess.run([sys.executable, "-m", "medusa_train.cli.tune_tree", f"export_dir={mine}"],
+    run = subprocess.run([sys.executable, "-m", "inference.cli.tune_tree", f"export_dir={mine}"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert (f"medusa-tune-tree: export_dir {mine} holds no config.json: it is not an export written by medusa-train"
             in run.stderr)
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]  # no .tune_tree/ log, no lock
     missing = tmp_path / "missing"
-    run = subprocess.run([sys.executable, "-m", "medusa_train.cli.tune_tree", f"export_dir={missing}"],
+    run = subprocess.run([sys.executable, "-m", "inference.cli.tune_tree", f"export_dir={missing}"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "does not exist" in run.stderr and not missing.exists()

@@ -9,16 +9,16 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 
+from inference.cli.tune_tree import register_schemas
 from inference.decoders import DecodeConfig, TreeDecoder
-from inference.dynamic_tree import DynamicTree
 from inference.registry import BuildContext, build_decoder, decoder_settings
-from medusa_train.cli.tune_tree import register_schemas
 from medusa_train.config import ModelConfig
 from medusa_train.export import save_export
 from medusa_train.export.tree_files import read_tree_files
 from medusa_train.loading.medusa import export_extra_config
 from medusa_train.model import new_heads_for
 from medusa_train.paths import CONF_DIR
+from medusa_train.tree.dynamic import DynamicTree
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 from tests.inference.test_decoders import PROMPTS, greedy
 
@@ -54,7 +54,7 @@ def exports(tmp_path):
 
 
 def _tune(export, prompts, *overrides):
-    from medusa_train.cli.tune_tree import run
+    from inference.cli.tune_tree import run
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return run(compose("tune_tree", overrides=[f"export_dir={export}", f"prompts.path={prompts}", *COMMON,
@@ -67,7 +67,7 @@ def _write_shape(export, **fields):
 
 
 def test_the_shortlist_is_the_grids_middle_and_one_setting_changed_at_a_time():
-    from medusa_train.tuning.dynamic import dynamic_shortlist
+    from inference.tuning.dynamic import dynamic_shortlist
 
     reference, shapes = dynamic_shortlist([3, 4, 5, 6], [4, 8], [1, 3, 7, 15, 23, 31, 47, 63])
     assert reference == DynamicTree(4, 8, 15) and shapes[0] == reference
@@ -85,8 +85,8 @@ def test_the_shortlist_is_the_grids_middle_and_one_setting_changed_at_a_time():
 
 
 def test_tune_tree_chooses_the_dynamic_tree_by_decoding_and_writes_it(exports, capsys):
-    from medusa_train.tuning.dynamic import dynamic_shortlist, timed_table
-    from medusa_train.tuning.timed import choose, fastest
+    from inference.tuning.dynamic import dynamic_shortlist, timed_table
+    from inference.tuning.timed import choose, fastest
 
     eagle3, _, prompts = exports
     result = _tune(eagle3, prompts, "dynamic_depths=[2,3]", "dynamic_topks=[2,4]")
@@ -200,7 +200,7 @@ def test_dynamic_tree_settings_are_refused_by_name_before_the_accuracy_pass(expo
     def no_measuring(*args, **kwargs):
         raise AssertionError("head accuracy measured before the dynamic tree's settings were checked")
 
-    monkeypatch.setattr("medusa_train.tuning.tune.measure_head_accuracy", no_measuring)
+    monkeypatch.setattr("inference.tuning.tune.measure_head_accuracy", no_measuring)
     with pytest.raises(ValueError, match="dynamic_depths is empty"):
         _tune(eagle3, prompts, "dynamic_depths=[]")
     with pytest.raises(ValueError, match=r"dynamic_topks\[0\] = 98 exceeds the drafter's vocabulary of 97"):
@@ -224,7 +224,7 @@ def test_the_decoder_keeps_the_static_tree_when_it_decoded_faster_beyond_the_noi
 
 def test_the_tuner_records_the_dynamic_tree_against_the_static_one_on_the_same_prompts(exports, capsys):
     from inference.evaluation.intervals import ratio_interval
-    from medusa_train.tuning.dynamic import timed_table
+    from inference.tuning.dynamic import timed_table
 
     eagle3, _, prompts = exports
     result = _tune(eagle3, prompts, "dynamic_depths=[2,3]", "dynamic_topks=[2,4]", "timed_prompts=3")

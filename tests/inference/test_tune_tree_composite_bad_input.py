@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from inference.proposers.composite import CompositeTree
 from inference.registry import BuildContext, build_decoder, decoder_settings
 from medusa_train.loading.runtime import load_for_inference
-from tests.medusa_train.test_tune_tree_dynamic import exports  # noqa: F401 (a fixture)
+from medusa_train.tree.composite import CompositeTree
+from tests.inference.test_tune_tree_dynamic import exports  # noqa: F401 (a fixture)
 
 RECORD = {"nodes": 8, "lookup_length": 3, "lookup_matches": 1, "max_matching_ngram_size": 2, "heads_nodes": 5,
           "medusa_choices": [[0], [1], [0, 0]], "tokens_per_s": 10.0, "mean_accepted_tokens": 1.5,

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import torch
 
-from inference.tree import TOPK
 from medusa_train.generation import greedy_generate, length_batches
 from medusa_train.heads import to_head_vocab
 from medusa_train.model import MedusaModel
+from medusa_train.tree.buffers import TOPK
 
 
 def target_ranks(head_logits: torch.Tensor, tokens: torch.Tensor, topk: int) -> torch.Tensor:
@@ -103,7 +103,7 @@ def measure_head_accuracy(
         "target_ranks": [prompt][state][k] int}``: ``target_ranks`` holds, for every decoding state of every prompt
         (the position whose hidden state the heads read: the last prompt token, then each continuation token but the
         last two), the rank of each head's target or -1 (:func:`target_ranks`), what
-        :func:`medusa_train.tuning.replay.replayed_accept_length` replays a tree on.
+        :func:`inference.tuning.replay.replayed_accept_length` replays a tree on.
 
     Raises:
         ValueError: no prompts, an empty prompt, or ``batch_size`` < 1.

@@ -9,9 +9,10 @@ ties going to the shallower node. A child's value never exceeds its parent's, so
 tree; it is verified in the one tree pass as a static tree is.
 
 The kept tree is written as rank paths (node ``[i_0, i_1]``: the rank-``i_1`` token drafted from node ``[i_0]``),
-so the step's :class:`~inference.tree.TreeBuffers` come from :func:`inference.tree.build_tree_buffers` (cached by
-shape: a tree that recurs costs nothing to build). With several batch rows the rows share one tree shape (the rank
-paths whose values summed over the rows are highest), each row with its own tokens; with one row it is EAGLE-2's.
+so the step's :class:`~medusa_train.tree.buffers.TreeBuffers` come from
+:func:`medusa_train.tree.buffers.build_tree_buffers` (cached by shape: a tree that recurs costs nothing to build).
+With several batch rows the rows share one tree shape (the rank paths whose values summed over the rows are highest),
+each row with its own tokens; with one row it is EAGLE-2's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.tree import Path, TreeBuffers, build_tree_buffers
+from medusa_train.tree.buffers import Path, TreeBuffers, build_tree_buffers
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def tree_of_paths(paths: tuple[Path, ...], device: str | torch.device) -> TreeBu
     device; validated against their own depth and largest rank: ``num_heads`` and ``topk`` of the buffers).
 
     Raises:
-        ValueError: an empty or not prefix-closed set (:func:`inference.tree.validate_medusa_choices`).
+        ValueError: an empty or not prefix-closed set (:func:`medusa_train.tree.buffers.validate_medusa_choices`).
     """
     if not paths:
         raise ValueError("tree_of_paths: a tree needs at least one node below the root")

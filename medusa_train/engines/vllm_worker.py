@@ -1,7 +1,7 @@
 """The vLLM worker: run by the python of vLLM's own environment (``launch/install_vllm.sh``), never imported by ours.
 
 vLLM pins its own torch and an older transformers, so it cannot live in the project's environment. This script is
-the only code that imports vLLM: :class:`inference.engines.vllm_env.VllmWorker` starts it as a subprocess, sends one
+the only code that imports vLLM: :class:`medusa_train.engines.vllm_env.VllmWorker` starts it as a subprocess, sends one
 JSON request per line on its stdin and reads one JSON reply per line. It imports nothing of medusa-train (a
 different transformers is installed here). Everything vLLM itself prints goes to stderr: the original stdout is
 kept for replies only.

@@ -39,8 +39,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from inference.sampling import greedy_tokens, is_greedy, logits_to_probs
-from inference.tree import TreeBuffers, build_tree_buffers, chain_choices
+from medusa_train.tree.buffers import TreeBuffers, build_tree_buffers, chain_choices
+from medusa_train.tree.sampling import greedy_tokens, is_greedy, logits_to_probs
 
 
 def _check_path_inputs(candidates: Tensor, target_logits_at_paths: Tensor, valid: Tensor) -> None:
@@ -234,7 +234,7 @@ def tree_speculative_sample_batch(
         tree: the tree the candidates fill.
         node_tokens: long [B, N], each node's token (the root's is not used).
         target_probs: float [B, N, V]; row n is the target distribution for the token after node n (given the
-            path to n). Rows must sum to 1 (see :func:`inference.sampling.logits_to_probs`).
+            path to n). Rows must sum to 1 (see :func:`medusa_train.tree.sampling.logits_to_probs`).
         draft_probs: float [B, N, V] or None; row n is the distribution node n's token was drawn from (for
             Medusa, head ``depth(n) - 1``'s distribution, shared by siblings). Row 0 is not used.
         generator: seeded generator on ``node_tokens``' device, for reproducible draws.

@@ -1,6 +1,6 @@
 """Replay greedy tree verification on recorded continuations: the mean accepted tokens a tree will measure.
 
-:func:`medusa_train.tuning.search.expected_accept_length` treats every decoding step as an independent draw from
+:func:`inference.tuning.search.expected_accept_length` treats every decoding step as an independent draw from
 the accuracy table. Real text is not like that: heads are right in runs (boilerplate, code, repeated phrases) and
 wrong in runs, and a step that accepts k tokens skips the next k positions, so decoding spends fewer steps in the
 easy runs than the table's per-position average assumes and the formula over-predicts τ. Measured here on
@@ -43,7 +43,7 @@ def replay_counts(
     """``(tokens, passes)`` that greedy decoding with ``medusa_choices`` emits and takes over the recorded prompts.
 
     Args:
-        target_ranks: ``[prompt][state][head]`` ints, from :func:`medusa_train.tuning.accuracy.measure_head_accuracy`;
+        target_ranks: ``[prompt][state][head]`` ints, from :func:`inference.tuning.accuracy.measure_head_accuracy`;
             a prompt whose continuation has N tokens has N - 1 states (the prefill emits the first token).
         medusa_choices: the tree, as rank paths.
 

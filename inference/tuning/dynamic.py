@@ -1,10 +1,10 @@
 """The shape of an EAGLE-2 dynamic tree (depth, topk, total) for drafters that grow one, chosen by decoding.
 
-A dynamic tree (:mod:`inference.dynamic_tree`) is grown anew every step from the drafter's own confidence, so no
-accuracy table predicts its τ as one predicts a static tree's (:mod:`medusa_train.tuning.search`): its shape is
+A dynamic tree (:mod:`medusa_train.tree.dynamic`) is grown anew every step from the drafter's own confidence, so no
+accuracy table predicts its τ as one predicts a static tree's (:mod:`inference.tuning.search`): its shape is
 chosen by decoding the tuning prompts with each shape of a small shortlist, as the static tree's size is
-(:mod:`medusa_train.tuning.timed`), and the fastest is kept when it beats the reference shape beyond the noise
-(:func:`medusa_train.tuning.timed.choose`).
+(:mod:`inference.tuning.timed`), and the fastest is kept when it beats the reference shape beyond the noise
+(:func:`inference.tuning.timed.choose`).
 
 The shortlist (:func:`dynamic_shortlist`) is the reference shape and every shape that differs from it in one of the
 three settings (one factor at a time): ``len(depths) + len(topks) + len(totals) - 2`` shapes at most, where the full
@@ -20,7 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from inference.dynamic_tree import DynamicTree
+from medusa_train.tree.dynamic import DynamicTree
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def dynamic_shortlist(depths: Sequence[int], topks: Sequence[int], totals: Seque
 
     Args:
         depths, topks, totals: the candidate values of each setting (``dynamic_depths``, ``dynamic_topks``, and the
-            totals :meth:`~medusa_train.tuning.tune_tree_config.TuneTreeConfig.dynamic_tree_totals` gives), >= 1.
+            totals :meth:`~inference.tuning.tune_tree_config.TuneTreeConfig.dynamic_tree_totals` gives), >= 1.
 
     Returns:
         ``(reference, shapes)``: ``shapes`` distinct, the reference first.
@@ -69,14 +69,14 @@ def dynamic_shortlist(depths: Sequence[int], topks: Sequence[int], totals: Seque
 def time_dynamic_trees(model: Any, prompts: Sequence[Sequence[int]], shapes: Sequence[DynamicTree],
                        max_new_tokens: int) -> dict[DynamicTree, dict[str, Any]]:
     """Decode every prompt greedily over a dynamic tree of every shape, taking turns
-    (:func:`~medusa_train.tuning.timed.time_decoders`, whose table this is, by shape).
+    (:func:`~inference.tuning.timed.time_decoders`, whose table this is, by shape).
 
     Raises:
         ValueError: no prompts or shapes; a shape the model's drafter cannot grow
             (:class:`~inference.decoders.medusa.TreeDecoder`).
     """
     from inference.decoders.medusa import TreeDecoder
-    from medusa_train.tuning.timed import time_decoders
+    from inference.tuning.timed import time_decoders
 
     return time_decoders({shape: TreeDecoder(model, None, dynamic_tree=shape) for shape in shapes}, prompts,
                          max_new_tokens)
@@ -97,13 +97,13 @@ def tune_dynamic_tree(model: Any, prompts: Sequence[Sequence[int]], reference: D
         ``{"depth", "topk", "total", "tokens_per_s", "mean_accepted_tokens", "chosen"}``: the kept shape, its speed
         and τ on the prompts (None when nothing was decoded), and ``chosen``: ``by`` (``timed``, or ``default`` with
         no prompts), the ``reference`` shape, and with ``timed``: ``timed`` (one row per decoded shape, the shape's
-        fields and :func:`~medusa_train.tuning.timed.time_decoders`' row), ``timed_prompts``, ``timed_new_tokens``
+        fields and :func:`~inference.tuning.timed.time_decoders`' row), ``timed_prompts``, ``timed_new_tokens``
         and ``margin`` (the fastest over the reference, with its interval; None when the reference is the fastest).
 
     Raises:
         ValueError: as :func:`time_dynamic_trees`.
     """
-    from medusa_train.tuning.timed import choose, describe_choice
+    from inference.tuning.timed import choose, describe_choice
 
     if not prompts:
         return {**reference.as_dict(), "tokens_per_s": None, "mean_accepted_tokens": None,
@@ -127,7 +127,7 @@ def prefer_faster_kind(dynamic: dict[str, Any], static_row: dict[str, Any], stat
     is the default for drafters that grow one unless the static tree is measurably faster.
 
     Args:
-        static_row: the kept static tree's row of :func:`~medusa_train.tuning.timed.time_trees`' table.
+        static_row: the kept static tree's row of :func:`~inference.tuning.timed.time_trees`' table.
         static_nodes: its nodes below the root.
     """
     from inference.evaluation.intervals import bounds_text, ratio_interval
@@ -145,7 +145,7 @@ def prefer_faster_kind(dynamic: dict[str, Any], static_row: dict[str, Any], stat
 
 def timed_table(chosen: dict[str, Any]) -> dict[DynamicTree, dict[str, Any]]:
     """The timed table ``{shape: row}`` of a ``chosen`` record (:func:`tune_dynamic_tree`), as
-    :func:`~medusa_train.tuning.timed.choose` takes it."""
+    :func:`~inference.tuning.timed.choose` takes it."""
     return {DynamicTree(row["depth"], row["topk"], row["total"]): row for row in chosen.get("timed", [])}
 
 

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from inference.kv_cache import (
+from medusa_train.tree.kv_cache import (
     PreallocatedCache,
     PreallocatedLayer,
     cache_length,

@@ -10,13 +10,13 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from inference.tree import TOPK
+from inference.tuning.latency import DEFAULT_SIZES
 from medusa_train.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
 from medusa_train.config import check_device
 from medusa_train.export.tree_files import read_latency_profile
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
-from medusa_train.tuning.latency import DEFAULT_SIZES
+from medusa_train.tree.buffers import TOPK
 
 
 def check_export_dir(export_dir: str) -> None:
@@ -67,17 +67,17 @@ class TuneTreeConfig:
             against one profile, whose timing noise no longer differs between them (with ``timed_prompts=0``; else
             each export's size is chosen by its own timed decoding).
         timed_prompts: the first this many tuning prompts (all of them when there are fewer) are decoded with every
-            tree predicted near the best (:mod:`medusa_train.tuning.timed`), and the fastest measured is kept; 0
+            tree predicted near the best (:mod:`inference.tuning.timed`), and the fastest measured is kept; 0
             keeps the predicted best.
         timed_new_tokens: tokens per reply in that timing.
         dynamic_depths, dynamic_topks, dynamic_totals: for drafters that grow an EAGLE-2 dynamic tree (EAGLE-3):
             the depths, topks and totals (nodes kept, root excluded) its shape is chosen from, by decoding the
-            timed prompts with a shortlist of them (:mod:`medusa_train.tuning.dynamic`); written to
+            timed prompts with a shortlist of them (:mod:`inference.tuning.dynamic`); written to
             ``dynamic_tree.json``. ``dynamic_totals`` None: the latency profile's sizes less the root, up to
             ``max_nodes`` (:meth:`dynamic_tree_totals`). Unused for drafters that draft static trees only; the
             grid is checked once the drafter is known (:meth:`check_dynamic_grid`), before the accuracy pass.
         composite: also choose the composite tree's budget split (the heads' candidates and prompt lookup's in one
-            tree, :mod:`medusa_train.tuning.composite`) by decoding the timed prompts; written to
+            tree, :mod:`inference.tuning.composite`) by decoding the timed prompts; written to
             ``composite_tree.json``, which medusa-eval's ``composite`` decoder reads.
         composite_heads: the heads' node counts tried beside the lookup drafts; None: half, once and twice the
             static tree kept.
@@ -142,7 +142,7 @@ class TuneTreeConfig:
                 raise ValueError(f"dynamic_totals[{i}] = {total} exceeds max_nodes={self.max_nodes} (the tree node "
                                  "budget): lower it or raise max_nodes")
         if self.composite:
-            from medusa_train.tuning.composite import composite_shortlist
+            from inference.tuning.composite import composite_shortlist
 
             composite_shortlist(1, self.composite_heads, self.composite_lengths, self.composite_matches,
                                 self.max_nodes)
@@ -152,12 +152,12 @@ class TuneTreeConfig:
 
     def check_dynamic_grid(self, profile_sizes: Iterable[int]) -> tuple[list[int], Any, list[Any]]:
         """The dynamic tree's grid for a latency profile of ``profile_sizes``: ``(totals, reference, shapes)``
-        (:meth:`dynamic_tree_totals`, :func:`medusa_train.tuning.dynamic.dynamic_shortlist`).
+        (:meth:`dynamic_tree_totals`, :func:`inference.tuning.dynamic.dynamic_shortlist`).
 
         Raises:
             ValueError: an empty list or a grid that holds no dynamic tree (the settings named).
         """
-        from medusa_train.tuning.dynamic import dynamic_shortlist
+        from inference.tuning.dynamic import dynamic_shortlist
 
         totals = self.dynamic_tree_totals(profile_sizes)
         return (totals, *dynamic_shortlist(self.dynamic_depths, self.dynamic_topks, totals))

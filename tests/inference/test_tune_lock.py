@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from medusa_train.cli.tune_tree import register_schemas
+from inference.cli.tune_tree import register_schemas
 from medusa_train.paths import CONF_DIR
 from medusa_train.run_lock import EXPORT_LOCK, LockHeldError
 
@@ -40,7 +40,7 @@ def start_holder(folder: Path, name: str) -> subprocess.Popen:
 
 def test_tune_tree_is_refused_while_another_process_holds_the_export(tmp_path, monkeypatch):
     import medusa_train.loading.runtime as runtime
-    from medusa_train.cli.tune_tree import run
+    from inference.cli.tune_tree import run
 
     export = tmp_path / "export"
     export.mkdir()

@@ -6,15 +6,15 @@ from functools import lru_cache
 import pytest
 import torch
 
-from inference import acceptance
-from inference.acceptance import (
+from medusa_train.tree import acceptance
+from medusa_train.tree.acceptance import (
     chain_speculative_sample,
     greedy_accept,
     tree_speculative_sample,
     tree_speculative_sample_batch,
     typical_accept,
 )
-from inference.tree import TreeBuffers, build_tree_buffers, chain_choices, gather_paths
+from medusa_train.tree.buffers import TreeBuffers, build_tree_buffers, chain_choices, gather_paths
 
 # Nodes of HAND_TREE sorted by (depth, path): 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0].
 # Paths (rows of retrieve_indices): 0: 0-1-3-6, 1: 0-1-4, 2: 0-2-5.

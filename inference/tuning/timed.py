@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from inference.decoders.base import DecodeConfig
 from inference.decoders.medusa import TreeDecoder
 from inference.evaluation.intervals import bounds_text, ratio_interval
-from inference.tree import TOPK
+from medusa_train.tree.buffers import TOPK
 
 # Sizes timed: those predicted at least this share of the best predicted tokens/s (the profile's error seen so far
 # is about 25%), among the measured profile sizes and the predicted best.
@@ -33,7 +33,7 @@ def shortlist(rates: dict[int, dict[str, float]], measured_sizes: Sequence[int],
 
     Args:
         rates: ``{n: {"tokens_per_s": float, ...}}`` predicted for every candidate size n
-            (:func:`medusa_train.tuning.search.best_tree_for_latency`'s table).
+            (:func:`inference.tuning.search.best_tree_for_latency`'s table).
         measured_sizes: the sizes whose latency was measured rather than interpolated.
         ratio: keep sizes predicted at least ``ratio`` of the best.
 

@@ -22,7 +22,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from medusa_train.tuning.replay import replayed_accept_length
+from inference.tuning.replay import replayed_accept_length
 
 Path = tuple[int, ...]
 
@@ -102,7 +102,7 @@ def best_tree_for_latency(
     """Choose the tree size that maximises accepted tokens per second.
 
     The trees are :func:`greedy_tree`'s (best by the formula for every size); with ``target_ranks`` each size is
-    scored by its replayed mean accepted tokens (:mod:`medusa_train.tuning.replay`, what the decoder will measure),
+    scored by its replayed mean accepted tokens (:mod:`inference.tuning.replay`, what the decoder will measure),
     else by the formula.
 
     Args:
@@ -112,7 +112,7 @@ def best_tree_for_latency(
             Timing noise only ever adds time, and a pass over more tokens cannot cost less, so the profile is first
             replaced by its lower monotone envelope (:func:`monotone_envelope`).
         max_nodes: optional cap on nodes (root excluded).
-        target_ranks: ``[prompt][state][head]`` from :func:`medusa_train.tuning.accuracy.measure_head_accuracy`.
+        target_ranks: ``[prompt][state][head]`` from :func:`inference.tuning.accuracy.measure_head_accuracy`.
 
     Returns:
         ``(medusa_choices, table)`` where ``table[n] = {"expected_tokens", "latency_ms", "tokens_per_s"}`` (and

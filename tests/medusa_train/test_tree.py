@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import torch
 
-from inference.tree import (
+from medusa_train.tree.buffers import (
     MC_SIM_7B_63,
     SMALL_TREE_15,
     build_tree_buffers,

@@ -1,5 +1,5 @@
 """vLLM's own environment, found and driven from ours: :func:`vllm_python` finds it, :class:`VllmWorker` runs an engine
-there as a subprocess (``inference/engines/vllm_worker.py``) and talks JSON lines to it.
+there as a subprocess (``medusa_train/engines/vllm_worker.py``) and talks JSON lines to it.
 
 vLLM pins its own torch and transformers (vllm 0.32: ``transformers<5.20``; we use 5.24), so it lives in a second
 virtual environment that ``launch/install_vllm.sh`` builds: ``.venv-vllm`` in the checkout, or ``$MEDUSA_VLLM_VENV``.
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inference.sampling import SAMPLING_DEFAULTS
 from medusa_train.paths import REPO_ROOT
+from medusa_train.tree.sampling import SAMPLING_DEFAULTS
 
 VENV_VARIABLE = "MEDUSA_VLLM_VENV"
 INSTALL_COMMAND = "bash launch/install_vllm.sh"

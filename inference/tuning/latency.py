@@ -3,8 +3,8 @@
 The tree's width is paid for in this latency (Medusa paper, Sec. 2.3.3; Sequoia, Sec. 4): on a GPU a pass over 64
 tokens costs about what one does, on a 2-core CPU in fp32 2.7 times as much (``benchmarks/speed.py`` prints t(k)/t(1);
 docs/speed.md has the figures). The profile is measured on the device and
-dtype that will decode, and the tree sizes predicted best from it (:func:`medusa_train.tuning.search.best_tree_for_latency`)
-are then decoded for real (:mod:`medusa_train.tuning.timed`).
+dtype that will decode, and the tree sizes predicted best from it
+(:func:`inference.tuning.search.best_tree_for_latency`) are then decoded for real (:mod:`inference.tuning.timed`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from inference.kv_cache import preallocated_cache
+from medusa_train.tree.kv_cache import preallocated_cache
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
