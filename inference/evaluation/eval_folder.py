@@ -45,14 +45,13 @@ def is_our_run(folder: Path) -> bool:
 
 
 def hydra_entries() -> set[str]:
-    """What Hydra wrote into the job's folder before the task started (``.hydra``, ``<job>.log``); none outside
-    Hydra."""
+    """What Hydra wrote into the running job's folder before the task started
+    (:func:`medusa_train.cli.app.hydra_entries`); none outside Hydra."""
     from hydra.core.hydra_config import HydraConfig
 
-    if not HydraConfig.initialized():
-        return set()
-    hc = HydraConfig.get()
-    return {name for name in (hc.output_subdir, f"{hc.job.name}.log") if name}
+    from medusa_train.cli.app import hydra_entries as entries_of
+
+    return entries_of(HydraConfig.get()) if HydraConfig.initialized() else set()
 
 
 def check_eval_dir(out: str | os.PathLike[str], ignored: Collection[str] = ()) -> None:

@@ -37,14 +37,21 @@ class RefuseBeforeRun(Callback):
         key: the setting, a dotted path into the config (``output_dir``, ``hydra.run.dir``).
         command: the command's name, put before the message.
         multirun: also check before a ``-m`` sweep starts (the sweep folder).
+        pass_hydra_entries: also give the check :func:`hydra_entries` of the run (a folder check then accepts what
+            Hydra wrote there for an earlier, killed, run of the same command).
     """
 
-    def __init__(self, check: str, key: str, command: str, multirun: bool = False) -> None:
+    def __init__(self, check: str, key: str, command: str, multirun: bool = False,
+                 pass_hydra_entries: bool = False) -> None:
         self.check, self.key, self.command, self.multirun = check, key, command, multirun
+        self.pass_hydra_entries = pass_hydra_entries
 
     def _check(self, config: DictConfig) -> None:
+        args = [OmegaConf.select(config, self.key)]
+        if self.pass_hydra_entries:  # what Hydra writes into the job's folder: an earlier killed job left them
+            args.append(hydra_entries(config.hydra))
         try:
-            hydra.utils.get_method(self.check)(OmegaConf.select(config, self.key))
+            hydra.utils.get_method(self.check)(*args)
         except (ValueError, OSError) as e:
             raise SystemExit(f"{self.command}: {e}") from None
 
@@ -54,6 +61,12 @@ class RefuseBeforeRun(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
         if self.multirun:
             self._check(config)
+
+
+def hydra_entries(hydra_cfg: Any) -> set[str]:
+    """What Hydra writes into a job's folder before the task starts, given the ``hydra`` node of its config: the
+    ``output_subdir`` (``.hydra``, unless null) and the job's log, ``<job name>.log``."""
+    return {name for name in (hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log") if name}
 
 
 def register_shared_schemas() -> None:

@@ -64,6 +64,25 @@ def test_the_command_refuses_a_users_folder_before_hydra_writes_into_it(tmp_path
     assert sorted(p.name for p in out.iterdir()) == ["summary.md"]  # no .hydra/, no log
 
 
+def test_the_command_goes_on_in_a_folder_a_run_killed_at_its_start_left(tmp_path):
+    # killed before its run.json: only Hydra's log of that run (evaluate.log) and its lock are there
+    import subprocess
+    import sys
+
+    out = tmp_path / "killed"
+    out.mkdir()
+    (out / "evaluate.log").write_text("[2026-12-04 22:17:00][inference.evaluation.eval_run][INFO] - loading\n")
+    (out / EVAL_LOCK).write_text("{}")
+    run = subprocess.run([sys.executable, "-m", "inference.cli.evaluate", f"export_dir={tmp_path / 'export'}",
+                          f"output_dir={out}", "decoders=[vanilla]"], capture_output=True, text=True, timeout=120)
+    assert "not a medusa-eval run" not in run.stderr  # the folder check passed; the missing export fails next
+    assert run.returncode != 0 and "export" in run.stderr
+    (out / "notes.txt").write_text("mine")  # anything else is still someone else's
+    run = subprocess.run([sys.executable, "-m", "inference.cli.evaluate", f"export_dir={tmp_path / 'export'}",
+                          f"output_dir={out}", "decoders=[vanilla]"], capture_output=True, text=True, timeout=120)
+    assert f"output_dir {out} holds files that are not a medusa-eval run (notes.txt)" in run.stderr
+
+
 def test_a_second_run_into_a_folder_is_refused_naming_the_first(tmp_path, no_model):
     from inference.evaluation.eval_run import evaluate
 
