@@ -12,7 +12,9 @@ steps). For each cell, in order:
 2. three ``medusa-eval`` runs on the export (each resumes): MT-Bench first turns (``--per-category`` of each of its 8
    categories, in the dtype the tree was tuned in) with our tree decoder beside plain decoding, and vLLM plain and
    with the drafter where vLLM serves it (Medusa, EAGLE-3; its mean acceptance length); the Spec-Bench set the same
-   way with ours; the fp32 exactness check (MT-Bench, one prompt a category, greedy, fp32);
+   way with ours; the fp32 exactness check (MT-Bench, one prompt a category, greedy, fp32). With llama.cpp installed
+   (``bash launch/install_llamacpp.sh``), an EAGLE-3 cell's MT-Bench run also has ``llamacpp`` and
+   ``llamacpp_eagle3`` (``python benchmarks/llamacpp_table.py RUN/eval-mt_bench`` gives their table);
 3. the cell's record appended to ``docs/data-scaling.json`` (atomic), ``docs/data-scaling.md`` and
    ``docs/figures/data-scaling.png`` rewritten; with ``--commit`` those files committed (nothing else).
 
@@ -37,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from medusa_train.atomic import atomic_write_text  # noqa: E402
+from medusa_train.export.gguf import STAMP_FILE, llamacpp_dir  # noqa: E402
 from medusa_train.precision import cpu_flags  # noqa: E402
 
 DRAFTERS = ("medusa", "hydra", "eagle3")
@@ -134,6 +137,8 @@ def measure(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     mt_decoders = ["vanilla", "medusa"]
     if vllm_ready and cell["drafter"] in VLLM_DECODER:
         mt_decoders += ["vllm", VLLM_DECODER[cell["drafter"]]]
+    if cell["drafter"] == "eagle3" and (llamacpp_dir() / STAMP_FILE).is_file():
+        mt_decoders += ["llamacpp", "llamacpp_eagle3"]  # llama.cpp with the drafter: benchmarks/llamacpp_table.py
     mt = evaluate(export, folder / "eval-mt_bench", log, mt_decoders,
                   ["prompts=mt_bench", f"per_category={args.per_category}", *common])
     spec = evaluate(export, folder / "eval-spec_bench", log, ["vanilla", "medusa"],
@@ -142,6 +147,7 @@ def measure(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                      ["prompts=mt_bench", "per_category=1", "max_new_tokens=32", "dtype=float32"])
     engine = VLLM_DECODER.get(cell["drafter"])
     vllm_tau = mt["decoders"].get(engine, {}).get("mean_accepted_tokens") if engine else None
+    llamacpp = mt["decoders"].get("llamacpp_eagle3")
     data = training.get("data") or {}
     flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
     return {
@@ -156,11 +162,20 @@ def measure(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "mt_bench": ours(mt), "spec_bench": ours(spec),
         "vllm_mean_acceptance_length": vllm_tau,
         "vllm": None if engine else "vLLM serves no Hydra heads",
+        "llamacpp_eagle3": None if llamacpp is None else {
+            "mean_accepted_tokens": llamacpp["mean_accepted_tokens"], "speedup_over_vanilla": llamacpp["speedup"],
+            "speedup_over_llamacpp": _ratio(llamacpp, mt["decoders"].get("llamacpp"))},
         "exact_match_fp32": exact["decoders"]["medusa"]["exact_match_vs_greedy"],
         "cpu": {"model": _cpu_model(), "flags": flags, "cores": os.cpu_count()},
         "load_average": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
         "commit": _git("rev-parse", "--short", "HEAD"), "date": datetime.now(timezone.utc).date().isoformat(),
     }
+
+
+def _ratio(mine: dict[str, Any], plain: dict[str, Any] | None) -> Any:
+    if not plain or not plain.get("tokens_per_second") or mine.get("tokens_per_second") is None:
+        return None
+    return mine["tokens_per_second"] / plain["tokens_per_second"]
 
 
 def _precision(record: Any) -> Any:
