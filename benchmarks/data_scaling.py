@@ -168,6 +168,7 @@ def measure(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "exact_match_fp32": exact["decoders"]["medusa"]["exact_match_vs_greedy"],
         "cpu": {"model": _cpu_model(), "flags": flags, "cores": os.cpu_count()},
         "load_average": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
+        "train_load_average": training.get("load_average"),
         "commit": _git("rev-parse", "--short", "HEAD"), "date": datetime.now(timezone.utc).date().isoformat(),
     }
 

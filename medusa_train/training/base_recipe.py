@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -439,7 +440,9 @@ class BaseRecipe:
             else:
                 log.info("resuming from %s", latest)
                 resume_from = str(latest)
+        load_before = os.getloadavg()[0]  # the machine's conditions while training (other work on shared cores)
         result = self.trainer.train(resume_from_checkpoint=resume_from)
+        self.summary["load_average"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}
         if self.device.type == "cuda":  # the run's peak so far (the cache build included), against the plan's
             self.summary["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
         stop = self.stop_on_signal
@@ -499,7 +502,8 @@ class BaseRecipe:
         ``memory`` holds the memory plan's peak per device and, on CUDA, ``torch.cuda.max_memory_allocated`` after
         training (bytes; None where not planned or not measured); ``data`` the data's counts
         (:meth:`PreparedData.record`: labelled tokens, skips); ``train_runtime_s`` the Trainer's seconds in this
-        process (a resumed run: since ``resumed_from``)."""
+        process (a resumed run: since ``resumed_from``) and ``load_average`` the machine's 1-minute load average
+        before and after them."""
         cfg = self.cfg
         return {"target": cfg.heads.target, "loss_decay": cfg.heads.loss_decay, "data_source": cfg.data.source,
                 "self_distill": cfg.data.self_distill, "max_length": cfg.max_length,
@@ -510,7 +514,7 @@ class BaseRecipe:
                 "data": self.data.record() if getattr(self, "data", None) is not None else None,
                 "num_train_epochs": cfg.trainer.num_train_epochs, "max_steps": cfg.trainer.max_steps,
                 "train_runtime_s": (self.summary.get("train_metrics") or {}).get("train_runtime"),
-                "resumed_from": self.summary.get("resumed_from")}
+                "resumed_from": self.summary.get("resumed_from"), "load_average": self.summary.get("load_average")}
 
     def write_export(self, heads: DraftHeads, table: dict[str, Any] | None, *, base_name: str,
                      model_cfg: ModelConfig, base_model: Any, extra: dict[str, Any] | None = None,

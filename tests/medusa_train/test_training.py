@@ -306,6 +306,7 @@ def test_training_reduces_head_loss_and_the_export_loads(tiny_inputs, tmp_path):
     assert data["labelled_tokens"] == recipe.data.stats.label_tokens > 0 and data["tokens"] > data["labelled_tokens"]
     assert (data["train_conversations"], data["eval_conversations"]) == (len(recipe.data.train), 4)
     assert config["training"]["train_runtime_s"] > 0 and config["training"]["resumed_from"] is None
+    assert set(config["training"]["load_average"]) == {"before", "after"}
     table = json.loads((export_dir / "train_head_accuracy.json").read_text())
     assert table["top1"] == after["top1"] and table["conversations"] == 4 and table["split"] == "eval"
     logged = [entry for entry in recipe.trainer.state.log_history if "head0/loss" in entry]
