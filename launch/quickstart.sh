@@ -22,8 +22,9 @@
 #   QUICKSTART_OUT (runs/quickstart), QUICKSTART_CONVERSATIONS (ShareGPT conversations read, 700: about 520 have a
 #   first turn of at most 128 tokens), QUICKSTART_EPOCHS (5), QUICKSTART_DTYPE (auto: the dtype the tree is tuned on
 #   and every decoder runs in, bf16 on CPUs with bf16 instructions (AVX-512 BF16 / AMX) and on GPUs, fp32 elsewhere;
-#   training stays fp32), QUICKSTART_HEAD_VOCAB (4096), QUICKSTART_TUNE_PROMPTS (64: head accuracy varies widely
-#   between prompts), QUICKSTART_EVAL (true; false stops after the tree, as launch/recipe_long.sh does),
+#   training: QUICKSTART_PRECISION), QUICKSTART_PRECISION (auto: trainer.precision, bf16 autocast where the CPU
+#   has bf16 instructions, fp32 elsewhere; the data-scaling table trained so), QUICKSTART_HEAD_VOCAB (4096),
+#   QUICKSTART_TUNE_PROMPTS (64: head accuracy varies widely between prompts), QUICKSTART_EVAL (true; false stops after the tree, as launch/recipe_long.sh does),
 #   QUICKSTART_EVAL_TOKENS (64), QUICKSTART_DISTILL_ENGINE (auto: vllm when its environment is installed, else hf),
 #   QUICKSTART_DISTILL_DTYPE (auto: vLLM generates in bf16 where the hardware multiplies bf16 natively; hf generates
 #   with the fp32 training model), QUICKSTART_DRAFTER (medusa: Medusa-1 heads; eagle3: an EAGLE-3 drafter in
@@ -49,7 +50,8 @@ eval_tokens="${QUICKSTART_EVAL_TOKENS:-64}"
 run_eval="${QUICKSTART_EVAL:-true}"
 head_vocab="${QUICKSTART_HEAD_VOCAB:-4096}"
 tune_prompts="${QUICKSTART_TUNE_PROMPTS:-64}"
-distill_choice="${QUICKSTART_DISTILL_ENGINE:-auto}" distill_dtype="${QUICKSTART_DISTILL_DTYPE:-auto}" precision=fp32
+distill_choice="${QUICKSTART_DISTILL_ENGINE:-auto}" distill_dtype="${QUICKSTART_DISTILL_DTYPE:-auto}"
+precision="${QUICKSTART_PRECISION:-auto}"
 source "$root/launch/recipe_settings.sh"  # train, tune, evaluate: the settings shared with launch/recipe_scale.sh
 
 if [[ "$drafter" != eagle3 ]]; then
