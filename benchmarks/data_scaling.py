@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from medusa_train.atomic import atomic_write_text  # noqa: E402
-from medusa_train.export.gguf import STAMP_FILE, llamacpp_dir  # noqa: E402
+from medusa_train.engines.vllm_env import vllm_available  # noqa: E402
+from medusa_train.export.gguf import llamacpp_available  # noqa: E402
 from medusa_train.precision import cpu_flags  # noqa: E402
 
 DRAFTERS = ("medusa", "hydra", "eagle3")
@@ -132,12 +133,11 @@ def measure(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     export = folder / "export"
     config = json.loads((export / "config.json").read_text(encoding="utf-8"))
     training = config.get("training") or {}
-    vllm_ready = (ROOT / ".venv-vllm" / ".medusa-vllm-installed").is_file()
     common = ["max_new_tokens=64", "dtype=auto"]
     mt_decoders = ["vanilla", "medusa"]
-    if vllm_ready and cell["drafter"] in VLLM_DECODER:
+    if vllm_available() and cell["drafter"] in VLLM_DECODER:
         mt_decoders += ["vllm", VLLM_DECODER[cell["drafter"]]]
-    if cell["drafter"] == "eagle3" and (llamacpp_dir() / STAMP_FILE).is_file():
+    if cell["drafter"] == "eagle3" and llamacpp_available():
         mt_decoders += ["llamacpp", "llamacpp_eagle3"]  # llama.cpp with the drafter: benchmarks/llamacpp_table.py
     mt = evaluate(export, folder / "eval-mt_bench", log, mt_decoders,
                   ["prompts=mt_bench", f"per_category={args.per_category}", *common])

@@ -42,8 +42,8 @@ precision="${SCALE_PRECISION:-auto}"
 dtype="${SCALE_DTYPE:-auto}"
 tune_prompts=64 eval_tokens=64
 distill_choice="${SCALE_DISTILL_ENGINE:-vllm}" distill_dtype=auto
-vllm_venv="${MEDUSA_VLLM_VENV:-$root/.venv-vllm}"
-if [[ "$distill_choice" == vllm && ! -f "$vllm_venv/.medusa-vllm-installed" ]]; then
+source "$root/launch/recipe_settings.sh"  # vllm_ready, train, tune: the settings shared with the quickstart
+if [[ "$distill_choice" == vllm && "$vllm_ready" != true ]]; then
   echo "SCALE_DISTILL_ENGINE=vllm: vLLM's environment $vllm_venv is not installed: run bash launch/install_vllm.sh" \
        "(or SCALE_DISTILL_ENGINE=hf, much slower)" >&2
   exit 2
@@ -51,7 +51,6 @@ fi
 bash launch/install.sh
 venv="${MEDUSA_VENV:-$root/.venv}"
 export PATH="$venv/bin:$PATH" WANDB_MODE="${WANDB_MODE:-offline}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-source "$root/launch/recipe_settings.sh"
 run="$out/$drafter-$size${SCALE_TAG:+-$SCALE_TAG}"  # SCALE_TAG: a cell with other settings, in its own folder
 echo "== $drafter x$size 1/2 medusa-train: $conversations ShareGPT conversations read, replies in $out/replies-$size, $epochs epochs -> $run/export"
 if [[ -f "$run/trained.stamp" && -f "$run/export/config.json" ]]; then  # a finished run is not trained again

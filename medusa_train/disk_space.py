@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-GIB = 2**30
+GIB = 2**30  # bytes in a GiB (the planner's unit too: medusa_train.planning.terms)
 
 
 # the errors of a write that found no room: no space, over quota, past the file-size limit (RLIMIT_FSIZE)

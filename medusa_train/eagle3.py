@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, rotate_half
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 
 from medusa_train.drafters.catalog import DrafterType, ProjectFn, TargetInputs, register
 from medusa_train.features import FINAL, layer_feature
@@ -125,27 +125,19 @@ class Eagle3Attention(nn.Module):
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """``x [B, T, 2H]`` -> ``(q [B, heads, T, d], k, v [B, kv_heads, T, d])``, RoPE applied to q and k."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, *rope)
-        return q, k, v
+        return (self.project_query(x, rope), *self.project_context(x, rope))
 
     def project_query(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``x [B, M, 2H]`` -> ``q [B, heads, M, d]`` with RoPE (:meth:`project`'s q alone, ``rope`` ``[B, M, d]``)."""
+        """``x [B, M, 2H]`` -> ``q [B, heads, M, d]`` with RoPE (``rope`` ``[B, M, d]``)."""
         B, M, _ = x.shape
-        q = self.q_proj(x).view(B, M, self.heads, self.head_dim).transpose(1, 2)
-        cos, sin = (r.unsqueeze(1) for r in rope)
-        return q * cos + rotate_half(q) * sin  # apply_rotary_pos_emb's formula, for q only
+        return _rotate(self.q_proj(x).view(B, M, self.heads, self.head_dim).transpose(1, 2), rope)
 
     def project_context(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """``x [B, T, 2H]`` -> ``(k, v)`` ``[B, kv_heads, T, d]`` with RoPE on k (:meth:`project`'s k and v alone)."""
+        """``x [B, T, 2H]`` -> ``(k, v)`` ``[B, kv_heads, T, d]`` with RoPE on k."""
         B, T, _ = x.shape
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = (r.unsqueeze(1) for r in rope)
-        return k * cos + rotate_half(k) * sin, v
+        return _rotate(k, rope), v
 
     def expand(self, kv: torch.Tensor) -> torch.Tensor:
         """Keys or values ``[B, kv_heads, ..., d]`` repeated for each query head of their group:
@@ -423,6 +415,13 @@ def loss_slots(at: tuple[torch.Tensor, torch.Tensor], batch: int, length: int) -
     ranked = torch.where(chosen, torch.arange(length, device=t.device), length).sort(dim=1).values
     queries = ranked[:, :width].clamp(max=length - 1)
     return queries, (b, chosen.cumsum(1)[b, t] - 1)
+
+
+def _rotate(t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """RoPE on queries or keys ``t [B, heads, T, d]`` with ``rope = (cos, sin)`` ``[B, T, d]``: transformers'
+    ``apply_rotary_pos_emb`` (Llama) for one tensor, the same operations in the same order."""
+    cos, sin = (r.unsqueeze(1) for r in rope)
+    return t * cos + rotate_half(t) * sin
 
 
 def _rows(x: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-GIB = 2**30  # bytes in a GiB (what torch.cuda.get_device_properties().total_memory is usually quoted in)
+from medusa_train.disk_space import GIB  # bytes in a GiB (torch.cuda's total_memory is usually quoted in GiB)
 
 
 def gib(n_bytes: int | float) -> float:

@@ -23,7 +23,6 @@ import os
 import signal
 from typing import Any
 
-
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -34,8 +33,6 @@ from medusa_train.training.run_dir import RunPaths, discard_overwritten
 
 log = logging.getLogger(__name__)
 
-EXIT_ENV = EXIT_AFTER_STEP  # the drills' variables: medusa_train.drills
-SIGNAL_ENV = SIGNAL_AT_STEP
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped on a signal, checkpoint sealed, run again to resume
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -110,12 +107,12 @@ class ExitAfterStep(TrainerCallback):
 
     def __init__(self, step: int, rank: int | None = None) -> None:
         if step < 1:
-            raise ValueError(f"{EXIT_ENV} must be a step >= 1, got {step}")
+            raise ValueError(f"{EXIT_AFTER_STEP} must be a step >= 1, got {step}")
         self.step, self.rank = step, rank
 
     def _exit(self, args: TrainingArguments, state: TrainerState) -> None:
         if self.rank in (None, args.process_index):
-            log.warning("exiting at step %d (%s)", state.global_step, EXIT_ENV)
+            log.warning("exiting at step %d (%s)", state.global_step, EXIT_AFTER_STEP)
             os._exit(EXIT_CODE)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
@@ -133,7 +130,7 @@ def exit_callback_from_env() -> ExitAfterStep | None:
     Raises:
         ValueError: the variable is not of that form.
     """
-    parsed = count_and_rank(EXIT_ENV)
+    parsed = count_and_rank(EXIT_AFTER_STEP)
     return None if parsed is None else ExitAfterStep(*parsed)
 
 
@@ -192,5 +189,5 @@ def signal_callback_from_env() -> SignalAtStep | None:
     Raises:
         ValueError: the variable is not of that form.
     """
-    parsed = count_and_rank(SIGNAL_ENV)
+    parsed = count_and_rank(SIGNAL_AT_STEP)
     return None if parsed is None else SignalAtStep(*parsed)

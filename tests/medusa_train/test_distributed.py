@@ -12,7 +12,7 @@ import pytest
 
 from medusa_train.paths import REPO_ROOT
 from medusa_train.training import checkpoints
-from medusa_train.training.callbacks import EXIT_CODE, EXIT_ENV
+from medusa_train.drills import EXIT_AFTER_STEP, EXIT_CODE
 from medusa_train.training.recipe import build_recipe
 from tests.medusa_train.test_training import (
     assert_same_heads,
@@ -86,7 +86,7 @@ def test_killed_deepspeed_zero2_run_resumes_to_the_same_heads(reference):
     root, model_dir, data, single = reference
     out = root / "zero2"
     overrides = ["trainer=deepspeed_zero2", *tiny_overrides(model_dir, data, out, hidden_cache="true", **RANK_BATCH)]
-    killed = launch(overrides, env={EXIT_ENV: "5"})
+    killed = launch(overrides, env={EXIT_AFTER_STEP: "5"})
     assert killed.returncode != 0 and f"exitcode  : {EXIT_CODE}" in killed.stderr
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["checkpoint-4"]
     assert checkpoints.incomplete_reason(out / "checkpoints" / "checkpoint-4") is None
