@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.drafters.medusa.heads import HeadsSpec, MedusaHeads
 from medusa_train.training import checkpoints
 
 

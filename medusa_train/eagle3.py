@@ -38,12 +38,12 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rot
 
 from medusa_train.drafters.catalog import DrafterType, ProjectFn, TargetInputs, register
 from medusa_train.features import FINAL, layer_feature
-from medusa_train.heads import HeadsSpec, register_token_map
+from medusa_train.drafters.medusa.heads import HeadsSpec, register_token_map
 
 
 @dataclass(frozen=True)
 class Eagle3Spec(HeadsSpec):
-    """Shape of an EAGLE-3 drafter: :class:`~medusa_train.heads.HeadsSpec` (``num_heads``: K, the draft steps the
+    """Shape of an EAGLE-3 drafter: :class:`~medusa_train.drafters.medusa.heads.HeadsSpec` (``num_heads``: K, the draft steps the
     training-time test unrolls; ``num_layers``: 1, the one decoder layer vLLM reads; ``head_vocab_size``: the draft
     vocabulary) plus the decoder layer's shape, taken from the target's config.
 

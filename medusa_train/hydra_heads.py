@@ -11,7 +11,7 @@ head k predicts. Decoding must therefore run the heads level by level down the t
 
 Each head is an MLP of ``num_layers`` residual blocks (``medusa_num_layers``) over the combined inputs, then a
 vocabulary projection exactly as Medusa's (per head, the base lm_head shared, or a reduced head vocabulary with its
-token map: :class:`~medusa_train.heads.HeadsSpec`). ``combine`` says how the inputs meet:
+token map: :class:`~medusa_train.drafters.medusa.heads.HeadsSpec`). ``combine`` says how the inputs meet:
 
 - ``concat`` (the paper's, Sec. 3): ``x_0 = [h_t; e_{t+1}; ...; e_{t+k+1}]`` of width ``(k + 2) H``; the first block
   is ``x_1 = R x_0 + SiLU(W x_0 + b)`` with a learnt ``R [H, (k+2)H]`` for the residual path (the authors'
@@ -37,14 +37,14 @@ from torch import nn
 
 from medusa_train.drafters.catalog import DrafterType, ProjectFn, TargetInputs, register, shifted_path_tokens
 from medusa_train.features import FINAL
-from medusa_train.heads import HeadsSpec, copy_lm_head, project_features, projection_weight, register_token_map
+from medusa_train.drafters.medusa.heads import HeadsSpec, copy_lm_head, project_features, projection_weight, register_token_map
 
 COMBINES = ("concat", "sum")
 
 
 @dataclass(frozen=True)
 class HydraSpec(HeadsSpec):
-    """Shape of a set of Hydra heads: :class:`~medusa_train.heads.HeadsSpec` (``num_layers`` residual blocks per
+    """Shape of a set of Hydra heads: :class:`~medusa_train.drafters.medusa.heads.HeadsSpec` (``num_layers`` residual blocks per
     head, the projection settings) plus how each head combines its inputs.
 
     Attributes:
@@ -147,7 +147,7 @@ class HydraHeads(nn.Module):
         tokens t+1 .. t+K; head k reads the first k + 1) -> ``[K, ..., V']``.
 
         With ``project_fn`` (training's chunked loss): ``project_fn(features [K, ..., H], weight)`` instead, as
-        :meth:`medusa_train.heads.MedusaHeads.forward`.
+        :meth:`medusa_train.drafters.medusa.heads.MedusaHeads.forward`.
 
         Raises:
             ValueError: ``share_lm_head`` without ``base_lm_head_weight [V, H]``, or mis-shaped ``path_embeds``.

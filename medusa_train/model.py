@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from medusa_train.drafters.catalog import TargetInputs, heads_from_spec, new_spec, shifted_path_tokens, titles, type_of
 from medusa_train.drafters.catalog import drafter_types
 from medusa_train.features import FINAL, feature_layer, target_features
-from medusa_train.heads import HeadsSpec
+from medusa_train.drafters.medusa.heads import HeadsSpec
 
 DraftHeads = nn.Module  # any registered drafter type's module (medusa_train.drafters.catalog)
 
@@ -61,7 +61,7 @@ class MedusaOutput:
 
 
 class MedusaModel(nn.Module):
-    """Base causal LM + draft heads: :class:`~medusa_train.heads.MedusaHeads` or
+    """Base causal LM + draft heads: :class:`~medusa_train.drafters.medusa.heads.MedusaHeads` or
     :class:`~medusa_train.hydra_heads.HydraHeads` (which also read the base's input embeddings of the path tokens).
 
     Args:
@@ -247,7 +247,7 @@ def new_heads_for(
 
     Args:
         head_type: a registered drafter type (:mod:`medusa_train.drafters.catalog`): ``medusa``
-            (:class:`~medusa_train.heads.MedusaHeads`), ``hydra`` (:class:`~medusa_train.hydra_heads.HydraHeads`) ...
+            (:class:`~medusa_train.drafters.medusa.heads.MedusaHeads`), ``hydra`` (:class:`~medusa_train.hydra_heads.HydraHeads`) ...
         options: the type's own spec fields (Hydra: ``combine``, one of ``concat``, ``sum``); others are ignored.
 
     Raises:

@@ -22,14 +22,14 @@ from medusa_train.drafters.catalog import (
     registered,
     type_of,
 )
-from medusa_train.heads import HeadsSpec, register_token_map
+from medusa_train.drafters.medusa.heads import HeadsSpec, register_token_map
 from medusa_train.paths import CONF_DIR, PACKAGE_DIR
 from tests.medusa_train.test_training import CrashAtStep, assert_same_heads, compose_train, tiny_overrides
 from tests.medusa_train.test_training import write_tiny_inputs
 
 ROOT = PACKAGE_DIR.parent
 # The modules that may name a drafter type: the catalog and each type's own module.
-OWN_MODULES = {"medusa_train/drafters/catalog.py", "medusa_train/heads.py", "medusa_train/hydra_heads.py"}
+OWN_MODULES = {"medusa_train/drafters/catalog.py", "medusa_train/drafters/medusa/heads.py", "medusa_train/hydra_heads.py"}
 # Dispatch on a type by name or class, anywhere else, is what the catalog replaces.
 DISPATCH = [
     re.compile(r"head_type\s*[!=]=\s*['\"]"),
@@ -74,7 +74,7 @@ def test_the_built_in_types_declare_themselves():
 
 def test_only_a_heads_module_is_a_drafter_not_a_model_that_exposes_its_spec():
     from medusa_train.drafters.catalog import is_drafter
-    from medusa_train.heads import MedusaHeads
+    from medusa_train.drafters.medusa.heads import MedusaHeads
 
     heads = MedusaHeads(HeadsSpec(2, 1, 8, 11))
 

@@ -1,14 +1,14 @@
 """The drafter catalog: every kind of draft model this medusa-train trains, exports, tunes and decodes.
 
 Each drafter type declares itself next to its own module with :func:`register` (Medusa heads in
-:mod:`medusa_train.heads`, Hydra heads in :mod:`medusa_train.hydra_heads`), the way vLLM's ``speculators`` registers
+:mod:`medusa_train.drafters.medusa.heads`, Hydra heads in :mod:`medusa_train.hydra_heads`), the way vLLM's ``speculators`` registers
 one class per algorithm beside its implementation. Every other module asks the catalog (:func:`drafter_type`,
 :func:`type_of`) what a type reads, how it is built, trained, exported and drafted with; none names a type
 (``tests/test_drafter_catalog.py`` fails when one does).
 
 A :class:`DrafterType` says:
 
-- what it is: its spec class (a frozen dataclass deriving :class:`~medusa_train.heads.HeadsSpec`), its ``nn.Module``
+- what it is: its spec class (a frozen dataclass deriving :class:`~medusa_train.drafters.medusa.heads.HeadsSpec`), its ``nn.Module``
   class (built as ``module_cls(spec, token_map)``, with ``init_from_lm_head``, ``to_base_tokens``, ``token_map``
   and ``dtype``), and ``options``: the fields of ``heads.*`` (:class:`~medusa_train.config.HeadShape`) only this type
   reads, passed to its spec;
@@ -50,7 +50,7 @@ STATE_DICT_LAYOUT = "state_dict"  # the module's own parameter names in the type
 LAYOUTS = (MEDUSA_LAYOUT, STATE_DICT_LAYOUT)
 ENGINES = ("fasterdecoding", "tgi", "vllm")  # the engines an export may be written for, besides our own decoder
 # The modules that register the built-in types (imported on the first lookup).
-BUILTIN_MODULES = ("medusa_train.heads", "medusa_train.hydra_heads", "medusa_train.eagle3")
+BUILTIN_MODULES = ("medusa_train.drafters.medusa.heads", "medusa_train.hydra_heads", "medusa_train.eagle3")
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class DrafterType:
     Attributes:
         name: the ``head_type`` (``heads.head_type``, an export's ``config.json``).
         title: its name in messages (``Medusa``).
-        spec_cls: its spec, a frozen dataclass deriving :class:`~medusa_train.heads.HeadsSpec`.
+        spec_cls: its spec, a frozen dataclass deriving :class:`~medusa_train.drafters.medusa.heads.HeadsSpec`.
         module_cls: its ``nn.Module``, built as ``module_cls(spec, token_map)``.
         logits: its heads' teacher-forced logits (:data:`LogitsFn`).
         projected: the same heads' features and projection weight handed to a :data:`ProjectFn` inside the heads'
@@ -346,7 +346,7 @@ def heads_from_spec(spec: Any, token_map: torch.Tensor | None = None) -> nn.Modu
 
 def new_spec(head_type: str, options: Mapping[str, Any] | None = None, target_config: Any = None,
              **sizes: Any) -> Any:
-    """The spec of a ``head_type`` drafter: ``sizes`` (the :class:`~medusa_train.heads.HeadsSpec` fields), the
+    """The spec of a ``head_type`` drafter: ``sizes`` (the :class:`~medusa_train.drafters.medusa.heads.HeadsSpec` fields), the
     type's options (others in ``options`` are ignored) and what it reads of ``target_config`` (the target's
     ``PretrainedConfig``; :attr:`DrafterType.target_fields`).
 

@@ -31,7 +31,7 @@ import torch
 from medusa_train.version import __version__
 from medusa_train.export.layouts import FASTERDECODING
 from medusa_train.drafters.catalog import MEDUSA_LAYOUT, DrafterType, type_of
-from medusa_train.heads import HeadsSpec
+from medusa_train.drafters.medusa.heads import HeadsSpec
 
 # vllm/: the reduced head vocabulary of heads written with full-vocabulary projections (ignored by vLLM).
 VLLM_HEAD_VOCAB_KEY = "medusa_train_head_vocab_size"

@@ -1,6 +1,6 @@
 """Key layouts of Medusa head checkpoints, and the mapping between them and our stacked parameters.
 
-Our :class:`~medusa_train.heads.MedusaHeads` stores ``block_weight [K, L, H, H]``, ``block_bias [K, L, H]`` and
+Our :class:`~medusa_train.drafters.medusa.heads.MedusaHeads` stores ``block_weight [K, L, H, H]``, ``block_bias [K, L, H]`` and
 ``lm_head_weight [K, V', H]``; engines store one tensor per head and layer under their own names:
 
 - FasterDecoding Medusa (``medusa/model/medusa_model.py`` at 60eeab9): head ``h`` is
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.drafters.medusa.heads import HeadsSpec, MedusaHeads
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 folder, strictly.
 
 Every key is accounted for (missing and unexpected keys are listed in one error), every shape is checked against
-the config and every weight is checked finite before anything is copied into :class:`~medusa_train.heads.MedusaHeads`;
+the config and every weight is checked finite before anything is copied into :class:`~medusa_train.drafters.medusa.heads.MedusaHeads`;
 with a base model, the heads' hidden size and vocabulary are checked against it first. The head type comes from
 config.json (``head_type``, absent for Medusa heads); a type this reader does not know, or one other than the caller
 asked for, is refused by name.
@@ -52,7 +52,7 @@ from medusa_train.drafters.catalog import (
     expect_head_type,
     heads_from_spec,
 )
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.drafters.medusa.heads import HeadsSpec, MedusaHeads
 from medusa_train.model import DraftHeads, base_sizes, check_heads_match_base
 
 

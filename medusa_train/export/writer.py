@@ -85,7 +85,7 @@ from medusa_train.export.folder_swap import replace_folder
 from medusa_train.export.layouts import FASTERDECODING, VLLM, check_finite, fasterdecoding_limitation, split_heads
 from medusa_train.export.speculators import FILES as SPECULATORS_FILES
 from medusa_train.drafters.catalog import MEDUSA_LAYOUT, drafter_types, type_of
-from medusa_train.heads import MedusaHeads
+from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.model import DraftHeads, check_heads_match_base
 
 log = logging.getLogger(__name__)

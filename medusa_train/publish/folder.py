@@ -43,7 +43,7 @@ from medusa_train.export.writer import (
     VLLM_WEIGHTS_FILE,
     WEIGHTS_FILE,
 )
-from medusa_train.heads import HeadsSpec
+from medusa_train.drafters.medusa.heads import HeadsSpec
 from medusa_train.loading.medusa import EXPORT_MODEL_KEY, ORIGINAL_BASE_KEY
 from medusa_train.publish.local_paths import published_base, scrub, scrub_text
 from medusa_train.export.tree_files import ACCURACY_FILE, CHOICES_FILE, TREE_FILES, read_tree_files

@@ -48,7 +48,7 @@ from medusa_train.loading.base import (
     load_tokenizer_and_config,
 )
 from medusa_train.loading.medusa import export_extra_config
-from medusa_train.heads import build_token_map
+from medusa_train.drafters.medusa.heads import build_token_map
 from medusa_train.precision import choose_dtype, choose_precision
 from medusa_train.model import DraftHeads, base_sizes, check_supported, new_heads_for
 from medusa_train.training import checkpoints

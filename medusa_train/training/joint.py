@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 from medusa_train.config import HeadsConfig
 from medusa_train.drafters.catalog import ProjectFn
 from medusa_train.features import FINAL, target_features
-from medusa_train.heads import MedusaHeads
+from medusa_train.drafters.medusa.heads import MedusaHeads
 
 # model_type -> LoRA targets: the attention projections (Hu et al. 2021 adapt W_q, W_v; QLoRA-style recipes all four).
 # Add the MLP (gate_proj, up_proj, down_proj) through heads.lora.target_modules.
@@ -245,7 +245,7 @@ class JointMedusaModel(nn.Module):
         ``positions``: ``(b, t)``, each ``[M]`` long: run the heads only there (the positions some head is trained
         on, :func:`~medusa_train.training.step.counted_positions`), as Medusa-1 training does; None: everywhere.
         ``head_loss_for``: ``base logits [B, T, V] (detached) -> project_fn``, the heads' projection replaced by
-        ``project_fn`` (:meth:`~medusa_train.heads.MedusaHeads.forward`; the chunked loss, whose targets are the
+        ``project_fn`` (:meth:`~medusa_train.drafters.medusa.heads.MedusaHeads.forward`; the chunked loss, whose targets are the
         current base's), its result in :attr:`JointOutput.head_loss`; None: the heads' logits.
 
         Raises:

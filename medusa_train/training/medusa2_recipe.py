@@ -41,7 +41,7 @@ from medusa_train.data import Collator
 from medusa_train.export import BASE_DIR, load_heads
 from medusa_train.export.configs import export_head_type
 from medusa_train.drafters.catalog import expect_head_type
-from medusa_train.heads import MedusaHeads
+from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, check_export_base
 from medusa_train.model import check_heads_match_base

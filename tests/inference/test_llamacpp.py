@@ -38,7 +38,7 @@ from medusa_train.export.gguf import (
     llamacpp_available,
     speculators_files,
 )
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.drafters.medusa.heads import HeadsSpec, MedusaHeads
 from tests.conftest import VOCAB, make_tiny_model
 from tests.inference.test_vllm import smollm2  # noqa: F401 - fixture
 

@@ -127,7 +127,7 @@ def test_a_tap_at_the_last_layer_is_refused_for_vllm(tmp_path, target):
 
 
 def test_a_medusa_export_into_the_folder_drops_the_stale_speculators(tmp_path, target):
-    from medusa_train.heads import HeadsSpec, MedusaHeads
+    from medusa_train.drafters.medusa.heads import HeadsSpec, MedusaHeads
 
     out = save_export(drafter(target), tmp_path / "export", "org/tiny", base_model=target)
     assert (out / "speculators" / "config.json").is_file()

@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from inference.decoders.pretrained import pretrained_decoder_kwargs
 from medusa_train.cli.publish import register_schemas
 from medusa_train.export import load_heads, save_base_model, save_export
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.drafters.medusa.heads import HeadsSpec, MedusaHeads
 from medusa_train.loading.hub import download_export
 from medusa_train.paths import CONF_DIR
 from medusa_train.publish import PublishError, check_publish_ready, prepare_repo_folder, publish_export
