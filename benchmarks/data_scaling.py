@@ -8,7 +8,11 @@ conversations), optionally ``:vocab=N`` (the head / draft vocabulary) and ``:ttt
 steps). For each cell, in order:
 
 1. ``bash launch/recipe_scale.sh DRAFTER SIZE``: regenerated replies (shared by the drafters of a size), training,
-   export and the tree tuned on this CPU (every step resumes after a kill, a finished one is not redone);
+   export and the tree tuned on this CPU (every step resumes after a kill, a finished one is not redone). The replies
+   of a size are kept in the repository, ``data/scale/replies-SIZE.tar.gz``, written (and with ``--commit``
+   committed) once the first cell of that size has trained, and unpacked into ``OUT/replies-SIZE/`` before any later
+   cell of the size: the three drafters of a size train on the same replies even when their cells run in different
+   sessions, on other machines, and a 16x cell does not spend an hour regenerating them again;
 2. three ``medusa-eval`` runs on the export (each resumes): MT-Bench first turns (``--per-category`` of each of its 8
    categories, in the dtype the tree was tuned in) with our tree decoder beside plain decoding, and vLLM plain and
    with the drafter where vLLM serves it (Medusa, EAGLE-3; its mean acceptance length); the Spec-Bench set the same
@@ -28,8 +32,11 @@ import argparse
 import json
 import os
 import platform
+import gzip
+import io
 import subprocess
 import sys
+import tarfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,8 +45,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from medusa_train.atomic import atomic_write_text  # noqa: E402
+from medusa_train.atomic import atomic_write, atomic_write_text  # noqa: E402
 from medusa_train.catalog import drafter_type  # noqa: E402
+from medusa_train.checksums import file_sha256  # noqa: E402
 from medusa_train.engines.llamacpp_env import llamacpp_available  # noqa: E402
 from medusa_train.engines.vllm_env import vllm_available  # noqa: E402
 from medusa_train.precision import cpu_flags  # noqa: E402
@@ -49,6 +57,7 @@ QUICKSTART_CONVERSATIONS = 700
 TABLE = ROOT / "docs" / "data-scaling.json"
 DOC = ROOT / "docs" / "data-scaling.md"
 PLOT = ROOT / "docs" / "figures" / "data-scaling.png"
+REPLIES = ROOT / "data" / "scale"  # replies-SIZE.tar.gz: the regenerated replies of each size, committed
 
 
 def parse_cell(text: str) -> dict[str, Any]:
@@ -105,6 +114,70 @@ def run(command: list[str], log: Path, env: dict[str, str] | None = None) -> Non
         raise RuntimeError(f"{' '.join(command[:3])} failed (exit {done.returncode}): see {log}")
 
 
+def replies_archive(size: int) -> Path:
+    """The committed archive of the replies regenerated for ``size``: ``data/scale/replies-SIZE.tar.gz``."""
+    return REPLIES / f"replies-{size}.tar.gz"
+
+
+def archive_replies(folder: Path, archive: Path) -> bool:
+    """Pack the reply blocks in ``folder`` into ``archive`` (atomic; the same bytes for the same files: names sorted,
+    times, owners and the gzip header's time zeroed), unless it exists. Call it only once the replies are complete
+    (a cell of their size has trained).
+
+    Returns:
+        True when the archive was written, False when it existed already.
+
+    Raises:
+        FileNotFoundError: ``folder`` holds no reply block (``*.jsonl``).
+    """
+    if archive.is_file():
+        return False
+    files = sorted(folder.glob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no reply blocks (*.jsonl) to archive: did the cell's training run?")
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in files:
+            info = tarfile.TarInfo(path.name)
+            data = path.read_bytes()
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(archive, lambda p: p.write_bytes(gzip.compress(raw.getvalue(), compresslevel=9, mtime=0)))
+    return True
+
+
+def restore_replies(archive: Path, folder: Path) -> int:
+    """Unpack the committed replies ``archive`` into ``folder`` (made if missing), each block written atomically over
+    a shorter or different one (the archive is complete, a block left by a killed regeneration is not); blocks already
+    equal are left alone. Nothing happens without the archive.
+
+    Returns:
+        The number of block files written.
+
+    Raises:
+        ValueError: a member that is not a plain ``*.jsonl`` file name (the archive is not one of ours).
+    """
+    if not archive.is_file():
+        return 0
+    written = 0
+    with tarfile.open(archive, mode="r:gz") as tar:
+        members = tar.getmembers()
+        for member in members:  # all checked before any is written
+            if not member.isfile() or "/" in member.name or not member.name.endswith(".jsonl"):
+                raise ValueError(f"{archive}: member {member.name!r} is not a reply block: delete the archive and "
+                                 "let the next cell of its size regenerate the replies")
+        for member in members:
+            data = tar.extractfile(member).read()
+            target = folder / member.name
+            if target.is_file() and target.read_bytes() == data:
+                continue
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(target, lambda p, data=data: p.write_bytes(data))
+            written += 1
+    return written
+
+
 def evaluate(export: Path, out: Path, log: Path, decoders: list[str], settings: list[str]) -> dict[str, Any]:
     """One ``medusa-eval`` run (resumed when ``out`` holds a part of it) -> its ``summary.json``."""
     medusa_eval = str(Path(sys.executable).with_name("medusa-eval"))
@@ -134,9 +207,15 @@ def measure(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         env["SCALE_TTT_STEPS"] = str(cell["ttt"])
     if name != f"{cell['drafter']}-{cell['size']}":
         env["SCALE_TAG"] = name.split("-", 2)[2]
+    replies, archive = Path(args.out) / f"replies-{cell['size']}", replies_archive(cell["size"])
+    restored = restore_replies(archive, replies)
+    if restored:
+        print(f"{name}: {restored} reply blocks unpacked from {archive.relative_to(ROOT)} into {replies}", flush=True)
     load_before = os.getloadavg()
     started = time.perf_counter()
     run(["bash", "launch/recipe_scale.sh", cell["drafter"], str(cell["size"])], log, env)
+    if archive_replies(replies, archive) and args.commit:  # before the evaluations: kept if the session ends in them
+        commit([archive], f"data-scaling: the regenerated replies of size {cell['size']} ({archive.name})")
     export = folder / "export"
     config = json.loads((export / "config.json").read_text(encoding="utf-8"))
     training = config.get("training") or {}
@@ -159,6 +238,8 @@ def measure(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
     return {
         "cell": name, **cell, "conversations_read": QUICKSTART_CONVERSATIONS * cell["size"],
+        "replies": {"archive": str(archive.relative_to(ROOT)), "sha256": file_sha256(archive)[:16],
+                    "restored_blocks": restored},
         "labelled_tokens": data.get("labelled_tokens"), "train_conversations": data.get("train_conversations"),
         "epochs": training.get("num_train_epochs"), "precision": _precision(training.get("precision")),
         "head_vocab_size": config.get("head_vocab_size"), "steps": config.get("medusa_num_heads")

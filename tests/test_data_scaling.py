@@ -82,3 +82,45 @@ def test_recipe_scale_refuses_bad_arguments_before_any_work(tmp_path):
                           text=True, env={"PATH": "/usr/bin:/bin", "SCALE_TTT_STEPS": "3"})
     assert done.returncode == 2 and "only EAGLE-3 has training-time-test steps" in done.stderr
     assert not (tmp_path / "scale").exists()
+
+
+def test_the_replies_of_a_size_are_archived_once_and_restored_byte_for_byte(scaling, tmp_path):
+    folder, archive = tmp_path / "scale" / "replies-4", tmp_path / "data" / "replies-4.tar.gz"
+    with pytest.raises(FileNotFoundError, match="no reply blocks"):
+        scaling.archive_replies(folder, archive)
+    folder.mkdir(parents=True)
+    blocks = {"conversations.block000000.jsonl": b'{"id": "a"}\n{"id": "b"}\n',
+              "conversations.block000001.jsonl": b'{"id": "c"}\n'}
+    for name, data in blocks.items():
+        (folder / name).write_bytes(data)
+    assert scaling.archive_replies(folder, archive) is True
+    first = archive.read_bytes()
+    assert scaling.archive_replies(folder, archive) is False and archive.read_bytes() == first  # never rewritten
+    archive.unlink()
+    (folder / "conversations.block000000.jsonl").touch()  # a newer time: the same archive, byte for byte
+    assert scaling.archive_replies(folder, archive) is True and archive.read_bytes() == first
+
+    # another machine: no folder; then a folder a killed regeneration left (one block cut short, one missing)
+    elsewhere = tmp_path / "elsewhere" / "replies-4"
+    assert scaling.restore_replies(archive, elsewhere) == 2
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == blocks
+    assert scaling.restore_replies(archive, elsewhere) == 0  # equal blocks left alone
+    (elsewhere / "conversations.block000000.jsonl").write_bytes(b'{"id": "a"}\n')
+    (elsewhere / "conversations.block000001.jsonl").unlink()
+    assert scaling.restore_replies(archive, elsewhere) == 2
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == blocks
+    assert scaling.restore_replies(tmp_path / "none.tar.gz", tmp_path / "untouched") == 0
+    assert not (tmp_path / "untouched").exists()
+
+
+def test_an_archive_that_is_not_reply_blocks_is_refused_before_anything_is_written(scaling, tmp_path):
+    import io
+    import tarfile
+
+    archive = tmp_path / "replies-1.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in ("conversations.block000000.jsonl", "../escape.jsonl"):  # a good block first, then a bad one
+            tar.addfile(tarfile.TarInfo(name), io.BytesIO(b""))
+    with pytest.raises(ValueError, match="is not a reply block"):
+        scaling.restore_replies(archive, tmp_path / "replies-1")
+    assert not (tmp_path / "replies-1").exists() and not (tmp_path / "escape.jsonl").exists()
