@@ -46,13 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from medusa_train.atomic import atomic_write, atomic_write_text  # noqa: E402
+from medusa_train.catalog import drafter_type  # noqa: E402
 from medusa_train.checksums import file_sha256  # noqa: E402
+from medusa_train.engines.llamacpp_env import llamacpp_available  # noqa: E402
 from medusa_train.engines.vllm_env import vllm_available  # noqa: E402
-from medusa_train.export.gguf import llamacpp_available  # noqa: E402
 from medusa_train.precision import cpu_flags  # noqa: E402
 
-DRAFTERS = ("medusa", "hydra", "eagle3")
-VLLM_DECODER = {"medusa": "vllm_medusa", "eagle3": "vllm_eagle3"}  # vLLM serves no Hydra heads
+DRAFTERS = ("medusa", "hydra", "eagle3")  # the drafters launch/recipe_scale.sh trains
 QUICKSTART_CONVERSATIONS = 700
 TABLE = ROOT / "docs" / "data-scaling.json"
 DOC = ROOT / "docs" / "data-scaling.md"
@@ -75,9 +75,16 @@ def parse_cell(text: str) -> dict[str, Any]:
         if key not in ("vocab", "ttt"):
             raise ValueError(f"--cells {text!r}: unknown setting {key!r} (vocab=N, ttt=K)")
         cell[key] = _positive(value, text)
-    if cell["ttt"] is not None and cell["drafter"] != "eagle3":
+    if cell["ttt"] is not None and not drafter_type(cell["drafter"]).sequence:
         raise ValueError(f"--cells {text!r}: ttt= is EAGLE-3's training-time-test steps (eagle3 cells only)")
     return cell
+
+
+def vllm_decoder(drafter: str) -> str | None:
+    """The decoder that serves ``drafter``'s export in vLLM, ``vllm_<method>`` of the type's vLLM method (None: vLLM
+    serves no such drafter, Hydra heads)."""
+    method = drafter_type(drafter).vllm_method
+    return None if method is None else f"vllm_{method}"
 
 
 def _positive(value: str, text: str) -> int:
@@ -214,9 +221,10 @@ def measure(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     training = config.get("training") or {}
     common = ["max_new_tokens=64", "dtype=auto"]
     mt_decoders = ["vanilla", "medusa"]
-    if vllm_available() and cell["drafter"] in VLLM_DECODER:
-        mt_decoders += ["vllm", VLLM_DECODER[cell["drafter"]]]
-    if cell["drafter"] == "eagle3" and llamacpp_available():
+    engine = vllm_decoder(cell["drafter"])
+    if vllm_available() and engine is not None:
+        mt_decoders += ["vllm", engine]
+    if drafter_type(cell["drafter"]).llamacpp_gguf is not None and llamacpp_available():
         mt_decoders += ["llamacpp", "llamacpp_eagle3"]  # llama.cpp with the drafter: benchmarks/llamacpp_table.py
     mt = evaluate(export, folder / "eval-mt_bench", log, mt_decoders,
                   ["prompts=mt_bench", f"per_category={args.per_category}", *common])
@@ -224,7 +232,6 @@ def measure(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                     ["prompts=spec_bench", f"per_category={args.per_category}", *common])
     exact = evaluate(export, folder / "eval-fp32", log, ["vanilla", "medusa"],
                      ["prompts=mt_bench", "per_category=1", "max_new_tokens=32", "dtype=float32"])
-    engine = VLLM_DECODER.get(cell["drafter"])
     vllm_tau = mt["decoders"].get(engine, {}).get("mean_accepted_tokens") if engine else None
     llamacpp = mt["decoders"].get("llamacpp_eagle3")
     data = training.get("data") or {}

@@ -9,8 +9,8 @@ processes on shared cores):
 
 - ``full``: every step of the unroll at all T positions, the features then read at the loss positions (what the
   training-time test computed before the compact unroll);
-- ``compact``: :meth:`medusa_train.eagle3.Eagle3Drafter.unroll` with ``at`` (step 0's keys/values at all T, the rest
-  at the loss positions only), what ``medusa-train`` runs;
+- ``compact``: :meth:`medusa_train.drafters.eagle3.drafter.Eagle3Drafter.unroll` with ``at`` (step 0's keys/values
+  at all T, the rest at the loss positions only), what ``medusa-train`` runs;
 - ``compact_bf16``: ``compact`` under ``torch.autocast("cpu", torch.bfloat16)`` (what the HF Trainer does with
   ``trainer.precision=bf16`` on a CPU), fp32 weights.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_train.eagle3 import Eagle3Drafter, Eagle3Spec
+from medusa_train.drafters.eagle3.drafter import Eagle3Drafter, Eagle3Spec
 from medusa_train.precision import cpu_isa
 from medusa_train.training.losses import head_targets, projected_head_loss
 from medusa_train.training.step import counted_positions

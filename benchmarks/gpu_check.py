@@ -56,7 +56,7 @@ def exact(device: str, dtypes: list[str], out: Path) -> bool:
 
     from inference.decoders import DecodeConfig, TreeDecoder, VanillaDecoder
     from medusa_train.tree.buffers import SMALL_TREE_15
-    from medusa_train.drafters.catalog import head_types
+    from medusa_train.catalog import head_types
     from medusa_train.precision import parse_dtype
     from tests.conftest import make_tiny_model
     from tests.inference.test_decoders import random_heads

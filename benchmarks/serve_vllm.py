@@ -93,24 +93,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def drafter_config(export: Path, k: int | None, tuned: bool = True) -> tuple[str, dict[str, Any]]:
     """``(row name, vLLM's speculative_config)`` of the export's drafter with ``k`` drafted tokens (None: the
     recorded length, :data:`~medusa_train.engines.vllm_env.SPECULATIVE_FILE`, unless ``tuned`` is False, else the
-    export's default): ``vllm_eagle3`` and ``speculators/`` where the drafter type writes that folder for vLLM
-    (EAGLE-3), else ``vllm_medusa`` and ``vllm/`` (Medusa heads).
+    export's default): ``vllm_<method>`` and the config of the vLLM method its drafter type is served as
+    (:attr:`~medusa_train.catalog.DrafterType.vllm_method`; ``vllm_eagle3`` and ``speculators/`` for EAGLE-3,
+    ``vllm_medusa`` and ``vllm/`` for Medusa heads).
 
     Raises:
-        FileNotFoundError, ValueError: as :func:`~medusa_train.engines.vllm_env.eagle3_speculative_config` or
-            :func:`~medusa_train.engines.vllm_env.speculative_config` (no such folder, a ``k`` the drafter cannot
-            draft), before any engine starts.
+        FileNotFoundError, ValueError: as the type's :attr:`~medusa_train.catalog.DrafterType.vllm_config` (no such
+            folder, a ``k`` the drafter cannot draft), or a type vLLM does not serve (its reason), before any engine
+            starts.
     """
-    from medusa_train.engines.vllm_env import eagle3_speculative_config, speculative_config
-    from medusa_train.drafters.catalog import drafter_type
+    from medusa_train.catalog import drafter_type
     from medusa_train.export.configs import export_head_type
     from medusa_train.export.reader import read_export_config
-    from medusa_train.export.speculators import speculators_writer
 
     entry = drafter_type(export_head_type(read_export_config(export)), str(export / "config.json"))
-    if entry.engine_writer("vllm") is speculators_writer:
-        return "vllm_eagle3", eagle3_speculative_config(export, k, recorded=tuned)
-    return "vllm_medusa", speculative_config(export, k, recorded=tuned)
+    if entry.vllm_method is None:
+        raise ValueError(f"{export / 'config.json'}: {entry.engine_problem('vllm')} (these are {entry.title} heads, "
+                         f"head_type {entry.name!r})")
+    return f"vllm_{entry.vllm_method}", entry.vllm_config(export, k, recorded=tuned)
 
 
 def prompt_ids(tokenizer: Any, path: str | None, num_prompts: int) -> list[list[int]]:

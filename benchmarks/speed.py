@@ -36,12 +36,11 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from inference.decoders.base import DecodeConfig
-from inference.decoders.batching import additive_mask
 from inference.decoders.choices import resolve_medusa_choices
 from inference.decoders.medusa import make_verifier, tree_step, medusa_tree
 from inference.decoders.vanilla import VanillaDecoder
-from inference.proposers.tree_drafters import tree_drafter
 from inference.tuning.latency import PassTimer
+from medusa_train.catalog import tree_drafter
 from medusa_train.cli.app import register_shared_schemas
 from medusa_train.config import ModelConfig, as_dataclass
 from medusa_train.features import FINAL
@@ -53,6 +52,7 @@ from medusa_train.paths import CONF_DIR
 from medusa_train.precision import cpu_isa
 from medusa_train.prompts import encode_prompt
 from medusa_train.tree.kv_cache import preallocated_cache
+from medusa_train.tree.masks import additive_mask
 
 DEFAULT_TREE = [[0], [1], [0, 0], [2], [0, 1]]  # 5 nodes (6 tokens a pass with the root): a size medusa-tune-tree chose
 PROMPT = "Write a short story about a robot who learns to paint, in three paragraphs."

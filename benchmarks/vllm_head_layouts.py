@@ -88,7 +88,8 @@ def variant(export: Path, folder: Path, fill: str, base_lm_head: torch.Tensor) -
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    from medusa_train.engines.vllm_env import VllmWorker, speculative_config, vllm_python
+    from medusa_train.drafters.medusa.vllm import speculative_config
+    from medusa_train.engines.vllm_env import VllmWorker, vllm_python
     from medusa_train.export import read_export_config
     from medusa_train.loading.base import engine_model_path
     from medusa_train.loading.medusa import export_base_config, load_medusa

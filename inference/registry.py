@@ -16,7 +16,7 @@ import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from inference.decoders.base import DecodeConfig, Decoder
 from inference.decoders.medusa import ACCEPTANCE, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, check_acceptance
@@ -231,9 +231,12 @@ class VllmMedusaSettings(VllmSettings):
     Attributes:
         num_speculative_tokens: drafted tokens per step, 1..K (the first heads); None: the length measured fastest
             (the export's ``vllm_speculative.json``, ``benchmarks/serve_vllm.py --record``), else all K heads.
+        method: vLLM's speculative method this decoder serves (the catalog's
+            :attr:`~medusa_train.catalog.DrafterType.vllm_method`; its type gives the ``speculative_config``).
     """
 
     num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
+    method: ClassVar[str] = "medusa"
 
 
 @dataclass
@@ -247,9 +250,11 @@ class VllmEagle3Settings(VllmSettings):
         num_speculative_tokens: drafted tokens per step (K >= 1); None: the length measured fastest on this machine
             (the export's ``vllm_speculative.json``, ``benchmarks/serve_vllm.py --record``), else the export's
             ``speculative_tokens`` (the drafter's training-time-test steps).
+        method: vLLM's speculative method this decoder serves (as :attr:`VllmMedusaSettings.method`).
     """
 
     num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
+    method: ClassVar[str] = "eagle3"
 
 
 @dataclass
@@ -288,17 +293,21 @@ class LlamaCppEagle3Settings(LlamaCppSettings):
             None: llama.cpp's default.
         drafter_gguf: the drafter's GGUF; None: the export's ``llamacpp/eagle3_drafter.gguf``, converted from its
             ``speculators/`` by llama.cpp's converter when missing or older than them
-            (:func:`medusa_train.export.gguf.export_eagle3_gguf`, also ``medusa-export-gguf``).
+            (the type's :attr:`~medusa_train.catalog.DrafterType.llamacpp_gguf`,
+            :func:`medusa_train.drafters.eagle3.gguf.export_eagle3_gguf`, also ``medusa-export-gguf``).
         outtype: the converted drafter's weight type (``f32``, ``f16``, ``bf16``, ``q8_0``).
+        method: the speculative method of the drafter llama.cpp loads (``--spec-type draft-eagle3``), by vLLM's name
+            (:attr:`~medusa_train.catalog.DrafterType.vllm_method`): llama.cpp converts the files vLLM serves it from.
     """
 
     draft_max: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
     draft_p_min: Optional[float] = field(default=None, metadata=bound(0, 1))
     drafter_gguf: Optional[str] = None
     outtype: str = "f32"
+    method: ClassVar[str] = "eagle3"
 
     def validate(self) -> None:
-        from medusa_train.export.gguf import OUTTYPES
+        from medusa_train.engines.llamacpp_env import OUTTYPES
 
         if self.outtype not in OUTTYPES:
             raise ValueError(f"outtype={self.outtype!r}: choose one of {', '.join(OUTTYPES)}")
@@ -330,7 +339,7 @@ def _check_vllm_request(settings: VllmSettings, request: DecodeConfig) -> None:
 
 
 def _check_llamacpp_request(settings: LlamaCppSettings, request: DecodeConfig) -> None:
-    from medusa_train.export.gguf import llamacpp_binary
+    from medusa_train.engines.llamacpp_env import llamacpp_binary
 
     if not request.greedy:
         raise ValueError("the llamacpp decoders decode greedily only: set temperature=0 or leave them out of decoders")
@@ -516,13 +525,8 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
     import torch
 
     from inference.decoders.vllm import VllmDecoder
-    from medusa_train.engines.vllm_env import (
-        SPECULATIVE_FILE,
-        VllmWorker,
-        eagle3_speculative_config,
-        speculative_config,
-        tuned_speculative_tokens,
-    )
+    from medusa_train.catalog import vllm_drafter_type
+    from medusa_train.engines.vllm_env import SPECULATIVE_FILE, VllmWorker, tuned_speculative_tokens
     from medusa_train.export.configs import dtype_name
     from medusa_train.loading.base import engine_model_path
 
@@ -530,15 +534,13 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
         raise ValueError(f"decoder {name!r} runs in medusa-eval and benchmarks/serve_vllm.py (it needs the target's "
                          "model config, BuildContext.model_config, and does not stream)")
     spec, k_source = None, None
-    if isinstance(settings, (VllmMedusaSettings, VllmEagle3Settings)):
+    method = getattr(settings, "method", None)  # None: plain decoding
+    if method is not None:
         k_source = (f"decoder.{name}.num_speculative_tokens" if settings.num_speculative_tokens is not None else
-                    f"export {SPECULATIVE_FILE}" if tuned_speculative_tokens(
-                        ctx.export_dir, "medusa" if isinstance(settings, VllmMedusaSettings) else "eagle3") else
+                    f"export {SPECULATIVE_FILE}" if tuned_speculative_tokens(ctx.export_dir, method) else
                     "the export's default")
-    if isinstance(settings, VllmMedusaSettings):
-        spec = speculative_config(ctx.export_dir, settings.num_speculative_tokens)
-    elif isinstance(settings, VllmEagle3Settings):  # refuses a non-EAGLE-3 export before vLLM starts
-        spec = eagle3_speculative_config(ctx.export_dir, settings.num_speculative_tokens)
+        # the method's drafter type gives the config; it refuses an export of another type before vLLM starts
+        spec = vllm_drafter_type(method).vllm_config(ctx.export_dir, settings.num_speculative_tokens)
     model_path = engine_model_path(ctx.model_config)
     dtype = dtype_name(ctx.model.base.dtype)  # the dtype our decoders run in, whatever the config said
     # Timed beside ours: as many compute threads as our decoders on a CPU, and stopped between its turns, so
@@ -568,8 +570,7 @@ def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "
 
     from inference.decoders.llamacpp import LlamaCppDecoder
     from inference.engines.llamacpp_server import LlamaServer
-    from medusa_train.engines.vllm_env import eagle3_speculative_config
-    from medusa_train.export.gguf import drafter_gguf_path, export_eagle3_gguf
+    from medusa_train.catalog import vllm_drafter_type
     from medusa_train.loading.base import engine_model_path
 
     if ctx.model_config is None:
@@ -577,18 +578,19 @@ def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "
                          "BuildContext.model_config, and does not stream)")
     target = _target_gguf(settings, ctx.model_config, name)
     draft, draft_max, info = None, 0, {}
-    if isinstance(settings, LlamaCppEagle3Settings):  # refuses a non-EAGLE-3 export before anything converts
-        draft_max = eagle3_speculative_config(ctx.export_dir, settings.draft_max, recorded=False)[
-            "num_speculative_tokens"]
+    method = getattr(settings, "method", None)  # None: plain decoding
+    if method is not None:  # the method's drafter type refuses an export of another type before anything converts
+        entry = vllm_drafter_type(method)
+        draft_max = entry.vllm_config(ctx.export_dir, settings.draft_max, recorded=False)["num_speculative_tokens"]
         if settings.drafter_gguf is not None:
             draft = settings.drafter_gguf
         else:
-            draft = str(export_eagle3_gguf(ctx.export_dir, engine_model_path(ctx.model_config), settings.outtype))
+            draft = str(entry.llamacpp_gguf(ctx.export_dir, engine_model_path(ctx.model_config), settings.outtype))
         info = {"drafter_gguf": draft, "draft_max": draft_max, "draft_max_source":
                 f"decoder.{name}.draft_max" if settings.draft_max is not None else "the export's speculative_tokens",
                 "draft_p_min": settings.draft_p_min,
                 "drafter_source": f"decoder.{name}.drafter_gguf" if settings.drafter_gguf is not None else
-                f"converted to {drafter_gguf_path(ctx.export_dir)}"}
+                f"converted to {draft}"}
     # Timed beside ours: as many compute threads as our decoders on a CPU, stopped between its turns.
     threads = torch.get_num_threads() if ctx.model.base.device.type == "cpu" else None
     server = LlamaServer(target, draft, draft_max=max(draft_max, 1), draft_p_min=getattr(settings, "draft_p_min", None),

@@ -24,8 +24,8 @@ from medusa_train.bounds import (
     bound,
     check_bounds,
 )
-from medusa_train.drafters.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, head_types, titles
-from medusa_train.hydra_heads import COMBINES
+from medusa_train.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, head_types, titles
+from medusa_train.drafters.hydra.heads import COMBINES
 from medusa_train.precision import TRAINING_PRECISIONS, check_dtype_name
 
 MODEL_FORMATS = ("auto", "hf", "gguf", "llama2c")
@@ -122,8 +122,8 @@ class HeadShape:
     Attributes:
         head_type: ``medusa`` (head k reads the hidden state at t), ``hydra`` (it also reads the base model's
             input embeddings of the path tokens t+1 .. t+k+1: Ankner et al. 2024, arXiv:2402.05109, Sec. 3;
-            :mod:`medusa_train.hydra_heads`) or ``eagle3`` (one decoder layer over three target layers, its K draft
-            steps unrolled in training: :mod:`medusa_train.eagle3`). Hydra and EAGLE-3 train on a frozen base
+            :mod:`medusa_train.drafters.hydra`) or ``eagle3`` (one decoder layer over three target layers, its K draft
+            steps unrolled in training: :mod:`medusa_train.drafters.eagle3`). Hydra and EAGLE-3 train on a frozen base
             (``mode=medusa1``).
         combine: Hydra only: ``concat`` (hidden state and path embeddings concatenated, the paper's) or ``sum``.
         medusa_num_heads: K heads (Medusa or Hydra); head k predicts token t+k+2.

@@ -1,12 +1,10 @@
-"""The drafter catalog: no module but a drafter's own names a drafter type, and a new type is one module, one YAML
-preset and one catalog entry. The "repeat" drafter below is defined here only; it trains, exports, resumes, tunes and
-decodes exactly greedy through the real entry points, with no other file of the project changed."""
+"""The drafter catalog: no module but a drafter's own folder and the catalog compares a drafter type's name or tests
+its class, and every registered type trains, exports, resumes and tunes through it. A new type is one folder, one
+preset and one catalog entry: the toy drafter of ``tests/toy_drafter/`` (``tests/medusa_train/test_toy_drafter.py``)."""
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,22 +12,18 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch import nn
 
-from medusa_train.drafters.catalog import (
-    DrafterType,
-    TargetInputs,
-    drafter_type,
-    head_types,
-    registered,
-    type_of,
-)
-from medusa_train.heads import HeadsSpec, register_token_map
+from medusa_train.catalog import drafter_type, drafter_types, head_types, type_of
+from medusa_train.heads_base import HeadsSpec
 from medusa_train.paths import CONF_DIR, PACKAGE_DIR
 from tests.medusa_train.test_training import CrashAtStep, assert_same_heads, compose_train, tiny_overrides
 from tests.medusa_train.test_training import write_tiny_inputs
 
 ROOT = PACKAGE_DIR.parent
-# The modules that may name a drafter type: the catalog and each type's own module.
-OWN_MODULES = {"medusa_train/drafters/catalog.py", "medusa_train/heads.py", "medusa_train/hydra_heads.py"}
+# The places that may name a drafter type: the catalog and each type's own folder.
+OWN_MODULES = {"medusa_train/catalog.py"}
+OWN_FOLDER = "medusa_train/drafters/"
+# Lines outside those places allowed to match anyway, each with its reason: none.
+ALLOWED: dict[str, str] = {}
 # Dispatch on a type by name or class, anywhere else, is what the catalog replaces.
 DISPATCH = [
     re.compile(r"head_type\s*[!=]=\s*['\"]"),
@@ -39,28 +33,65 @@ DISPATCH = [
 ]
 
 
+def registered_dispatch() -> list[re.Pattern[str]]:
+    """:data:`DISPATCH` for every registered type: a comparison with its name (``== "eagle3"``, ``in ("medusa",
+    "hydra")``, ``case "hydra":``), a lookup of a built-in by name (``drafter_type("eagle3")``), or a test of its spec,
+    module or tree drafter class (``isinstance``, ``issubclass``, ``type(x) is``)."""
+    names = "|".join(re.escape(name) for name in head_types())
+    classes = "|".join(sorted({c.__name__ for e in drafter_types() for c in (e.spec_cls, e.module_cls, e.tree_drafter)
+                               if c is not None}))
+    return DISPATCH + [
+        re.compile(rf"[!=]=\s*['\"]({names})['\"]"),
+        re.compile(rf"['\"]({names})['\"]\s*[!=]="),
+        re.compile(rf"\bin\s*[(\[{{][^)\]}}]*['\"]({names})['\"]"),
+        re.compile(rf"\bcase\s+['\"]({names})['\"]"),
+        re.compile(rf"head_type\s*=\s*['\"]({names})['\"]\s*[,)]"),
+        re.compile(rf"drafter_type\(\s*['\"]({names})['\"]"),
+        re.compile(rf"\b(isinstance|issubclass)\([^)]*\b({classes})\b"),
+        re.compile(rf"\btype\([^)]*\)\s*(is|==|!=)\s*(not\s+)?({classes})\b"),
+    ]
+
+
 def source_files() -> list[Path]:
     return sorted(p for folder in ("medusa_train", "inference") for p in (ROOT / folder).rglob("*.py"))
 
 
-def test_no_module_outside_the_catalog_dispatches_on_a_drafter_type():
+def test_no_module_outside_the_catalog_and_the_drafter_folders_dispatches_on_a_drafter_type():
+    patterns = registered_dispatch()
     found = []
     for path in source_files():
         rel = path.relative_to(ROOT).as_posix()
-        if rel in OWN_MODULES:
+        if rel in OWN_MODULES or rel.startswith(OWN_FOLDER):
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            if any(p.search(line) for p in DISPATCH):
+            if any(p.search(line) for p in patterns) and line.strip() not in ALLOWED:
                 found.append(f"{rel}:{number}: {line.strip()}")
-    assert not found, "drafter types named outside the catalog:\n" + "\n".join(found)
+    assert not found, "drafter types named outside the catalog and their folders:\n" + "\n".join(found)
 
 
 def test_the_dispatch_patterns_catch_what_they_are_for():
     caught = ['if spec.head_type == "hydra":', "isinstance(heads, HydraHeads)", 'load_heads(f, head_type="medusa")',
-              'if "medusa" != cfg.head_type:']
-    fine = ["entry = drafter_type(spec.head_type)", 'head_type: str = "medusa",', 'run_dir / "hydra"']
-    assert all(any(p.search(line) for p in DISPATCH) for line in caught)
-    assert not any(p.search(line) for p in DISPATCH for line in fine)
+              'if "medusa" != cfg.head_type:', 'if cell["drafter"] != "eagle3":', "if name in ('medusa', 'eagle3'):",
+              'case "hydra":', 'entry = drafter_type("eagle3")', "isinstance(drafter, Eagle3TreeDrafter)",
+              "issubclass(cls, Eagle3Spec)", "type(heads) is not MedusaHeads", 'load_heads(f, head_type="eagle3")']
+    fine = ["entry = drafter_type(spec.head_type)", 'head_type: str = "medusa",', 'run_dir / "hydra"',
+            'method: ClassVar[str] = "eagle3"', 'DecoderEntry("medusa", MedusaSettings, _build_medusa,',
+            'if config.get("model_type") != VLLM_MODEL_TYPE:', "isinstance(drafter, DynamicTreeDrafter)",
+            'if name == "medusa1":']
+    patterns = registered_dispatch()
+    assert [line for line in caught if not any(p.search(line) for p in patterns)] == []
+    assert [line for line in fine if any(p.search(line) for p in patterns)] == []
+
+
+def test_every_drafter_folder_is_a_catalog_entry_with_real_imports():
+    """Each built-in type's parts live in its folder (``medusa_train/drafters/<name>/``) and its entry holds them as
+    objects, not names to import later."""
+    for entry in drafter_types():
+        folder = f"medusa_train.drafters.{entry.name}."
+        assert entry.module_cls.__module__.startswith(folder) and entry.tree_drafter.__module__.startswith(folder)
+        assert callable(entry.logits) and isinstance(entry.tree_drafter, type)
+        for part in (*entry.engine_writers.values(), entry.vllm_config, entry.llamacpp_gguf):
+            assert part is None or (callable(part) and part.__module__.startswith(folder)), (entry.name, part)
 
 
 def test_the_built_in_types_declare_themselves():
@@ -73,8 +104,8 @@ def test_the_built_in_types_declare_themselves():
 
 
 def test_only_a_heads_module_is_a_drafter_not_a_model_that_exposes_its_spec():
-    from medusa_train.drafters.catalog import is_drafter
-    from medusa_train.heads import MedusaHeads
+    from medusa_train.catalog import is_drafter
+    from medusa_train.drafters.medusa.heads import MedusaHeads
 
     heads = MedusaHeads(HeadsSpec(2, 1, 8, 11))
 
@@ -84,131 +115,6 @@ def test_only_a_heads_module_is_a_drafter_not_a_model_that_exposes_its_spec():
             self.heads, self.spec = heads, heads.spec
 
     assert is_drafter(heads) and not is_drafter(Wrapper()) and type_of(Wrapper()) is drafter_type("medusa")
-
-
-# ---- a drafter type defined by this test only ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RepeatSpec(HeadsSpec):
-    """Shape of the repeat drafter: HeadsSpec's fields only."""
-
-
-class RepeatHeads(nn.Module):
-    """Every head guesses the target's own next token again: ``hidden [..., H] @ proj [V', H]^T + bias[k]``, the
-    projection copied from the target's lm_head. A drafter nobody would ship, and the smallest that trains."""
-
-    def __init__(self, spec: RepeatSpec, token_map: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.spec = spec
-        self.proj = nn.Parameter(torch.zeros(spec.out_size, spec.hidden_size))
-        self.bias = nn.Parameter(torch.zeros(spec.num_heads, spec.out_size))
-        register_token_map(self, spec, token_map)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.proj.dtype
-
-    @torch.no_grad()
-    def init_from_lm_head(self, weight: torch.Tensor) -> None:
-        self.proj.copy_(weight if self.token_map is None else weight[self.token_map])
-
-    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
-        k = num_heads or self.spec.num_heads
-        logits = hidden.to(self.dtype) @ self.proj.T  # [..., V']
-        return logits[None] + self.bias[:k].reshape(k, *([1] * (logits.dim() - 1)), -1)  # [K', ..., V']
-
-    def to_base_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.token_map is None else self.token_map[ids]
-
-
-def repeat_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None) -> torch.Tensor:
-    return heads(inputs.features["final"], num_heads)
-
-
-REPEAT = DrafterType(
-    name="repeat", title="Repeat", spec_cls=RepeatSpec, module_cls=RepeatHeads, logits=repeat_logits,
-    source="this test", weights_file="repeat_heads.safetensors",
-    config_keys={"num_heads": "repeat_num_heads", "num_layers": "repeat_num_layers"},
-    tree_drafter="inference.proposers.tree_drafters:MedusaTreeDrafter",  # heads computed at once, read per tree level
-)
-PRESET = "defaults:\n  - /schema/heads/base@_here_\n  - _self_\nhead_type: repeat\nmedusa_num_heads: 2\n"
-
-
-@pytest.fixture
-def repeat_type(tmp_path):
-    """The type registered and its YAML preset (``heads=repeat``) on Hydra's search path, for one test."""
-    conf = tmp_path / "conf"
-    (conf / "heads").mkdir(parents=True)
-    (conf / "heads" / "repeat.yaml").write_text(PRESET)
-    with registered(REPEAT):
-        yield f"hydra.searchpath=[file://{conf}]"
-
-
-def test_a_new_drafter_type_trains_exports_resumes_tunes_and_decodes_exactly_greedy(repeat_type, tmp_path):
-    from inference.decoders.base import DecodeConfig
-    from inference.decoders.medusa import MedusaDecoder
-    from inference.decoders.vanilla import VanillaDecoder
-    from inference.cli.tune_tree import register_schemas, run as tune
-    from medusa_train.export import load_heads, read_export_config
-    from medusa_train.training.recipe import build_recipe
-
-    model_dir, data = write_tiny_inputs(tmp_path)
-    overrides = [repeat_type, "heads=repeat", "heads.target=base_argmax"]
-    run = tmp_path / "run"
-    recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, run) + overrides))
-    recipe.run()
-    export = run / "export"
-    config = read_export_config(export)
-    assert config["head_type"] == "repeat" and config["repeat_num_heads"] == 2 and "medusa_num_heads" not in config
-    assert (export / "repeat_heads.safetensors").is_file() and not (export / "medusa_lm_head.safetensors").exists()
-    heads, _ = load_heads(export)
-    assert type(heads) is RepeatHeads and type_of(heads) is REPEAT and heads.spec.num_heads == 2
-    assert heads.bias.abs().sum() > 0  # it trained: the biases started at zero
-
-    # a crashed run of the type resumes to the same heads
-    crashed = tmp_path / "crashed"
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        build_recipe(compose_train(tiny_overrides(model_dir, data, crashed) + overrides), callbacks=[CrashAtStep(6)]).run()
-    build_recipe(compose_train(tiny_overrides(model_dir, data, crashed, resume="true") + overrides)).run()
-    from safetensors.torch import load_file
-    assert_same_heads(load_file(str(export / "repeat_heads.safetensors")),
-                      load_file(str(crashed / "export" / "repeat_heads.safetensors")))
-
-    # medusa-tune-tree measures its heads and writes a tree for them
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [t]})
-                                 for i, t in enumerate(["count from one", "count from five", "abc"])) + "\n")
-    register_schemas()
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("tune_tree", overrides=[f"export_dir={export}", "prompts.source=jsonl", f"prompts.path={prompts}",
-                                              "max_new_tokens=12", "topk=3", "latency_sizes=[1,4]",
-                                              "context_length=16", "repeats=1", "max_nodes=3",
-                                              "timed_new_tokens=8", "dtype=float32"])
-    result = tune(cfg)
-    choices = json.loads((export / "medusa_choices.json").read_text())
-    assert choices == result["medusa_choices"] and 1 <= len(choices) <= 3
-    assert len(json.loads((export / "head_accuracy.json").read_text())["acc"]) == 2
-
-    # the tree decoder runs it from the export, greedy output identical to plain greedy decoding (fp32)
-    decoder = MedusaDecoder.from_pretrained(str(export), dtype="float32")
-    assert type(decoder.model.heads) is RepeatHeads and decoder.model.head_type == "repeat"
-    vanilla = VanillaDecoder(decoder.model.base)
-    request = DecodeConfig(max_new_tokens=24)
-    for prompt in ([1, 5, 9, 13], [7, 7, 7, 7, 7, 7], [300, 2, 44]):
-        assert decoder.generate(prompt, request).tokens == vanilla.generate(prompt, request).tokens
-
-
-def test_a_registered_type_is_refused_where_it_cannot_go(repeat_type, tmp_path):
-    model_dir, data = write_tiny_inputs(tmp_path)
-    cfg = compose_train(tiny_overrides(model_dir, data, tmp_path / "run") + [repeat_type, "heads=repeat",
-                                                                               "heads.mode=medusa2"])
-    from medusa_train.config import TrainConfig, as_dataclass
-
-    with pytest.raises(ValueError, match=r"heads.head_type=repeat trains the heads on a frozen base.*for Medusa heads"):
-        as_dataclass(TrainConfig, cfg)
-    with pytest.raises(ValueError, match=r"heads.combine=sum is for Hydra heads, not Repeat heads"):
-        as_dataclass(TrainConfig, compose_train(tiny_overrides(model_dir, data, tmp_path / "run")
-                                      + [repeat_type, "heads=repeat", "heads.combine=sum"]))
 
 
 # ---- every registered type, by the catalog (greedy = plain greedy: tests/inference/test_decoders.py) ----------------

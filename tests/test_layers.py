@@ -3,6 +3,8 @@
 - no import cycle among the modules of ``medusa_train`` and ``inference``;
 - ``medusa_train`` is the lower floor: it imports nothing of ``inference`` (the tree core, ``medusa_train.tree``, and
   the engines, ``medusa_train.engines``, sit below both; the tree tuner, ``inference.tuning``, decodes from above);
+- the drafter folders (``medusa_train.drafters``) sit above the catalog, the model, export and the engines, which
+  import none of them, and ``inference`` reaches them through the catalog only;
 - ``inference`` imports nothing from ``medusa_train``'s training, publish or data packages, directly or through any
   module it imports (transitively);
 - training imports nothing from publish; only entry points (``medusa_train.cli``, ``inference.cli``, ``benchmarks``)
@@ -108,6 +110,22 @@ def test_no_import_cycle():
 def test_medusa_train_imports_nothing_of_inference():
     """No arrow runs back up: not even a function-level import (a lazy one is an arrow all the same)."""
     assert edges_between(import_graph(modules()), "medusa_train", ("inference",)) == []
+
+
+# What the drafter folders (medusa_train.drafters.<name>) build on: the catalog loads them by name (BUILTIN_MODULES),
+# and these floors import none of them, so that a folder can hold its export writer and serving mapping.
+BELOW_THE_DRAFTERS = ("medusa_train.catalog", "medusa_train.heads_base", "medusa_train.tree", "medusa_train.features",
+                      "medusa_train.model", "medusa_train.export", "medusa_train.engines")
+
+
+def test_nothing_below_the_drafter_folders_and_nothing_of_inference_imports_one():
+    """The tree core, the catalog, the shared spec, the model, export and the engines' environments import no drafter
+    folder (they ask the catalog), and neither does ``inference``: the tree decoder, the tuner and the engines'
+    decoders reach a drafter through its catalog entry only."""
+    edges = import_graph(modules())
+    found = [e for source in (*BELOW_THE_DRAFTERS, "inference") for e in
+             edges_between(edges, source, ("medusa_train.drafters",))]
+    assert found == []
 
 
 TRAINING_SIDE = tuple(f"medusa_train.{p}" for p in ("training", "publish", "data"))

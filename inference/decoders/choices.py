@@ -55,7 +55,7 @@ def resolve_dynamic_tree(setting: Any, medusa_choices: Any, export_dir: str, mod
                          setting_name: str = "dynamic_tree") -> tuple[Any, str | None]:
     """The dynamic tree to decode over, and where it came from: the ``dynamic_tree`` setting when given; else, when
     no static tree is set (``medusa_choices`` None) and ``model``'s drafter grows dynamic trees
-    (:func:`~inference.proposers.tree_drafters.grows_dynamic_trees`), the export's tuned ``dynamic_tree.json``
+    (:func:`~medusa_train.catalog.grows_dynamic_trees`), the export's tuned ``dynamic_tree.json``
     (``medusa-tune-tree``) unless it records the static tree as faster beyond the noise (``chosen.static_faster``,
     :func:`inference.tuning.dynamic.prefer_faster_kind`); else None (the static tree).
 
@@ -73,7 +73,7 @@ def resolve_dynamic_tree(setting: Any, medusa_choices: Any, export_dir: str, mod
     Raises:
         ValueError: ``dynamic_tree.json`` that is not UTF-8 JSON of its shape (the file and field named).
     """
-    from inference.proposers.tree_drafters import grows_dynamic_trees
+    from medusa_train.catalog import grows_dynamic_trees
 
     if setting is not None:
         return setting, setting_name

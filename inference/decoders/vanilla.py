@@ -21,9 +21,10 @@ from inference.decoders.base import (
     choose_token,
     make_generator,
 )
-from inference.decoders.batching import Replies, additive_mask, left_pad, positions, prefill_mask, sliding_window
+from inference.decoders.batching import Replies, left_pad, prefill_mask, sliding_window
 from medusa_train.generation import max_positions
 from medusa_train.tree.kv_cache import request_cache, select_rows
+from medusa_train.tree.masks import additive_mask, positions
 
 
 @lru_cache(maxsize=None)

@@ -1,7 +1,7 @@
 """llama.cpp's ``llama-server`` driven from ours: one server process per decoder, started once, sent token-id prompts
 on its native ``POST /completion`` endpoint, its speculative-decoding counters read from ``GET /metrics``.
 
-The binary comes from ``launch/install_llamacpp.sh`` (:func:`medusa_train.export.gguf.llamacpp_binary`). With a
+The binary comes from ``launch/install_llamacpp.sh`` (:func:`medusa_train.engines.llamacpp_env.llamacpp_binary`). With a
 drafter GGUF the server runs llama.cpp's EAGLE-3 (``--spec-type draft-eagle3 -md DRAFTER``,
 ``common/speculative.cpp``): the drafter proposes a chain of at most ``--spec-draft-n-max`` tokens (cut short where
 its top-1 probability falls below ``--spec-draft-p-min``, or by the tokens left), the target verifies it in one pass.
@@ -37,9 +37,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from medusa_train.engines.llamacpp_env import llamacpp_binary
 from medusa_train.engines.openai_client import ServerError, _call
 from medusa_train.engines.vllm_env import start_reaper
-from medusa_train.export.gguf import llamacpp_binary
 
 SERVER_BINARY = "llama-server"
 _COUNTER = re.compile(r"^llamacpp:(spec_decode_num_\w+?)_total(?:\{position=\"(\d+)\"\})?\s+(\S+)$")
@@ -95,7 +95,7 @@ class LlamaServer:
 
     Args:
         model_gguf: the target's GGUF.
-        draft_gguf: the EAGLE-3 drafter's GGUF (:func:`medusa_train.export.gguf.export_eagle3_gguf`), or None.
+        draft_gguf: the EAGLE-3 drafter's GGUF (:func:`medusa_train.drafters.eagle3.gguf.export_eagle3_gguf`), or None.
         draft_max: longest drafted chain (``--spec-draft-n-max``); used with ``draft_gguf`` only.
         draft_p_min: the drafter's top-1 probability below which it stops drafting (``--spec-draft-p-min``; None:
             llama.cpp's default).

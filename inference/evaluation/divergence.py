@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.decoders.batching import additive_mask
 from inference.evaluation.eval_config import BASELINE
 from medusa_train.tree.kv_cache import preallocated_cache
+from medusa_train.tree.masks import additive_mask
 
 
 def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int | None:

@@ -4,9 +4,11 @@
 - :class:`LookaheadProposer`: Lookahead decoding's n-gram pool and Jacobi window.
 - :func:`empty_proposal`: nothing drafted; the step decodes one token as plain decoding does.
 
-Tree decoding's drafters fill a whole candidate tree instead (:mod:`inference.proposers.tree_drafters`,
-:class:`TreeDrafter`: started per request, then draft and accept per step; Medusa heads in one call, Hydra heads
-level by level); :mod:`inference.proposers.composite` merges any of them with prompt lookup's drafts
+Tree decoding's drafters fill a whole candidate tree instead (the protocol
+:class:`medusa_train.tree.drafting.TreeDrafter`: started per request, then draft and accept per step). Each drafter
+type's tree drafter lives in its folder
+(:mod:`medusa_train.drafters`) and its catalog entry builds it (:func:`medusa_train.catalog.tree_drafter`);
+:mod:`inference.proposers.composite` merges any of them with prompt lookup's drafts
 (:mod:`inference.proposers.prompt_lookup`) in one tree per step.
 """
 
@@ -14,21 +16,16 @@ from __future__ import annotations
 
 from inference.proposers.base import AuxBranch, Proposal, Proposer, empty_proposal
 from inference.proposers.draft_model import DraftModelProposer
-from inference.proposers.tree_drafters import HydraTreeDrafter, MedusaTreeDrafter, TreeDrafter, tree_drafter
 from inference.proposers.lookahead import LookaheadProposer, NGramPool, check_lookahead_settings, window_layout
 
 __all__ = [
     "AuxBranch",
     "DraftModelProposer",
-    "HydraTreeDrafter",
     "LookaheadProposer",
-    "MedusaTreeDrafter",
     "NGramPool",
     "Proposal",
     "Proposer",
-    "TreeDrafter",
     "check_lookahead_settings",
     "empty_proposal",
-    "tree_drafter",
     "window_layout",
 ]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from medusa_train.generation import greedy_generate, length_batches
-from medusa_train.heads import to_head_vocab
+from medusa_train.heads_base import to_head_vocab
 from medusa_train.model import MedusaModel
 from medusa_train.tree.buffers import TOPK
 

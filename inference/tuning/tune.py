@@ -6,7 +6,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from inference.proposers.tree_drafters import grows_dynamic_trees
 from inference.tuning.accuracy import measure_head_accuracy
 from inference.tuning.composite import composite_shortlist, tune_composite
 from inference.tuning.dynamic import prefer_faster_kind, tune_dynamic_tree
@@ -14,6 +13,7 @@ from inference.tuning.latency import check_profile_runtime, measure_verification
 from inference.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length, greedy_tree
 from inference.tuning.timed import choose, describe_choice, shortlist, time_trees
 from inference.tuning.tune_tree_config import TuneTreeConfig
+from medusa_train.catalog import grows_dynamic_trees
 from medusa_train.export.files import write_json
 from medusa_train.export.tree_files import (
     ACCURACY_FILE,
@@ -33,7 +33,7 @@ def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: Tu
               runtime: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure, search, and write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json``,
     ``composite_tree.json`` (unless ``composite=false``), and for
-    drafters that grow an EAGLE-2 dynamic tree (:func:`~inference.proposers.tree_drafters.grows_dynamic_trees`)
+    drafters that grow an EAGLE-2 dynamic tree (:func:`~medusa_train.catalog.grows_dynamic_trees`)
     ``dynamic_tree.json``: its shape chosen by decoding (:mod:`inference.tuning.dynamic`; no accuracy table
     needed).
 

@@ -1,8 +1,8 @@
 """``medusa-export-gguf export_dir=DIR``: the export's EAGLE-3 drafter as a GGUF that llama.cpp loads beside the
 target's GGUF (``DIR/llamacpp/eagle3_drafter.gguf``), written by llama.cpp's own converter
-(:func:`medusa_train.export.gguf.export_eagle3_gguf`; ``bash launch/install_llamacpp.sh`` installs it). The target's
-HF folder the converter reads (config, tokenizer) is the export's recorded base model, or ``model=...``; a GGUF base
-is converted into an HF folder under the cache first (:func:`medusa_train.loading.base.engine_model_path`)."""
+(:func:`medusa_train.drafters.eagle3.gguf.export_eagle3_gguf`; ``bash launch/install_llamacpp.sh`` installs it). The
+target's HF folder the converter reads (config, tokenizer) is the export's recorded base model, or ``model=...``; a
+GGUF base is converted into an HF folder under the cache first (:func:`medusa_train.loading.base.engine_model_path`)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def register_schemas() -> None:
 def run(cfg: DictConfig) -> str:
     """Check the export and llama.cpp's install, convert, print the GGUF's path and return it."""
     from medusa_train.config import as_dataclass
-    from medusa_train.export.gguf import converter_command, export_eagle3_gguf, speculators_files
+    from medusa_train.drafters.eagle3.gguf import export_eagle3_gguf, speculators_files
+    from medusa_train.engines.llamacpp_env import converter_command
     from medusa_train.export.reader import read_export_config
     from medusa_train.loading.base import engine_model_path
     from medusa_train.loading.medusa import export_base_config

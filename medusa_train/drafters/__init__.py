@@ -1,1 +1,3 @@
-"""Drafter types and their catalog (:mod:`medusa_train.drafters.catalog`)."""
+"""The drafter types, one folder each (``medusa/``, ``hydra/``, ``eagle3/``): a type's module, proposer, export
+writer and serving mapping, and its catalog entry (the package's ``__init__``). The catalog
+(:mod:`medusa_train.catalog`) imports them on its first lookup; no other floor below imports them."""

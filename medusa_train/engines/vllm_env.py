@@ -130,17 +130,18 @@ def worker_environment(venv: Path, reserved_cpus: int | None = None, compute_thr
 # benchmarks/serve_vllm.py --record (a sweep of num_speculative_tokens against the export's default, the fastest kept
 # only beyond the noise); the vllm_medusa / vllm_eagle3 decoders' default when present.
 SPECULATIVE_FILE = "vllm_speculative.json"
-SPECULATIVE_METHODS = ("medusa", "eagle3")  # vLLM's speculative_config methods an export's drafter serves as
 
 
 def tuned_speculative_tokens(export_dir: str | os.PathLike[str], method: str) -> int | None:
-    """``num_speculative_tokens`` recorded in the export's :data:`SPECULATIVE_FILE` for ``method`` (``medusa`` or
-    ``eagle3``); None when there is no such file or it was measured for the other method.
+    """``num_speculative_tokens`` recorded in the export's :data:`SPECULATIVE_FILE` for ``method`` (a vLLM
+    speculative method a drafter type serves as, :func:`medusa_train.catalog.vllm_methods`: ``medusa`` or
+    ``eagle3``); None when there is no such file or it was measured for another method.
 
     Raises:
         ValueError: a file that is not JSON, not an object, whose ``num_speculative_tokens`` is not a positive int,
-            or whose ``method`` is not ``medusa`` or ``eagle3`` (the file and the field named).
+            or whose ``method`` is none of those methods (the file and the field named).
     """
+    from medusa_train.catalog import vllm_methods
     from medusa_train.export.files import read_json
 
     path = Path(export_dir) / SPECULATIVE_FILE
@@ -156,100 +157,11 @@ def tuned_speculative_tokens(export_dir: str | os.PathLike[str], method: str) ->
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"{path}: num_speculative_tokens must be a positive int, got {k!r}; rerun "
                          "benchmarks/serve_vllm.py --record")
-    if data.get("method") not in SPECULATIVE_METHODS:  # a misspelt method would be ignored silently
-        raise ValueError(f"{path}: method must be one of {list(SPECULATIVE_METHODS)} (the drafter it was measured "
+    methods = vllm_methods()
+    if data.get("method") not in methods:  # a misspelt method would be ignored silently
+        raise ValueError(f"{path}: method must be one of {list(methods)} (the drafter it was measured "
                          f"with), got {data.get('method')!r}; rerun benchmarks/serve_vllm.py --record")
     return k if data["method"] == method else None
-
-
-def speculative_config(export_dir: str | os.PathLike[str], num_speculative_tokens: int | None = None,
-                       recorded: bool = True) -> dict[str, Any]:
-    """vLLM's ``speculative_config`` for the heads of an export: ``{"method": "medusa", "model": <export>/vllm,
-    "num_speculative_tokens": K}``. vLLM's Medusa drafts one chain of each head's top-1 token, so K is the number
-    of heads (``medusa_choices.json``, a tree, is not used by vLLM).
-
-    Args:
-        export_dir: the export folder (holding ``vllm/``).
-        num_speculative_tokens: 1..K drafted tokens per step (the first heads); None: the length measured fastest
-            (:data:`SPECULATIVE_FILE`, :func:`tuned_speculative_tokens`; not with ``recorded=False``), else all K
-            heads.
-
-    Raises:
-        FileNotFoundError: no ``vllm/config.json`` (re-export with ``export_vllm=true``).
-        ValueError: ``vllm/config.json`` is not vLLM's Medusa, or ``num_speculative_tokens`` outside 1..K.
-    """
-    from medusa_train.export.files import read_json
-    from medusa_train.export.writer import CONFIG_FILE, VLLM_DIR
-
-    folder = Path(export_dir) / VLLM_DIR
-    if not (folder / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"{folder / CONFIG_FILE} not found: re-export the heads with export_vllm=true "
-                                "(medusa-train writes vllm/ by default)")
-    config = read_json(folder / CONFIG_FILE)
-    if config.get("model_type") != "medusa" or not isinstance(config.get("num_heads"), int):
-        raise ValueError(f"{folder / CONFIG_FILE}: not vLLM's Medusa config (model_type "
-                         f"{config.get('model_type')!r}, num_heads {config.get('num_heads')!r})")
-    heads = config["num_heads"]
-    k = num_speculative_tokens
-    if k is None:
-        k = (tuned_speculative_tokens(export_dir, "medusa") if recorded else None) or heads
-        if k > heads:  # a file hand-edited or recorded for another export
-            raise ValueError(f"{Path(export_dir) / SPECULATIVE_FILE}: num_speculative_tokens={k} exceeds the export's "
-                             f"{heads} heads; rerun benchmarks/serve_vllm.py --record, or set num_speculative_tokens")
-    if not 1 <= k <= heads:
-        raise ValueError(f"num_speculative_tokens must be in [1, {heads}] (the export has {heads} heads), got {k}")
-    return {"method": "medusa", "model": str(folder.resolve()), "num_speculative_tokens": k}
-
-
-def eagle3_speculative_config(export_dir: str | os.PathLike[str], num_speculative_tokens: int | None = None,
-                              recorded: bool = True) -> dict[str, Any]:
-    """vLLM's ``speculative_config`` for an EAGLE-3 export: ``{"method": "eagle3", "model": <export>/speculators,
-    "num_speculative_tokens": K}`` (:mod:`medusa_train.export.speculators` writes that folder). vLLM drafts K tokens
-    as one chain, each step feeding the drafter its own output feature, so any K >= 1 works.
-
-    Args:
-        export_dir: the export folder (its ``config.json`` and ``speculators/``).
-        num_speculative_tokens: drafted tokens per step; None: the length measured fastest
-            (:data:`SPECULATIVE_FILE`, :func:`tuned_speculative_tokens`; not with ``recorded=False``), else the
-            export's ``speculative_tokens`` (the drafter's training-time-test steps).
-
-    Raises:
-        FileNotFoundError: no export ``config.json``, or no ``speculators/config.json`` (re-export with
-            ``export_vllm=true``).
-        ValueError: the export's ``head_type`` is a drafter vLLM does not serve as ``eagle3`` (Medusa heads: use the
-            ``vllm_medusa`` decoder), ``speculators/config.json`` is not an EAGLE-3 speculators config, or
-            ``num_speculative_tokens`` < 1. All before vLLM starts.
-    """
-    from medusa_train.drafters.catalog import drafter_type
-    from medusa_train.export.configs import export_head_type
-    from medusa_train.export.files import read_json
-    from medusa_train.export.reader import read_export_config
-    from medusa_train.export.speculators import CONFIG_FILE, SPECULATORS_DIR, SPECULATORS_MODEL_TYPE, \
-        speculators_writer
-
-    head_type = export_head_type(read_export_config(export_dir))
-    entry = drafter_type(head_type, f"{Path(export_dir) / CONFIG_FILE}")
-    if entry.engine_writer("vllm") is not speculators_writer:
-        raise ValueError(f"{Path(export_dir) / CONFIG_FILE}: head_type {head_type!r} ({entry.title} heads) is not a "
-                         "drafter vLLM serves as method eagle3 (it serves EAGLE-3 drafters, head_type 'eagle3', from "
-                         "speculators/); decode Medusa heads with the vllm_medusa decoder, or pass an EAGLE-3 export")
-    folder = Path(export_dir) / SPECULATORS_DIR
-    if not (folder / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"{folder / CONFIG_FILE} not found: re-export the drafter with export_vllm=true "
-                                "(it writes speculators/, what vLLM serves as eagle3)")
-    config = read_json(folder / CONFIG_FILE)
-    proposals = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    default_k = proposals[0].get("speculative_tokens")
-    if config.get("speculators_model_type") != SPECULATORS_MODEL_TYPE or not isinstance(default_k, int):
-        raise ValueError(f"{folder / CONFIG_FILE}: not an EAGLE-3 speculators config (speculators_model_type "
-                         f"{config.get('speculators_model_type')!r}, speculative_tokens {default_k!r}); re-export the "
-                         "drafter")
-    k = num_speculative_tokens
-    if k is None:
-        k = (tuned_speculative_tokens(export_dir, SPECULATORS_MODEL_TYPE) if recorded else None) or default_k
-    if k < 1:
-        raise ValueError(f"num_speculative_tokens must be at least 1, got {k}")
-    return {"method": SPECULATORS_MODEL_TYPE, "model": str(folder.resolve()), "num_speculative_tokens": k}
 
 
 _REAPER = """
@@ -286,8 +198,8 @@ class VllmWorker:
         model: the target model vLLM loads (an HF folder or Hub id; GGUF and llama2.c bases: the HF folder
             :func:`medusa_train.loading.base.engine_model_path` converts them into).
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
-        speculative_config: vLLM's ``speculative_config`` (None: plain decoding; :func:`speculative_config` for an
-            export's Medusa heads, :func:`eagle3_speculative_config` for its EAGLE-3 drafter).
+        speculative_config: vLLM's ``speculative_config`` (None: plain decoding; an export's, from its drafter
+            type's ``vllm_config``, :attr:`medusa_train.catalog.DrafterType.vllm_config`).
         max_model_len: context length vLLM reserves per sequence (None: the model's).
         max_num_seqs: sequences vLLM decodes together.
         enforce_eager: skip vLLM's ``torch.compile`` (engine start about 45 s instead of 2-3 min on the test CPU).
@@ -484,7 +396,6 @@ class VllmWorker:
         return f"\n--- last lines of the vLLM log {self.log_path} ---\n{tail}" if tail else ""
 
 
-__all__ = ["INSTALL_COMMAND", "SPECULATIVE_FILE", "SPECULATIVE_METHODS", "VENV_VARIABLE", "VllmError",
-           "VllmUnavailable", "VllmWorker", "bound_cores", "eagle3_speculative_config", "speculative_config",
-           "start_reaper", "tuned_speculative_tokens", "vllm_available", "vllm_python", "vllm_venv",
+__all__ = ["INSTALL_COMMAND", "SPECULATIVE_FILE", "VENV_VARIABLE", "VllmError", "VllmUnavailable", "VllmWorker",
+           "bound_cores", "start_reaper", "tuned_speculative_tokens", "vllm_available", "vllm_python", "vllm_venv",
            "worker_environment"]

@@ -13,7 +13,7 @@ vLLM's (``vllm/transformers_utils/configs/medusa.py``, vLLM 0.32): ``model_type 
 (``writer.py`` explains), so ``truncated_vocab_size`` is always V and a reduced head vocabulary is recorded for our
 own reader only: ``medusa_train_head_vocab_size`` here and the ``medusa_train.token_map`` tensor (vLLM ignores both).
 
-Drafter types with the ``state_dict`` layout (:mod:`medusa_train.drafters.catalog`; Hydra heads) have no engine
+Drafter types with the ``state_dict`` layout (:mod:`medusa_train.catalog`; Hydra heads) have no engine
 layout here. Their config.json says ``head_type`` and names the spec's own fields by the type's ``config_keys``
 (``hydra_num_heads`` / ``hydra_num_layers`` / ``hydra_combine``), never ``medusa_num_heads``, so that FasterDecoding's
 and TGI's Medusa loaders do not take the folder for theirs. A config.json without ``head_type`` holds Medusa heads
@@ -30,10 +30,12 @@ import torch
 
 from medusa_train.version import __version__
 from medusa_train.export.layouts import FASTERDECODING
-from medusa_train.drafters.catalog import MEDUSA_LAYOUT, DrafterType, type_of
-from medusa_train.heads import HeadsSpec
+from medusa_train.catalog import MEDUSA_LAYOUT, DrafterType, type_of
+from medusa_train.heads_base import HeadsSpec
 
-# vllm/: the reduced head vocabulary of heads written with full-vocabulary projections (ignored by vLLM).
+# vllm/: vLLM's MedusaConfig (the name of vLLM's format, not of a drafter type), and the reduced head vocabulary of
+# heads written with full-vocabulary projections (ignored by vLLM).
+VLLM_MODEL_TYPE = "medusa"
 VLLM_HEAD_VOCAB_KEY = "medusa_train_head_vocab_size"
 VLLM_TOKEN_MAP = "medusa_train.token_map"
 
@@ -68,7 +70,7 @@ def export_config(
     extra_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Our ``config.json``: the heads' own fields under their type's names
-    (:attr:`~medusa_train.drafters.catalog.DrafterType.config_keys`; Medusa: FasterDecoding's ``medusa_num_heads``,
+    (:attr:`~medusa_train.catalog.DrafterType.config_keys`; Medusa: FasterDecoding's ``medusa_num_heads``,
     ``medusa_num_layers``), ``head_type`` for every type but Medusa (FasterDecoding's layout has no such key), then the
     sizes and provenance.
 
@@ -112,7 +114,7 @@ def vllm_config(spec: HeadsSpec, dtype: torch.dtype) -> dict[str, Any]:
     ``MedusaConfig.from_pretrained``, so no other such key may appear here.
     """
     config = {
-        "model_type": "medusa",
+        "model_type": VLLM_MODEL_TYPE,
         "architectures": ["MedusaModel"],
         "hidden_size": spec.hidden_size,
         "vocab_size": spec.vocab_size,
@@ -223,7 +225,7 @@ def spec_from_medusa_config(
 
 def spec_from_config(entry: DrafterType, config: dict[str, Any], source: str) -> Any:
     """The spec of a ``state_dict``-layout export of type ``entry`` (Hydra heads, ...) from its ``config.json``: the
-    type's own fields (:attr:`~medusa_train.drafters.catalog.DrafterType.config_keys`) and the common sizes.
+    type's own fields (:attr:`~medusa_train.catalog.DrafterType.config_keys`) and the common sizes.
 
     Raises:
         ValueError: a field missing or of the wrong type (named), or an invalid value.
@@ -270,8 +272,8 @@ def read_vllm_config(raw: dict[str, Any], source: str) -> tuple[HeadsSpec, bool]
             config["num_heads"] = config.pop(key)
         elif "num" in key and "layers" in key:
             config["num_hidden_layers"] = config.pop(key)
-    if config.get("model_type") != "medusa":
-        raise ValueError(f"{source}/config.json: model_type must be 'medusa' for vLLM, "
+    if config.get("model_type") != VLLM_MODEL_TYPE:
+        raise ValueError(f"{source}/config.json: model_type must be {VLLM_MODEL_TYPE!r} for vLLM, "
                          f"got {config.get('model_type')!r}")
     missing = [k for k in ("hidden_size", "vocab_size", "num_heads") if k not in config]
     if missing:

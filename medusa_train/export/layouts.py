@@ -1,7 +1,8 @@
 """Key layouts of Medusa head checkpoints, and the mapping between them and our stacked parameters.
 
-Our :class:`~medusa_train.heads.MedusaHeads` stores ``block_weight [K, L, H, H]``, ``block_bias [K, L, H]`` and
-``lm_head_weight [K, V', H]``; engines store one tensor per head and layer under their own names:
+The ``medusa`` layout's heads (:class:`~medusa_train.drafters.medusa.heads.MedusaHeads`) store
+``block_weight [K, L, H, H]``, ``block_bias [K, L, H]`` and ``lm_head_weight [K, V', H]``; engines store one tensor
+per head and layer under their own names:
 
 - FasterDecoding Medusa (``medusa/model/medusa_model.py`` at 60eeab9): head ``h`` is
   ``nn.Sequential(ResBlock * L, nn.Linear(H, V, bias=False))`` with ``ResBlock.linear = nn.Linear(H, H)``, so its
@@ -20,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.heads_base import HeadsSpec
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,12 @@ def expected_shapes(
     return shapes
 
 
-def split_heads(heads: MedusaHeads, layout: Layout, projections: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def split_heads(heads: nn.Module, layout: Layout, projections: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-head, per-layer tensors of ``heads`` under ``layout``'s names, on CPU, contiguous, sharing no storage.
 
     Args:
-        heads: the stacked heads; tensors keep their dtype.
+        heads: the stacked heads of the ``medusa`` layout (``block_weight``, ``block_bias``, ``lm_head_weight``);
+            tensors keep their dtype.
         layout: the naming scheme.
         projections: ``[P, V', H]`` projections to write as heads ``0..P-1``; defaults to ``heads.lm_head_weight``
             (none when ``share_lm_head``).
@@ -94,7 +97,8 @@ def split_heads(heads: MedusaHeads, layout: Layout, projections: torch.Tensor | 
 def stack_heads(
     state: dict[str, torch.Tensor], layout: Layout, spec: HeadsSpec, with_bias: bool = True
 ) -> dict[str, torch.Tensor]:
-    """The :class:`MedusaHeads` state dict (``block_weight``, ``block_bias``, ``lm_head_weight``) from ``layout`` keys.
+    """The ``medusa`` layout heads' state dict (``block_weight``, ``block_bias``, ``lm_head_weight``) from ``layout``
+    keys.
 
     Keys and shapes must already have been checked against :func:`expected_shapes`. Without a stored bias the
     blocks get a zero bias (``x + SiLU(W x)`` is the same block). ``lm_head_weight`` is present unless

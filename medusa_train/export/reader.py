@@ -2,7 +2,7 @@
 folder, strictly.
 
 Every key is accounted for (missing and unexpected keys are listed in one error), every shape is checked against
-the config and every weight is checked finite before anything is copied into :class:`~medusa_train.heads.MedusaHeads`;
+the config and every weight is checked finite before anything is copied into the heads (the type's module);
 with a base model, the heads' hidden size and vocabulary are checked against it first. The head type comes from
 config.json (``head_type``, absent for Medusa heads); a type this reader does not know, or one other than the caller
 asked for, is refused by name.
@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from medusa_train.export.configs import (
     VLLM_HEAD_VOCAB_KEY,
+    VLLM_MODEL_TYPE,
     VLLM_TOKEN_MAP,
     check_field_types,
     check_version,
@@ -43,7 +44,7 @@ from medusa_train.export.writer import (
     WEIGHTS_FILE,
 )
 from medusa_train.export.tree_files import read_tree_files
-from medusa_train.drafters.catalog import (
+from medusa_train.catalog import (
     MEDUSA_LAYOUT,
     DrafterType,
     check_head_type,
@@ -52,7 +53,7 @@ from medusa_train.drafters.catalog import (
     expect_head_type,
     heads_from_spec,
 )
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.heads_base import HeadsSpec
 from medusa_train.model import DraftHeads, base_sizes, check_heads_match_base
 
 
@@ -82,7 +83,7 @@ def heads_files(path: str | os.PathLike[str]) -> list[Path]:
         token_map = folder / TOKEN_MAP_FILE
         return [weights, token_map] if token_map.is_file() else [weights]
     files = sorted(folder.glob("*.safetensors"))
-    if not files or read_json(folder / CONFIG_FILE).get("model_type") != "medusa":
+    if not files or read_json(folder / CONFIG_FILE).get("model_type") != VLLM_MODEL_TYPE:
         raise FileNotFoundError(f"no {WEIGHTS_FILE} or {LEGACY_WEIGHTS_FILE} in {folder}: is this an export folder?")
     return files
 
@@ -148,7 +149,7 @@ def load_heads(
       ``truncated_vocab_size < vocab_size``, projections of V rows cut to the token map); ours records a reduced
       head vocabulary as ``medusa_train_head_vocab_size`` + ``medusa_train.token_map`` beside V-row projections. ``original_lm_head``
       loads as ``share_lm_head=True``; its stored lm_head is checked against ``base_model``'s when one is given.
-    - other drafter types (``state_dict`` layout, :mod:`medusa_train.drafters.catalog`): ``config.json`` with their
+    - other drafter types (``state_dict`` layout, :mod:`medusa_train.catalog`): ``config.json`` with their
       ``head_type`` and the type's weights file (Hydra: ``hydra_heads.safetensors``) (+ the token map).
 
     Args:
@@ -164,8 +165,8 @@ def load_heads(
         config.json with the normalised fields ``medusa_num_heads``, ``medusa_num_layers``, ``hidden_size``,
         ``vocab_size``, ``share_lm_head``, ``head_vocab_size`` (None for the full vocabulary), and ``source_format``
         (``medusa-train``, ``fasterdecoding`` or ``vllm``). Other types' heads (Hydra:
-        :class:`~medusa_train.hydra_heads.HydraHeads`): config.json as written with ``head_vocab_size`` normalised
-        and ``source_format`` ``medusa-train``.
+        :class:`~medusa_train.drafters.hydra.heads.HydraHeads`): config.json as written with ``head_vocab_size``
+        normalised and ``source_format`` ``medusa-train``.
 
     Raises:
         FileNotFoundError: the folder, its weights, config.json or token_map.safetensors is missing (named).
@@ -199,7 +200,7 @@ def load_heads(
         check_field_types(raw, str(folder))
         spec, stacked, token_map, fmt = _read_medusa(folder, weights, raw, base_model, base_hv)
     else:
-        if raw.get("model_type") != "medusa":
+        if raw.get("model_type") != VLLM_MODEL_TYPE:
             raise FileNotFoundError(
                 f"no {WEIGHTS_FILE} or {LEGACY_WEIGHTS_FILE} in {folder}: is this an export folder?")
         spec, stacked, token_map = _read_vllm(folder, raw, base_model)
@@ -207,7 +208,7 @@ def load_heads(
     read_tree_files(folder, spec.num_heads, spec.out_size)  # the tuned files, checked now rather than after decoding
 
     with torch.device("meta"):
-        heads = MedusaHeads(spec, token_map=None if token_map is None else torch.empty_like(token_map, device="meta"))
+        heads = heads_from_spec(spec, None if token_map is None else torch.empty_like(token_map, device="meta"))
     if token_map is not None:
         stacked["token_map"] = token_map
     heads.load_state_dict(stacked, strict=True, assign=True)

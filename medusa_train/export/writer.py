@@ -24,7 +24,7 @@ its GitHub head leaves a missing one randomly initialised. The ``.safetensors`` 
 base lm_head once as ``lm_heads.0.weight`` with ``original_lm_head: true``. Both are why ``share_lm_head`` needs
 ``base_model``.
 
-Drafter types with the ``state_dict`` layout (:mod:`medusa_train.drafters.catalog`; Hydra heads) have no engine
+Drafter types with the ``state_dict`` layout (:mod:`medusa_train.catalog`; Hydra heads) have no engine
 layout here: their folder holds ``config.json`` (``head_type``, see :mod:`~medusa_train.export.configs`), the type's
 ``weights_file`` (the module's own parameter names; Hydra: ``hydra_heads.safetensors`` with
 ``heads.{k}.residual.weight``, ``heads.{k}.layers.{l}.weight|bias``, ``lm_head_weight [K, V', H]``) and
@@ -34,8 +34,8 @@ so no loader finds heads of another kind there.
 
 A type with its own engine files (``DrafterType.engine_writers``) gets them instead of ``vllm/`` when ``vllm=True``:
 EAGLE-3 drafters write ``speculators/`` (``config.json``, ``model.safetensors``), what vLLM serves with
-``method: eagle3`` (:mod:`medusa_train.export.speculators`, which refuses a tensor vLLM would not load, by name,
-before anything is written).
+``method: eagle3`` (:mod:`medusa_train.drafters.eagle3.speculators`, which refuses a tensor vLLM would not load, by
+name, before anything is written).
 
 Heads holding NaN or Inf are refused before anything is written.
 
@@ -83,9 +83,7 @@ from medusa_train.export.configs import VLLM_TOKEN_MAP, export_config, vllm_conf
 from medusa_train.export.files import write_json, write_safetensors, write_torch
 from medusa_train.export.folder_swap import replace_folder
 from medusa_train.export.layouts import FASTERDECODING, VLLM, check_finite, fasterdecoding_limitation, split_heads
-from medusa_train.export.speculators import FILES as SPECULATORS_FILES
-from medusa_train.drafters.catalog import MEDUSA_LAYOUT, drafter_types, type_of
-from medusa_train.heads import MedusaHeads
+from medusa_train.catalog import MEDUSA_LAYOUT, drafter_types, type_of
 from medusa_train.model import DraftHeads, check_heads_match_base
 
 log = logging.getLogger(__name__)
@@ -104,10 +102,10 @@ def weights_files() -> tuple[str, ...]:
 
 
 def owned_files() -> tuple[str, ...]:
-    """Every path save_export writes for any drafter type (relative to the export folder): never carried over from
-    an earlier export."""
+    """Every path save_export writes for any drafter type (relative to the export folder), the types' engine files
+    included (``DrafterType.engine_files``): never carried over from an earlier export."""
     return (CONFIG_FILE, *weights_files(), LEGACY_WEIGHTS_FILE, TOKEN_MAP_FILE, f"{VLLM_DIR}/{VLLM_WEIGHTS_FILE}",
-            f"{VLLM_DIR}/{CONFIG_FILE}", *SPECULATORS_FILES)
+            f"{VLLM_DIR}/{CONFIG_FILE}", *(f for e in drafter_types() for f in e.engine_files))
 
 
 def save_export(
@@ -131,7 +129,8 @@ def save_export(
     Args:
         heads: the trained heads (``block_weight [K, L, H, H]``, ``block_bias [K, L, H]``, ``lm_head_weight
             [K, V', H]`` or none with ``share_lm_head``, ``token_map [V']`` with a reduced vocabulary), or heads of
-            another drafter type (:class:`~medusa_train.hydra_heads.HydraHeads`, ...; see the module docstring).
+            another drafter type (:class:`~medusa_train.drafters.hydra.heads.HydraHeads`, ...; see the module
+            docstring).
         out_dir: the export folder.
         base_model_name_or_path: Hub id or path of the base model, recorded for loaders (FasterDecoding, TGI).
         extra_config: more JSON-serialisable fields for config.json (never one of the fields written here).
@@ -230,7 +229,7 @@ def save_export(
 
 
 def _fasterdecoding_state(
-    heads: MedusaHeads, tensors: dict[str, torch.Tensor], base_model: PreTrainedModel | None
+    heads: DraftHeads, tensors: dict[str, torch.Tensor], base_model: PreTrainedModel | None
 ) -> dict[str, torch.Tensor]:
     """``medusa_lm_head.pt``'s state dict: ``tensors`` (FasterDecoding keys), plus with ``share_lm_head`` the base
     lm_head ``[V, H]`` in the heads' dtype as every head's ``{h}.{L}.weight`` (one tensor under K keys)."""
@@ -275,7 +274,7 @@ def vllm_projections(weight: torch.Tensor, token_map: torch.Tensor | None, vocab
 
 
 def _write_vllm(
-    heads: MedusaHeads, folder: Path, token_map: torch.Tensor | None, base_lm_head: torch.Tensor | None
+    heads: DraftHeads, folder: Path, token_map: torch.Tensor | None, base_lm_head: torch.Tensor | None
 ) -> None:
     """``vllm/``; ``base_lm_head [V, H]`` (given exactly when ``share_lm_head``) becomes ``lm_heads.0.weight``."""
     spec = heads.spec

@@ -3,7 +3,7 @@
 
 :func:`target_sizes` reads what the memory plan needs of the target (exact parameter counts of the whole model, its
 largest decoder layer, embeddings, lm_head, and the attention shape the KV cache follows); :func:`heads_sizes` builds
-the drafter of ``heads.*`` through the project's own classes (:mod:`medusa_train.drafters.catalog`) on ``meta`` and
+the drafter of ``heads.*`` through the project's own classes (:mod:`medusa_train.catalog`) on ``meta`` and
 counts its parameters. Counts are ``numel`` sums, exact; bytes follow from a dtype chosen by the caller (a meta
 tensor's own dtype is whatever the config said, not what the run loads).
 """
@@ -164,7 +164,7 @@ def meta_heads(heads_cfg: Any, target_config: Any, sizes: TargetSizes) -> tuple[
     Raises:
         ValueError: settings the drafter refuses (from its spec, naming the field).
     """
-    from medusa_train.drafters.catalog import drafter_type, heads_from_spec, new_spec
+    from medusa_train.catalog import drafter_type, heads_from_spec, new_spec
 
     entry = drafter_type(heads_cfg.head_type, "heads.head_type")
     spec = new_spec(heads_cfg.head_type, entry.spec_options(heads_cfg), target_config,
@@ -178,7 +178,7 @@ def meta_heads(heads_cfg: Any, target_config: Any, sizes: TargetSizes) -> tuple[
 
 def heads_sizes(heads_cfg: Any, target_config: Any, sizes: TargetSizes) -> HeadsSizes:
     """:class:`HeadsSizes` of the drafter of ``heads_cfg`` (see :func:`meta_heads`)."""
-    from medusa_train.drafters.catalog import type_of
+    from medusa_train.catalog import type_of
 
     module, spec = meta_heads(heads_cfg, target_config, sizes)
     entry = type_of(spec)

@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, TrainerCallback,
 from medusa_train.config import ModelConfig, TrainConfig, as_dataclass
 from medusa_train.export import save_base_model, save_export
 from medusa_train.export.files import write_json
-from medusa_train.drafters.catalog import drafter_type, heads_from_spec, is_drafter, new_spec, type_of
+from medusa_train.catalog import drafter_type, heads_from_spec, is_drafter, new_spec, type_of
 from medusa_train.loading.base import (
     base_weight_bytes,
     engine_model_path,
@@ -48,7 +48,7 @@ from medusa_train.loading.base import (
     load_tokenizer_and_config,
 )
 from medusa_train.loading.medusa import export_extra_config
-from medusa_train.heads import build_token_map
+from medusa_train.heads_base import build_token_map
 from medusa_train.precision import choose_dtype, choose_precision
 from medusa_train.model import DraftHeads, base_sizes, check_supported, new_heads_for
 from medusa_train.training import checkpoints

@@ -26,10 +26,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from medusa_train.catalog import ProjectFn
 from medusa_train.config import HeadsConfig
-from medusa_train.drafters.catalog import ProjectFn
 from medusa_train.features import FINAL, target_features
-from medusa_train.heads import MedusaHeads
+from medusa_train.model import DraftHeads
 
 # model_type -> LoRA targets: the attention projections (Hu et al. 2021 adapt W_q, W_v; QLoRA-style recipes all four).
 # Add the MLP (gate_proj, up_proj, down_proj) through heads.lora.target_modules.
@@ -173,7 +173,8 @@ class JointOutput:
 
 
 class JointMedusaModel(nn.Module):
-    """The trainable base (``PeftModel`` or ``*ForCausalLM``) and :class:`MedusaHeads`, as one ``nn.Module``.
+    """The trainable base (``PeftModel`` or ``*ForCausalLM``) and heads of a ``joint`` type (Medusa heads), as one
+    ``nn.Module``.
 
     Args:
         base: the result of :func:`prepare_base`.
@@ -184,7 +185,7 @@ class JointMedusaModel(nn.Module):
     ``strict=False`` (the HF Trainer's resume) loads back.
     """
 
-    def __init__(self, base: nn.Module, heads: MedusaHeads) -> None:
+    def __init__(self, base: nn.Module, heads: DraftHeads) -> None:
         super().__init__()
         self.base = base
         self.heads = heads
@@ -245,8 +246,8 @@ class JointMedusaModel(nn.Module):
         ``positions``: ``(b, t)``, each ``[M]`` long: run the heads only there (the positions some head is trained
         on, :func:`~medusa_train.training.step.counted_positions`), as Medusa-1 training does; None: everywhere.
         ``head_loss_for``: ``base logits [B, T, V] (detached) -> project_fn``, the heads' projection replaced by
-        ``project_fn`` (:meth:`~medusa_train.heads.MedusaHeads.forward`; the chunked loss, whose targets are the
-        current base's), its result in :attr:`JointOutput.head_loss`; None: the heads' logits.
+        ``project_fn`` (:meth:`~medusa_train.drafters.medusa.heads.MedusaHeads.forward`; the chunked loss, whose
+        targets are the current base's), its result in :attr:`JointOutput.head_loss`; None: the heads' logits.
 
         Raises:
             ValueError: ``with_reference`` on a fully fine-tuned base (no original to switch back to).

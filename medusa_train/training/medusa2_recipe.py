@@ -40,11 +40,10 @@ from transformers import PreTrainedModel
 from medusa_train.data import Collator
 from medusa_train.export import BASE_DIR, load_heads
 from medusa_train.export.configs import export_head_type
-from medusa_train.drafters.catalog import expect_head_type
-from medusa_train.heads import MedusaHeads
+from medusa_train.catalog import expect_head_type
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, check_export_base
-from medusa_train.model import check_heads_match_base
+from medusa_train.model import DraftHeads, check_heads_match_base
 from medusa_train.training.arguments import zero3_hidden_from_transformers
 from medusa_train.training.base_recipe import BaseRecipe
 from medusa_train.training.joint import (
@@ -136,7 +135,7 @@ class Medusa2Recipe(BaseRecipe):
         if self.cfg.heads.finetune == "lora":
             lora_target_modules(base, self.cfg.heads.lora.target_modules)
 
-    def initial_heads(self) -> MedusaHeads:
+    def initial_heads(self) -> DraftHeads:
         """Heads to start the joint stage from (``heads.init_from`` or stage 1's export), checked against the base
         and ``heads/``, in fp32 on the base's device.
 

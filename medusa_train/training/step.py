@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from medusa_train.config import TrainerConfig
-from medusa_train.drafters.catalog import ProjectFn, TargetInputs, drafter_type, shifted_path_tokens
+from medusa_train.catalog import ProjectFn, TargetInputs, drafter_type, shifted_path_tokens
 from medusa_train.features import FINAL, feature_layer, target_features
 from medusa_train.training.chunked_loss import TeacherFn, linear_teacher, rows_teacher
 from medusa_train.training.losses import (
@@ -166,13 +166,13 @@ class LossSpec:
         vocab_size: V of the base model.
         num_heads: K.
         token_map: ``[V']`` long reduced head vocabulary, or None.
-        head_type: the heads' registered type (:mod:`medusa_train.drafters.catalog`: what they read and how their
+        head_type: the heads' registered type (:mod:`medusa_train.catalog`: what they read and how their
             logits are computed).
         features: the target features the heads read (``DrafterType.feature_names(spec)``): from the batch (the
             hidden cache's keys, :func:`feature_key`) or computed by the base.
         loss_chunk_size: rows (one head at one position) projected onto the vocabulary at once
             (``trainer.loss_chunk_size``; :mod:`medusa_train.training.chunked_loss`); 0: all at once, the head logits
-            ``[K, M, V']`` held (types without :attr:`~medusa_train.drafters.catalog.DrafterType.projected` always).
+            ``[K, M, V']`` held (types without :attr:`~medusa_train.catalog.DrafterType.projected` always).
     """
 
     target: str
@@ -199,12 +199,12 @@ def heads_on_batch(
     (:func:`~medusa_train.training.losses.packed_head_loss`): padding and prompt tokens, often half of a chat batch,
     never reach the vocabulary projection. ``soft`` targets project the base's hidden states only at the positions
     whose distributions are targets, onto the head vocabulary only. With ``spec.loss_chunk_size`` (and a type with
-    :attr:`~medusa_train.drafters.catalog.DrafterType.projected`) the heads hand their features and projection to
+    :attr:`~medusa_train.catalog.DrafterType.projected`) the heads hand their features and projection to
     :meth:`HeadTargets.project_fn` inside their forward, which projects ``loss_chunk_size`` rows at a time.
 
     Args:
         heads: heads of ``spec.head_type`` or their DDP/DeepSpeed wrapper, called through the type's
-            :attr:`~medusa_train.drafters.catalog.DrafterType.logits`.
+            :attr:`~medusa_train.catalog.DrafterType.logits`.
         base: the frozen base.
         batch: ``labels [B, T]`` and either ``input_ids [B, T]`` (+ ``attention_mask``) or the cached features
             ``spec.features`` (``hidden [B, T, H]``, ``layer<i> [B, T, H]``, :func:`feature_key`; + ``base_argmax
@@ -248,7 +248,7 @@ def heads_on_batch(
 
 def chunks(spec: LossSpec) -> bool:
     """Whether the heads' loss projects in chunks: ``spec.loss_chunk_size > 0`` and the type exposes its features
-    and projection (:attr:`~medusa_train.drafters.catalog.DrafterType.projected`)."""
+    and projection (:attr:`~medusa_train.catalog.DrafterType.projected`)."""
     return spec.loss_chunk_size > 0 and drafter_type(spec.head_type).projected is not None
 
 
@@ -288,7 +288,7 @@ class HeadTargets:
                                 token_map=spec.token_map, vocab_size=spec.vocab_size, base_next=base_next)
 
     def project_fn(self) -> ProjectFn:
-        """The same loss as a :data:`~medusa_train.drafters.catalog.ProjectFn`: ``(features [K, M, H], weight
+        """The same loss as a :data:`~medusa_train.catalog.ProjectFn`: ``(features [K, M, H], weight
         [V', H] or [K, V', H]) -> HeadLossOutput``, projecting ``spec.loss_chunk_size`` rows at a time
         (:func:`~medusa_train.training.losses.projected_head_loss`)."""
         spec = self.spec

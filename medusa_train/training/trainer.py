@@ -1,7 +1,7 @@
 """The HF Trainer, taught to train Medusa heads on a frozen base model.
 
-The Trainer's model is the heads alone (:class:`~medusa_train.heads.MedusaHeads` or
-:class:`~medusa_train.hydra_heads.HydraHeads`): the optimizer, DDP, DeepSpeed
+The Trainer's model is the heads alone (:class:`~medusa_train.drafters.medusa.heads.MedusaHeads` or
+:class:`~medusa_train.drafters.hydra.heads.HydraHeads`): the optimizer, DDP, DeepSpeed
 ZeRO sharding and checkpoints only ever see head parameters, and the frozen base (kept beside the Trainer, in
 :class:`~medusa_train.training.step.FrozenBase`) runs under ``no_grad`` in :meth:`MedusaTrainer.compute_loss`, or
 not at all when batches come from the hidden-state cache. What changes from the stock Trainer:

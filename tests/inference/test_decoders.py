@@ -21,7 +21,7 @@ from inference.decoders import (
 )
 from inference.decoders.chat import chat_prompt_ids, eos_ids
 from inference.decoders.medusa import tree_attention_mask
-from medusa_train.drafters.catalog import drafter_type, head_types
+from medusa_train.catalog import drafter_type, head_types
 from medusa_train.features import count_layers
 from medusa_train.model import MedusaModel, new_heads_for
 from medusa_train.tree.buffers import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
-from inference.proposers.eagle3_drafter import Eagle3TreeDrafter
+from medusa_train.drafters.eagle3.proposer import Eagle3TreeDrafter
 from medusa_train.features import layer_feature
 from medusa_train.model import MedusaModel
 from medusa_train.tree.buffers import SMALL_TREE_15, chain_choices

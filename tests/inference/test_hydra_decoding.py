@@ -8,9 +8,13 @@ import pytest
 import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
-from inference.proposers.tree_drafters import FINAL, HydraTreeDrafter, MedusaTreeDrafter, hydra_levels, tree_drafter
+from medusa_train.catalog import tree_drafter
+from medusa_train.drafters.hydra.proposer import HydraTreeDrafter
+from medusa_train.drafters.medusa.proposer import MedusaTreeDrafter
+from medusa_train.features import FINAL
 from medusa_train.model import MedusaModel, new_heads_for
 from medusa_train.tree.buffers import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
+from medusa_train.tree.drafting import tree_levels
 from tests.conftest import VOCAB, chi_square, make_tiny_model
 from tests.inference.test_decoders import PROMPTS, check_counts, greedy, random_heads
 
@@ -58,7 +62,7 @@ def test_levels_of_a_hand_drawn_tree():
     #  [0,0](3) [0,1](4)  [1,0](5)
     #  [0,0,0](6)
     tree = build_tree_buffers([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], num_heads=3, topk=2)
-    levels = hydra_levels(tree)
+    levels = tree_levels(tree)
     assert [lv.depth for lv in levels] == [0, 1, 2]
     assert levels[0].paths.tolist() == [[0]] and levels[0].children.tolist() == [1, 2]
     assert levels[0].rank.tolist() == [0, 1] and levels[0].width == 2

@@ -28,17 +28,13 @@ from inference.registry import (
     decoder_settings,
 )
 from medusa_train.config import ModelConfig
-from medusa_train.drafters.catalog import new_spec
-from medusa_train.eagle3 import Eagle3Drafter
+from medusa_train.catalog import new_spec
+from medusa_train.drafters.eagle3.drafter import Eagle3Drafter
 from medusa_train.export import save_export
-from medusa_train.export.gguf import (
-    LlamaCppUnavailable,
-    drafter_gguf_path,
-    export_eagle3_gguf,
-    llamacpp_available,
-    speculators_files,
-)
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.drafters.eagle3.gguf import drafter_gguf_path, export_eagle3_gguf, speculators_files
+from medusa_train.engines.llamacpp_env import LlamaCppUnavailable, llamacpp_available
+from medusa_train.heads_base import HeadsSpec
+from medusa_train.drafters.medusa.heads import MedusaHeads
 from tests.conftest import VOCAB, make_tiny_model
 from tests.inference.test_vllm import smollm2  # noqa: F401 - fixture
 
@@ -179,7 +175,7 @@ def test_conversion_is_recorded_skipped_when_current_and_atomic(monkeypatch, tmp
     changed weights convert again; a failing converter leaves the previous file and names its output."""
     import sys
 
-    import medusa_train.export.gguf as gguf_export
+    import medusa_train.drafters.eagle3.gguf as gguf_export
 
     script = tmp_path / "convert.py"
     script.write_text("import json, os, sys\nargs = sys.argv[1:]\nif os.environ.get('FAIL'):\n"

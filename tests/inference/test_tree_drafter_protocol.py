@@ -12,8 +12,9 @@ from torch import Tensor
 
 from inference.decoders import DecodeConfig, MedusaDecoder, TreeDecoder
 import inference.decoders.medusa as medusa
-from inference.proposers.tree_drafters import FINAL, TreeDrafter
+from medusa_train.features import FINAL
 from medusa_train.tree.buffers import TreeBuffers
+from medusa_train.tree.drafting import TreeDrafter
 from tests.conftest import make_tiny_model
 from tests.inference.test_decoders import PROMPTS, SMALL_TREE, check_counts, greedy, random_medusa
 

@@ -18,11 +18,13 @@ import pytest
 import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
-from medusa_train.drafters.catalog import new_spec
-from medusa_train.eagle3 import Eagle3Drafter
-from medusa_train.engines.vllm_env import VllmWorker, eagle3_speculative_config
+from medusa_train.catalog import new_spec
+from medusa_train.drafters.eagle3.drafter import Eagle3Drafter
+from medusa_train.drafters.eagle3.vllm import speculative_config as eagle3_speculative_config
+from medusa_train.engines.vllm_env import VllmWorker
 from medusa_train.export import load_heads, save_export
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.heads_base import HeadsSpec
+from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.loading.base import engine_model_path
 from medusa_train.model import MedusaModel
 from medusa_train.prompts import encode_prompt, load_prompts

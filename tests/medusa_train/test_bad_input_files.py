@@ -12,7 +12,8 @@ from inference.decoders.choices import resolve_medusa_choices
 from medusa_train.conversations import load_conversations
 from medusa_train.data.self_distill import read_records
 from medusa_train.export import load_heads, save_export
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.heads_base import HeadsSpec
+from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.loading.medusa import load_medusa
 from medusa_train.prompts import load_prompts
 from tests.conftest import HIDDEN, VOCAB

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from medusa_train.drafters.catalog import drafter_type, shifted_path_tokens
+from medusa_train.catalog import drafter_type, shifted_path_tokens
 from medusa_train.features import layer_feature
 from medusa_train.model import MedusaModel, new_heads_for
 from medusa_train.training import base_recipe
@@ -139,7 +139,7 @@ def test_the_compact_unroll_at_the_loss_positions_is_the_full_unroll_there(eagle
 
 
 def test_loss_slots_lay_each_sequences_positions_out_in_order():
-    from medusa_train.eagle3 import loss_slots
+    from medusa_train.drafters.eagle3.drafter import loss_slots
 
     queries, (b, j) = loss_slots((torch.tensor([1, 0, 1, 0]), torch.tensor([5, 3, 2, 3])), batch=3, length=6)
     assert queries.tolist() == [[3, 5], [2, 5], [5, 5]]  # padding slots repeat T - 1

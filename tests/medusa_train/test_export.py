@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from medusa_train.export import load_heads, read_export_config, save_export
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.heads_base import HeadsSpec
+from medusa_train.drafters.medusa.heads import MedusaHeads
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 
 TOKEN_MAP = torch.tensor([0, 2, 5, 11, 17, 40, 41, 96])  # V' = 8 of V = 97

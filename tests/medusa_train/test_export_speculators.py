@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from medusa_train.drafters.catalog import drafter_type, new_spec
-from medusa_train.eagle3 import Eagle3Drafter
+from medusa_train.catalog import drafter_type, new_spec
+from medusa_train.drafters.eagle3.drafter import Eagle3Drafter
 from medusa_train.export import save_export
-from medusa_train.export.speculators import NORM_FLAGS, expected_tensors
+from medusa_train.drafters.eagle3.speculators import NORM_FLAGS, expected_tensors
 from medusa_train.features import layer_feature, target_features
 from tests.conftest import VOCAB, make_tiny_model
 
@@ -127,7 +127,8 @@ def test_a_tap_at_the_last_layer_is_refused_for_vllm(tmp_path, target):
 
 
 def test_a_medusa_export_into_the_folder_drops_the_stale_speculators(tmp_path, target):
-    from medusa_train.heads import HeadsSpec, MedusaHeads
+    from medusa_train.heads_base import HeadsSpec
+    from medusa_train.drafters.medusa.heads import MedusaHeads
 
     out = save_export(drafter(target), tmp_path / "export", "org/tiny", base_model=target)
     assert (out / "speculators" / "config.json").is_file()

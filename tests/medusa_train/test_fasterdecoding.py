@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from medusa_train.export import save_export
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.heads_base import HeadsSpec
+from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.loading.medusa import load_medusa
 from medusa_train.paths import PACKAGE_DIR
 from tests.conftest import make_tiny_model, make_tiny_tokenizer

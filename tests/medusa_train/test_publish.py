@@ -20,7 +20,8 @@ from hydra import compose, initialize_config_dir
 from inference.decoders.pretrained import pretrained_decoder_kwargs
 from medusa_train.cli.publish import register_schemas
 from medusa_train.export import load_heads, save_base_model, save_export
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.heads_base import HeadsSpec
+from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.loading.hub import download_export
 from medusa_train.paths import CONF_DIR
 from medusa_train.publish import PublishError, check_publish_ready, prepare_repo_folder, publish_export
@@ -442,7 +443,8 @@ def test_decoder_arguments_from_the_hub(hub, export, heads, base, tmp_path):
 
 
 def test_vllm_script_needs_vllms_environment_and_uses_the_exports_heads(export, monkeypatch, tmp_path):
-    from medusa_train.engines.vllm_env import VllmUnavailable, speculative_config
+    from medusa_train.drafters.medusa.vllm import speculative_config
+    from medusa_train.engines.vllm_env import VllmUnavailable
 
     spec = importlib.util.spec_from_file_location("serve_vllm", Path(__file__).parents[2] / "benchmarks" /
                                                   "serve_vllm.py")

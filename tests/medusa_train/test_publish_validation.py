@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from medusa_train.export import save_export
-from medusa_train.heads import HeadsSpec, MedusaHeads
+from medusa_train.heads_base import HeadsSpec
+from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.publish import prepare_repo_folder
 from medusa_train.publish.publish_config import PublishConfig
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model

@@ -232,7 +232,8 @@ def test_loss_rejects_mismatched_shapes_and_missing_base_outputs():
 @pytest.mark.parametrize("target", ["labels", "base_argmax", "soft"])
 @pytest.mark.parametrize("share_lm_head", [False, True])
 def test_heads_run_only_where_counted_and_give_the_dense_loss_gradient_and_metrics(target, share_lm_head, chunk):
-    from medusa_train.heads import HeadsSpec, MedusaHeads
+    from medusa_train.heads_base import HeadsSpec
+    from medusa_train.drafters.medusa.heads import MedusaHeads
     from medusa_train.training.step import FrozenBase, LossSpec, heads_on_batch
 
     torch.manual_seed(0)

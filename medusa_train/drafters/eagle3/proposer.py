@@ -1,13 +1,13 @@
 """The EAGLE-3 tree drafter: an autoregressive drafter with a KV cache of its own, over a static or a dynamic tree.
 
-The drafter (:class:`medusa_train.eagle3.Eagle3Drafter`) at position p reads the fused target feature at p
-(``fuse`` of the features of its ``feature_layers``) and the target's input embedding of token p + 1, at RoPE
-position p, and predicts token p + 2; at a drafted position it reads its own output feature (``out``) of the position
+The drafter (:class:`medusa_train.drafters.eagle3.drafter.Eagle3Drafter`) at position p reads the fused target
+feature at p (``fuse`` of the features of its ``feature_layers``) and the target's input embedding of token p + 1, at
+RoPE position p, and predicts token p + 2; at a drafted position it reads its own output feature (``out``) of the position
 before instead of the target's. This is vLLM's EAGLE-3 proposer (``vllm/v1/spec_decode/llm_base_proposer.py``, vLLM
 0.32: the first pass over the committed positions with the tokens shifted by one, then each step feeds the token
 drafted at the step before with that step's ``out``), here over a tree.
 
-Per request (:class:`~inference.proposers.tree_drafters.TreeDrafter`):
+Per request (:class:`~medusa_train.tree.drafting.TreeDrafter`):
 
 - :meth:`~Eagle3TreeDrafter.start`: the prompt's positions wait ("pending") for the token after the last one (the
   root of the first step);
@@ -37,12 +37,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.decoders.batching import additive_mask, positions
-from inference.proposers.tree_drafters import hydra_levels
 from medusa_train.features import layer_feature
 from medusa_train.tree.buffers import TreeBuffers
+from medusa_train.tree.drafting import tree_levels
 from medusa_train.tree.dynamic import DynamicTree, tree_of_paths
 from medusa_train.tree.kv_cache import preallocated_cache, select_rows, truncate
+from medusa_train.tree.masks import additive_mask, positions
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class _Plan:
 
 def static_plan(tree: TreeBuffers) -> _Plan:
     """How :meth:`Eagle3TreeDrafter.draft` fills ``tree``: the root's children, then one drafter call per depth."""
-    cut = hydra_levels(tree)
+    cut = tree_levels(tree)
     levels: list[_Level] = []
     entries: list[int] = []  # drafted entries in the cache, in order (node indices)
     previous = [0]
@@ -111,8 +111,8 @@ def static_plan(tree: TreeBuffers) -> _Plan:
 
 class Eagle3TreeDrafter:
     """EAGLE-3 drafting over a tree (see the module docstring) for a :class:`~medusa_train.model.MedusaModel`
-    holding an :class:`~medusa_train.eagle3.Eagle3Drafter` (``model.heads``; ``model.features`` returns the taps
-    its ``feature_layers`` name, ``model.embed`` the target's input embeddings)."""
+    holding an :class:`~medusa_train.drafters.eagle3.drafter.Eagle3Drafter` (``model.heads``; ``model.features``
+    returns the taps its ``feature_layers`` name, ``model.embed`` the target's input embeddings)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model

@@ -46,7 +46,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 FILES = (f"{SPECULATORS_DIR}/{CONFIG_FILE}", f"{SPECULATORS_DIR}/{WEIGHTS_FILE}")  # what an export owns here
 SPECULATORS_MODEL_TYPE = "eagle3"
-# Every norm variant vLLM's Eagle3 reads, as our drafter computes (medusa_train/eagle3.py); all written explicitly.
+# Every norm variant vLLM's Eagle3 reads, as our drafter computes (drafter.py); all written explicitly.
 NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
 # transformer_layer_config keys that describe no shape (transformers' defaults, vocabulary token ids).
 _DROPPED_LAYER_KEYS = ("transformers_version", "bos_token_id", "eos_token_id", "pad_token_id")
@@ -54,7 +54,7 @@ _DROPPED_LAYER_KEYS = ("transformers_version", "bos_token_id", "eos_token_id", "
 
 def expected_tensors(spec: Any, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor vLLM's ``Eagle3LlamaForCausalLM`` loads from ``model.safetensors`` for ``spec`` (an
-    :class:`~medusa_train.eagle3.Eagle3Spec`), weights in ``dtype``: name -> (shape, dtype)."""
+    :class:`~medusa_train.drafters.eagle3.drafter.Eagle3Spec`), weights in ``dtype``: name -> (shape, dtype)."""
     H, V, Vd = spec.hidden_size, spec.vocab_size, spec.out_size
     q, kv, inner = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim, \
         spec.intermediate_size
@@ -100,7 +100,8 @@ def check_tensors(tensors: dict[str, torch.Tensor], spec: Any, dtype: torch.dtyp
                             f"{list(shape)} {str(want).removeprefix('torch.')}")
     if problems:
         raise ValueError(f"{source}: the drafter's tensors do not match what vLLM loads: {'; '.join(problems)}. "
-                         "Export a drafter built by medusa_train.eagle3.Eagle3Drafter from its own spec")
+                         "Export a drafter built by medusa_train.drafters.eagle3.drafter.Eagle3Drafter from its own "
+                         "spec")
 
 
 def speculators_tensors(drafter: Any) -> dict[str, torch.Tensor]:
@@ -157,9 +158,9 @@ def speculators_config(spec: Any, verifier: str, verifier_architectures: list[st
 
 def speculators_writer(heads: Any, *, base_model_name_or_path: str, base_model: Any = None
                        ) -> Callable[[Path], None]:
-    """Check ``heads`` (an :class:`~medusa_train.eagle3.Eagle3Drafter`) for vLLM and return the function that writes
-    ``speculators/`` into an export folder (:func:`medusa_train.export.save_export` calls it for the vllm engine of
-    the eagle3 type, ``DrafterType.engine_writers``).
+    """Check ``heads`` (an :class:`~medusa_train.drafters.eagle3.drafter.Eagle3Drafter`) for vLLM and return the
+    function that writes ``speculators/`` into an export folder (:func:`medusa_train.export.save_export` calls it for
+    the vllm engine of the eagle3 type, ``DrafterType.engine_writers``).
 
     Args:
         base_model_name_or_path: the verifier recorded in the config.

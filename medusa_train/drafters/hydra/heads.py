@@ -7,11 +7,12 @@ alone; a Hydra head also reads the tokens of the candidate continuation before i
 at t and the base model's own (frozen) input embeddings of the path tokens t+1 .. t+k+1 (the root, which is the base
 model's next token, and the drafted tokens above the node), and predicts the token at t + k + 2, the position Medusa
 head k predicts. Decoding must therefore run the heads level by level down the tree
-(:mod:`inference.proposers.tree_drafters`); training feeds the true tokens (teacher forcing, :func:`shifted_path_tokens`).
+(:mod:`medusa_train.drafters.hydra.proposer`); training feeds the true tokens (teacher forcing,
+:func:`medusa_train.catalog.shifted_path_tokens`).
 
 Each head is an MLP of ``num_layers`` residual blocks (``medusa_num_layers``) over the combined inputs, then a
 vocabulary projection exactly as Medusa's (per head, the base lm_head shared, or a reduced head vocabulary with its
-token map: :class:`~medusa_train.heads.HeadsSpec`). ``combine`` says how the inputs meet:
+token map: :class:`~medusa_train.heads_base.HeadsSpec`). ``combine`` says how the inputs meet:
 
 - ``concat`` (the paper's, Sec. 3): ``x_0 = [h_t; e_{t+1}; ...; e_{t+k+1}]`` of width ``(k + 2) H``; the first block
   is ``x_1 = R x_0 + SiLU(W x_0 + b)`` with a learnt ``R [H, (k+2)H]`` for the residual path (the authors'
@@ -35,16 +36,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_train.drafters.catalog import DrafterType, ProjectFn, TargetInputs, register, shifted_path_tokens
+from medusa_train.catalog import ProjectFn, TargetInputs
 from medusa_train.features import FINAL
-from medusa_train.heads import HeadsSpec, copy_lm_head, project_features, projection_weight, register_token_map
+from medusa_train.heads_base import HeadsSpec, copy_lm_head, project_features, projection_weight, register_token_map
 
 COMBINES = ("concat", "sum")
 
 
 @dataclass(frozen=True)
 class HydraSpec(HeadsSpec):
-    """Shape of a set of Hydra heads: :class:`~medusa_train.heads.HeadsSpec` (``num_layers`` residual blocks per
+    """Shape of a set of Hydra heads: :class:`~medusa_train.heads_base.HeadsSpec` (``num_layers`` residual blocks per
     head, the projection settings) plus how each head combines its inputs.
 
     Attributes:
@@ -147,7 +148,7 @@ class HydraHeads(nn.Module):
         tokens t+1 .. t+K; head k reads the first k + 1) -> ``[K, ..., V']``.
 
         With ``project_fn`` (training's chunked loss): ``project_fn(features [K, ..., H], weight)`` instead, as
-        :meth:`medusa_train.heads.MedusaHeads.forward`.
+        :meth:`medusa_train.drafters.medusa.heads.MedusaHeads.forward`.
 
         Raises:
             ValueError: ``share_lm_head`` without ``base_lm_head_weight [V, H]``, or mis-shaped ``path_embeds``.
@@ -172,32 +173,20 @@ class HydraHeads(nn.Module):
         return head_token_ids if self.token_map is None else self.token_map[head_token_ids]
 
 
-def _hydra_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None) -> torch.Tensor:
+def hydra_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None) -> torch.Tensor:
     """Head k reads the final hidden state and the embeddings of the path tokens t+1 .. t+k+1: ``[K', ..., V']``
     (every head runs; the first ``num_heads`` are returned)."""
     logits = heads(inputs.features[FINAL], inputs.embed(inputs.path_tokens), inputs.lm_head_weight)
     return logits if num_heads is None else logits[:num_heads]
 
 
-def _hydra_projected(heads: nn.Module, inputs: TargetInputs, num_heads: int | None, project_fn: ProjectFn) -> Any:
-    """:func:`_hydra_logits` with the projection replaced by ``project_fn`` (all K heads; ``num_heads`` None)."""
+def hydra_projected(heads: nn.Module, inputs: TargetInputs, num_heads: int | None, project_fn: ProjectFn) -> Any:
+    """:func:`hydra_logits` with the projection replaced by ``project_fn`` (all K heads; ``num_heads`` None)."""
     if num_heads is not None:
         raise ValueError("Hydra heads' projected features are those of all K heads (num_heads=None)")
     return heads(inputs.features[FINAL], inputs.embed(inputs.path_tokens), inputs.lm_head_weight,
                  project_fn=project_fn)
 
 
-HYDRA = register(DrafterType(
-    name="hydra", title="Hydra", spec_cls=HydraSpec, module_cls=HydraHeads, logits=_hydra_logits,
-    projected=_hydra_projected,
-    source="Ankner et al. 2024, Hydra, arXiv:2402.05109, Sec. 3",
-    options=("combine",), reads_path=True, weights_file="hydra_heads.safetensors",
-    config_keys={"num_heads": "hydra_num_heads", "num_layers": "hydra_num_layers", "combine": "hydra_combine"},
-    engines={"fasterdecoding": "Hydra heads have no FasterDecoding form",
-             "tgi": "Hydra heads have no TGI layout (TGI's Medusa loader reads Medusa heads only)",
-             "vllm": "vLLM's Medusa loader reads Medusa heads only"},
-    tree_drafter="inference.proposers.tree_drafters:HydraTreeDrafter",
-))
 
-
-__all__ = ["COMBINES", "HYDRA", "HydraHead", "HydraHeads", "HydraSpec", "shifted_path_tokens"]
+__all__ = ["COMBINES", "HydraHead", "HydraHeads", "HydraSpec", "hydra_logits", "hydra_projected"]

@@ -36,14 +36,14 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 
-from medusa_train.drafters.catalog import DrafterType, ProjectFn, TargetInputs, register
+from medusa_train.catalog import ProjectFn, TargetInputs
 from medusa_train.features import FINAL, layer_feature
-from medusa_train.heads import HeadsSpec, register_token_map
+from medusa_train.heads_base import HeadsSpec, register_token_map
 
 
 @dataclass(frozen=True)
 class Eagle3Spec(HeadsSpec):
-    """Shape of an EAGLE-3 drafter: :class:`~medusa_train.heads.HeadsSpec` (``num_heads``: K, the draft steps the
+    """Shape of an EAGLE-3 drafter: :class:`~medusa_train.heads_base.HeadsSpec` (``num_heads``: K, the draft steps the
     training-time test unrolls; ``num_layers``: 1, the one decoder layer vLLM reads; ``head_vocab_size``: the draft
     vocabulary) plus the decoder layer's shape, taken from the target's config.
 
@@ -459,10 +459,8 @@ def eagle3_target_fields(config: Any, feature_layers: Any = None) -> dict[str, A
                 max_position_embeddings=int(getattr(text, "max_position_embeddings", 8192)))
 
 
-
-
-def _eagle3_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None,
-                   project_fn: ProjectFn | None = None) -> Any:
+def eagle3_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None,
+                  project_fn: ProjectFn | None = None) -> Any:
     """The training-time test's steps, teacher forced (:meth:`Eagle3Drafter.unroll`), over whole sequences: the
     inputs' features and path tokens ``[B, T, ...]`` -> ``[K', B, T, V']``, or ``[K', M, V']`` at
     ``inputs.positions`` (with ``project_fn``: its result on the steps' features and the lm_head weight)."""
@@ -476,30 +474,10 @@ def _eagle3_logits(heads: nn.Module, inputs: TargetInputs, num_heads: int | None
                                                 project_fn=project_fn))
 
 
-def _eagle3_features(spec: Eagle3Spec) -> tuple[str, ...]:
+def eagle3_features(spec: Eagle3Spec) -> tuple[str, ...]:
     """The target features an EAGLE-3 drafter reads: its three layers' (and the final state, for the targets)."""
     return (FINAL, *(layer_feature(i) for i in spec.feature_layers))
 
 
-EAGLE3 = register(DrafterType(
-    name="eagle3", title="EAGLE-3", spec_cls=Eagle3Spec, module_cls=Eagle3Drafter, logits=_eagle3_logits,
-    projected=_eagle3_logits,
-    source="Li et al. 2025, EAGLE-3, arXiv:2503.01840, Sec. 3",
-    features_of=_eagle3_features, target_fields=lambda config, options: eagle3_target_fields(
-        config, options.get("feature_layers")),
-    options=("feature_layers",), reads_path=True, sequence=True, weights_file="eagle3_drafter.safetensors",
-    config_keys={"num_heads": "eagle3_num_steps", "num_layers": "eagle3_num_layers",
-                 "feature_layers": "eagle3_feature_layers",
-                 "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
-                 "head_dim": "head_dim", "intermediate_size": "intermediate_size", "rms_norm_eps": "rms_norm_eps",
-                 "rope_theta": "rope_theta", "max_position_embeddings": "max_position_embeddings"},
-    engines={"fasterdecoding": "EAGLE-3 drafters have no FasterDecoding form (FasterDecoding loads Medusa heads)",
-             "tgi": "EAGLE-3 drafters have no TGI layout here",
-             "vllm": None},
-    engine_writers={"vllm": "medusa_train.export.speculators:speculators_writer"},  # speculators/, not vllm/
-    tree_drafter="inference.proposers.eagle3_drafter:Eagle3TreeDrafter",
-))
-
-
-__all__ = ["EAGLE3", "Eagle3Attention", "Eagle3Drafter", "Eagle3Layer", "Eagle3Spec", "eagle3_target_fields",
-           "loss_slots", "unrolled_context_mask"]
+__all__ = ["Eagle3Attention", "Eagle3Drafter", "Eagle3Layer", "Eagle3Spec", "eagle3_features", "eagle3_logits",
+           "eagle3_target_fields", "loss_slots", "unrolled_context_mask"]

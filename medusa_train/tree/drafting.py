@@ -10,21 +10,18 @@ drafter's candidates). The decoder calls, per request:
 3. :meth:`~TreeDrafter.select` whenever finished rows leave the batch (between an accept and the next draft).
 
 So a drafter may keep per-request state (an autoregressive drafter: its own KV cache and the target features of
-every committed token); the decoder keeps none for it. Two stateless implementations share that state (the FINAL
-feature of each row's last committed position, :class:`LastFeatureDrafter`) and nothing else:
+every committed token); the decoder keeps none for it. Each drafter type's folder holds its implementation, which its
+catalog entry names (:attr:`medusa_train.catalog.DrafterType.tree_drafter`; :func:`medusa_train.catalog.tree_drafter`
+builds it):
 
-- :class:`MedusaTreeDrafter`: every head reads the hidden state of the last committed position, so the K heads run in
-  one batched call and node ``[i_0, ..., i_d]`` holds head d's rank-``i_d`` token (Medusa's ``generate_candidates``).
-- :class:`HydraTreeDrafter`: head d also reads the tokens on the node's path (Hydra, Ankner et al. 2024,
-  arXiv:2402.05109, Sec. 3), so the tree is filled level by level: one batched call of head d over every depth-d
-  node that has children, whose top-k are those children's tokens. Drafting costs D sequential head calls (D the
-  tree's depth) where Medusa's costs one, and grows with the number of expanded nodes: decoders report it apart
-  (``DecodeResult.draft_time_s``).
+- Medusa heads (:class:`medusa_train.drafters.medusa.proposer.MedusaTreeDrafter`) and Hydra heads
+  (:class:`medusa_train.drafters.hydra.proposer.HydraTreeDrafter`) keep one state, the FINAL feature of each row's
+  last committed position (:class:`LastFeatureDrafter`); Hydra's fill the tree level by level (:func:`tree_levels`);
+- EAGLE-3 drafters (:class:`medusa_train.drafters.eagle3.proposer.Eagle3TreeDrafter`) keep a KV cache of their own,
+  also reading the tree level by level, and also grow EAGLE-2 dynamic trees (:class:`DynamicTreeDrafter`,
+  :mod:`medusa_train.tree.dynamic`).
 
-An autoregressive drafter with a KV cache of its own, :class:`inference.proposers.eagle3_drafter.Eagle3TreeDrafter`
-(EAGLE-3), also grows EAGLE-2 dynamic trees (:class:`DynamicTreeDrafter`, :mod:`medusa_train.tree.dynamic`).
-
-Both are deterministic functions of the committed sequence and the root, so speculative sampling may treat each
+All are deterministic functions of the committed sequence and the root, so speculative sampling may treat each
 drafted token as a point mass (see :mod:`inference.decoders.medusa`).
 
 **Target features** are named (``{FINAL: [B, T, H], ...}``); :meth:`medusa_train.model.MedusaModel.features` is
@@ -42,9 +39,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from medusa_train.drafters.catalog import type_of
 from medusa_train.features import FINAL
-from medusa_train.tree.buffers import TreeBuffers, gather_node_tokens
+from medusa_train.tree.buffers import TreeBuffers
+
 
 @runtime_checkable
 class TreeDrafter(Protocol):
@@ -143,27 +140,9 @@ class LastFeatureDrafter:
         return self.last
 
 
-class MedusaTreeDrafter(LastFeatureDrafter):
-    """Medusa heads: ``model.head_logits(hidden, num_heads=D)`` ``[D, B, V']`` (only the D heads a tree of depth D
-    reads, ``tree.num_heads``) on the last committed position's ``FINAL`` feature, each head's top-k laid out by
-    ``tree_indices``."""
-
-    def __init__(self, model: Any) -> None:
-        super().__init__()
-        self.model = model
-
-    def draft(self, root: Tensor, tree: TreeBuffers) -> Tensor:
-        hidden = self.state()
-        batch = hidden.shape[0]
-        head_logits = self.model.head_logits(hidden, num_heads=tree.num_heads)  # [D, B, V']
-        drafts = self.model.heads.to_base_tokens(head_logits.topk(tree.topk, dim=-1).indices)  # [D, B, topk]
-        flat = torch.cat([root[:, None], drafts.permute(1, 0, 2).reshape(batch, -1)], dim=1)  # [B, 1 + D * topk]
-        return gather_node_tokens(flat, tree)
-
-
 @dataclass(frozen=True)
-class _Level:
-    """One depth d of the tree, for :class:`HydraTreeDrafter`.
+class TreeLevel:
+    """One depth d of the tree, for drafters that fill it level by level (:func:`tree_levels`).
 
     Attributes:
         depth: d (head d runs at this level).
@@ -182,7 +161,7 @@ class _Level:
     width: int
 
 
-def hydra_levels(tree: TreeBuffers) -> list[_Level]:
+def tree_levels(tree: TreeBuffers) -> list[TreeLevel]:
     """The tree cut into levels: for each depth d < D, the nodes head d expands and the children it fills."""
     parents = tree.parents.tolist()
     depths = tree.position_ids.tolist()
@@ -199,62 +178,12 @@ def hydra_levels(tree: TreeBuffers) -> list[_Level]:
             paths.append(path[::-1])  # root .. node, d + 1 nodes
         ranks = [tree.paths[c - 1][-1] for c in children]
         device = tree.parents.device
-        levels.append(_Level(depth=d, paths=torch.tensor(paths, dtype=torch.long, device=device),
-                             children=torch.tensor(children, dtype=torch.long, device=device),
-                             parent=torch.tensor([row[parents[c]] for c in children], dtype=torch.long, device=device),
-                             rank=torch.tensor(ranks, dtype=torch.long, device=device), width=max(ranks) + 1))
+        levels.append(TreeLevel(depth=d, paths=torch.tensor(paths, dtype=torch.long, device=device),
+                                 children=torch.tensor(children, dtype=torch.long, device=device),
+                                 parent=torch.tensor([row[parents[c]] for c in children], dtype=torch.long,
+                                                     device=device),
+                                 rank=torch.tensor(ranks, dtype=torch.long, device=device), width=max(ranks) + 1))
     return levels
 
 
-class HydraTreeDrafter(LastFeatureDrafter):
-    """Hydra heads, level by level (see the module docstring): ``model.head_logits_at(d, hidden, path_tokens)``,
-    ``hidden`` the last committed position's ``FINAL`` feature."""
-
-    def __init__(self, model: Any) -> None:
-        super().__init__()
-        self.model = model
-        self._tree: TreeBuffers | None = None
-        self._levels: list[_Level] = []
-
-    def levels(self, tree: TreeBuffers) -> list[_Level]:
-        """The tree's levels, computed once per tree."""
-        if self._tree is not tree:
-            self._tree, self._levels = tree, hydra_levels(tree)
-        return self._levels
-
-    def draft(self, root: Tensor, tree: TreeBuffers) -> Tensor:
-        hidden = self.state()
-        batch, size = hidden.shape
-        tokens = root.new_zeros(batch, tree.num_nodes)
-        tokens[:, 0] = root
-        for level in self.levels(tree):
-            path_tokens = tokens[:, level.paths]  # [B, P, d + 1], filled by the levels above
-            rows = hidden[:, None, :].expand(batch, level.paths.shape[0], size)  # [B, P, H]
-            logits = self.model.head_logits_at(level.depth, rows, path_tokens)  # [B, P, V']
-            top = logits.topk(level.width, dim=-1).indices  # [B, P, width]
-            tokens[:, level.children] = self.model.heads.to_base_tokens(top[:, level.parent, level.rank])
-        return tokens
-
-
-def tree_drafter(model: Any) -> TreeDrafter:
-    """A new drafter for ``model``'s heads, before :meth:`~TreeDrafter.start`: the one their type declares in the
-    drafter catalog (:meth:`medusa_train.drafters.catalog.DrafterType.make_tree_drafter`).
-
-    Raises:
-        ValueError: a type without a tree drafter.
-    """
-    return type_of(model.heads).make_tree_drafter(model)
-
-
-def grows_dynamic_trees(model: Any) -> bool:
-    """Whether ``model``'s tree drafter (:func:`tree_drafter`) also grows EAGLE-2 dynamic trees
-    (:class:`DynamicTreeDrafter`): decided by the protocol, for any drafter type.
-
-    Raises:
-        ValueError: a type without a tree drafter.
-    """
-    return isinstance(tree_drafter(model), DynamicTreeDrafter)
-
-
-__all__ = ["DynamicTreeDrafter", "HydraTreeDrafter", "LastFeatureDrafter", "MedusaTreeDrafter", "TreeDrafter",
-           "grows_dynamic_trees", "hydra_levels", "tree_drafter"]
+__all__ = ["DynamicTreeDrafter", "LastFeatureDrafter", "TreeDrafter", "TreeLevel", "tree_levels"]

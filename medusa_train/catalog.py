@@ -1,17 +1,17 @@
 """The drafter catalog: every kind of draft model this medusa-train trains, exports, tunes and decodes.
 
-Each drafter type declares itself next to its own module with :func:`register` (Medusa heads in
-:mod:`medusa_train.heads`, Hydra heads in :mod:`medusa_train.hydra_heads`), the way vLLM's ``speculators`` registers
-one class per algorithm beside its implementation. Every other module asks the catalog (:func:`drafter_type`,
-:func:`type_of`) what a type reads, how it is built, trained, exported and drafted with; none names a type
-(``tests/test_drafter_catalog.py`` fails when one does).
+Each drafter type is one folder, :mod:`medusa_train.drafters` (``medusa/``, ``hydra/``, ``eagle3/``), whose package
+registers the type with :func:`register`, its entry naming the folder's parts as real imports, the way vLLM's
+``speculators`` registers one class per algorithm beside its implementation. Every other module asks the catalog
+(:func:`drafter_type`, :func:`type_of`) what a type reads, how it is built, trained, exported, served and drafted
+with; none compares a type's name or tests its class (``tests/test_drafter_catalog.py`` fails when one does).
 
 A :class:`DrafterType` says:
 
-- what it is: its spec class (a frozen dataclass deriving :class:`~medusa_train.heads.HeadsSpec`), its ``nn.Module``
-  class (built as ``module_cls(spec, token_map)``, with ``init_from_lm_head``, ``to_base_tokens``, ``token_map``
-  and ``dtype``), and ``options``: the fields of ``heads.*`` (:class:`~medusa_train.config.HeadShape`) only this type
-  reads, passed to its spec;
+- what it is: its spec class (a frozen dataclass deriving :class:`~medusa_train.heads_base.HeadsSpec`), its
+  ``nn.Module`` class (built as ``module_cls(spec, token_map)``, with ``init_from_lm_head``, ``to_base_tokens``,
+  ``token_map`` and ``dtype``), and ``options``: the fields of ``heads.*`` (:class:`~medusa_train.config.HeadShape`)
+  only this type reads, passed to its spec;
 - what it reads of the target: ``features`` (names from :mod:`medusa_train.features`, stored by the training cache)
   and whether it reads the teacher-forced path tokens t+1 .. t+K (``reads_path``);
 - its loss: ``logits(heads, inputs, num_heads)`` gives its K heads' logits ``[K, ..., V']`` at the positions of
@@ -23,10 +23,14 @@ A :class:`DrafterType` says:
   ``state_dict``: the module's own parameter names in ``weights_file``), ``config_keys`` (the spec's counts in our
   ``config.json``) and, per engine, None where the engine serves it or the reason where it cannot (``engines``);
 - its engine files: ``engine_writers``, per engine that serves it in a format of its own (EAGLE-3's ``speculators/``
-  for vLLM), a function or ``"module:function"`` that checks the heads and returns the writer of those files
-  (:meth:`DrafterType.engine_writer`); engines without one get the layout's own files (Medusa's ``vllm/``);
-- its tree drafter: ``tree_drafter``, a class or ``"module:attribute"`` built as ``tree_drafter(model)``
-  (:class:`inference.proposers.tree_drafters.TreeDrafter`).
+  for vLLM), a function that checks the heads and returns the writer of those files (:meth:`DrafterType.engine_writer`),
+  and ``engine_files``, the paths those writers own; engines without one get the layout's own files (Medusa's
+  ``vllm/``);
+- how engines serve it: ``vllm_method`` (vLLM's ``speculative_config`` method) with ``vllm_config``, the function
+  giving that config for an export (:func:`vllm_drafter_type` finds the type of a method), and ``llamacpp_gguf``, the
+  conversion of an export's drafter into the GGUF llama.cpp drafts with;
+- its tree drafter: ``tree_drafter``, a class built as ``tree_drafter(model)``
+  (:class:`medusa_train.tree.drafting.TreeDrafter`; :func:`tree_drafter`).
 
 Shapes: K heads, H hidden, V vocabulary (V' the heads').
 """
@@ -43,14 +47,15 @@ import torch
 from torch import nn
 
 from medusa_train.features import FINAL
+from medusa_train.tree.drafting import DynamicTreeDrafter, TreeDrafter
 
 # Export layouts (DrafterType.layout).
 MEDUSA_LAYOUT = "medusa"  # FasterDecoding's keys (medusa_lm_head.safetensors/.pt), TGI's and vLLM's Medusa loaders
 STATE_DICT_LAYOUT = "state_dict"  # the module's own parameter names in the type's weights file
 LAYOUTS = (MEDUSA_LAYOUT, STATE_DICT_LAYOUT)
 ENGINES = ("fasterdecoding", "tgi", "vllm")  # the engines an export may be written for, besides our own decoder
-# The modules that register the built-in types (imported on the first lookup).
-BUILTIN_MODULES = ("medusa_train.heads", "medusa_train.hydra_heads", "medusa_train.eagle3")
+# The packages that register the built-in types, one folder each (imported on the first lookup).
+BUILTIN_MODULES = ("medusa_train.drafters.medusa", "medusa_train.drafters.hydra", "medusa_train.drafters.eagle3")
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ class DrafterType:
     Attributes:
         name: the ``head_type`` (``heads.head_type``, an export's ``config.json``).
         title: its name in messages (``Medusa``).
-        spec_cls: its spec, a frozen dataclass deriving :class:`~medusa_train.heads.HeadsSpec`.
+        spec_cls: its spec, a frozen dataclass deriving :class:`~medusa_train.heads_base.HeadsSpec`.
         module_cls: its ``nn.Module``, built as ``module_cls(spec, token_map)``.
         logits: its heads' teacher-forced logits (:data:`LogitsFn`).
         projected: the same heads' features and projection weight handed to a :data:`ProjectFn` inside the heads'
@@ -116,11 +121,23 @@ class DrafterType:
         config_keys: ``spec.<field>`` -> its key in our ``config.json`` for the spec's own fields (the sizes
             ``hidden_size``, ``vocab_size``, ``share_lm_head``, ``head_vocab_size`` are common to all types).
         engines: engine (:data:`ENGINES`) -> None when it serves this type's export, else the reason it cannot.
-        tree_drafter: its tree drafter class, or ``"module:attribute"`` (imported when first asked for).
-        engine_writers: engine -> a function or ``"module:function"`` called as ``(heads, *,
-            base_model_name_or_path, base_model)``: it checks the heads for that engine (raising ``ValueError``
-            naming what does not fit) and returns ``write(folder)``, which writes the engine's files into the export
-            folder; only for engines that serve the type (``engines[engine]`` None).
+        tree_drafter: its tree drafter class (:class:`~medusa_train.tree.drafting.TreeDrafter`), built as
+            ``tree_drafter(model)``.
+        engine_writers: engine -> a function called as ``(heads, *, base_model_name_or_path, base_model)``: it checks
+            the heads for that engine (raising ``ValueError`` naming what does not fit) and returns
+            ``write(folder)``, which writes the engine's files into the export folder; only for engines that serve
+            the type (``engines[engine]`` None).
+        engine_files: the paths (relative to the export folder) its engine writers write: an export owns them, so
+            an earlier export's are never carried over (:func:`medusa_train.export.writer.owned_files`).
+        vllm_method: vLLM's ``speculative_config`` method its export is served as (``medusa``, ``eagle3``); None
+            where vLLM does not serve it.
+        vllm_config: with ``vllm_method``: ``(export_dir, num_speculative_tokens=None, recorded=True) -> dict``,
+            vLLM's ``speculative_config`` for an export (None: the length recorded in the export's
+            ``vllm_speculative.json`` unless ``recorded`` is False, else the export's default), raising
+            ``FileNotFoundError`` / ``ValueError`` before vLLM starts.
+        llamacpp_gguf: ``(export_dir, target_model_dir, outtype="f32", force=False) -> Path``: converts an export's
+            drafter into the GGUF llama.cpp drafts with beside the target's GGUF (and returns its path); None where
+            llama.cpp has no drafter of the type.
     """
 
     name: str
@@ -141,8 +158,12 @@ class DrafterType:
     weights_file: str | None = None
     config_keys: Mapping[str, str] = field(default_factory=dict)
     engines: Mapping[str, str | None] = field(default_factory=dict)
-    tree_drafter: Any = None
-    engine_writers: Mapping[str, Any] = field(default_factory=dict)
+    tree_drafter: type | None = None
+    engine_writers: Mapping[str, Callable[..., Callable[[Any], None]]] = field(default_factory=dict)
+    engine_files: tuple[str, ...] = ()
+    vllm_method: str | None = None
+    vllm_config: Callable[..., dict[str, Any]] | None = None
+    llamacpp_gguf: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -156,6 +177,11 @@ class DrafterType:
         if unserved:
             raise ValueError(f"drafter type {self.name!r}: engine_writers {unserved} are for engines it declares it "
                              "cannot serve (engines)")
+        if (self.vllm_method is None) != (self.vllm_config is None):
+            raise ValueError(f"drafter type {self.name!r}: vllm_method and vllm_config come together")
+        if self.vllm_method is not None and self.engine_problem("vllm") is not None:
+            raise ValueError(f"drafter type {self.name!r}: vllm_method {self.vllm_method!r} for an engine it declares "
+                             "it cannot serve (engines)")
         spec_fields = {f.name for f in fields(self.spec_cls)}
         missing = sorted({*self.options, *self.config_keys} - spec_fields)
         if missing:
@@ -171,7 +197,7 @@ class DrafterType:
             return f"{self.title} heads have no {engine} layout"
         return self.engines[engine]
 
-    def make_tree_drafter(self, model: Any) -> Any:
+    def make_tree_drafter(self, model: Any) -> TreeDrafter:
         """Its tree drafter for ``model`` (a :class:`~medusa_train.model.MedusaModel` holding such heads).
 
         Raises:
@@ -179,13 +205,12 @@ class DrafterType:
         """
         if self.tree_drafter is None:
             raise ValueError(f"{self.title} heads (head_type {self.name!r}) declare no tree drafter")
-        return _resolve(self.tree_drafter)(model)
+        return self.tree_drafter(model)
 
     def engine_writer(self, engine: str) -> Callable[..., Callable[[Any], None]] | None:
-        """The function writing this type's own files for ``engine`` (:attr:`engine_writers`, imported), or None
-        when the engine reads the layout's own files."""
-        writer = self.engine_writers.get(engine)
-        return None if writer is None else _resolve(writer)
+        """The function writing this type's own files for ``engine`` (:attr:`engine_writers`), or None when the
+        engine reads the layout's own files."""
+        return self.engine_writers.get(engine)
 
     def config_fields(self, spec: Any) -> dict[str, Any]:
         """The spec's own fields as our ``config.json`` records them (:attr:`config_keys`)."""
@@ -194,14 +219,6 @@ class DrafterType:
     def spec_options(self, settings: Any) -> dict[str, Any]:
         """The :attr:`options` read from ``settings`` (an object with those attributes, e.g. ``cfg.heads``)."""
         return {name: getattr(settings, name) for name in self.options}
-
-
-def _resolve(obj: Any) -> Any:
-    """``obj``, or the attribute a ``"module:attribute"`` string names (its module imported)."""
-    if isinstance(obj, str):
-        module, _, attribute = obj.partition(":")
-        return getattr(importlib.import_module(module), attribute)
-    return obj
 
 
 _CATALOG: dict[str, DrafterType] = {}
@@ -263,7 +280,8 @@ def drafter_types() -> tuple[DrafterType, ...]:
 
     def rank(entry: DrafterType) -> int:
         module = entry.module_cls.__module__
-        return BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
+        return next((i for i, package in enumerate(BUILTIN_MODULES) if module.startswith(package + ".")),
+                    len(BUILTIN_MODULES))
 
     return tuple(sorted(_CATALOG.values(), key=rank))
 
@@ -290,7 +308,8 @@ def drafter_type(name: object, source: str = "head_type") -> DrafterType:
     _load_builtins()
     entry = _CATALOG.get(name) if isinstance(name, str) else None
     if entry is None:
-        raise ValueError(f"{source}: head_type {name!r} is not one this medusa-train knows ({', '.join(_CATALOG)}); "
+        known = ", ".join(head_types())
+        raise ValueError(f"{source}: head_type {name!r} is not one this medusa-train knows ({known}); "
                          "upgrade medusa-train or check the setting")
     return entry
 
@@ -314,6 +333,45 @@ def is_drafter(module: Any) -> bool:
     """``module`` is the heads module of a registered type (not a wrapper, not a model holding heads)."""
     _load_builtins()
     return any(type(module) is e.module_cls for e in _CATALOG.values())
+
+
+def tree_drafter(model: Any) -> TreeDrafter:
+    """A new drafter for ``model``'s heads, before :meth:`~medusa_train.tree.drafting.TreeDrafter.start`: the one their
+    type declares (:meth:`DrafterType.make_tree_drafter`).
+
+    Raises:
+        ValueError: a type without a tree drafter.
+    """
+    return type_of(model.heads).make_tree_drafter(model)
+
+
+def grows_dynamic_trees(model: Any) -> bool:
+    """Whether ``model``'s tree drafter (:func:`tree_drafter`) also grows EAGLE-2 dynamic trees
+    (:class:`~medusa_train.tree.drafting.DynamicTreeDrafter`): decided by the protocol, for any drafter type.
+
+    Raises:
+        ValueError: a type without a tree drafter.
+    """
+    return isinstance(tree_drafter(model), DynamicTreeDrafter)
+
+
+def vllm_methods() -> tuple[str, ...]:
+    """vLLM's ``speculative_config`` methods the registered types serve as (:attr:`DrafterType.vllm_method`), in
+    :func:`drafter_types` order: ``("medusa", "eagle3")``."""
+    return tuple(e.vllm_method for e in drafter_types() if e.vllm_method is not None)
+
+
+def vllm_drafter_type(method: str) -> DrafterType:
+    """The registered type whose export vLLM serves as ``method`` (:attr:`DrafterType.vllm_method`).
+
+    Raises:
+        ValueError: no type serves as ``method`` (the methods named).
+    """
+    entry = next((e for e in drafter_types() if e.vllm_method == method), None)
+    if entry is None:
+        raise ValueError(f"no drafter type is served by vLLM as method {method!r} (methods: "
+                         f"{', '.join(vllm_methods())})")
+    return entry
 
 
 def check_head_type(head_type: object, source: str) -> str:
@@ -346,7 +404,7 @@ def heads_from_spec(spec: Any, token_map: torch.Tensor | None = None) -> nn.Modu
 
 def new_spec(head_type: str, options: Mapping[str, Any] | None = None, target_config: Any = None,
              **sizes: Any) -> Any:
-    """The spec of a ``head_type`` drafter: ``sizes`` (the :class:`~medusa_train.heads.HeadsSpec` fields), the
+    """The spec of a ``head_type`` drafter: ``sizes`` (the :class:`~medusa_train.heads_base.HeadsSpec` fields), the
     type's options (others in ``options`` are ignored) and what it reads of ``target_config`` (the target's
     ``PretrainedConfig``; :attr:`DrafterType.target_fields`).
 
@@ -356,7 +414,7 @@ def new_spec(head_type: str, options: Mapping[str, Any] | None = None, target_co
     """
     _load_builtins()
     if head_type not in _CATALOG:
-        raise ValueError(f"head_type must be {' or '.join(_CATALOG)}, got {head_type!r}")
+        raise ValueError(f"head_type must be {' or '.join(head_types())}, got {head_type!r}")
     entry = _CATALOG[head_type]
     chosen = {k: v for k, v in (options or {}).items() if k in entry.options}
     if entry.target_fields is not None:
@@ -367,5 +425,7 @@ def new_spec(head_type: str, options: Mapping[str, Any] | None = None, target_co
 
 
 __all__ = ["BUILTIN_MODULES", "ENGINES", "LAYOUTS", "MEDUSA_LAYOUT", "STATE_DICT_LAYOUT", "DrafterType", "LogitsFn",
-           "ProjectFn", "ProjectedFn", "TargetInputs", "check_head_type", "drafter_type", "drafter_types", "expect_head_type", "head_types",
-           "heads_from_spec", "is_drafter", "new_spec", "register", "shifted_path_tokens", "registered", "titles", "type_of", "unregister"]
+           "ProjectFn", "ProjectedFn", "TargetInputs", "check_head_type", "drafter_type", "drafter_types",
+           "expect_head_type", "grows_dynamic_trees", "head_types", "heads_from_spec", "is_drafter", "new_spec",
+           "register", "registered", "shifted_path_tokens", "titles", "tree_drafter", "type_of", "unregister",
+           "vllm_drafter_type", "vllm_methods"]
