@@ -146,17 +146,25 @@ def sweep_candidates(run_dirs: Sequence[str | Path], baseline: str = BASELINE) -
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())["decoders"]
         config = json.loads((run_dir / RUN_FILE).read_text()).get("config", {}) if (run_dir / RUN_FILE).is_file() \
             else {}
-        label = ", ".join(f"{k}={overrides[run_dir].get(k, '')}" for k in varying)
         for c in candidates_from_rows(read_rows(run_dir / RESULTS_FILE), baseline, config.get("decoder") or {},
                                       taus={n: m.get("mean_accepted_tokens") for n, m in summary.items()},
-                                      exact={n: m.get("exact_match_vs_greedy") for n, m in summary.items()},
-                                      suffix=f" ({label})" if label else ""):
+                                      exact={n: m.get("exact_match_vs_greedy") for n, m in summary.items()}):
             if c.decoder != baseline:
-                varied = {k: overrides[run_dir][k] for k in varying if k in overrides[run_dir]}
-                out.append(dataclasses.replace(c, settings={**c.settings, **varied}))
+                varied = {k: overrides[run_dir].get(k, "") for k in varying if concerns(k, c.decoder)}
+                label = ", ".join(f"{k}={v}" for k, v in varied.items())
+                out.append(dataclasses.replace(c, label=f"{c.label} ({label})" if label else c.label,
+                                               settings={**c.settings, **{k: v for k, v in varied.items()
+                                                                          if k in overrides[run_dir]}}))
             elif not any(o.decoder == baseline for o in out):
                 out.append(dataclasses.replace(c, label=baseline))
     return out
+
+
+def concerns(key: str, decoder: str) -> bool:
+    """Whether the override ``key`` can change ``decoder``: any key but another decoder's own settings
+    (``decoder.<other>.<field>``), so that ``llamacpp`` is not labelled with ``decoder.llamacpp_eagle3.draft_max``."""
+    parts = key.split(".")
+    return not (len(parts) >= 3 and parts[0] == "decoder" and parts[1] != decoder)
 
 
 def write_sweep(out_dir: str | Path, run_dirs: Sequence[str | Path]) -> tuple[Path, list[dict[str, Any]]]:

@@ -16,7 +16,7 @@ from inference.decoders.medusa import TreeDecoder
 from inference.decoders.vanilla import VanillaDecoder
 from inference.evaluation.eval_run import evaluate
 from inference.evaluation.results import read_rows
-from inference.evaluation.sweep import find_runs, sweep_markdown, write_sweep
+from inference.evaluation.sweep import concerns, find_runs, sweep_candidates, sweep_markdown, write_sweep
 from inference.registry import REGISTRY, decoder_settings, default_decoder_names
 from medusa_train.config import ModelConfig
 from medusa_train.export import save_export
@@ -373,6 +373,16 @@ def test_sweep_combines_runs_into_one_table(export, prompts, tmp_path):
     assert "| run | decoder.medusa.topk | decoder |" in table
     assert len([line for line in table.splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]) == 2
     assert len((tmp_path / "sweep" / "sweep.jsonl").read_text().splitlines()) == 2
+    assert [(c.label, c.settings.get("decoder.medusa.topk")) for c in sweep_candidates(runs)] == [
+        ("vanilla", None), ("medusa (decoder.medusa.topk=2)", "2"), ("medusa (decoder.medusa.topk=4)", "4")]
+
+
+@pytest.mark.parametrize("key,decoder,expected", [
+    ("decoder.llamacpp_eagle3.draft_max", "llamacpp", False),  # another decoder's own setting
+    ("decoder.llamacpp_eagle3.draft_max", "llamacpp_eagle3", True),
+    ("dtype", "llamacpp", True), ("decoder", "medusa", True), ("export_dir", "vanilla", True)])
+def test_a_sweep_labels_a_decoder_only_with_the_overrides_that_can_change_it(key, decoder, expected):
+    assert concerns(key, decoder) is expected
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from medusa_train.paths import REPO_ROOT
 from medusa_train.training import checkpoints
 from medusa_train.drills import EXIT_AFTER_STEP, EXIT_CODE
 from medusa_train.training.recipe import build_recipe
+from tests.processes import run_group
 from tests.medusa_train.test_training import (
     assert_same_heads,
     compose_train,
@@ -40,7 +41,7 @@ def launch(overrides: list[str], env: dict[str, str] | None = None) -> subproces
            "-m", "medusa_train.cli.train", *overrides]
     full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
                 "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=400)
+    return run_group(cmd, cwd=REPO_ROOT, env=full_env, timeout=400)
 
 
 def check_ok(result: subprocess.CompletedProcess) -> None:

@@ -25,6 +25,7 @@ from medusa_train.training import checkpoints
 from medusa_train.training.callbacks import PREEMPTED_EXIT_CODE
 from medusa_train.training.recipe import build_recipe
 from medusa_train.training.run_dir import OutputDirError
+from tests.processes import run_group
 from tests.medusa_train.test_distributed import check_ok, free_port
 from tests.medusa_train.test_preemption import NO_PERIODIC_SAVE, export_digests
 from tests.medusa_train.test_training import compose_train, tiny_overrides, write_jsonl, write_tiny_inputs
@@ -37,9 +38,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 def torchrun(overrides: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``medusa-train`` on two local ranks."""
-    return subprocess.run([*TORCHRUN, "--nproc_per_node=2", f"--master_port={free_port()}", "-m",
-                           "medusa_train.cli.train", *overrides], cwd=REPO_ROOT, env={**ENV, **(env or {})},
-                          capture_output=True, text=True, timeout=500)
+    return run_group([*TORCHRUN, "--nproc_per_node=2", f"--master_port={free_port()}", "-m",
+                      "medusa_train.cli.train", *overrides], cwd=REPO_ROOT, env={**ENV, **(env or {})},
+                     timeout=500)
 
 
 def check_rank_1_died_alone(result: subprocess.CompletedProcess, ended: float) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import sys
 import time
 
@@ -22,6 +21,7 @@ from medusa_train.training.callbacks import (
     signal_callback_from_env,
 )
 from medusa_train.training.recipe import build_recipe
+from tests.processes import run_group
 from tests.medusa_train.test_distributed import check_ok, free_port
 from tests.medusa_train.test_training import compose_train, tiny_overrides, write_tiny_inputs
 
@@ -66,12 +66,12 @@ def test_two_ranks_stop_at_the_same_step_when_one_is_signalled(inputs, tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "medusa_train.cli.train", *overrides]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", SIGNAL_AT_STEP: "4:1"}  # rank 1 only
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
+    result = run_group(cmd, cwd=REPO_ROOT, env=env, timeout=400)
     assert result.returncode != 0 and f"exitcode  : {PREEMPTED_EXIT_CODE}" in result.stderr, result.stderr[-3000:]
     assert checkpoints.latest_complete(run / "checkpoints").name == "checkpoint-4"
     env.pop(SIGNAL_AT_STEP)
-    check_ok(subprocess.run([*cmd[:4], f"--master_port={free_port()}", *cmd[5:], "resume=true"], cwd=REPO_ROOT,
-                            env=env, capture_output=True, text=True, timeout=400))
+    check_ok(run_group([*cmd[:4], f"--master_port={free_port()}", *cmd[5:], "resume=true"], cwd=REPO_ROOT,
+                       env=env, timeout=400))
     assert (run / "export").is_dir()
 
 
@@ -80,7 +80,7 @@ def test_a_single_process_run_exits_with_the_requeue_code(inputs, tmp_path):
     cmd = [sys.executable, "-m", "medusa_train.cli.train",
            *tiny_overrides(model_dir, data, tmp_path / "run", **NO_PERIODIC_SAVE)]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), SIGNAL_AT_STEP: "2"}
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = run_group(cmd, cwd=REPO_ROOT, env=env, timeout=300)
     assert result.returncode == PREEMPTED_EXIT_CODE, result.stderr[-3000:]
     assert checkpoints.latest_complete(tmp_path / "run" / "checkpoints").name == "checkpoint-2"
 
@@ -104,13 +104,13 @@ def test_a_rank_dying_alone_stops_the_run_at_once_naming_it_and_the_rerun_resume
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "medusa_train.cli.train"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", EXIT_AFTER_STEP: "3:1"}  # rank 1 dies
     start = time.monotonic()
-    result = subprocess.run([*cmd[:3], f"--master_port={free_port()}", *cmd[3:], *overrides], cwd=REPO_ROOT, env=env,
-                            capture_output=True, text=True, timeout=400)
+    result = run_group([*cmd[:3], f"--master_port={free_port()}", *cmd[3:], *overrides], cwd=REPO_ROOT, env=env,
+                       timeout=400)
     assert result.returncode != 0 and f"exitcode  : {EXIT_CODE}" in result.stderr, result.stderr[-3000:]
     assert "rank      : 1" in result.stderr  # torchrun names the rank that died first
     assert time.monotonic() - start < 120  # the survivor did not wait out a collective's timeout
     assert checkpoints.latest_complete(run / "checkpoints").name == "checkpoint-2"
     env.pop(EXIT_AFTER_STEP)
-    check_ok(subprocess.run([*cmd[:3], f"--master_port={free_port()}", *cmd[3:], *overrides, "resume=true"],
-                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400))
+    check_ok(run_group([*cmd[:3], f"--master_port={free_port()}", *cmd[3:], *overrides, "resume=true"],
+                       cwd=REPO_ROOT, env=env, timeout=400))
     assert (run / "export").is_dir()
