@@ -134,14 +134,14 @@ def choose_placement(target: TargetSizes, s: PlanSettings, rest: int) -> str:
 def cache_build_stage(target: TargetSizes, heads: HeadsSizes, s: PlanSettings) -> Stage:
     """The frozen base writing the hidden-state cache: base weights (:func:`base_weights`, placement by
     :func:`choose_placement`), one batch's forward (:func:`base_forward`), the base logits the greedy targets are
-    taken from (``B x T x V x dtype``: ``hidden_cache.py`` takes the argmax of a whole batch's logits at this
-    commit) and :func:`reserve`. Disk: per token ``features x H x dtype`` (EAGLE-3 stores its three taps
-    and the final state) plus :data:`TOKEN_KEY_BYTES`, times ``tokens``."""
+    taken from (``hidden_cache.py`` projects ``trainer.loss_chunk_size`` positions at a time: ``min(chunk, B x T) x V
+    x dtype``; the whole batch's with 0) and :func:`reserve`. Disk: per token ``features x H x dtype`` (EAGLE-3
+    stores its three taps and the final state) plus :data:`TOKEN_KEY_BYTES`, times ``tokens``."""
     b = dtype_bytes(s.base_dtype)
     n_feat = len(heads.features)
     forward = base_forward(target, s, n_feat)
-    logits = term("base logits (argmax targets)", s.batch * s.seq * target.vocab_size, b,
-                  f"logits ({s.batch * s.seq} tokens x V)")
+    rows = min(s.loss_chunk_size or s.batch * s.seq, s.batch * s.seq)
+    logits = term("base logits (argmax targets)", rows * target.vocab_size, b, f"logits ({rows} tokens x V)")
     rest = sum(t.bytes for t in forward) + logits.bytes + reserve(s).bytes
     placement = choose_placement(target, s, rest)
     gpu = (*base_weights(target, s, placement), *forward, logits,

@@ -79,7 +79,8 @@ class Medusa1Recipe(BaseRecipe):
             build_hidden_cache(self.frozen_base, dataset, folder, split=split, fingerprint=fingerprints[split],
                                collator=self.collator, batch_size=batch_size, rank=self.env.rank,
                                world_size=self.env.world_size, device=self.device, features=features,
-                               lockstep=self.placement == ZERO3)
+                               lockstep=self.placement == ZERO3,
+                               argmax_chunk_size=self.cfg.trainer.loss_chunk_size)
         self.barrier()
         for split, dataset in (("train", data.train), ("eval", data.eval)):
             out.append(CachedHiddenDataset(dataset, folder, split=split, fingerprint=fingerprints[split],

@@ -98,6 +98,19 @@ def test_a_stream_writes_what_save_file_writes_and_seals_it_as_it_goes(tmp_path)
             out.close()
 
 
+def test_the_greedy_targets_are_projected_a_chunk_of_positions_at_a_time(tiny_llama, tmp_path):
+    data = rows()
+    whole = build(tiny_llama, data, tmp_path / "whole", batch_size=2)
+    projected: list[int] = []  # positions per lm_head call
+    tiny_llama.lm_head.register_forward_pre_hook(lambda m, a: projected.append(a[0].numel() // a[0].shape[-1]))
+    chunked = build(tiny_llama, data, tmp_path / "chunked", batch_size=2, argmax_chunk_size=3)
+    assert projected and max(projected) == 3 and sum(projected) > 3 * len(data)  # several chunks a batch
+    for a, b in zip(whole, chunked):
+        assert load_file(a).keys() == load_file(b).keys()
+        for key, value in load_file(a).items():
+            assert torch.equal(value, load_file(b)[key]), key
+
+
 def test_blocks_built_by_two_ranks_are_all_reused_by_one(tiny_llama, tmp_path):
     calls = count_passes(tiny_llama)
     data = rows()

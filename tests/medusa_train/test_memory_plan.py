@@ -101,6 +101,12 @@ def test_70b_medusa1_and_eagle3_fit_8_gpus_of_80_gib_at_seq_4096_with_the_planne
     # a cache row of the 70B: H x 2 B (one feature) + 24 B of tokens; EAGLE-3 keeps 4 features
     assert zero2.stage("cache_build").choices["bytes_per_token"] == 8192 * 2 + 24
     assert eagle.plan.stage("cache_build").choices["bytes_per_token"] == 4 * 8192 * 2 + 24
+    # the greedy targets are projected trainer.loss_chunk_size positions at a time (2,048), not B x T at once
+    logits = {t.name: t.bytes for t in zero2.stage("cache_build").gpu}["base logits (argmax targets)"]
+    assert logits == 2048 * 128_256 * 2
+    whole = build_plan(llama70b, medusa, PlanSettings(**{**s.__dict__, "zero_stage": 2, "loss_chunk_size": 0}))
+    assert {t.name: t.bytes for t in whole.stage("cache_build").gpu}["base logits (argmax targets)"] == \
+        s.batch * 4096 * 128_256 * 2  # 0: the whole batch's logits
 
 
 def test_70b_medusa2_with_zero3_and_lora_fits_8_gpus_of_80_gib_once_the_base_is_checkpointed(llama70b):
