@@ -27,7 +27,7 @@ def alive(pid: int) -> bool:
 
 def test_on_timeout_the_launcher_and_its_children_are_killed():
     with pytest.raises(subprocess.TimeoutExpired) as caught:
-        run_group([sys.executable, "-c", LAUNCHER], timeout=5)
+        run_group([sys.executable, "-c", LAUNCHER], timeout=10)
     child = int(caught.value.output.split()[0])
     deadline = time.monotonic() + 10
     while alive(child) and time.monotonic() < deadline:
