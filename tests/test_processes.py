@@ -25,6 +25,7 @@ def alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+@pytest.mark.slow  # waits out a 10 s timeout
 def test_on_timeout_the_launcher_and_its_children_are_killed():
     with pytest.raises(subprocess.TimeoutExpired) as caught:
         run_group([sys.executable, "-c", LAUNCHER], timeout=10)
