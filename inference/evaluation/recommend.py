@@ -52,7 +52,7 @@ class Candidate:
 
 def candidates_from_rows(rows: Sequence[Mapping[str, Any]], baseline: str, settings: Mapping[str, Any],
                          taus: Mapping[str, float | None] | None = None,
-                         exact: Mapping[str, float | None] | None = None, suffix: str = "") -> list[Candidate]:
+                         exact: Mapping[str, float | None] | None = None) -> list[Candidate]:
     """The candidates of one run's ``results.jsonl`` rows: one per decoder, over the turns it and the baseline
     answered.
 
@@ -61,7 +61,6 @@ def candidates_from_rows(rows: Sequence[Mapping[str, Any]], baseline: str, setti
         baseline: the decoder every speedup is over (``vanilla``).
         settings: ``{decoder: its settings}`` (missing: ``{}``).
         taus, exact: ``{decoder: τ}`` and ``{decoder: exact match}`` from the run's summary, when known.
-        suffix: appended to every label (a sweep job's overrides).
 
     Raises:
         ValueError: the baseline has no row.
@@ -77,7 +76,7 @@ def candidates_from_rows(rows: Sequence[Mapping[str, Any]], baseline: str, setti
     for name, mine in by_decoder.items():
         shared = [t for t in mine if t in base]
         out.append(Candidate(
-            label=name + suffix, decoder=name, settings=dict(settings.get(name) or {}),
+            label=name, decoder=name, settings=dict(settings.get(name) or {}),
             turns={t: (float(mine[t]["new_tokens"]), float(mine[t]["wall_time_s"]), float(base[t]["new_tokens"]),
                        float(base[t]["wall_time_s"])) for t in shared},
             categories={t: str(mine[t].get("category", "")) for t in shared},

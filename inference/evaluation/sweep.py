@@ -150,11 +150,11 @@ def sweep_candidates(run_dirs: Sequence[str | Path], baseline: str = BASELINE) -
                                       taus={n: m.get("mean_accepted_tokens") for n, m in summary.items()},
                                       exact={n: m.get("exact_match_vs_greedy") for n, m in summary.items()}):
             if c.decoder != baseline:
-                varied = {k: overrides[run_dir].get(k, "") for k in varying if concerns(k, c.decoder)}
-                label = ", ".join(f"{k}={v}" for k, v in varied.items())
+                mine = [k for k in varying if concerns(k, c.decoder)]
+                label = ", ".join(f"{k}={overrides[run_dir].get(k, '')}" for k in mine)
+                varied = {k: overrides[run_dir][k] for k in mine if k in overrides[run_dir]}
                 out.append(dataclasses.replace(c, label=f"{c.label} ({label})" if label else c.label,
-                                               settings={**c.settings, **{k: v for k, v in varied.items()
-                                                                          if k in overrides[run_dir]}}))
+                                               settings={**c.settings, **varied}))
             elif not any(o.decoder == baseline for o in out):
                 out.append(dataclasses.replace(c, label=baseline))
     return out

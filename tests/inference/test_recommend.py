@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from inference.evaluation.recommend import candidates_from_rows, recommend, recommendation_markdown
@@ -53,10 +55,11 @@ def test_plain_decoding_is_a_candidate_and_can_win():
 
 def test_candidates_of_several_runs_compare_through_their_own_baselines():
     # run 2's machine was slower for everything: its medusa is 1.6x its own vanilla, run 1's 1.5x
-    run1 = candidates_from_rows(rows(), "vanilla", {}, suffix=" (job 0)")
+    run1 = [dataclasses.replace(c, label=f"{c.label} (job 0)") for c in candidates_from_rows(rows(), "vanilla", {})]
     slower = {name: {c: 2 * s for c, s in by.items()} for name, by in SECONDS.items()}
     slower["medusa"] = {"translation": 2 * 2.0 / 1.6, "coding": 2 * 2.0 / 1.6}
-    run2 = candidates_from_rows(rows(slower), "vanilla", {}, suffix=" (job 1)")
+    run2 = [dataclasses.replace(c, label=f"{c.label} (job 1)")
+            for c in candidates_from_rows(rows(slower), "vanilla", {})]
     rec = recommend([c for c in run1 + run2 if c.decoder == "medusa"])
     assert rec["overall"]["deploy"] == "medusa (job 1)" and rec["overall"]["speedup"] == pytest.approx(1.6)
 
