@@ -5,7 +5,8 @@ Each size is built in a fresh subprocess (so one size's pages do not count for t
 SmolLM2-135M-Instruct (``conf/model/smollm2_135m.yaml``), tokenizes ``--conversations x scale`` ShareGPT conversations
 at ``--max-length`` tokens (the quickstart's ``max_length=320``; it trains on the replies the base regenerates for
 about 520 of the 700 conversations it reads, here ShareGPT's own replies stand in for them: the cache holds the same
-number of tokens) and runs :func:`~medusa_train.training.hidden_cache.build_hidden_cache` into a fresh folder. The
+number of tokens) and runs :func:`~medusa_train.training.hidden_cache.build_hidden_cache` into a fresh folder, its
+base argmax projected ``--argmax-chunk-size`` positions at a time (the recipes pass ``trainer.loss_chunk_size``). The
 child reports its peak resident set during the build (``VmHWM`` in ``/proc/self/status``, reset through
 ``/proc/self/clear_refs`` once the model and data are loaded, so loading ShareGPT does not count), its resident set
 before the build, the peak while loading, the tokens cached and the build's seconds.
@@ -29,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from medusa_train.config import TrainerConfig
 
 
 def vm_kib(field: str) -> int:
@@ -68,7 +71,8 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.folder) as folder:
         build_hidden_cache(FrozenBase.of(base), dataset, folder, split="train", fingerprint="0" * 16,
-                           collator=Collator.from_tokenizer(tokenizer), batch_size=args.batch_size)
+                           collator=Collator.from_tokenizer(tokenizer), batch_size=args.batch_size,
+                           argmax_chunk_size=args.argmax_chunk_size)
         seconds = time.perf_counter() - start
         peak = vm_kib("VmHWM")
     return {"rss_mib": peak / 1024, "build_mib": (peak - before) / 1024, "load_peak_mib": process_peak / 1024,
@@ -81,6 +85,9 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=320, help="tokens kept per conversation")
     parser.add_argument("--scales", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--batch-size", type=int, default=8, help="rows per base forward pass")
+    parser.add_argument("--argmax-chunk-size", type=int, default=TrainerConfig.loss_chunk_size,
+                        help="positions projected onto the vocabulary at once for the cache's base argmax (the "
+                             "recipes pass trainer.loss_chunk_size, this default; 0: the whole batch at once)")
     parser.add_argument("--dtype", default="float32", help="the base's dtype (the quickstart trains in fp32)")
     parser.add_argument("--layers", type=int, default=0, help="keep the first N decoder layers (0: all)")
     parser.add_argument("--threads", type=int, default=2)
@@ -95,7 +102,8 @@ def main() -> None:
     for scale in args.scales:
         command = [sys.executable, __file__, "--child", "--scale", str(scale), "--conversations",
                    str(args.conversations), "--max-length", str(args.max_length), "--batch-size", str(args.batch_size),
-                   "--dtype", args.dtype, "--layers", str(args.layers), "--threads", str(args.threads)]
+                   "--argmax-chunk-size", str(args.argmax_chunk_size), "--dtype", args.dtype, "--layers", str(args.layers),
+                   "--threads", str(args.threads)]
         if args.folder:
             command += ["--folder", args.folder]
         done = subprocess.run(command, check=True, capture_output=True, text=True, env=os.environ)

@@ -270,10 +270,10 @@ def training_stage(target: TargetSizes, heads: HeadsSizes, s: PlanSettings) -> S
 
 
 def export_stage(heads: HeadsSizes, s: PlanSettings) -> Stage:
-    """The export: every rank gathers the trained fp32 weights on its host (``gather_trainable_state``), the main
-    process's safetensors write serialises them once more (``params x 4`` each); GPUs hold nothing new."""
-    host = (term("gathered fp32 heads (every rank)", s.per_host * heads.params, 4,
-                 "params (ranks per host x heads)"),
+    """The export: the main process keeps the trained fp32 weights on its host (``gather_trainable_state``; the other
+    ranks take part in DeepSpeed's gathers and drop each weight), and its safetensors write serialises them once more
+    (``params x 4`` each); GPUs hold nothing new."""
+    host = (term("gathered fp32 heads (main process)", heads.params, 4, "params"),
             term("safetensors buffer", heads.params, 4, "params"),
             term("rank processes", s.per_host, HOST_PROCESS_BYTES, "ranks"))
     return Stage("export", host=host)

@@ -86,6 +86,7 @@ from medusa_train.drills import check_drills
 from medusa_train.training.data_prep import PreparedData, check_data_source, check_enough_data, prepare_data
 from medusa_train.training.head_accuracy import head_accuracy
 from medusa_train.training.metrics import format_table
+from medusa_train.training.process_group import from_main
 from medusa_train.training.run_dir import (
     OutputDirError,
     RunPaths,
@@ -120,34 +121,42 @@ def resolve_config(cfg: TrainConfig | DictConfig | dict[str, Any]) -> tuple[Trai
     return as_dataclass(TrainConfig, resolved), resolved
 
 
-def gather_trainable_state(trainer: MedusaTrainer) -> dict[str, torch.Tensor]:
+def gather_trainable_state(trainer: MedusaTrainer, keep: bool = True) -> dict[str, torch.Tensor]:
     """Full fp32 trained weights (parameters that require grad: the heads, and Medusa-2's adapters or base) and the
-    heads' persistent buffers (their state_dict's), on the CPU, on every rank (collective under DeepSpeed); names as
-    in ``trainer.model``.
+    heads' persistent buffers (their state_dict's), on the CPU; names as in ``trainer.model``.
 
     Under ZeRO-3 the parameters are sharded and under ZeRO-1/2 with bf16/fp16 the module holds low-precision copies;
-    ``safe_get_full_fp32_param`` assembles the optimizer's fp32 master weights in both cases. Frozen base weights are
-    not gathered: they are the base model's, reloaded from its files where needed.
+    ``safe_get_full_fp32_param`` assembles the optimizer's fp32 master weights in both cases. It is a collective:
+    under DeepSpeed every rank calls this. Frozen base weights are not gathered: they are the base model's, reloaded
+    from its files where needed.
+
+    Args:
+        trainer: the trained Trainer.
+        keep: False on the ranks that do not export: they take part in DeepSpeed's gathers and drop each weight at
+            once, and return ``{}``. So a node holds one host copy of the fp32 weights (its main process's), not one
+            per rank (70B Medusa-1 heads with full lm_head copies: about 17 GiB, against 133 GiB for 8 ranks).
     """
     model = trainer.model
-    buffers = {}
+    state = {}
+    if trainer.is_deepspeed_enabled:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                full = safe_get_full_fp32_param(param)  # a collective: every rank takes part, keep or not
+                if keep:
+                    state[name] = (full if full is not None else param.data).detach().float().cpu().clone()
+    elif keep:
+        state = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+    if not keep:
+        return {}
     for prefix, module in model.named_modules():
         if is_drafter(module):
             saved = module.state_dict(keep_vars=True)  # persistent buffers only (not EAGLE-3's RoPE tables)
             for name, buf in module.named_buffers():
                 if name in saved:
-                    buffers[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu().clone()
-    if trainer.is_deepspeed_enabled:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        state = {}
-        for name, param in model.named_parameters():
-            if param.requires_grad:
-                full = safe_get_full_fp32_param(param)
-                state[name] = (full if full is not None else param.data).detach().float().cpu().clone()
-        return {**state, **buffers}
-    state = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return {**state, **buffers}
+                    state[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu().clone()
+    return state
 
 
 class BaseRecipe:
@@ -232,10 +241,9 @@ class BaseRecipe:
         """Under a launcher: every rank sees the lock its main process holds (one run, one shared folder)."""
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return
-        token = [self.lock.holder.token if self.lock is not None else None]
-        torch.distributed.broadcast_object_list(token, src=0)
+        token = from_main(self.lock.holder.token if self.lock is not None else None)
         if not self.env.is_main:
-            check_token(self.paths.root, token[0])
+            check_token(self.paths.root, token)
 
     # ---- setup steps -----------------------------------------------------------------------------------------------
 
@@ -460,10 +468,10 @@ class BaseRecipe:
         Returns ``export/`` (None on other ranks, or with ``export=false``).
 
         Raises:
-            TrainingStopped: a trained weight is not finite (nothing is exported).
+            TrainingStopped: a trained weight is not finite (nothing is exported; raised on every rank).
         """
-        state = gather_trainable_state(self.trainer)
-        bad = nonfinite_names(state.items())  # every rank holds the gathered state: all stop together
+        state = gather_trainable_state(self.trainer, keep=self.env.is_main)  # one host copy, the main process's
+        bad = from_main(nonfinite_names(state.items()))  # the main process's verdict: every rank stops together
         if bad:
             raise TrainingStopped(f"the trained weights are not finite ({', '.join(bad[:4])}): nothing is exported; "
                                   "lower trainer.learning_rate and start again with overwrite=true")

@@ -22,6 +22,7 @@ import datetime
 import logging
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -90,3 +91,14 @@ def ranks_max(value: int, device: torch.device | str) -> int:
     total = torch.tensor([value], dtype=torch.int64, device=on)
     torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
     return int(total.item())
+
+
+def from_main(value: Any) -> Any:
+    """``value`` as the main process (rank 0) holds it, on every rank: ``torch.distributed.broadcast_object_list``
+    (a collective: every rank calls it), ``value`` itself without a process group. For small picklable decisions
+    (a lock's token, the names of non-finite weights), not tensors."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

@@ -25,7 +25,7 @@ from medusa_train.training import checkpoints
 from medusa_train.training.callbacks import PREEMPTED_EXIT_CODE
 from medusa_train.training.recipe import build_recipe
 from medusa_train.training.run_dir import OutputDirError
-from tests.processes import run_group
+from tests.processes import kill_group, run_group
 from tests.medusa_train.test_distributed import check_ok, free_port
 from tests.medusa_train.test_preemption import NO_PERIODIC_SAVE, export_digests
 from tests.medusa_train.test_training import compose_train, tiny_overrides, write_jsonl, write_tiny_inputs
@@ -142,16 +142,18 @@ def test_preempted_on_one_node_resumed_as_two_nodes_on_other_hosts_gives_the_sam
          "--rdzv_id=77", "--local_addr=127.0.0.1",  # the made-up host names resolve nowhere
          "-m", "medusa_train.cli.train", *overrides(run, resume="true")],
         cwd=REPO_ROOT, env={**ENV, "SLURM_JOB_ID": "77"}, stdout=subprocess.DEVNULL, stderr=(tmp_path / f"node{node}.err")
-        .open("w"), text=True) for node in range(2)]
-    deadline = time.monotonic() + 500
-    while any(p.poll() is None for p in nodes) and time.monotonic() < deadline:
-        if any(p.poll() not in (None, 0) for p in nodes):  # one node failed: the other would wait for it
-            break
-        time.sleep(1)
-    for p in nodes:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        .open("w"), text=True, start_new_session=True) for node in range(2)]  # a group each: no rank outlives the test
+    try:
+        deadline = time.monotonic() + 500
+        while any(p.poll() is None for p in nodes) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in nodes):  # one node failed: the other would wait for it
+                break
+            time.sleep(1)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                kill_group(p.pid)
+                p.wait()
     errors = "\n".join((tmp_path / f"node{node}.err").read_text()[-3000:] for node in range(2))
     assert [p.returncode for p in nodes] == [0, 0], errors
     assert f"resuming from {run / 'checkpoints' / 'checkpoint-3'}" in (run / "hydra" / "train-rank0.log").read_text()

@@ -13,8 +13,9 @@ import pytest
 from medusa_train.config import LoggerConfig, TrainerConfig
 from medusa_train.paths import REPO_ROOT
 from medusa_train.training.arguments import training_arguments
-from medusa_train.training.process_group import explain_timeout, timeout_seconds
+from medusa_train.training.process_group import explain_timeout, from_main, timeout_seconds
 from tests.medusa_train.test_distributed import free_port
+from tests.processes import kill_group
 
 
 def test_the_timeout_reaches_the_training_arguments(tmp_path):
@@ -63,20 +64,67 @@ with explain_timeout(trainer.timeout_minutes):
 """
 
 
+def two_ranks(script: str, folder) -> list[subprocess.Popen]:
+    """Ranks 0 and 1 of a two-rank gloo group on this host, each running ``script`` (``folder`` as its argument) in
+    its own process group, so :func:`stop_all` reaches what they start."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    return [subprocess.Popen([sys.executable, "-c", script, str(folder)], cwd=REPO_ROOT, text=True,
+                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True) for r in range(2)]
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            kill_group(p.pid)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow  # two interpreters importing transformers: about 20-40 s on 2 shared cores
 def test_a_rank_waiting_past_the_timeout_fails_naming_it(tmp_path):
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path)], cwd=REPO_ROOT, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for r in range(2)]
     started = time.perf_counter()
-    out, err = procs[0].communicate(timeout=120)
-    procs[1].communicate(timeout=60)
+    procs = two_ranks(RANK, tmp_path)
+    try:
+        out, err = procs[0].communicate(timeout=120)
+        procs[1].communicate(timeout=60)
+    finally:
+        stop_all(procs)
     assert procs[0].returncode == 1, err[-3000:]
     assert "TimeoutError: rank 0 waited more than trainer.timeout_minutes=0.05 for another rank" in err
     waited = float(out.split("waited ")[1].split()[0])
     assert 2.5 <= waited < 10, out  # the configured 3 s, not torch's 30 minutes
     assert time.perf_counter() - started < 110
+
+
+def test_from_main_without_a_process_group_is_the_value_itself():
+    value = ["medusa_head.0.weight"]
+    assert from_main(value) is value
+
+
+FROM_MAIN = """
+import os, sys, torch
+from medusa_train.config import LoggerConfig, TrainerConfig
+from medusa_train.training.arguments import training_arguments
+from medusa_train.training.process_group import from_main
+trainer = TrainerConfig(strategy="ddp", use_cpu=True, timeout_minutes=1.0)
+training_arguments(trainer, LoggerConfig(), checkpoints_dir=sys.argv[1], seed=0, deepspeed_config=None,
+                   world_size=2).device
+rank = int(os.environ["RANK"])
+print("verdict", from_main(["medusa_head.1.weight"] if rank == 0 else []), flush=True)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # two interpreters importing transformers: about 20-40 s on 2 shared cores
+def test_every_rank_gets_the_main_process_verdict(tmp_path):
+    # the export's finiteness check runs on the main process (the only one holding the gathered weights); the
+    # other ranks must stop with it, so its list of non-finite names reaches them
+    procs = two_ranks(FROM_MAIN, tmp_path)
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        stop_all(procs)
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert "verdict ['medusa_head.1.weight']" in out, out

@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from medusa_train.paths import CONF_DIR, assets_dir
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import check_deepspeed_batch
 from medusa_train.training.losses import decay_weights, medusa_head_loss, packed_head_loss, valid_mask
-from medusa_train.training.recipe import build_recipe
+from medusa_train.training.recipe import build_recipe, gather_trainable_state
 from tests.conftest import make_tiny_model
 
 register_schemas()  # what conf/train.yaml composes from (also for the tests importing compose_train)
@@ -561,3 +562,14 @@ def test_self_distilled_prompts_are_cached_reused_and_long_prompts_left_out(tiny
     again.cleanup()
     assert shard.read_text().count("\n") == 6
     assert again.data.train["input_ids"] == recipe.data.train["input_ids"]
+
+
+def test_only_the_exporting_process_keeps_the_gathered_weights():
+    # the export's host copy is the main process's alone (70B Medusa-1: about 17 GiB a node, not 8 x that)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    model[0].weight.requires_grad_(False)  # a frozen base weight: never gathered
+    trainer = types.SimpleNamespace(model=model, is_deepspeed_enabled=False)
+    kept = gather_trainable_state(trainer)
+    assert sorted(kept) == ["0.bias", "1.bias", "1.weight"]
+    assert torch.equal(kept["1.weight"], model[1].weight) and kept["1.weight"].data_ptr() != model[1].weight.data_ptr()
+    assert gather_trainable_state(trainer, keep=False) == {}
