@@ -58,6 +58,8 @@ class PlanSettings:
             "device").
         gradient_checkpointing: Medusa-2's base keeps only its layers' inputs in the forward pass and recomputes the
             rest in the backward pass (``trainer.extra.gradient_checkpointing``).
+        soft_targets: the heads learn the base's distribution (``heads.target=soft``): Medusa-2 then holds the
+            base's logits at every position, whatever ``loss_chunk_size``.
         head_vocab_size etc. are the heads config's (:class:`~medusa_train.config.HeadShape`), given beside these.
     """
 
@@ -81,6 +83,7 @@ class PlanSettings:
     lora_targets: tuple[str, ...] | None = None
     device_kind: str = "cuda"
     gradient_checkpointing: bool = False
+    soft_targets: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpu_bytes", "seq", "batch", "max_num_seqs"):
@@ -134,6 +137,7 @@ def settings_from_config(cfg: TrainConfig, gpus: int, gpu_bytes: int, gpus_per_h
         base_placement=cfg.base_placement, self_distill=distill, max_num_seqs=cfg.data.generation_batch_size,
         lora_r=lora_r, lora_targets=tuple(cfg.heads.lora.target_modules) if cfg.heads.lora.target_modules else None,
         device_kind=device_kind, gradient_checkpointing=bool(cfg.trainer.extra.get("gradient_checkpointing", False)),
+        soft_targets=cfg.heads.target == "soft",
     )
 
 

@@ -211,6 +211,18 @@ def loss_logits(heads: HeadsSizes, s: PlanSettings, tokens: int) -> Term:
                 f"logits (2 x loss_chunk_size {s.loss_chunk_size} x V' {heads.out_size})")
 
 
+def base_loss_logits(target: TargetSizes, s: PlanSettings, tokens: int) -> Term:
+    """Medusa-2's base loss over the full vocabulary V: with ``loss_chunk_size`` > 0 one chunk of positions at a time
+    (its fp32 logits, the original model's for ``kl``, and their gradient: ``3 x chunk x V x 4``,
+    :func:`~medusa_train.training.joint_loss.chunked_base_loss_sum`); with 0, or with ``soft`` targets (the heads
+    read the base's distribution at every position), the batch's logits (``B x T x V x 4``)."""
+    if s.loss_chunk_size and not s.soft_targets:
+        rows = min(s.loss_chunk_size, tokens)
+        return term("base loss logits chunk (+ original, grad)", 3 * rows * target.vocab_size, 4,
+                    f"logits (3 x {rows} positions x V)")
+    return term("base loss logits", tokens * target.vocab_size, 4, f"logits ({tokens} tokens x V)")
+
+
 def base_activations(target: TargetSizes, s: PlanSettings, tokens: int) -> tuple[Term, ...]:
     """What Medusa-2's base saves for its backward pass: every linear map's input and output of every layer
     (``L x tokens x widths x 2 B``), or with gradient checkpointing each layer's input (``L x tokens x H x 2 B``)
@@ -235,7 +247,7 @@ def training_stage(target: TargetSizes, heads: HeadsSizes, s: PlanSettings) -> S
     - Medusa-2: the base ZeRO-3-sharded (its shard and largest gathered block), the LoRA adapters' state
       (``r x (in + out)`` per adapted map and layer; the whole base's with ``finetune=full``), the activations a
       backward through every base layer needs (``layers x B x T x widths x 2``) and the base loss's logits
-      (``B x T x V x 4``).
+      (:func:`base_loss_logits`).
     """
     b = dtype_bytes(s.base_dtype)
     tokens = s.batch * s.seq
@@ -251,8 +263,7 @@ def training_stage(target: TargetSizes, heads: HeadsSizes, s: PlanSettings) -> S
             width = sum(target.lora_widths.get(n, 0) for n in names)
             lora = s.lora_r * width * target.num_layers
             gpu += trainable_state(lora, s.lora_r * max(target.lora_widths.values()), s, "LoRA")
-        gpu += [*base_activations(target, s, tokens),
-                term("base loss logits", tokens * target.vocab_size, 4, f"logits ({tokens} tokens x V)")]
+        gpu += [*base_activations(target, s, tokens), base_loss_logits(target, s, tokens)]
     elif s.hidden_cache:
         gpu += [term("base lm_head + embeddings", target.embed + target.lm_head, b, "params"),
                 term("cached features of a batch", n_feat * tokens * target.hidden_size, b,

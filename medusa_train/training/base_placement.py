@@ -151,6 +151,15 @@ def hf_deepspeed_config(ds_config: dict[str, Any] | None, trainer_config: Any | 
             set_hf_deepspeed_config(trainer_config)
 
 
+def start_deepspeed_comm() -> None:
+    """``deepspeed.comm`` over the running ``torch.distributed`` group (its backend). A partitioned load
+    (``deepspeed.zero.Init`` inside ``from_pretrained``) reads the world size from it, and takes 1 where it has not
+    started: a Medusa-2 run under ZeRO-3 without stage 1 (whose ZeRO-3 engine starts it) loads before any engine."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+
+
 def start_zero3_engine(base: nn.Module, ds_config: dict[str, Any]) -> Any:
     """A ZeRO-3 engine with no optimizer over a base loaded partitioned (``deepspeed.initialize``): it registers the
     hooks that gather each module's parameters for its forward. Returns the engine (keep it until the base's last
@@ -174,12 +183,17 @@ def is_partitioned(param: torch.Tensor) -> bool:
 
 
 def gathered(tensor: torch.Tensor) -> Any:
-    """``deepspeed.zero.GatheredParameters([tensor])`` (read only) for a ZeRO-3 partitioned parameter, else a null
-    context: within it ``tensor`` holds its full value. Collective for a partitioned one: every rank enters it."""
+    """``deepspeed.zero.GatheredParameters([tensor])`` (read only) for a ZeRO-3 partitioned parameter that is not
+    gathered now, else a null context: within it ``tensor`` holds its full value. Collective for a partitioned one:
+    every rank enters it. A parameter the running forward already holds whole (a tied lm_head inside its model's
+    forward) is left to the hooks that gathered it: leaving the context would release it under them."""
     if not is_partitioned(tensor):
         return contextlib.nullcontext()
     import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+    if tensor.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+        return contextlib.nullcontext()
     return deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
 
 

@@ -71,6 +71,7 @@ from medusa_train.training.base_placement import (
     partition_numel,
     replicate_output_and_input_embeddings,
     resolve_base_placement,
+    start_deepspeed_comm,
     start_zero3_engine,
     zero3_inference_config,
 )
@@ -341,6 +342,7 @@ class BaseRecipe:
         if self.placement != ZERO3:
             return zero3_hidden_from_transformers(args)
         if self.cfg.heads.mode == "medusa2":
+            start_deepspeed_comm()  # the Trainer's engine starts later; the partitioned load needs the world size
             return contextlib.nullcontext()
         self.base_ds_config = zero3_inference_config(choose_dtype(self.cfg.model.dtype, self.device).dtype)
         return hf_deepspeed_config(self.base_ds_config, trainer_ds)

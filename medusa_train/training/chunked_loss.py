@@ -31,6 +31,7 @@ Shapes: R rows, H hidden, V' vocabulary of the projection, G weight groups (head
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,18 @@ def rows_teacher(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
     return chunk
 
 
+@torch.no_grad()
+def chunked_argmax(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                   chunk_size: int) -> torch.Tensor:
+    """The greedy tokens of ``project`` (an lm_head: ``[N, H] -> [N, V]``) at every position of ``hidden [..., H]``:
+    ``[...]`` long, ``chunk_size`` positions projected at a time (0: all at once, the ``[..., V]`` logits held)."""
+    if not chunk_size:
+        return project(hidden).argmax(-1)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = [project(flat[s : s + chunk_size]).argmax(-1) for s in range(0, flat.shape[0], chunk_size)]
+    return torch.cat(out).reshape(hidden.shape[:-1]) if out else flat.new_zeros(hidden.shape[:-1], dtype=torch.long)
+
+
 def _spans(group_sizes: Sequence[int], chunk_size: int) -> list[tuple[int, int, int]]:
     """``(group, start, end)`` row spans of at most ``chunk_size`` rows, none crossing a group boundary."""
     spans, start = [], 0
@@ -108,7 +121,7 @@ class ChunkedLinearCE(torch.autograd.Function):
     teacher) -> (loss, row_loss, top1, top5)``; see :func:`chunked_linear_ce` (its public entry point)."""
 
     @staticmethod
-    def forward(ctx, features, weight, targets, row_weight, group_sizes, chunk_size, teacher):
+    def forward(ctx, features, weight, targets, row_weight, group_sizes, chunk_size, teacher, gather):
         weights = weight if weight.dim() == 3 else weight[None]
         R = features.shape[0]
         row_loss = torch.zeros(R, dtype=_accumulate_dtype(weight), device=features.device)
@@ -135,7 +148,7 @@ class ChunkedLinearCE(torch.autograd.Function):
                 del z
         loss = (row_weight * row_loss).sum()
         ctx.save_for_backward(features, weight, targets, row_weight)
-        ctx.spans, ctx.teacher = spans, teacher
+        ctx.spans, ctx.teacher, ctx.gather = spans, teacher, gather
         device = features.device.type
         # the backward pass recomputes the logits as this pass did: under the same autocast (mixed precision)
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
@@ -145,6 +158,12 @@ class ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         features, weight, targets, row_weight = ctx.saved_tensors
+        with ctx.gather():  # the weight whole again (a ZeRO-3 partitioned one is gathered)
+            grad_x, grad_w = ChunkedLinearCE._gradients(ctx, grad_loss, features, weight, targets, row_weight)
+        return grad_x, grad_w, None, None, None, None, None, None
+
+    @staticmethod
+    def _gradients(ctx, grad_loss, features, weight, targets, row_weight):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         weights = weight if weight.dim() == 3 else weight[None]
         grad_x = torch.zeros_like(features) if need_x else None
@@ -174,7 +193,7 @@ class ChunkedLinearCE(torch.autograd.Function):
                     del z, p, dz
         if grad_w is not None and weight.dim() == 2:
             grad_w = grad_w[0]
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w
 
 
 def chunked_linear_ce(
@@ -186,6 +205,7 @@ def chunked_linear_ce(
     row_weight: torch.Tensor | None = None,
     group_sizes: Sequence[int] | None = None,
     teacher: TeacherFn | None = None,
+    gather: Callable[[], AbstractContextManager] = nullcontext,
 ) -> ChunkedCEOutput:
     """The summed cross entropy (or KL to a teacher) of ``features @ weight^T``, ``chunk_size`` rows at a time.
 
@@ -202,6 +222,9 @@ def chunked_linear_ce(
         teacher: soft targets: :data:`TeacherFn` giving the teacher's logits of rows ``start .. end - 1`` over the
             same V' (:func:`linear_teacher`, :func:`rows_teacher`), called once per chunk in the forward pass and
             again in the backward pass; the loss is then ``KL(softmax(teacher) || softmax(logits))``.
+        gather: a context in which ``weight`` holds its whole value, entered again by the backward pass (a frozen
+            ZeRO-3 partitioned weight: :func:`~medusa_train.training.base_placement.gathered`; the caller runs this
+            call inside it too); the default: none needed.
 
     Returns:
         :class:`ChunkedCEOutput`; equal, up to float32 rounding, to the same loss on the logits computed at once.
@@ -226,9 +249,9 @@ def chunked_linear_ce(
         row_weight = torch.ones(R, dtype=torch.float32, device=features.device)
     loss, row_loss, top1, top5 = ChunkedLinearCE.apply(features, weight, targets,
                                                        row_weight.to(_accumulate_dtype(weight)), sizes, chunk_size,
-                                                       teacher)
+                                                       teacher, gather)
     return ChunkedCEOutput(loss=loss, row_loss=row_loss, top1=top1, top5=top5)
 
 
-__all__ = ["ChunkedCEOutput", "ChunkedLinearCE", "TeacherFn", "chunked_linear_ce", "linear_teacher",
-           "rows_teacher"]
+__all__ = ["ChunkedCEOutput", "ChunkedLinearCE", "TeacherFn", "chunked_argmax", "chunked_linear_ce",
+           "linear_teacher", "rows_teacher"]

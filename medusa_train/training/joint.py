@@ -13,7 +13,9 @@ model's logits, computed by the same module with its adapters disabled (``PeftMo
 refused by the config (it would need a frozen copy, doubling the base's memory).
 
 Everything runs inside :meth:`JointMedusaModel.forward`, so DeepSpeed ZeRO-3's parameter-gathering hooks see every
-call (backbone, lm_head, heads).
+call (backbone, lm_head, heads). The base's chunked loss reads the lm_head's weight outside its module: where ZeRO-3
+partitions it, it is gathered for that loss's forward and backward passes
+(:func:`~medusa_train.training.base_placement.gathered`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from medusa_train.catalog import ProjectFn
 from medusa_train.config import HeadsConfig
 from medusa_train.features import FINAL, target_features
 from medusa_train.model import DraftHeads
+from medusa_train.training.base_placement import gathered, is_partitioned
+from medusa_train.training.chunked_loss import chunked_argmax
+from medusa_train.training.joint_loss import base_loss_sum, chunked_base_loss_sum
 
 # model_type -> LoRA targets: the attention projections (Hu et al. 2021 adapt W_q, W_v; QLoRA-style recipes all four).
 # Add the MLP (gate_proj, up_proj, down_proj) through heads.lora.target_modules.
@@ -153,23 +158,45 @@ def load_trainable_state(model: nn.Module, state: Mapping[str, torch.Tensor], so
             p.copy_(state[name])
 
 
+@dataclass(frozen=True)
+class BaseLossRequest:
+    """The base's loss computed inside :meth:`JointMedusaModel.forward`, ``chunk_size`` positions at a time, in place
+    of its logits (:func:`~medusa_train.training.joint_loss.chunked_base_loss_sum`).
+
+    Attributes:
+        kind: ``lm`` or ``kl`` (``heads.base_loss``).
+        labels: ``[B, T]`` long, -100 off the assistant turns (not shifted).
+        chunk_size: positions projected onto the vocabulary at once (``trainer.loss_chunk_size``, >= 1).
+        argmax: also the base's greedy tokens ``[B, T]`` (the heads' ``base_argmax`` targets), in chunks too.
+    """
+
+    kind: str
+    labels: torch.Tensor
+    chunk_size: int
+    argmax: bool = False
+
+
 @dataclass
 class JointOutput:
     """One :meth:`JointMedusaModel.forward`.
 
     Attributes:
-        logits: ``[B, T, V]`` base logits (with gradient when the base trains), in the lm_head's dtype.
+        logits: ``[B, T, V]`` base logits (with gradient when the base trains), in the lm_head's dtype; None when
+            the base's loss was computed in chunks (never held whole).
         head_logits: ``[K, B, T, V']`` head logits of the same hidden states, or ``[K, M, V']`` at the M
             ``positions`` given to :meth:`JointMedusaModel.forward`; None with ``head_loss_for``.
         reference_logits: ``[B, T, V]`` logits of the original model (adapters disabled, no gradient), or None.
         head_loss: what the heads' ``project_fn`` returned (with ``head_loss_for``: the chunked heads' loss), else
             None.
+        base_loss: with a :class:`BaseLossRequest`: ``(loss sum, counted positions)``, float32 scalars (as
+            :func:`~medusa_train.training.joint_loss.base_loss_sum` returns); else None.
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     head_logits: torch.Tensor | None
     reference_logits: torch.Tensor | None = None
     head_loss: Any = None
+    base_loss: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class JointMedusaModel(nn.Module):
@@ -228,47 +255,93 @@ class JointMedusaModel(nn.Module):
         result = super().load_state_dict(state_dict, strict=False, assign=assign)
         return type(result)(missing_keys=[], unexpected_keys=[])
 
-    def _logits_and_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        lm = causal_lm(self.base)
-        features, _ = target_features(lm.base_model, input_ids, attention_mask=attention_mask, use_cache=False)
-        hidden = features[FINAL]  # [B, T, H], after the final norm
-        return lm.get_output_embeddings()(hidden), hidden
+    def _lm_head(self) -> nn.Module:
+        return causal_lm(self.base).get_output_embeddings()
+
+    def _hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The backbone's last hidden states ``[B, T, H]``, after the final norm."""
+        features, _ = target_features(causal_lm(self.base).base_model, input_ids, attention_mask=attention_mask,
+                                      use_cache=False)
+        return features[FINAL]
+
+    def _reference_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                          hidden: torch.Tensor) -> torch.Tensor:
+        """The original model's last hidden states (no gradient): the adapters disabled, or ``hidden`` itself for a
+        frozen base.
+
+        Raises:
+            ValueError: a fully fine-tuned base (no original to switch back to).
+        """
+        if is_peft(self.base):
+            with torch.no_grad(), self.base.disable_adapter():
+                return self._hidden(input_ids, attention_mask)
+        if not any(p.requires_grad for p in self.base.parameters()):
+            return hidden.detach()
+        raise ValueError("the original model's logits need LoRA adapters to disable (heads.finetune=lora) "
+                         "or a frozen base; a fully fine-tuned base has no original to compare with")
+
+    def _chunkable(self) -> bool:
+        """Whether the base's loss can project through the lm_head's weight in chunks: a plain linear map without
+        bias, and not both ZeRO-3 partitioned and trained (its gradient would reach a partitioned parameter outside
+        DeepSpeed's hooks; ``heads.finetune=full`` under ZeRO-3 keeps the logits whole)."""
+        lm_head = self._lm_head()
+        return (type(lm_head) is nn.Linear and lm_head.bias is None
+                and not (is_partitioned(lm_head.weight) and lm_head.weight.requires_grad))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 with_reference: bool = False,
                 positions: tuple[torch.Tensor, torch.Tensor] | None = None,
-                head_loss_for: Callable[[torch.Tensor], ProjectFn] | None = None) -> JointOutput:
+                head_loss_for: Callable[[torch.Tensor | None, torch.Tensor | None], ProjectFn] | None = None,
+                base_loss: BaseLossRequest | None = None) -> JointOutput:
         """One backbone pass: ``input_ids [B, T]`` long (+ ``attention_mask [B, T]``) -> :class:`JointOutput`.
 
         ``with_reference``: also the original model's logits (a second pass with the adapters disabled, under
         ``no_grad``); without adapters (``frozen``) these are the logits themselves, detached.
         ``positions``: ``(b, t)``, each ``[M]`` long: run the heads only there (the positions some head is trained
         on, :func:`~medusa_train.training.step.counted_positions`), as Medusa-1 training does; None: everywhere.
-        ``head_loss_for``: ``base logits [B, T, V] (detached) -> project_fn``, the heads' projection replaced by
-        ``project_fn`` (:meth:`~medusa_train.drafters.medusa.heads.MedusaHeads.forward`; the chunked loss, whose
-        targets are the current base's), its result in :attr:`JointOutput.head_loss`; None: the heads' logits.
+        ``head_loss_for``: ``(base argmax [B, T] long or None, base logits [B, T, V] detached or None) ->
+        project_fn``, the heads' projection replaced by ``project_fn``
+        (:meth:`~medusa_train.drafters.medusa.heads.MedusaHeads.forward`; the chunked loss, whose targets are the
+        current base's), its result in :attr:`JointOutput.head_loss`; None: the heads' logits.
+        ``base_loss``: the base's loss computed here (:class:`BaseLossRequest`; ``with_reference`` is then implied
+        by its ``kl``), in :attr:`JointOutput.base_loss`: in chunks through the lm_head's weight where it is a plain
+        linear map and not a trained ZeRO-3 partitioned one (the logits never held whole; ``head_loss_for`` gets the
+        argmax when asked for, and no logits); else from the logits, returned whole as without it.
 
         Raises:
-            ValueError: ``with_reference`` on a fully fine-tuned base (no original to switch back to).
+            ValueError: the original model asked of a fully fine-tuned base (no original to switch back to).
         """
-        logits, hidden = self._logits_and_hidden(input_ids, attention_mask)
-        lm_weight = causal_lm(self.base).get_output_embeddings().weight if self.heads.spec.share_lm_head else None
-        if positions is not None:
-            hidden = hidden[positions[0], positions[1]]  # [M, H]
+        hidden = self._hidden(input_ids, attention_mask)  # [B, T, H]
+        lm_head = self._lm_head()
+        lm_weight = lm_head.weight if self.heads.spec.share_lm_head else None
+        logits = reference = summed = argmax = detached = None
+        if base_loss is not None and self._chunkable():
+            request, weight = base_loss, lm_head.weight
+            original = self._reference_hidden(input_ids, attention_mask, hidden) if request.kind == "kl" else None
+            summed = chunked_base_loss_sum(request.kind, weight, hidden, request.labels, request.chunk_size,
+                                           reference_hidden=original, gather=lambda: gathered(weight))
+            if request.argmax:
+                with gathered(weight):
+                    argmax = chunked_argmax(lambda rows: rows.to(weight.dtype) @ weight.detach().T, hidden.detach(),
+                                            request.chunk_size)
+        else:
+            logits = lm_head(hidden)
+            detached = logits.detach()
+            argmax = detached.argmax(-1)
+            if with_reference or (base_loss is not None and base_loss.kind == "kl"):
+                original = self._reference_hidden(input_ids, attention_mask, hidden)
+                if is_peft(self.base):
+                    with torch.no_grad():
+                        reference = lm_head(original)
+                else:
+                    reference = detached
+            if base_loss is not None:  # asked for, but the lm_head cannot be projected in chunks
+                summed = base_loss_sum(base_loss.kind, logits, base_loss.labels, reference)
+        heads_hidden = hidden if positions is None else hidden[positions[0], positions[1]]  # [M, H]
         head_logits = head_loss = None
         if head_loss_for is None:
-            head_logits = self.heads(hidden, lm_weight)  # [K, B, T, V'] or [K, M, V']
+            head_logits = self.heads(heads_hidden, lm_weight)  # [K, B, T, V'] or [K, M, V']
         else:
-            head_loss = self.heads(hidden, lm_weight, project_fn=head_loss_for(logits.detach()))
-        reference = None
-        if with_reference:
-            if is_peft(self.base):
-                with torch.no_grad(), self.base.disable_adapter():
-                    reference, _ = self._logits_and_hidden(input_ids, attention_mask)
-            elif not any(p.requires_grad for p in self.base.parameters()):
-                reference = logits.detach()
-            else:
-                raise ValueError("the original model's logits need LoRA adapters to disable (heads.finetune=lora) "
-                                 "or a frozen base; a fully fine-tuned base has no original to compare with")
-        return JointOutput(logits=logits, head_logits=head_logits, reference_logits=reference, head_loss=head_loss)
+            head_loss = self.heads(heads_hidden, lm_weight, project_fn=head_loss_for(argmax, detached))
+        return JointOutput(logits=logits, head_logits=head_logits, reference_logits=reference, head_loss=head_loss,
+                           base_loss=summed)

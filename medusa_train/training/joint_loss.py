@@ -8,16 +8,26 @@ fine-tuned model keeps the original's distribution. Here ``lambda_0(t) = medusa_
 Positions: the base logits at t predict token t + 1, so position t counts when ``labels[t + 1] != -100`` (an
 assistant token). Both losses return sums over those positions; the caller divides by the optimizer step's labelled
 token count (the Trainer's ``num_items_in_batch``), as for the heads.
+
+Two forms of each: on logits ``[B, T, V]`` already computed (:func:`base_loss_sum`), and on the last hidden states
+with the lm_head's weight projecting ``chunk_size`` counted positions at a time (:func:`chunked_base_loss_sum`,
+``trainer.loss_chunk_size``; the heads' chunked cross entropy, KL as its soft-target form): at Llama-3.1's 128k
+vocabulary a 4,096-token sequence's logits are 2 GB in fp32, and the loss's softmax and gradient as much again each;
+chunked, one ``[chunk_size, V]`` block lives at a time, recomputed in the backward pass. The two forms agree to
+float32 rounding.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
 
 from medusa_train.config import LOSS_RAMPS
+from medusa_train.training.chunked_loss import chunked_linear_ce
 from medusa_train.training.losses import IGNORE_INDEX
 
 
@@ -95,3 +105,52 @@ def base_loss_sum(kind: str, logits: torch.Tensor, labels: torch.Tensor,
             raise ValueError("heads.base_loss=kl needs the original model's logits (reference_logits)")
         return kl_loss_sum(logits, reference_logits, labels)
     raise ValueError(f"heads.base_loss must be lm or kl, got {kind!r}")
+
+
+
+def chunked_base_loss_sum(kind: str, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor,
+                          chunk_size: int, reference_hidden: torch.Tensor | None = None,
+                          gather: Callable[[], AbstractContextManager] = nullcontext
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`base_loss_sum` from the last hidden states and the lm_head's weight, ``chunk_size`` counted positions
+    projected at a time (:func:`~medusa_train.training.chunked_loss.chunked_linear_ce`).
+
+    Args:
+        kind: ``lm`` or ``kl`` (field ``heads.base_loss``).
+        weight: ``[V, H]`` the base's lm_head weight (no bias), trainable or frozen.
+        hidden: ``[B, T, H]`` the current base's last hidden states (after the final norm).
+        labels: ``[B, T]`` long, -100 off the assistant turns (not shifted).
+        chunk_size: counted positions projected at once (>= 1; ``trainer.loss_chunk_size``).
+        reference_hidden: ``kl``: ``[B, T, H]`` the original model's last hidden states (no gradient); its logits
+            come from the same weight (LoRA leaves the lm_head as it was).
+        gather: a context in which ``weight`` holds its whole value (a frozen ZeRO-3 partitioned lm_head:
+            :func:`~medusa_train.training.base_placement.gathered`), entered for the forward and again for the
+            backward pass.
+
+    Returns:
+        ``(loss sum, counted positions)``: float32 scalars, equal to :func:`base_loss_sum` on the logits
+        ``hidden @ weight^T`` up to float32 rounding.
+
+    Raises:
+        ValueError: an unknown ``kind``, ``kl`` without ``reference_hidden``, or ``chunk_size < 1``.
+    """
+    if kind not in ("lm", "kl"):
+        raise ValueError(f"heads.base_loss must be lm or kl, got {kind!r}")
+    if kind == "kl" and reference_hidden is None:
+        raise ValueError("heads.base_loss=kl needs the original model's hidden states (reference_hidden)")
+    mask = next_token_positions(labels)  # [B, T-1]
+    rows = hidden[:, :-1][mask]  # [R, H]
+    teacher = None
+    if kind == "lm":
+        targets = labels[:, 1:][mask]
+    else:
+        targets = torch.full_like(labels[:, 1:][mask], -1)  # soft targets: the original model's distribution
+        original = reference_hidden[:, :-1][mask].detach()
+
+        def teacher(start: int, end: int) -> torch.Tensor:  # read inside gather(): the weight whole
+            w = weight.detach()
+            return (original[start:end].to(w.dtype) @ w.T).float()
+
+    with gather():
+        out = chunked_linear_ce(rows, weight, targets, chunk_size=chunk_size, teacher=teacher, gather=gather)
+    return out.loss.float(), mask.sum().float()

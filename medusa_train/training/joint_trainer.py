@@ -8,7 +8,11 @@ accumulation steps, atomic checkpoints and rotation are kept):
   (:mod:`medusa_train.training.joint_loss`) and the heads' targets taken from the *current* base logits (the heads
   must predict what the fine-tuned base, the one exported, will say). The heads run only at the positions some head
   is trained on, through the same loss as Medusa-1 (:class:`~medusa_train.training.step.HeadTargets`): inside the
-  heads' forward, ``trainer.loss_chunk_size`` rows projected at a time (with 0, from the logits held at once).
+  heads' forward, ``trainer.loss_chunk_size`` rows projected at a time (with 0, from the logits held at once). The
+  base's own loss and argmax are projected in chunks of the same size
+  (:class:`~medusa_train.training.joint.BaseLossRequest`), so no ``[B, T, V]`` logits are held, except with
+  ``soft`` targets (they read the base's distribution at every position), ``loss_chunk_size=0`` or a fully
+  fine-tuned lm_head under ZeRO-3.
 - ``create_optimizer``: the stock optimizer (``trainer.optim``) over two learning rates: ``learning_rate`` for the
   base's trainable weights (LoRA adapters or all), ``learning_rate * heads_lr_multiplier`` for the heads; weight
   decay as the Trainer decides per parameter. The scheduler scales both groups alike.
@@ -32,7 +36,7 @@ from torch import nn
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from medusa_train.config import JointSettings
-from medusa_train.training.joint import trainable_state
+from medusa_train.training.joint import BaseLossRequest, trainable_state
 from medusa_train.training.joint_loss import base_loss_sum, next_token_positions, ramp
 from medusa_train.training.losses import head_targets
 from medusa_train.training.step import BaseDistributions, HeadTargets, chunks, counted_positions
@@ -113,20 +117,33 @@ class JointTrainer(MedusaTrainer):
         normalizer = (num_items_in_batch if num_items_in_batch is not None
                       else next_token_positions(labels).sum().float().clamp_min(1))
 
-        def targets_of(base_logits: torch.Tensor) -> HeadTargets:
-            """The heads' targets ``[K, M]`` and the base's distributions, from the current base's logits
-            (detached: targets are constants)."""
-            base_argmax = base_logits.argmax(-1) if spec.target != "labels" else None
-            targets = head_targets(labels, spec.num_heads, target=spec.target, base_argmax=base_argmax)[:, b, t]
+        def targets_of(base_argmax: torch.Tensor | None, base_logits: torch.Tensor | None) -> HeadTargets:
+            """The heads' targets ``[K, M]`` and the base's distributions, from the current base's argmax ``[B, T]``
+            and logits ``[B, T, V]`` (detached: targets are constants; the logits only for ``soft`` targets)."""
+            targets = head_targets(labels, spec.num_heads, target=spec.target,
+                                   base_argmax=base_argmax if spec.target != "labels" else None)[:, b, t]
             return HeadTargets(targets, b, t, spec, normalizer,
                                BaseDistributions(logits=base_logits, token_map=spec.token_map))
 
         chunked = chunks(spec)
+        # the base's loss in chunks too, except for soft targets: they read the base's logits at every position
+        request = (BaseLossRequest(self.joint_spec.base_loss, labels, spec.loss_chunk_size,
+                                   argmax=spec.target == "base_argmax")
+                   if chunked and spec.target != "soft" else None)
+
+        def head_loss_for(argmax: torch.Tensor | None, logits: torch.Tensor | None):
+            return targets_of(argmax, logits).project_fn()
+
         out = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
                     with_reference=self.joint_spec.base_loss == "kl", positions=(b, t),
-                    head_loss_for=(lambda logits: targets_of(logits).project_fn()) if chunked else None)
-        base_sum, base_count = base_loss_sum(self.joint_spec.base_loss, out.logits, labels, out.reference_logits)
-        heads_out = out.head_loss if chunked else targets_of(out.logits.detach()).loss(out.head_logits)
+                    head_loss_for=head_loss_for if chunked else None, base_loss=request)
+        base_sum, base_count = (out.base_loss if out.base_loss is not None
+                                else base_loss_sum(self.joint_spec.base_loss, out.logits, labels, out.reference_logits))
+        if chunked:
+            heads_out = out.head_loss
+        else:
+            logits = out.logits.detach()
+            heads_out = targets_of(logits.argmax(-1), logits).loss(out.head_logits)
         loss = self._record_and_scale(base_sum / normalizer + self.medusa_weight() * heads_out.loss, heads_out,
                                       model, inputs, num_items_in_batch)
         phase = self.phase(model)

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from medusa_train.config import TrainerConfig
 from medusa_train.catalog import ProjectFn, TargetInputs, drafter_type, shifted_path_tokens
 from medusa_train.features import FINAL, feature_layer, target_features
-from medusa_train.training.chunked_loss import TeacherFn, linear_teacher, rows_teacher
+from medusa_train.training.chunked_loss import TeacherFn, chunked_argmax, linear_teacher, rows_teacher
 from medusa_train.training.losses import (
     IGNORE_INDEX,
     HeadLossOutput,
@@ -107,11 +107,7 @@ class FrozenBase:
     def argmax(self, hidden: torch.Tensor, chunk_size: int = 0) -> torch.Tensor:
         """``[B, T, H]`` -> the base's greedy tokens ``[B, T]`` long, ``chunk_size`` positions projected at a time
         (0: all at once, ``[B, T, V]`` logits)."""
-        if not chunk_size:
-            return self.logits(hidden).argmax(-1)
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        out = [self.logits(flat[s : s + chunk_size]).argmax(-1) for s in range(0, flat.shape[0], chunk_size)]
-        return torch.cat(out).reshape(hidden.shape[:-1]) if out else flat.new_zeros(hidden.shape[:-1], dtype=torch.long)
+        return chunked_argmax(self.logits, hidden, chunk_size)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ import dataclasses
 import pytest
 import torch
 
+from medusa_train.training import chunked_loss
+from medusa_train.training.joint import causal_lm
 from medusa_train.training.recipe import build_recipe
 from tests.medusa_train.test_eagle3_training import EAGLE3
 from tests.medusa_train.test_medusa2 import joint_overrides
@@ -26,6 +28,10 @@ DRAFTERS = {
     "hydra": (["heads=hydra", "heads.medusa_num_heads=2", "heads.target=soft"], False),
     "eagle3": ([*EAGLE3, "heads.target=base_argmax"], False),
     "medusa2_lora": (["heads.target=soft"], True),
+    # the base's own LM / KL loss and argmax projected in chunks too (soft targets keep the base's logits whole)
+    "medusa2_lora_argmax": (["heads.target=base_argmax"], True),
+    "medusa2_lora_kl": (["heads.target=base_argmax", "heads.base_loss=kl"], True),
+    "medusa2_full": (["heads.target=labels", "heads.finetune=full"], True),
 }
 
 
@@ -71,6 +77,38 @@ def test_chunked_loss_equals_the_logits_held_at_once_on_the_recipes_batches(name
             assert sorted(grads0) == sorted(grads1) and grads0
             for n in grads0:
                 assert torch.allclose(grads0[n], grads1[n], rtol=1e-4, atol=1e-6), n
+    finally:
+        recipe.cleanup()
+
+
+def test_the_joint_base_never_holds_its_logits_whole(tiny_inputs, tmp_path):
+    # Medusa-2's base loss and argmax project through the lm_head's weight in chunks: the lm_head module, whose
+    # output is the [B, T, V] logits, never runs; the largest logits block is a chunk's
+    model_dir, data = tiny_inputs
+    recipe = build_recipe(compose_train(overrides_for("medusa2_lora_kl", model_dir, data, tmp_path / "run", 3)))
+    recipe.setup()
+    try:
+        trainer, model = recipe.trainer, recipe.trainer.model
+        model.train()
+        calls: list[tuple[int, ...]] = []
+        lm_head = causal_lm(model.base).get_output_embeddings()
+        handle = lm_head.register_forward_hook(lambda module, args, out: calls.append(tuple(out.shape)))
+        projected: list[int] = []
+        real = chunked_loss._chunk_logits
+
+        def spy(features, weight, start, end):
+            projected.append(end - start)
+            return real(features, weight, start, end)
+
+        batch = next(iter(trainer.get_train_dataloader()))
+        try:
+            chunked_loss._chunk_logits = spy
+            trainer.compute_loss(model, batch).backward()
+        finally:
+            chunked_loss._chunk_logits = real
+            handle.remove()
+        assert calls == []
+        assert projected and max(projected) == 3 < batch["input_ids"].numel()
     finally:
         recipe.cleanup()
 

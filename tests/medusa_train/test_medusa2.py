@@ -3,6 +3,7 @@ two stages, resume, export with the merged base and decoding on it, and the bad 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 from pathlib import Path
@@ -25,7 +26,7 @@ from medusa_train.training.joint import (
     prepare_base,
     trainable_state,
 )
-from medusa_train.training.joint_loss import kl_loss_sum, lm_loss_sum, ramp
+from medusa_train.training.joint_loss import base_loss_sum, chunked_base_loss_sum, kl_loss_sum, lm_loss_sum, ramp
 from medusa_train.training.joint_trainer import TRAINABLE_FILE
 from medusa_train.training.recipe import build_recipe
 from tests.conftest import make_tiny_model
@@ -105,6 +106,44 @@ def test_lm_and_kl_losses_count_positions_that_predict_assistant_tokens():
     p, q = F.log_softmax(reference[0, 2], -1), F.log_softmax(logits[0, 2], -1)
     by_hand = (p.exp() * (p - q)).sum()
     assert kl_loss_sum(logits, reference, labels)[0].item() == pytest.approx(by_hand.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["lm", "kl"])
+def test_the_base_loss_in_chunks_equals_the_logits_held_at_once(kind):
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(2, 7, 16, requires_grad=True)
+    reference = torch.randn(2, 7, 16)
+    labels = torch.randint(0, 50, (2, 7))
+    labels[0, :3] = -100  # a prompt
+    labels[1, 5:] = -100  # padding: 8 positions predict a labelled token (4 a row)
+    whole, count = base_loss_sum(kind, lm_head(hidden), labels, lm_head(reference).detach())
+    whole.backward()
+    expected = (whole.item(), hidden.grad.clone(), lm_head.weight.grad.clone())
+    hidden.grad = lm_head.weight.grad = None
+    entered = []
+
+    def gather():  # stands in for ZeRO-3's gathering of a partitioned weight: entered in both passes
+        entered.append(1)
+        return contextlib.nullcontext()
+
+    chunked, n = chunked_base_loss_sum(kind, lm_head.weight, hidden, labels, 3, reference_hidden=reference,
+                                       gather=gather)  # 3 chunks: 3, 3 and 2 positions
+    chunked.backward()
+    assert n.item() == count.item() == 8 and len(entered) == 2  # around the forward pass, and the backward pass
+    assert chunked.item() == pytest.approx(expected[0], rel=1e-6) and chunked.item() > 0.1
+    torch.testing.assert_close(hidden.grad, expected[1], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(lm_head.weight.grad, expected[2], rtol=1e-5, atol=1e-7)
+
+
+def test_the_base_loss_in_chunks_refuses_bad_arguments_by_field():
+    hidden, labels, lm_head = torch.zeros(1, 4, 8), torch.zeros(1, 4, dtype=torch.long), torch.nn.Linear(8, 10)
+    with pytest.raises(ValueError, match="heads.base_loss must be lm or kl"):
+        chunked_base_loss_sum("ce", lm_head.weight, hidden, labels, 2)
+    with pytest.raises(ValueError, match="reference_hidden"):
+        chunked_base_loss_sum("kl", lm_head.weight, hidden, labels, 2)
+    with pytest.raises(ValueError, match=r"trainer\.loss_chunk_size"):
+        chunked_base_loss_sum("lm", lm_head.weight, hidden, labels, 0)
 
 
 # ---- LoRA: the original model is the same module with its adapters disabled -------------------------------------
