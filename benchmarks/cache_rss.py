@@ -102,8 +102,8 @@ def main() -> None:
     for scale in args.scales:
         command = [sys.executable, __file__, "--child", "--scale", str(scale), "--conversations",
                    str(args.conversations), "--max-length", str(args.max_length), "--batch-size", str(args.batch_size),
-                   "--argmax-chunk-size", str(args.argmax_chunk_size), "--dtype", args.dtype, "--layers", str(args.layers),
-                   "--threads", str(args.threads)]
+                   "--argmax-chunk-size", str(args.argmax_chunk_size), "--dtype", args.dtype,
+                   "--layers", str(args.layers), "--threads", str(args.threads)]
         if args.folder:
             command += ["--folder", args.folder]
         done = subprocess.run(command, check=True, capture_output=True, text=True, env=os.environ)

@@ -61,11 +61,13 @@ class ChunkedCEOutput:
 
 def linear_teacher(features: torch.Tensor, weight: torch.Tensor) -> TeacherFn:
     """A :data:`TeacherFn` over rows of ``features [R, H]``: ``features[s:e] @ weight [V', H]^T`` in the weight's dtype,
-    returned as float32 (the base's logits from its hidden states and lm_head rows, no gradient)."""
-    features, weight = features.detach(), weight.detach()
+    returned as float32 (the base's logits from its hidden states and lm_head rows, no gradient). The weight is read
+    at each call, not when the teacher is made: a ZeRO-3 partitioned one holds its value only inside its gather."""
+    features = features.detach()
 
     def rows(start: int, end: int) -> torch.Tensor:
-        return (features[start:end].to(weight.dtype) @ weight.T).float()
+        w = weight.detach()
+        return (features[start:end].to(w.dtype) @ w.T).float()
 
     return rows
 

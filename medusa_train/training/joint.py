@@ -300,7 +300,8 @@ class JointMedusaModel(nn.Module):
         ``positions``: ``(b, t)``, each ``[M]`` long: run the heads only there (the positions some head is trained
         on, :func:`~medusa_train.training.step.counted_positions`), as Medusa-1 training does; None: everywhere.
         ``head_loss_for``: ``(base argmax [B, T] long or None, base logits [B, T, V] detached or None) ->
-        project_fn``, the heads' projection replaced by ``project_fn``
+        project_fn`` (the argmax is given only from the chunked base loss, else it comes from the logits), the
+        heads' projection replaced by ``project_fn``
         (:meth:`~medusa_train.drafters.medusa.heads.MedusaHeads.forward`; the chunked loss, whose targets are the
         current base's), its result in :attr:`JointOutput.head_loss`; None: the heads' logits.
         ``base_loss``: the base's loss computed here (:class:`BaseLossRequest`; ``with_reference`` is then implied
@@ -326,8 +327,7 @@ class JointMedusaModel(nn.Module):
                                             request.chunk_size)
         else:
             logits = lm_head(hidden)
-            detached = logits.detach()
-            argmax = detached.argmax(-1)
+            detached = logits.detach()  # head_loss_for takes its argmax from these, where its targets need it
             if with_reference or (base_loss is not None and base_loss.kind == "kl"):
                 original = self._reference_hidden(input_ids, attention_mask, hidden)
                 if is_peft(self.base):

@@ -26,8 +26,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.nn.functional as F
 
-from medusa_train.config import LOSS_RAMPS
-from medusa_train.training.chunked_loss import chunked_linear_ce
+from medusa_train.config import BASE_LOSSES, LOSS_RAMPS
+from medusa_train.training.chunked_loss import chunked_linear_ce, linear_teacher
 from medusa_train.training.losses import IGNORE_INDEX
 
 
@@ -98,14 +98,22 @@ def base_loss_sum(kind: str, logits: torch.Tensor, labels: torch.Tensor,
     Raises:
         ValueError: an unknown ``kind`` (field ``heads.base_loss``) or ``kl`` without reference logits.
     """
+    check_base_loss(kind, reference_logits, "logits (reference_logits)")
     if kind == "lm":
         return lm_loss_sum(logits, labels)
-    if kind == "kl":
-        if reference_logits is None:
-            raise ValueError("heads.base_loss=kl needs the original model's logits (reference_logits)")
-        return kl_loss_sum(logits, reference_logits, labels)
-    raise ValueError(f"heads.base_loss must be lm or kl, got {kind!r}")
+    return kl_loss_sum(logits, reference_logits, labels)
 
+
+def check_base_loss(kind: str, reference: torch.Tensor | None, what: str) -> None:
+    """``kind`` is ``lm`` or ``kl`` (field ``heads.base_loss``), and ``kl`` has the original model's ``what``.
+
+    Raises:
+        ValueError: either not so.
+    """
+    if kind not in BASE_LOSSES:
+        raise ValueError(f"heads.base_loss must be lm or kl, got {kind!r}")
+    if kind == "kl" and reference is None:
+        raise ValueError(f"heads.base_loss=kl needs the original model's {what}")
 
 
 def chunked_base_loss_sum(kind: str, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor,
@@ -134,23 +142,14 @@ def chunked_base_loss_sum(kind: str, weight: torch.Tensor, hidden: torch.Tensor,
     Raises:
         ValueError: an unknown ``kind``, ``kl`` without ``reference_hidden``, or ``chunk_size < 1``.
     """
-    if kind not in ("lm", "kl"):
-        raise ValueError(f"heads.base_loss must be lm or kl, got {kind!r}")
-    if kind == "kl" and reference_hidden is None:
-        raise ValueError("heads.base_loss=kl needs the original model's hidden states (reference_hidden)")
+    check_base_loss(kind, reference_hidden, "hidden states (reference_hidden)")
     mask = next_token_positions(labels)  # [B, T-1]
     rows = hidden[:, :-1][mask]  # [R, H]
+    targets = labels[:, 1:][mask]
     teacher = None
-    if kind == "lm":
-        targets = labels[:, 1:][mask]
-    else:
-        targets = torch.full_like(labels[:, 1:][mask], -1)  # soft targets: the original model's distribution
-        original = reference_hidden[:, :-1][mask].detach()
-
-        def teacher(start: int, end: int) -> torch.Tensor:  # read inside gather(): the weight whole
-            w = weight.detach()
-            return (original[start:end].to(w.dtype) @ w.T).float()
-
+    if kind == "kl":  # soft targets: the original model's distribution, read inside gather() (the weight whole)
+        targets = torch.full_like(targets, -1)
+        teacher = linear_teacher(reference_hidden[:, :-1][mask], weight)
     with gather():
         out = chunked_linear_ce(rows, weight, targets, chunk_size=chunk_size, teacher=teacher, gather=gather)
     return out.loss.float(), mask.sum().float()

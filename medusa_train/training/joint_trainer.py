@@ -119,7 +119,10 @@ class JointTrainer(MedusaTrainer):
 
         def targets_of(base_argmax: torch.Tensor | None, base_logits: torch.Tensor | None) -> HeadTargets:
             """The heads' targets ``[K, M]`` and the base's distributions, from the current base's argmax ``[B, T]``
-            and logits ``[B, T, V]`` (detached: targets are constants; the logits only for ``soft`` targets)."""
+            (None: taken from the logits, where the targets need it) and logits ``[B, T, V]`` (detached: targets are
+            constants; None when the base's loss ran in chunks)."""
+            if base_argmax is None and base_logits is not None and spec.target != "labels":
+                base_argmax = base_logits.argmax(-1)
             targets = head_targets(labels, spec.num_heads, target=spec.target,
                                    base_argmax=base_argmax if spec.target != "labels" else None)[:, b, t]
             return HeadTargets(targets, b, t, spec, normalizer,
@@ -142,8 +145,7 @@ class JointTrainer(MedusaTrainer):
         if chunked:
             heads_out = out.head_loss
         else:
-            logits = out.logits.detach()
-            heads_out = targets_of(logits.argmax(-1), logits).loss(out.head_logits)
+            heads_out = targets_of(None, out.logits.detach()).loss(out.head_logits)
         loss = self._record_and_scale(base_sum / normalizer + self.medusa_weight() * heads_out.loss, heads_out,
                                       model, inputs, num_items_in_batch)
         phase = self.phase(model)

@@ -134,7 +134,7 @@ def test_preempted_on_one_node_resumed_as_two_nodes_on_other_hosts_gives_the_sam
     assert checkpoints.latest_complete(run / "checkpoints").name == "checkpoint-3"
 
     # the requeued job on two other hosts, one rank each (torchrun's c10d rendezvous, as launch/slurm.sbatch starts
-    # it), same SLURM job id
+    # it), same SLURM job id; each node in a process group of its own, so no rank outlives the test
     port = free_port()
     nodes = [subprocess.Popen(
         ["unshare", "-rU", "--uts", "sh", "-c", f'hostname node-{node} && exec "$@"', "sh", *TORCHRUN,
@@ -142,7 +142,7 @@ def test_preempted_on_one_node_resumed_as_two_nodes_on_other_hosts_gives_the_sam
          "--rdzv_id=77", "--local_addr=127.0.0.1",  # the made-up host names resolve nowhere
          "-m", "medusa_train.cli.train", *overrides(run, resume="true")],
         cwd=REPO_ROOT, env={**ENV, "SLURM_JOB_ID": "77"}, stdout=subprocess.DEVNULL, stderr=(tmp_path / f"node{node}.err")
-        .open("w"), text=True, start_new_session=True) for node in range(2)]  # a group each: no rank outlives the test
+        .open("w"), text=True, start_new_session=True) for node in range(2)]
     try:
         deadline = time.monotonic() + 500
         while any(p.poll() is None for p in nodes) and time.monotonic() < deadline:
