@@ -254,10 +254,10 @@ def measure(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             "mean_accepted_tokens": llamacpp["mean_accepted_tokens"], "speedup_over_vanilla": llamacpp["speedup"],
             "speedup_over_llamacpp": _ratio(llamacpp, mt["decoders"].get("llamacpp"))},
         "exact_match_fp32": exact["decoders"]["medusa"]["exact_match_vs_greedy"],
-        "cpu": {"model": _cpu_model(), "flags": flags, "cores": os.cpu_count()},
+        "cpu": {"model": cpu_model(), "flags": flags, "cores": os.cpu_count()},
         "load_average": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
         "train_load_average": training.get("load_average"),
-        "commit": _git("rev-parse", "--short", "HEAD"), "date": datetime.now(timezone.utc).date().isoformat(),
+        "commit": git("rev-parse", "--short", "HEAD"), "date": datetime.now(timezone.utc).date().isoformat(),
     }
 
 
@@ -272,7 +272,8 @@ def _precision(record: Any) -> Any:
     return record.get("precision") if isinstance(record, dict) else record
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -282,7 +283,8 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _git(*args: str) -> str:
+def git(*args: str) -> str:
+    """``git ARGS`` in the checkout, its stdout stripped."""
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 

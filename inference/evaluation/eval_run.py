@@ -57,7 +57,16 @@ from inference.evaluation.summary import (
     tables_by_category,
 )
 from inference.evaluation.sweep import RUN_FILE, SUMMARY_FILE
-from inference.registry import REGISTRY, BuildContext, BuiltDecoder, build_decoders, close_decoders
+from inference.registry import (
+    ENGINES,
+    REGISTRY,
+    BuildContext,
+    BuiltDecoder,
+    build_decoders,
+    close_decoders,
+    takes_draft,
+    with_run_draft,
+)
 from medusa_train.atomic import atomic_write_text
 from medusa_train.config import as_dataclass
 from medusa_train.export.files import write_json
@@ -65,7 +74,12 @@ from medusa_train.export.reader import heads_checksum
 from medusa_train.export.tree_files import read_tree_files
 from medusa_train.generation import max_positions
 from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, export_base_config, model_config_for_export
-from medusa_train.loading.runtime import InferenceRuntime, load_for_inference
+from medusa_train.loading.runtime import (
+    InferenceRuntime,
+    load_for_inference,
+    load_target_for_inference,
+    target_config,
+)
 from medusa_train.prompts import PROMPT_SOURCES, Prompt, encode_prompt, load_prompts
 
 log = logging.getLogger(__name__)
@@ -125,8 +139,9 @@ def resolved_config(cfg: DictConfig | EvaluateConfig) -> dict[str, Any]:
 
 def result_settings(config: dict[str, Any]) -> dict[str, Any]:
     """The settings every row of a run shares: :data:`RESUMABLE_KEYS` left out, and the per-decoder settings
-    (``decoder``), which only their own decoder's rows depend on (:mod:`inference.evaluation.provenance`)."""
-    shared = {k: v for k, v in config.items() if k not in RESUMABLE_KEYS and k != "decoder"}
+    (``decoder``, and ``draft``, which fills the draft-model decoders' settings), which only their own decoder's rows
+    depend on (:mod:`inference.evaluation.provenance`)."""
+    shared = {k: v for k, v in config.items() if k not in RESUMABLE_KEYS and k not in ("decoder", "draft")}
     shared["decoders"] = [BASELINE] + [n for n in shared.get("decoders", []) if n != BASELINE]  # as run_order
     return shared
 
@@ -270,7 +285,7 @@ def _evaluate(cfg: DictConfig | EvaluateConfig, ec: EvaluateConfig, out: Path, o
     identity: dict[str, Any] = {}
 
     def measure_identity() -> dict[str, Any]:  # the export's heads and base model, read only once settings match
-        identity["heads_sha256"] = heads_checksum(ec.export_dir)
+        identity["heads_sha256"] = heads_checksum(ec.export_dir) if ec.export_dir is not None else None
         identity["run"] = run_identity(ec.export_dir, ec.model, ec.dtype, ec.device, identity["heads_sha256"])
         return identity["run"]
 
@@ -280,10 +295,16 @@ def _evaluate(cfg: DictConfig | EvaluateConfig, ec: EvaluateConfig, out: Path, o
 
     if ec.threads is not None:
         torch.set_num_threads(ec.threads)
-    model, tokenizer, export_config, runtime = load_for_inference(ec.export_dir, model=ec.model, dtype=ec.dtype,
-                                                                  device=ec.device, cpu_kernels=ec.cpu_kernels)
-    target = dataclasses.replace(export_base_config(ec.export_dir, export_config, ec.model, ec.dtype, ec.device),
-                                 dtype=runtime.dtype.name)
+    if ec.export_dir is None:  # the target alone (no drafter of ours)
+        model, tokenizer, runtime = load_target_for_inference(ec.model, dtype=ec.dtype, device=ec.device,
+                                                              cpu_kernels=ec.cpu_kernels)
+        export_config: dict[str, Any] = {}
+        target = target_config(ec.model, runtime.dtype.name, ec.device)
+    else:
+        model, tokenizer, export_config, runtime = load_for_inference(ec.export_dir, model=ec.model, dtype=ec.dtype,
+                                                                      device=ec.device, cpu_kernels=ec.cpu_kernels)
+        target = dataclasses.replace(export_base_config(ec.export_dir, export_config, ec.model, ec.dtype, ec.device),
+                                     dtype=runtime.dtype.name)
     ctx = BuildContext(model=model, tokenizer=tokenizer, export_dir=ec.export_dir, dtype=runtime.dtype.name,
                        device=ec.device, kernels=runtime.kernels, model_config=target)
     built = build_decoders(settings, ctx)
@@ -301,10 +322,14 @@ def _run(ec: EvaluateConfig, out: Path, overrides: list[str], prompts: list[Prom
     identities = decoder_identities(built, config, identity["heads_sha256"])
     fingerprints = {name: fingerprint(i) for name, i in identities.items()}
     remeasured = supersede_stale_rows(out, results, identities, fingerprints)
-    environment = {**describe_environment(model), **runtime.record()}
+    environment = {**describe_environment(model.base), **runtime.record()}
     # A Medusa-2 export records its fine-tuned base as "base" (inside it): name the model it was made from.
-    model_name = export_config.get(ORIGINAL_BASE_KEY, export_config.get("base_model_name_or_path")) \
-        if ec.model is None else model_config_for_export(export_config, ec.model).name_or_path
+    if ec.export_dir is None:
+        model_name = target_config(ec.model).name_or_path
+    elif ec.model is None:
+        model_name = export_config.get(ORIGINAL_BASE_KEY, export_config.get("base_model_name_or_path"))
+    else:
+        model_name = model_config_for_export(export_config, ec.model).name_or_path
     command = " ".join(["medusa-eval", *overrides]) if overrides else None
     write_json(out / RUN_FILE, {TOOL_KEY: TOOL, "config": config, "overrides": overrides, "command": command,
                                 "environment": environment, "model": model_name,
@@ -329,12 +354,35 @@ def _run(ec: EvaluateConfig, out: Path, overrides: list[str], prompts: list[Prom
                          load_average={"before": list(load_before), "after": list(load_after)})
 
 
+def engine_recommendations(rows: list[dict[str, Any]], names: list[str], settings: dict[str, Any],
+                           taus: dict[str, Any], exact: dict[str, Any]) -> dict[str, Any]:
+    """What to deploy within each engine that ran its plain row and at least one other: ``{engine: choice}``
+    (:func:`~inference.evaluation.recommend.recommend`'s overall choice among that engine's rows, each scored over
+    the engine's plain row: ``vanilla`` for ours, ``vllm``, ``llamacpp``), for a user who has chosen the engine; empty
+    when the run measured one engine only (the overall choice is then that engine's)."""
+    out: dict[str, Any] = {}
+    if len({REGISTRY[n].engine for n in names if n in REGISTRY}) < 2:  # one engine: the overall choice is its own
+        return out
+    for engine in ENGINES:
+        mine = [n for n in names if n in REGISTRY and REGISTRY[n].engine == engine]
+        plain = BASELINE if engine == "ours" else engine
+        if plain in mine and len(mine) > 1:
+            engine_rows = [r for r in rows if r["decoder"] in mine]
+            out[engine] = recommend(candidates_from_rows(engine_rows, plain, settings, taus, exact))["overall"]
+            out[engine]["baseline"] = plain
+    return out
+
+
 def decoder_identities(built: dict[str, BuiltDecoder], config: dict[str, Any],
                        heads_sha256: str) -> dict[str, dict[str, Any]]:
     """Each decoder's :func:`~inference.evaluation.provenance.decoder_identity`: its settings as resolved in
-    ``config``, what its builder resolved, the heads' checksum when it decodes with them."""
-    return {name: decoder_identity((config.get("decoder") or {}).get(name), b.info,
-                                   heads_sha256 if REGISTRY[name].uses_heads else None)
+    ``config`` (the run's ``draft`` filled in), what its builder resolved, the heads' checksum when it decodes with
+    them."""
+    def settings(name: str) -> Any:
+        raw = (config.get("decoder") or {}).get(name)
+        return with_run_draft(name, raw, config["draft"]) if config.get("draft") and takes_draft(name) else raw
+
+    return {name: decoder_identity(settings(name), b.info, heads_sha256 if REGISTRY[name].uses_heads else None)
             for name, b in built.items()}
 
 
@@ -385,11 +433,11 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, mod
             metrics["compute_threads"] = (threads or {}).get(name)
     if summary["decoders"]:
         overall = summary["decoders"]
-        candidates = candidates_from_rows(
-            rows, BASELINE, {name: dataclasses.asdict(ec.settings_for(name)) for name in overall},
-            taus={n: m["mean_accepted_tokens"] for n, m in overall.items()},
-            exact={n: m["exact_match_vs_greedy"] for n, m in overall.items()})
-        summary["recommendation"] = recommend(candidates)
+        settings = {name: dataclasses.asdict(ec.settings_for(name)) for name in overall}
+        taus = {n: m["mean_accepted_tokens"] for n, m in overall.items()}
+        exact = {n: m["exact_match_vs_greedy"] for n, m in overall.items()}
+        summary["recommendation"] = recommend(candidates_from_rows(rows, BASELINE, settings, taus, exact))
+        summary["recommendation"]["engines"] = engine_recommendations(rows, list(overall), settings, taus, exact)
     histogram = accepted_length_histogram(rows)
     times = step_times(rows)
     write_json(out / SUMMARY_FILE, summary)
@@ -406,5 +454,5 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, mod
     return summary
 
 
-__all__ = ["decoder_identities", "divergence_report", "evaluate", "load_eval_prompts", "open_results",
+__all__ = ["decoder_identities", "engine_recommendations", "divergence_report", "evaluate", "load_eval_prompts", "open_results",
            "resolved_config", "result_settings", "supersede_stale_rows", "write_outputs"]

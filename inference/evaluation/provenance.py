@@ -30,28 +30,32 @@ from medusa_train.export import read_export_config
 from medusa_train.export.reader import heads_checksum
 from medusa_train.loading.base import resolve_device
 from medusa_train.loading.medusa import export_base_config
+from medusa_train.loading.runtime import target_config
 from medusa_train.precision import choose_dtype
 
 MEASURED_WITH = "measured_with"  # the run.json entry and the row field
 
 
-def run_identity(export_dir: str, model: Any = None, dtype: str | None = None, device: str | None = None,
+def run_identity(export_dir: str | None, model: Any = None, dtype: str | None = None, device: str | None = None,
                  heads_sha256: str | None = None) -> dict[str, Any]:
     """What every row of a run depends on besides the run's settings (see the module docstring).
 
     Args:
-        export_dir: the export folder.
+        export_dir: the export folder; None: a run of the target ``model`` alone.
         model, dtype, device: the run's overrides (as :func:`~medusa_train.loading.medusa.load_medusa` takes them).
         heads_sha256: the heads' checksum when already computed (:func:`~medusa_train.export.reader.heads_checksum`).
 
     Raises:
         FileNotFoundError: no export (or no heads) there. ValueError: its config.json names no base model.
     """
-    base = export_base_config(export_dir, read_export_config(export_dir), model, dtype, device)
+    if export_dir is None:
+        base = target_config(model, dtype, device)
+    else:
+        base = export_base_config(export_dir, read_export_config(export_dir), model, dtype, device)
     # ``dtype=auto`` is recorded as what it resolves to here: a resumed run on a machine that decides otherwise differs
     base = dataclasses.replace(base, dtype=choose_dtype(base.dtype, resolve_device(base.device)).name)
     identity: dict[str, Any] = {"base_model": dataclasses.asdict(base)}
-    if Path(base.name_or_path).resolve().is_relative_to(Path(export_dir).resolve()):
+    if export_dir is not None and Path(base.name_or_path).resolve().is_relative_to(Path(export_dir).resolve()):
         # Medusa-2: the fine-tuned base is rewritten with the heads, so the heads identify it too
         identity["base_written_with_heads_sha256"] = heads_sha256 or heads_checksum(export_dir)
     return identity

@@ -159,7 +159,8 @@ def _margin_text(m: Mapping[str, Any]) -> str:
 
 def recommendation_markdown(rec: Mapping[str, Any], machine: str) -> str:
     """summary.md's closing section: what to deploy on ``machine`` (one line of CPU/GPU, dtype) overall, with its
-    settings and margin, then a row per category."""
+    settings and margin, then the choice within each engine (``rec["engines"]``, when the run measured one), then a
+    row per category."""
     overall = rec["overall"]
     text = ["## Recommendation", "", f"On this machine ({machine}), over {overall['turns']} prompt turns: deploy "
             f"**{overall['deploy']}** ({_settings_text(overall['settings'])}), {overall['speedup']:.2f}x plain "
@@ -174,6 +175,17 @@ def recommendation_markdown(rec: Mapping[str, Any], machine: str) -> str:
             verdict = f"within the noise: {overall['runner_up']} serves as well on this evidence"
         text[-1] += (f" Runner-up {overall['runner_up']} ({overall['runner_up_speedup']:.2f}x); margin "
                      f"{_margin_text(m)} ({m['level']:.0%} interval), {verdict}.")
+    engines = rec.get("engines") or {}
+    if engines:
+        text += ["", "Within one engine (each row over that engine's plain decoding):", ""]
+        for engine, c in engines.items():
+            line = f"- {engine}: **{c['deploy']}**, {c['speedup']:.2f}x `{c['baseline']}`"
+            m = c.get("margin")
+            if m:
+                beyond = "beyond the noise" if m["separated"] else "within the noise"
+                line += (f"; runner-up {c['runner_up']} ({c['runner_up_speedup']:.2f}x), margin {_margin_text(m)}, "
+                         f"{beyond}")
+            text.append(line + ".")
     if rec.get("categories"):
         text += ["", "| category | deploy | speedup | runner-up | margin [interval] | beyond the noise |",
                  "| --- | --- | ---: | --- | ---: | --- |"]

@@ -4,15 +4,18 @@ and overall).
 Definitions, over the (prompt, turn) pairs every decoder of the run answered:
 
 - tokens_per_second: all new tokens / all wall time (prefill included) of the decoder.
-- speedup: its tokens_per_second / the baseline's (``vanilla``) over the same pairs, same run.
+- speedup: its tokens_per_second / its baseline's over the same pairs, same run; ``baseline`` names that decoder:
+  ``vanilla`` (plain decoding in our decoder) for ours and for an engine's plain row (``vllm``, ``llamacpp``), and
+  the engine's plain row for that engine's speculative rows when it ran (:func:`inference.registry.baseline_of`), so
+  ``vllm_draft``'s speedup is over plain vLLM, as a vLLM user measures it.
 - speedup_interval: the speedup's 95% paired-bootstrap interval over the prompt turns
   (:mod:`inference.evaluation.intervals`), with ``separated``: whether it excludes 1 (faster or slower than the
   baseline beyond the measured noise).
 - mean_accepted_tokens (τ): decoding-pass tokens / decoding passes summed over the rows
   (:func:`inference.decoders.base.aggregate_mean_accepted_tokens`; the prefill's token and pass are apart), so plain
   decoding scores exactly 1.0.
-- exact_match_vs_greedy: share of pairs whose tokens equal the baseline's exactly; only meaningful when the baseline
-  is greedy (``temperature == 0``), None otherwise.
+- exact_match_vs_greedy: share of pairs whose tokens equal its baseline's exactly; only meaningful when the
+  baseline is greedy (``temperature == 0``), None otherwise.
 
 Values that cannot be computed (no decoding pass, no wall time) are None in JSON.
 
@@ -33,10 +36,11 @@ from inference.evaluation.eval_config import BASELINE
 from inference.evaluation.intervals import bounds_text, paired_interval
 from inference.evaluation.recommend import recommendation_markdown
 from inference.evaluation.results import row_result
+from inference.registry import baseline_of
 
 OVERALL = "overall"
-METRICS = ("tokens_per_second", "speedup", "speedup_interval", "mean_accepted_tokens", "exact_match_vs_greedy",
-           "new_tokens", "wall_time_s")
+METRICS = ("tokens_per_second", "speedup", "speedup_interval", "baseline", "mean_accepted_tokens",
+           "exact_match_vs_greedy", "new_tokens", "wall_time_s")
 
 
 def decoder_order(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -65,38 +69,43 @@ def decoder_metrics(
     Args:
         units: complete pairs (every decoder present).
         greedy: the baseline decoded greedily (exact match is None otherwise).
-        baseline: the decoder speedup and exact match compare against.
+        baseline: the decoder speedup and exact match compare against; :data:`BASELINE` (``vanilla``): each
+            decoder's own engine's plain row where it ran (:func:`inference.registry.baseline_of`); another name:
+            that decoder for every row.
 
     Returns:
-        ``{decoder: {"tokens_per_second", "speedup", "speedup_interval", "mean_accepted_tokens",
+        ``{decoder: {"tokens_per_second", "speedup", "speedup_interval", "baseline", "mean_accepted_tokens",
         "exact_match_vs_greedy", "new_tokens", "wall_time_s"}}``; speedup and its interval None without the
         baseline or when its speed is 0.
     """
     if not units:
         return {}
     names = list(units[0])
+    refs = {name: baseline_of(name, names) if baseline == BASELINE else baseline for name in names}
     table: dict[str, dict[str, Any]] = {}
     for name in names:
         rows = [u[name] for u in units]
         new_tokens = sum(int(r["new_tokens"]) for r in rows)
         wall = sum(float(r["wall_time_s"]) for r in rows)
+        ref = refs[name]
         exact = None
-        if greedy and baseline in names:
-            exact = sum(u[name]["tokens"] == u[baseline]["tokens"] for u in units) / len(units)
+        if greedy and ref in names:
+            exact = sum(u[name]["tokens"] == u[ref]["tokens"] for u in units) / len(units)
         table[name] = {
             "tokens_per_second": new_tokens / wall if wall > 0 else None,
             "speedup": None,
             "speedup_interval": None,
+            "baseline": ref if ref in names else None,
             "mean_accepted_tokens": _none_if_nan(aggregate_mean_accepted_tokens([row_result(r) for r in rows])),
             "exact_match_vs_greedy": exact,
             "new_tokens": new_tokens,
             "wall_time_s": wall,
         }
-    base_tps = table.get(baseline, {}).get("tokens_per_second")
     for name, metrics in table.items():
+        base_tps = table.get(refs[name], {}).get("tokens_per_second")
         if base_tps and metrics["tokens_per_second"] is not None:
             metrics["speedup"] = metrics["tokens_per_second"] / base_tps
-            metrics["speedup_interval"] = paired_interval(units, name, baseline).record()
+            metrics["speedup_interval"] = paired_interval(units, name, refs[name]).record()
     return table
 
 
@@ -193,11 +202,11 @@ def _interval(m: dict[str, Any]) -> str:
 
 def markdown_table(metrics: dict[str, dict[str, Any]]) -> str:
     """One Markdown table: a row per decoder, the speedup with its 95% interval."""
-    lines = ["| decoder | tokens/s | speedup | 95% interval | mean accepted tokens | exact match | new tokens | "
-             "wall time (s) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| decoder | tokens/s | speedup | over | 95% interval | mean accepted tokens | exact match | new tokens | "
+             "wall time (s) |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, m in metrics.items():
         lines.append(f"| {name} | {_fmt(m['tokens_per_second'], '.2f')} | {_fmt(m['speedup'], '.2f')}x | "
-                     f"{_interval(m)} | "
+                     f"{m.get('baseline') or 'n/a'} | {_interval(m)} | "
                      f"{_fmt(m['mean_accepted_tokens'], '.2f')} | {_fmt(m['exact_match_vs_greedy'], '.2f')} | "
                      f"{m['new_tokens']} | {m['wall_time_s']:.1f} |")
     return "\n".join(lines)
@@ -257,9 +266,10 @@ def summary_markdown(summary: dict[str, Any], by_category: dict[str, dict[str, d
                     f"{', '.join(precision['cpu']['flags']) or 'none recorded'}.")
     if kernels:
         head.append(f"Linear kernels: {kernels['kernels']} ({kernels['requested']}), the same for every decoder.")
-    head.append("Speedup: tokens/s over vanilla's on the same prompts in the same run; mean accepted tokens: new "
-                "tokens per target forward pass after the prefill; exact match: share of replies identical to "
-                "vanilla's (greedy runs only).")
+    head.append("Speedup: tokens/s over the baseline's (the `over` column: vanilla, or an engine's own plain row "
+                "for its speculative rows) on the same prompts in the same run; mean accepted tokens: new tokens per "
+                "target forward pass after the prefill; exact match: share of replies identical to the baseline's "
+                "(greedy runs only).")
     head += divergence_lines(summary.get("divergences"))
     skipped = summary.get("skipped_prompts") or []
     if skipped:
@@ -272,7 +282,7 @@ def summary_markdown(summary: dict[str, Any], by_category: dict[str, dict[str, d
     if times:
         parts.append(f"## drafting and verification\n\n{step_times_markdown(times)}")
     if len(by_category) > 2:  # overall and two categories or more
-        parts.append(f"## by category (speedup over vanilla)\n\n{leaderboard_markdown(by_category)}")
+        parts.append(f"## by category (speedup over each row's baseline)\n\n{leaderboard_markdown(by_category)}")
     parts += [f"## {cat}\n\n{markdown_table(m)}" for cat, m in by_category.items() if cat != OVERALL]
     if summary.get("recommendation"):
         machine = f"{summary['device']}, {summary['dtype']}"

@@ -4,7 +4,9 @@ Hydra resolves its own settings (``hydra.run.dir: ${output_dir}``, ``${export_di
 runs, so a missing ``export_dir`` would print about a hundred lines of Hydra internals. :func:`hydra_app` composes
 the config first (the same files, schemas and overrides Hydra will use) and, when a required value (``???``) is
 still missing, prints one line (``medusa-tune-tree: export_dir is required: add export_dir=... (e.g.
-medusa-tune-tree export_dir=runs/stories/export)``) and exits with status 2, before Hydra creates any folder.
+medusa-tune-tree export_dir=runs/stories/export)``) and exits with status 2, before Hydra creates any folder. So does
+a model preset naming a model that is not installed yet (``${medusa.installed_model:...}``): the line names the model
+and its install command.
 Anything else (bad keys, sweeps, ``--help``, ``--cfg``) is left to Hydra's own messages.
 
 Nothing is registered on import: each entry point passes its ``register_schemas`` to :func:`hydra_app`, which calls
@@ -80,6 +82,17 @@ def missing_required(config_name: str, overrides: list[str]) -> list[str] | None
     """Dotted keys still ``???`` once ``conf/<config_name>.yaml`` is composed with ``overrides`` (the ``hydra``
     node left out); None when the command line does not compose as one run (flags other than ``-m``, sweeps of
     several values, errors: Hydra reports those itself)."""
+    cfg = _composed(config_name, overrides)
+    return None if cfg is None else _missing_outside_hydra(cfg)
+
+
+def _missing_outside_hydra(cfg: DictConfig) -> list[str]:
+    return [key for key in _missing(cfg, "") if not key.startswith("hydra.")]
+
+
+def _composed(config_name: str, overrides: list[str]) -> DictConfig | None:
+    """``conf/<config_name>.yaml`` composed with ``overrides`` as Hydra will (interpolations unresolved); None when
+    the command line does not compose as one run (see :func:`missing_required`)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -89,10 +102,45 @@ def missing_required(config_name: str, overrides: list[str]) -> list[str] | None
         return None
     try:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+            return compose(config_name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException, ValueError):
         return None
-    return [key for key in _missing(cfg, "") if not key.startswith("hydra.")]
+
+
+def not_installed(node: Any) -> str | None:
+    """The message of the first value of a composed config that names a model not installed yet
+    (``${medusa.installed_model:KEY}``: :class:`~medusa_train.loading.chunked_gguf.NotInstalledError`), else None.
+    Only those values are resolved, outside the ``hydra`` node (which repeats the command line's text)."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    from medusa_train.loading.chunked_gguf import NotInstalledError
+
+    for key in node:
+        child = node._get_node(key)
+        if key == "hydra" and node._get_parent() is None:
+            continue
+        if OmegaConf.is_dict(child):
+            found = not_installed(child)
+            if found:
+                return found
+        elif child._is_interpolation() and "medusa.installed_model:" in str(child._value()):
+            try:
+                node[key]
+            except InterpolationResolutionError as e:
+                cause = resolver_error(e, NotInstalledError)
+                if cause is None:
+                    raise
+                return str(cause)
+    return None
+
+
+def resolver_error(error: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first exception of type ``kind`` in ``error``'s chain, else None: a resolver's own error behind
+    OmegaConf's ``InterpolationResolutionError`` (OmegaConf chains its own errors before it, as their context)."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, kind):
+        cause = cause.__cause__ or cause.__context__
+    return cause
 
 
 def _missing(node: Any, prefix: str) -> list[str]:
@@ -126,12 +174,18 @@ def hydra_app(config_name: str, example: str, register_schemas: Callable[[], Non
         @functools.wraps(task)
         def main() -> Any:
             register_schemas()
-            missing = missing_required(config_name, sys.argv[1:])
+            cfg = _composed(config_name, sys.argv[1:])
+            missing = None if cfg is None else _missing_outside_hydra(cfg)
+            command = example.split()[0]
             if missing:
                 names = " and ".join(", ".join(missing).rsplit(", ", 1))
                 verb = "is" if len(missing) == 1 else "are"
                 add = " ".join(f"{key}=..." for key in missing)
-                print(f"{example.split()[0]}: {names} {verb} required: add {add} (e.g. {example})", file=sys.stderr)
+                print(f"{command}: {names} {verb} required: add {add} (e.g. {example})", file=sys.stderr)
+                raise SystemExit(2)
+            uninstalled = None if cfg is None else not_installed(cfg)
+            if uninstalled:
+                print(f"{command}: {uninstalled}", file=sys.stderr)
                 raise SystemExit(2)
             return app()
 
@@ -140,4 +194,4 @@ def hydra_app(config_name: str, example: str, register_schemas: Callable[[], Non
     return decorate
 
 
-__all__ = ["hydra_app", "missing_required", "register_shared_schemas"]
+__all__ = ["hydra_app", "missing_required", "not_installed", "register_shared_schemas", "resolver_error"]

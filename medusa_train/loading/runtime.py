@@ -5,19 +5,23 @@ through :func:`load_for_inference`: it resolves ``dtype`` (:func:`medusa_train.p
 ``cpu_kernels`` (:func:`medusa_train.loading.cpu_kernels.choose_cpu_kernels`) for the device, refusing bad
 combinations before any weight is read, loads base and heads, converts the base's linear layers once (so every
 decoder built on it shares the kernels), prints the two decisions and returns them as :class:`InferenceRuntime` for
-the run's records (``latency_profile.json``, ``run.json``, ``summary.json``).
+the run's records (``latency_profile.json``, ``run.json``, ``summary.json``). A run without an export (plain
+decoding, a draft model, the engines: ``medusa-eval model=... `` without ``export_dir``) loads the target alone
+through :func:`load_target_for_inference`, with the same two decisions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from medusa_train.config import ModelConfig, as_dataclass
 from medusa_train.export import read_export_config
-from medusa_train.loading.base import resolve_device
+from medusa_train.loading.base import load_base_model, resolve_device
 from medusa_train.loading.cpu_kernels import (
     DEFAULT_CPU_KERNELS,
     KernelChoice,
@@ -101,4 +105,62 @@ def load_for_inference(
     return medusa, tokenizer, export_config, runtime
 
 
-__all__ = ["InferenceRuntime", "decide_runtime", "load_for_inference"]
+class TargetOnly:
+    """A target model without a drafter, for runs whose decoders use none (plain decoding, a draft model, prompt
+    lookup, Lookahead, the engines): what those decoders read of a :class:`~medusa_train.model.MedusaModel`.
+
+    Attributes:
+        base: the ``*ForCausalLM``.
+        heads, head_type: None (no drafter).
+    """
+
+    heads = None
+    head_type = None
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+
+
+def target_config(model: Any, dtype: str | None = DEFAULT_DTYPE, device: str | None = None) -> ModelConfig:
+    """The ``model/`` config of a run without an export, with the run's ``dtype`` / ``device`` overrides applied.
+
+    Raises:
+        ValueError: ``model`` is None (a run without ``export_dir`` names its target with ``model=``), or not a
+            valid ``model/`` config.
+    """
+    if model is None:
+        raise ValueError("model: a run without export_dir needs the target model: give model=<model config> (e.g. "
+                         "model=qwen2_5_coder_1_5b), or export_dir=DIR to take the base recorded in an export")
+    cfg = as_dataclass(ModelConfig, model)
+    overrides = {k: v for k, v in (("dtype", dtype), ("device", device)) if v is not None}
+    return dataclasses.replace(cfg, **overrides)
+
+
+def load_target_for_inference(
+    model: Any,
+    dtype: str | None = DEFAULT_DTYPE,
+    device: str | None = None,
+    cpu_kernels: str | None = DEFAULT_CPU_KERNELS,
+    echo: Callable[[str], Any] | None = print,
+) -> tuple[TargetOnly, PreTrainedTokenizerBase, InferenceRuntime]:
+    """The target alone (no export, no drafter) in the decided dtype, on the decided kernels: as
+    :func:`load_for_inference` without heads.
+
+    Returns:
+        ``(TargetOnly, tokenizer, InferenceRuntime)``.
+
+    Raises:
+        ValueError: as :func:`target_config`; a bad dtype or kernel option for the device, before loading.
+        FileNotFoundError / OSError: as :func:`~medusa_train.loading.base.load_base_model`.
+    """
+    cfg = target_config(model, dtype, device)
+    dtype_choice, kernel_choice = decide_runtime(cfg.dtype, resolve_device(cfg.device), cpu_kernels)
+    base, tokenizer = load_base_model(dataclasses.replace(cfg, dtype=dtype_choice.name))
+    runtime = InferenceRuntime(dtype_choice, kernel_choice, apply_cpu_kernels(base, kernel_choice))
+    if echo is not None:
+        echo(runtime.describe())
+    return TargetOnly(base), tokenizer, runtime
+
+
+__all__ = ["InferenceRuntime", "TargetOnly", "decide_runtime", "load_for_inference", "load_target_for_inference",
+           "target_config"]

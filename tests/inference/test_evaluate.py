@@ -34,8 +34,8 @@ QUESTIONS = [
     {"question_id": 82, "category": "writing", "turns": ["tell me a story", "shorter please"]},
     {"question_id": 101, "category": "math", "turns": ["what is 2+2?", "and 3+3?"]},
 ]
-DESIGN_FIELDS = {"tokens_per_second", "speedup", "speedup_interval", "mean_accepted_tokens", "exact_match_vs_greedy",
-                 "new_tokens", "wall_time_s"}
+DESIGN_FIELDS = {"tokens_per_second", "speedup", "speedup_interval", "baseline", "mean_accepted_tokens",
+                 "exact_match_vs_greedy", "new_tokens", "wall_time_s"}
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +117,7 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
         mine = [r for r in rows if r["decoder"] == name]
         assert set(metrics) == DESIGN_FIELDS | {"compute_threads"}
         assert metrics["compute_threads"] == 1  # threads=1: every decoder of ours on one
+        assert metrics["baseline"] == "vanilla"  # our decoders: speedup over plain decoding in ours
         assert metrics["new_tokens"] == sum(r["new_tokens"] for r in mine)
         assert metrics["wall_time_s"] == pytest.approx(sum(r["wall_time_s"] for r in mine))
         tps[name] = sum(r["new_tokens"] for r in mine) / sum(r["wall_time_s"] for r in mine)
@@ -341,8 +342,9 @@ def test_decoder_yaml_files_hold_the_schema_defaults(tmp_path):
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("evaluate", overrides=["export_dir=x", f"output_dir={tmp_path}"])
     assert sorted(cfg.decoder) == sorted(REGISTRY) and list(cfg.decoders) == list(default_decoder_names())
-    assert sorted(set(REGISTRY) - set(cfg.decoders)) == ["llamacpp", "llamacpp_eagle3", "vllm", "vllm_eagle3",
-                                                         "vllm_medusa"]  # run only when listed
+    assert sorted(set(REGISTRY) - set(cfg.decoders)) == ["llamacpp", "llamacpp_draft", "llamacpp_eagle3",
+                                                         "llamacpp_ngram", "vllm", "vllm_draft", "vllm_eagle3",
+                                                         "vllm_medusa", "vllm_ngram"]  # run only when listed
     for name, entry in REGISTRY.items():
         assert OmegaConf.to_object(cfg.decoder[name]) == entry.settings(), name
     from inference.evaluation.eval_config import EvaluateConfig

@@ -140,8 +140,8 @@ def test_the_target_must_be_a_gguf_and_the_export_an_eagle3_with_three_taps(tmp_
     target = make_tiny_model(num_hidden_layers=8)
     hf = ModelConfig(name_or_path=str(tmp_path / "hf-model"))
     ctx = BuildContext(model=None, tokenizer=None, export_dir=str(tmp_path), model_config=hf)
-    with pytest.raises(ValueError, match=r"decoder.llamacpp.target_gguf: llama.cpp loads the target as a GGUF.*"
-                                         r"convert_hf_to_gguf.py"):
+    with pytest.raises(ValueError, match=r"decoder.llamacpp.target_gguf: llama.cpp loads models as GGUF files and "
+                                         r".*hf-model is not one.*convert_hf_to_gguf.py"):
         build_decoder("llamacpp", LlamaCppSettings(), ctx)
     with pytest.raises(ValueError, match=r"decoder.llamacpp.target_gguf: .*missing.gguf does not exist"):
         build_decoder("llamacpp", LlamaCppSettings(target_gguf=str(tmp_path / "missing.gguf")), ctx)

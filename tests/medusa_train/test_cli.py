@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 ENTRY_POINTS = {  # module, its required settings, the example the message shows
     "medusa-tune-tree": ("inference.cli.tune_tree", ["export_dir"], "medusa-tune-tree export_dir="),
-    "medusa-eval": ("inference.cli.evaluate", ["export_dir", "output_dir"], "medusa-eval export_dir="),
+    "medusa-eval": ("inference.cli.evaluate", ["output_dir"], "medusa-eval export_dir="),  # or model=: checked later
     "medusa-generate": ("inference.cli.generate", ["export_dir", "prompt"], "medusa-generate export_dir="),
     "medusa-publish": ("medusa_train.cli.publish", ["export_dir"], "medusa-publish export_dir="),
 }

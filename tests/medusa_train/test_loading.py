@@ -37,6 +37,8 @@ def test_formats_are_detected():
     (dict(name_or_path="x", dtype="float8"), ValueError, "dtype"),
     (dict(name_or_path="x", format="onnx"), ValueError, "model.format"),
     (dict(name_or_path="x", device="tpu"), ValueError, "model.device"),
+    (dict(name_or_path="x", converted_dtype="auto"), ValueError, "model.converted_dtype must be a concrete dtype"),
+    (dict(name_or_path="x", converted_dtype="int8"), ValueError, "model.converted_dtype"),
 ])
 def test_bad_model_config_is_refused_before_loading(cfg, error, match):
     with pytest.raises(error, match=match):
@@ -52,6 +54,65 @@ def test_folder_without_config_is_refused(tmp_path):
 def test_cuda_asked_for_without_cuda():
     with pytest.raises(ValueError, match="CUDA is not available"):
         load_base_model(ModelConfig(name_or_path="x", device="cuda"))
+
+
+@pytest.mark.parametrize("converted_dtype,dtype,suffix", [
+    ("float32", torch.float32, ""), ("bf16", torch.bfloat16, "-bfloat16"), ("bfloat16", torch.bfloat16, "-bfloat16"),
+])
+def test_converted_dtype_is_the_cached_folders_dtype_and_part_of_its_key(tmp_path, monkeypatch, converted_dtype,
+                                                                         dtype, suffix):
+    import json
+
+    import transformers
+    from safetensors.torch import load_file
+
+    import medusa_train.loading.base as loading
+    from medusa_train.loading.base import engine_model_path
+    from medusa_train.loading.conversion_cache import source_key
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")  # never parsed: transformers' GGUF loader is replaced by the tiny model below
+    tiny = make_tiny_model("qwen2")
+    loads = []
+
+    class GgufLoad:  # from_pretrained(gguf_file=...) dequantizes; from_config is transformers' own
+        from_config = staticmethod(transformers.AutoModelForCausalLM.from_config)
+
+        @staticmethod
+        def from_pretrained(folder, gguf_file, dtype):
+            loads.append((Path(folder) / gguf_file, dtype))
+            return make_tiny_model("qwen2").to(dtype)
+
+    monkeypatch.setattr(loading, "AutoModelForCausalLM", GgufLoad)
+    monkeypatch.setattr(loading, "AutoTokenizer", type("Tok", (), {"from_pretrained": lambda *a, **k:
+                                                                      make_tiny_tokenizer()}))
+    folder = Path(engine_model_path(ModelConfig(name_or_path=str(gguf), converted_dtype=converted_dtype)))
+    assert loads == [(gguf, dtype)]  # transformers dequantizes in float32 and rounds each tensor once into it
+    assert folder.name == f"tiny-{source_key(gguf)}{suffix}"  # float32: the name every earlier conversion has
+    assert json.loads((folder / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+    saved = load_file(folder / "model.safetensors")
+    assert saved and set(saved) <= set(tiny.state_dict())
+    for name, weight in saved.items():
+        assert weight.dtype == dtype and torch.equal(weight, tiny.state_dict()[name].to(dtype))
+
+
+def test_llama2c_conversion_follows_converted_dtype(tmp_path, monkeypatch):
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from medusa_train.loading.base import engine_model_path
+    from medusa_train.paths import assets_dir
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    cfg = ModelConfig(name_or_path=str(assets_dir() / "stories260K" / "stories260K.bin"), format="llama2c")
+    plain = Path(engine_model_path(cfg))
+    half = Path(engine_model_path(dataclasses.replace(cfg, converted_dtype="bfloat16")))
+    assert half.name == f"{plain.name}-bfloat16"
+    full, rounded = load_file(plain / "model.safetensors"), load_file(half / "model.safetensors")
+    for name, weight in full.items():
+        assert weight.dtype == torch.float32 and torch.equal(rounded[name], weight.to(torch.bfloat16))
 
 
 @pytest.mark.slow

@@ -1,0 +1,213 @@
+"""The table of a target where speculation pays: Qwen2.5-Coder-1.5B-Instruct, its 0.5B sibling as the draft model,
+plain decoding, prompt lookup and Lookahead, in our decoders, vLLM and llama.cpp, on HumanEval, MT-Bench and
+Spec-Bench (``docs/coder-1.5b.md``).
+
+    bash launch/install_models.sh coder && bash launch/install_vllm.sh && bash launch/install_llamacpp.sh
+    nohup python benchmarks/coder_table.py --cells ours:humaneval vllm:humaneval llamacpp:humaneval --commit \\
+        > runs/coder/runner.log 2>&1 &
+    python benchmarks/coder_table.py --render       # docs/coder-1.5b.md's table again, from the JSON
+
+A cell is ``GROUP:SET``: one ``medusa-eval`` run (``OUT/GROUP-SET``, resumed after a kill) of the group's decoders
+on the prompt set, the target ``model=qwen2_5_coder_1_5b``, the draft ``draft=qwen2_5_coder_0_5b``, greedy, batch 1,
+``max_new_tokens`` 256 (a reply ends at its EOS, as a user's request does), ``dtype=auto``, interleaved per prompt.
+
+- groups: ``ours`` (``vanilla``, ``draft``, ``hf_assisted``, ``hf_prompt_lookup``, ``lookahead``), ``vllm``
+  (``vllm``, ``vllm_draft``), ``vllmngram`` (``vllm``, ``vllm_ngram``: a vLLM engine takes 6.5-8.6 GB resident here,
+  so two at most run beside ours) and ``llamacpp`` (``llamacpp``, ``llamacpp_draft``, ``llamacpp_ngram``); each
+  engine's rows run without the other engines' processes resident (they would slow every row: docs/vllm.md), and
+  each run has ``vanilla``, medusa-eval's baseline, so every row's tokens/s is on the same footing. ``fp32``: our
+  group in fp32 on a few prompts and tokens, for greedy exactness (the ``exact fp32`` column of our rows);
+- sets: ``humaneval`` (the first ``--humaneval`` problems as chat turns), ``mt_bench`` (the first question of each of
+  its 8 categories, first turns), ``spec_bench`` (one question of each of its 13 categories, first turns).
+
+Each cell's rows go into ``docs/coder-1.5b.json`` (a list of objects: ``cell``, ``prompts``, ``decoder``,
+``engine``, ``drafter`` (null: no drafter of ours), ``tokens_per_second``, ``speedup`` (over the row's own engine's
+plain row, ``baseline``), ``speedup_low``/``speedup_high`` (its 95% paired-bootstrap interval), ``tau``, ``exact``
+(share of replies equal to the baseline's), ``new_tokens``, ``turns``, ``dtype``, ``cpu``, ``load_average``,
+``date``, ``commit``); ``docs/coder-1.5b.md``'s table is rewritten between its markers; with ``--commit`` those two
+files are committed after each cell. A cell already in the JSON is not run again (delete its rows to redo it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from data_scaling import commit, cpu_model, git, run  # noqa: E402
+from inference.registry import REGISTRY  # noqa: E402
+from medusa_train.atomic import atomic_write_text  # noqa: E402
+from medusa_train.precision import cpu_flags  # noqa: E402
+
+TARGET, DRAFT = "qwen2_5_coder_1_5b", "qwen2_5_coder_0_5b"
+GROUPS = {
+    "ours": ["vanilla", "draft", "hf_assisted", "hf_prompt_lookup", "lookahead"],
+    "vllm": ["vanilla", "vllm", "vllm_draft"],
+    "vllmngram": ["vanilla", "vllm", "vllm_ngram"],  # two vLLM engines at most beside ours: 24 GB of RAM
+    "llamacpp": ["vanilla", "llamacpp", "llamacpp_draft", "llamacpp_ngram"],
+    "fp32": ["vanilla", "draft", "hf_assisted", "hf_prompt_lookup", "lookahead"],
+}
+VLLM_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: 4,096 tokens of the 1.5B's cache take 0.11 GiB
+SETS = ("humaneval", "mt_bench", "spec_bench")
+MAX_NEW_TOKENS = 256
+TABLE = ROOT / "docs" / "coder-1.5b.json"
+DOC = ROOT / "docs" / "coder-1.5b.md"
+BEGIN, END = "<!-- table: benchmarks/coder_table.py --render -->", "<!-- end of table -->"
+
+
+def parse_cell(text: str) -> tuple[str, str]:
+    """``GROUP:SET`` -> ``(group, set)``.
+
+    Raises:
+        ValueError: an unknown group or set (the valid ones named).
+    """
+    group, _, prompts = text.partition(":")
+    if group not in GROUPS or prompts not in SETS:
+        raise ValueError(f"--cells {text!r}: write GROUP:SET with GROUP one of {', '.join(GROUPS)} and SET one of "
+                         f"{', '.join(SETS)}")
+    return group, prompts
+
+
+def eval_overrides(group: str, prompts: str, humaneval: int) -> list[str]:
+    """The ``medusa-eval`` overrides of cell ``group:prompts`` (besides output_dir)."""
+    selection = {"humaneval": ["prompts=humaneval", f"num_prompts={humaneval}"],
+                 "mt_bench": ["prompts=mt_bench", "per_category=1", "max_turns=1"],
+                 "spec_bench": ["prompts=spec_bench", "per_category=1", "max_turns=1"]}[prompts]
+    if group == "fp32":  # exactness, not speed: a few prompts and tokens in fp32
+        selection = [s for s in selection if not s.startswith(("num_prompts", "per_category"))] + ["num_prompts=3"]
+        precision = ["dtype=float32", "max_new_tokens=48", "warmup=0"]
+    else:
+        precision = ["dtype=auto", f"max_new_tokens={MAX_NEW_TOKENS}"]
+    # K = 3 drafted tokens for our draft decoders: the 0.5B costs 0.41 of a target token and a pass over 4 tokens
+    # 1.14x one here (docs/coder-1.5b.md, the latency curve), which the draft-model speedup formula puts at K = 3-4
+    lengths = ["decoder.draft.num_draft_tokens=3", "decoder.hf_assisted.num_draft_tokens=3"]
+    return [f"model={TARGET}", f"draft={DRAFT}", f"decoders=[{','.join(GROUPS[group])}]", *selection, *precision,
+            *(lengths if group in ("ours", "fp32") else [])]
+
+
+def rows_of(cell: str, group: str, prompts: str, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The table's rows of one cell's ``summary.json``: every decoder but ``vanilla`` in the engine groups (it is in
+    ``ours``), each with its speedup over its own engine's plain row."""
+    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    out = []
+    for name, m in summary["decoders"].items():
+        if (name == "vanilla" and group not in ("ours", "fp32")) or (name == "vllm" and group == "vllmngram"):
+            continue  # each plain row once: vanilla from ours, plain vLLM from the vllm cell
+        interval = m.get("speedup_interval") or {}
+        out.append({
+            "cell": cell, "prompts": prompts, "decoder": name, "engine": REGISTRY[name].engine, "drafter": None,
+            "tokens_per_second": m["tokens_per_second"], "speedup": m["speedup"], "baseline": m.get("baseline"),
+            "speedup_low": interval.get("low"), "speedup_high": interval.get("high"),
+            "tau": m["mean_accepted_tokens"], "exact": m["exact_match_vs_greedy"], "new_tokens": m["new_tokens"],
+            "turns": summary["prompts"], "dtype": summary["dtype"],
+            "cpu": {"model": cpu_model(), "flags": flags, "cores": os.cpu_count()},
+            "load_average": summary.get("load_average"),
+            "date": datetime.now(timezone.utc).date().isoformat(), "commit": git("rev-parse", "--short", "HEAD"),
+        })
+    return out
+
+
+def read_table() -> list[dict[str, Any]]:
+    return json.loads(TABLE.read_text(encoding="utf-8")) if TABLE.is_file() else []
+
+
+def _f(value: Any, spec: str = ".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """One table per prompt set: a row per decoder (speed cells), our rows with their fp32 exactness."""
+    exact32 = {(r["prompts"], r["decoder"]): r["exact"] for r in rows if r["cell"].startswith("fp32:")}
+    lines = []
+    for prompts in SETS:
+        mine = [r for r in rows if r["prompts"] == prompts and not r["cell"].startswith("fp32:")]
+        if not mine:
+            continue
+        order = {name: i for i, name in enumerate(dict.fromkeys(n for g in GROUPS for n in GROUPS[g]))}
+        mine.sort(key=lambda r: (("ours", "vllm", "llamacpp").index(r["engine"]), order.get(r["decoder"], 99)))
+        turns = mine[0]["turns"]
+        lines += [f"**{prompts}** ({turns} prompts, up to {MAX_NEW_TOKENS} new tokens)", "",
+                  "| engine | decoder | drafter | tokens/s | speedup over | speedup [95%] | τ | exact | exact fp32 | "
+                  "CPU (load) |", "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+        for r in mine:
+            cpu = "AMX" if "amx_bf16" in r["cpu"]["flags"] else "AVX-512 BF16" if "avx512_bf16" in r["cpu"]["flags"] \
+                else "AVX2"
+            load = r.get("load_average") or {}
+            load_text = f"{load['before'][0]:.1f}/{load['after'][0]:.1f}" if load else "n/a"
+            lines.append(f"| {r['engine']} | {r['decoder']} | {r['drafter'] or '0.5B draft / none'} | "
+                         f"{_f(r['tokens_per_second'])} | {r['baseline'] or 'n/a'} | {_f(r['speedup'])}x "
+                         f"[{_f(r['speedup_low'])}, {_f(r['speedup_high'])}] | {_f(r['tau'])} | {_f(r['exact'])} | "
+                         f"{_f(exact32.get((r['prompts'], r['decoder'])))} | {cpu} ({load_text}) |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render(rows: list[dict[str, Any]]) -> None:
+    """Rewrite the tables in ``docs/coder-1.5b.md`` between the markers (the text around them is kept).
+
+    Raises:
+        ValueError: the doc exists without the markers.
+    """
+    text = DOC.read_text(encoding="utf-8") if DOC.is_file() else f"# Qwen2.5-Coder-1.5B\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{DOC}: the table markers {BEGIN!r} and {END!r} are missing: put them back where the "
+                         "table goes")
+    head, rest = text.split(BEGIN, 1)
+    atomic_write_text(DOC, f"{head}{BEGIN}\n{markdown(rows)}{END}{rest.split(END, 1)[1]}")
+
+
+def measure(group: str, prompts: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One cell's ``medusa-eval`` run (resumed when its folder holds a part of it) -> its rows."""
+    cell = f"{group}:{prompts}"
+    out = Path(args.out) / f"{group}-{prompts}"
+    log = Path(args.out) / f"{group}-{prompts}.log"
+    medusa_eval = str(Path(sys.executable).with_name("medusa-eval"))
+    run([medusa_eval, f"output_dir={out}", *eval_overrides(group, prompts, args.humaneval)], log,
+        {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", VLLM_KV_CACHE_GIB)})
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    return rows_of(cell, group, prompts, summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cells", nargs="*", default=[], help="GROUP:SET, run in order")
+    parser.add_argument("--out", default="runs/coder", help="the runs' folder")
+    parser.add_argument("--humaneval", type=int, default=20, help="HumanEval problems (the first N)")
+    parser.add_argument("--commit", action="store_true", help="commit the table's files after each cell")
+    parser.add_argument("--render", action="store_true", help="only rewrite the Markdown tables from the JSON")
+    args = parser.parse_args(argv)
+    try:
+        cells = [parse_cell(c) for c in args.cells]
+    except ValueError as e:
+        parser.error(str(e))
+    if args.humaneval < 1:
+        parser.error(f"--humaneval {args.humaneval}: give a number of problems >= 1")
+    if args.render:
+        render(read_table())
+        return 0
+    for group, prompts in cells:
+        cell = f"{group}:{prompts}"
+        if any(r["cell"] == cell for r in read_table()):
+            print(f"{cell}: in {TABLE} already, not run again", flush=True)
+            continue
+        print(f"{cell}: running (log: {Path(args.out) / f'{group}-{prompts}.log'})", flush=True)
+        rows = measure(group, prompts, args)
+        table = [r for r in read_table() if r["cell"] != cell] + rows
+        atomic_write_text(TABLE, json.dumps(table, indent=1, ensure_ascii=False) + "\n")
+        render(table)
+        print(f"{cell}: done, " + ", ".join(f"{r['decoder']} {_f(r['speedup'])}x" for r in rows), flush=True)
+        if args.commit:
+            commit([TABLE, DOC], f"coder-1.5b: cell {cell}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
