@@ -68,8 +68,8 @@ def ours(preset: str, draft: str | None, dtype: str, context: int, sizes: list[i
 def llamacpp(preset: str, draft: str | None, context: int, sizes: list[int], repeats: int, threads: int) -> dict:
     """t(k) of the target's GGUF in ``llama-bench``, and the draft GGUF's t(1)."""
     from inference.engines.llamacpp_server import REPACK
-    from inference.registry import _gguf_file
     from medusa_train.engines.llamacpp_env import llamacpp_binary
+    from medusa_train.loading.conversion_cache import gguf_location
 
     def bench(gguf: str, ks: list[int]) -> dict[int, float]:
         command = [str(llamacpp_binary("llama-bench")), "-m", gguf, "-p", ",".join(map(str, ks)), "-n", "0",
@@ -80,10 +80,13 @@ def llamacpp(preset: str, draft: str | None, context: int, sizes: list[int], rep
             raise RuntimeError(f"llama-bench failed (exit {done.returncode}): {done.stderr[-2000:]}")
         return {int(r["n_prompt"]): r["avg_ns"] / 1e6 for r in json.loads(done.stdout)}
 
-    record: dict[str, Any] = {"t_ms": bench(_gguf_file(model_config(preset), "--model"), sizes),
-                              "repack": REPACK, "threads": threads}
+    def gguf(name: str) -> str:
+        folder, file = gguf_location(model_config(name))
+        return str(folder / file)
+
+    record: dict[str, Any] = {"t_ms": bench(gguf(preset), sizes), "repack": REPACK, "threads": threads}
     if draft is not None:
-        record["draft_t1_ms"] = bench(_gguf_file(model_config(draft), "--draft"), [1])[1]
+        record["draft_t1_ms"] = bench(gguf(draft), [1])[1]
     return record
 
 

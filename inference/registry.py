@@ -747,24 +747,24 @@ def _target_gguf(settings: LlamaCppSettings, model_config: Any, name: str) -> st
 
 
 def _gguf_file(model_config: Any, key: str) -> str:
-    """The GGUF file a ``model/`` config of ``format: gguf`` names (``name_or_path/gguf_file``, or a ``.gguf`` path).
+    """The GGUF file a ``model/`` config of format ``gguf`` names
+    (:func:`~medusa_train.loading.conversion_cache.gguf_location`).
 
     Raises:
         ValueError: the model is not a GGUF (``key`` and the converter named), or the file is missing.
     """
-    from pathlib import Path
+    from medusa_train.loading.base import detect_format
+    from medusa_train.loading.conversion_cache import gguf_location
 
-    if getattr(model_config, "format", None) == "gguf" and model_config.gguf_file:
-        path = Path(model_config.name_or_path) / model_config.gguf_file
-    elif str(model_config.name_or_path).endswith(".gguf"):
-        path = Path(model_config.name_or_path)
-    else:
+    if detect_format(model_config) != "gguf":
         raise ValueError(f"{key}: llama.cpp loads models as GGUF files and {model_config.name_or_path} is not one; "
                          "convert it with `.venv-llamacpp/bin/python .llamacpp/src/convert_hf_to_gguf.py MODEL_DIR "
                          f"--outfile model.gguf` and set {key} to it")
-    if not path.is_file():
-        raise ValueError(f"{key}: {path} does not exist")
-    return str(path)
+    try:
+        folder, name = gguf_location(model_config)
+    except FileNotFoundError as e:
+        raise ValueError(f"{key}: {e}") from e
+    return str(folder / name)
 
 
 def _build_llamacpp_eagle3(settings: LlamaCppEagle3Settings, ctx: BuildContext) -> BuiltDecoder:
@@ -875,7 +875,8 @@ for _entry in (
                  _check_vllm_request, default=False, engine="vllm", baseline="vllm"),
     DecoderEntry("llamacpp_draft", LlamaCppDraftSettings, _build_llamacpp_draft,
                  "llama.cpp's draft-model speculative decoding with a separate draft GGUF (a chain of drafts)",
-                 _needs_draft_model(_check_llamacpp_request, "llamacpp_draft"), default=False, engine="llamacpp", baseline="llamacpp"),
+                 _needs_draft_model(_check_llamacpp_request, "llamacpp_draft"), default=False, engine="llamacpp",
+                 baseline="llamacpp"),
     DecoderEntry("llamacpp_ngram", LlamaCppNgramSettings, _build_llamacpp_ngram,
                  "llama.cpp's n-gram self-speculation (ngram-simple: lookup in the prompt and reply)",
                  _check_llamacpp_request, default=False, engine="llamacpp", baseline="llamacpp"),

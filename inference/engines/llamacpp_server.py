@@ -97,8 +97,9 @@ class LlamaServer:
 
     Args:
         model_gguf: the target's GGUF.
-        draft_gguf: the drafter's GGUF: an EAGLE-3 drafter (:func:`medusa_train.drafters.eagle3.gguf.export_eagle3_gguf`)
-            or a draft model (``spec_type="draft-simple"``); None: no drafter.
+        draft_gguf: the drafter's GGUF: an EAGLE-3 drafter
+            (:func:`medusa_train.drafters.eagle3.gguf.export_eagle3_gguf`) or a draft model
+            (``spec_type="draft-simple"``); None: no drafter.
         draft_max: longest drafted chain (``--spec-draft-n-max``); used with ``draft_gguf`` only.
         draft_p_min: the drafter's top-1 probability below which it stops drafting (``--spec-draft-p-min``; None:
             llama.cpp's default).

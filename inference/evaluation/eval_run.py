@@ -454,5 +454,5 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, mod
     return summary
 
 
-__all__ = ["decoder_identities", "engine_recommendations", "divergence_report", "evaluate", "load_eval_prompts", "open_results",
-           "resolved_config", "result_settings", "supersede_stale_rows", "write_outputs"]
+__all__ = ["decoder_identities", "divergence_report", "engine_recommendations", "evaluate", "load_eval_prompts",
+           "open_results", "resolved_config", "result_settings", "supersede_stale_rows", "write_outputs"]
