@@ -10,6 +10,20 @@ Spec-Bench (``docs/coder-1.5b.md``).
 A cell is ``GROUP:SET``: one ``medusa-eval`` run (``OUT/GROUP-SET``, resumed after a kill) of the group's decoders
 on the prompt set, the target ``model=qwen2_5_coder_1_5b``, the draft ``draft=qwen2_5_coder_0_5b``, greedy, batch 1,
 ``max_new_tokens`` 256 (a reply ends at its EOS, as a user's request does), ``dtype=auto``, interleaved per prompt.
+A drafter of ours is the group ``DRAFTER-SIZE[/ENGINE]`` (``medusa-1``, ``hydra-1``, ``eagle3-1/vllm``, ...):
+
+- first its recipe, ``bash launch/recipe_scale.sh DRAFTER SIZE`` with the 1.5B as the target (``SCALE_MODEL``, its
+  frozen copy in bf16), ``SIZE`` x 700 ShareGPT conversations of which half ask for code (``data.code_share=0.5``)
+  and none holds a HumanEval problem (``data.exclude_prompts=[humaneval]``), their first turns answered again by the
+  1.5B through vLLM, the hidden-state cache, training, the export (``speculators/`` for vLLM, a GGUF for llama.cpp
+  converted when its row runs) and the tree tuned on this CPU (``medusa-tune-tree``), all in ``OUT/drafters``, each
+  step resumed after a kill and not redone once finished. The replies of a size are kept in the repository,
+  ``data/coder/replies-SIZE.tar.gz`` (committed with ``--commit`` once the first drafter of the size trained) and
+  unpacked before any later drafter of the size, even in another session on another machine;
+- then its rows: our tree decoder (``medusa``, with the tree the tuner chose) and ``composite`` (that tree and prompt
+  lookup in one), or with ``/vllm`` plain vLLM and vLLM with the drafter (``vllm_medusa`` or ``vllm_eagle3``, a chain),
+  with ``/llamacpp`` plain llama.cpp and llama.cpp with the drafter (``llamacpp_eagle3``), with ``/fp32`` our two in
+  fp32 for exactness.
 
 - groups: ``ours`` (``vanilla``, ``draft``, ``hf_assisted``, ``hf_prompt_lookup``, ``lookahead``), ``vllm``
   (``vllm``, ``vllm_draft``), ``vllmngram`` (``vllm``, ``vllm_ngram``: a vLLM engine takes 6.5-8.6 GB resident here,
@@ -42,8 +56,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from data_scaling import commit, cpu_model, git, run  # noqa: E402
-from inference.registry import REGISTRY  # noqa: E402
+from data_scaling import archive_replies, commit, cpu_model, git, restore_replies, run  # noqa: E402
+from inference.registry import REGISTRY, takes_draft  # noqa: E402
+from medusa_train.catalog import drafter_type  # noqa: E402
 from medusa_train.atomic import atomic_write_text  # noqa: E402
 from medusa_train.precision import cpu_flags  # noqa: E402
 
@@ -56,6 +71,14 @@ GROUPS = {
     "fp32": ["vanilla", "draft", "hf_assisted", "hf_prompt_lookup", "lookahead"],
 }
 VLLM_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: 4,096 tokens of the 1.5B's cache take 0.11 GiB
+DRAFTERS = ("medusa", "hydra", "eagle3")  # what launch/recipe_scale.sh trains
+DRAFTER_GROUPS = {"": ["vanilla", "medusa", "composite"], "fp32": ["vanilla", "medusa", "composite"],
+                  "vllm": ["vanilla", "vllm", "{vllm}"], "llamacpp": ["vanilla", "llamacpp", "llamacpp_eagle3"]}
+# the drafters' recipe for the 1.5B (launch/recipe_scale.sh's knobs): half the conversations about code, none holding
+# a HumanEval problem, the frozen target in bf16 (its hidden states as dtype=auto decodes them)
+RECIPE_ENV = {"SCALE_MODEL": TARGET, "SCALE_MODEL_DTYPE": "bfloat16", "SCALE_CODE_SHARE": "0.5",
+              "SCALE_EXCLUDE": "humaneval"}
+REPLIES = ROOT / "data" / "coder"  # replies-SIZE.tar.gz: the 1.5B's regenerated replies of each size
 SETS = ("humaneval", "mt_bench", "spec_bench")
 MAX_NEW_TOKENS = 256
 TABLE = ROOT / "docs" / "coder-1.5b.json"
@@ -64,24 +87,47 @@ BEGIN, END = "<!-- table: benchmarks/coder_table.py --render -->", "<!-- end of 
 
 
 def parse_cell(text: str) -> tuple[str, str]:
-    """``GROUP:SET`` -> ``(group, set)``.
+    """``GROUP:SET`` -> ``(group, set)``; GROUP one of :data:`GROUPS` or a drafter's ``DRAFTER-SIZE[/ENGINE]``.
 
     Raises:
-        ValueError: an unknown group or set (the valid ones named).
+        ValueError: an unknown group, drafter, engine or set, a size that is not a positive integer (each named).
     """
     group, _, prompts = text.partition(":")
-    if group not in GROUPS or prompts not in SETS:
-        raise ValueError(f"--cells {text!r}: write GROUP:SET with GROUP one of {', '.join(GROUPS)} and SET one of "
-                         f"{', '.join(SETS)}")
+    if prompts not in SETS:
+        raise ValueError(f"--cells {text!r}: write GROUP:SET with SET one of {', '.join(SETS)}")
+    if group not in GROUPS:
+        try:
+            drafter_cell(group)
+        except ValueError as e:
+            raise ValueError(f"--cells {text!r}: {e}; or GROUP one of {', '.join(GROUPS)}") from None
     return group, prompts
 
 
-def eval_overrides(group: str, prompts: str, humaneval: int) -> list[str]:
-    """The ``medusa-eval`` overrides of cell ``group:prompts`` (besides output_dir)."""
+def drafter_cell(group: str) -> tuple[str, int, str]:
+    """``DRAFTER-SIZE[/ENGINE]`` -> ``(drafter, size, engine)`` (engine "" for our decoders).
+
+    Raises:
+        ValueError: not of that shape (the drafters and engines named).
+    """
+    name, _, engine = group.partition("/")
+    drafter, _, size = name.partition("-")
+    if drafter not in DRAFTERS or not size.isdigit() or int(size) < 1 or engine not in DRAFTER_GROUPS:
+        raise ValueError(f"a drafter's group is DRAFTER-SIZE[/ENGINE] with DRAFTER one of {', '.join(DRAFTERS)}, SIZE "
+                         f"a positive integer, ENGINE one of {', '.join(e for e in DRAFTER_GROUPS if e)}")
+    if engine == "llamacpp" and drafter != "eagle3":
+        raise ValueError(f"llama.cpp loads EAGLE-3 drafters only, not {drafter}")
+    if engine == "vllm" and drafter_type(drafter).vllm_method is None:
+        raise ValueError(f"vLLM serves no {drafter} drafter")
+    return drafter, int(size), engine
+
+
+def eval_overrides(group: str, prompts: str, humaneval: int, export: Path | None = None) -> list[str]:
+    """The ``medusa-eval`` overrides of cell ``group:prompts`` (besides output_dir); a drafter's cell evaluates
+    ``export`` (the target is the one it records)."""
     selection = {"humaneval": ["prompts=humaneval", f"num_prompts={humaneval}"],
                  "mt_bench": ["prompts=mt_bench", "per_category=1", "max_turns=1"],
                  "spec_bench": ["prompts=spec_bench", "per_category=1", "max_turns=1"]}[prompts]
-    if group == "fp32":  # exactness, not speed: a few prompts and tokens in fp32
+    if is_fp32(group):  # exactness, not speed: a few prompts and tokens in fp32
         selection = [s for s in selection if not s.startswith(("num_prompts", "per_category"))] + ["num_prompts=3"]
         precision = ["dtype=float32", "max_new_tokens=48", "warmup=0"]
     else:
@@ -89,6 +135,11 @@ def eval_overrides(group: str, prompts: str, humaneval: int) -> list[str]:
     # K = 3 drafted tokens for our draft decoders: the 0.5B costs 0.41 of a target token and a pass over 4 tokens
     # 1.14x one here (docs/coder-1.5b.md, the latency curve), which the draft-model speedup formula puts at K = 3-4
     lengths = ["decoder.draft.num_draft_tokens=3", "decoder.hf_assisted.num_draft_tokens=3"]
+    if export is not None:
+        drafter, _, engine = drafter_cell(group)
+        method = drafter_type(drafter).vllm_method
+        decoders = [d.format(vllm=f"vllm_{method}") for d in DRAFTER_GROUPS[engine]]
+        return [f"export_dir={export}", f"decoders=[{','.join(decoders)}]", *selection, *precision]
     return [f"model={TARGET}", f"draft={DRAFT}", f"decoders=[{','.join(GROUPS[group])}]", *selection, *precision,
             *(lengths if group in ("ours", "fp32") else [])]
 
@@ -97,13 +148,16 @@ def rows_of(cell: str, group: str, prompts: str, summary: dict[str, Any]) -> lis
     """The table's rows of one cell's ``summary.json``: every decoder but ``vanilla`` in the engine groups (it is in
     ``ours``), each with its speedup over its own engine's plain row."""
     flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    drafter = None if group in GROUPS else group.split("/")[0]
     out = []
     for name, m in summary["decoders"].items():
+        if drafter is not None and name in ("vanilla", "vllm", "llamacpp"):
+            continue  # the plain rows come from the cells without a drafter
         if (name == "vanilla" and group not in ("ours", "fp32")) or (name == "vllm" and group == "vllmngram"):
             continue  # each plain row once: vanilla from ours, plain vLLM from the vllm cell
         interval = m.get("speedup_interval") or {}
         out.append({
-            "cell": cell, "prompts": prompts, "decoder": name, "engine": REGISTRY[name].engine, "drafter": None,
+            "cell": cell, "prompts": prompts, "decoder": name, "engine": REGISTRY[name].engine, "drafter": drafter,
             "tokens_per_second": m["tokens_per_second"], "speedup": m["speedup"], "baseline": m.get("baseline"),
             "speedup_low": interval.get("low"), "speedup_high": interval.get("high"),
             "tau": m["mean_accepted_tokens"], "exact": m["exact_match_vs_greedy"], "new_tokens": m["new_tokens"],
@@ -113,6 +167,11 @@ def rows_of(cell: str, group: str, prompts: str, summary: dict[str, Any]) -> lis
             "date": datetime.now(timezone.utc).date().isoformat(), "commit": git("rev-parse", "--short", "HEAD"),
         })
     return out
+
+
+def is_fp32(cell: str) -> bool:
+    """Whether ``cell`` is an exactness cell (``fp32:SET``, ``DRAFTER-SIZE/fp32:SET``), not a speed one."""
+    return cell.split(":")[0].split("/")[-1] == "fp32"
 
 
 def read_table() -> list[dict[str, Any]]:
@@ -125,14 +184,15 @@ def _f(value: Any, spec: str = ".2f") -> str:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """One table per prompt set: a row per decoder (speed cells), our rows with their fp32 exactness."""
-    exact32 = {(r["prompts"], r["decoder"]): r["exact"] for r in rows if r["cell"].startswith("fp32:")}
+    exact32 = {(r["prompts"], r["decoder"], r["drafter"]): r["exact"] for r in rows if is_fp32(r["cell"])}
     lines = []
     for prompts in SETS:
-        mine = [r for r in rows if r["prompts"] == prompts and not r["cell"].startswith("fp32:")]
+        mine = [r for r in rows if r["prompts"] == prompts and not is_fp32(r["cell"])]
         if not mine:
             continue
         order = {name: i for i, name in enumerate(dict.fromkeys(n for g in GROUPS for n in GROUPS[g]))}
-        mine.sort(key=lambda r: (("ours", "vllm", "llamacpp").index(r["engine"]), order.get(r["decoder"], 99)))
+        mine.sort(key=lambda r: (("ours", "vllm", "llamacpp").index(r["engine"]), r["drafter"] or "",
+                                 order.get(r["decoder"], 99)))
         turns = mine[0]["turns"]
         lines += [f"**{prompts}** ({turns} prompts, up to {MAX_NEW_TOKENS} new tokens)", "",
                   "| engine | decoder | drafter | tokens/s | speedup over | speedup [95%] | τ | exact | exact fp32 | "
@@ -142,10 +202,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 else "AVX2"
             load = r.get("load_average") or {}
             load_text = f"{load['before'][0]:.1f}/{load['after'][0]:.1f}" if load else "n/a"
-            lines.append(f"| {r['engine']} | {r['decoder']} | {r['drafter'] or '0.5B draft / none'} | "
+            drafter = r["drafter"] or ("Qwen2.5-Coder-0.5B" if takes_draft(r["decoder"]) else "none")
+            lines.append(f"| {r['engine']} | {r['decoder']} | {drafter} | "
                          f"{_f(r['tokens_per_second'])} | {r['baseline'] or 'n/a'} | {_f(r['speedup'])}x "
                          f"[{_f(r['speedup_low'])}, {_f(r['speedup_high'])}] | {_f(r['tau'])} | {_f(r['exact'])} | "
-                         f"{_f(exact32.get((r['prompts'], r['decoder'])))} | {cpu} ({load_text}) |")
+                         f"{_f(exact32.get((r['prompts'], r['decoder'], r['drafter'])))} | {cpu} ({load_text}) |")
         lines.append("")
     return "\n".join(lines)
 
@@ -164,13 +225,33 @@ def render(rows: list[dict[str, Any]]) -> None:
     atomic_write_text(DOC, f"{head}{BEGIN}\n{markdown(rows)}{END}{rest.split(END, 1)[1]}")
 
 
+def train(drafter: str, size: int, args: argparse.Namespace) -> Path:
+    """The drafter's recipe (see the module docstring), resumed or skipped where done -> its export folder."""
+    out = Path(args.out) / "drafters"
+    log = out / f"{drafter}-{size}.log"
+    replies, archive = out / f"replies-{size}", REPLIES / f"replies-{size}.tar.gz"
+    restored = restore_replies(archive, replies)
+    if restored:
+        print(f"{drafter}-{size}: {restored} reply blocks unpacked from {archive}", flush=True)
+    run(["bash", "launch/recipe_scale.sh", drafter, str(size)], log, {"SCALE_OUT": str(out), **RECIPE_ENV})
+    if archive_replies(replies, archive) and args.commit:
+        commit([archive], f"coder-1.5b: the 1.5B's regenerated replies of size {size} ({archive.name})")
+    return out / f"{drafter}-{size}" / "export"
+
+
 def measure(group: str, prompts: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One cell's ``medusa-eval`` run (resumed when its folder holds a part of it) -> its rows."""
+    """One cell's ``medusa-eval`` run (resumed when its folder holds a part of it; a drafter's recipe first) -> its
+    rows."""
     cell = f"{group}:{prompts}"
-    out = Path(args.out) / f"{group}-{prompts}"
-    log = Path(args.out) / f"{group}-{prompts}.log"
+    slug = group.replace("/", "-")
+    out = Path(args.out) / f"{slug}-{prompts}"
+    log = Path(args.out) / f"{slug}-{prompts}.log"
+    export = None
+    if group not in GROUPS:
+        drafter, size, _ = drafter_cell(group)
+        export = train(drafter, size, args)
     medusa_eval = str(Path(sys.executable).with_name("medusa-eval"))
-    run([medusa_eval, f"output_dir={out}", *eval_overrides(group, prompts, args.humaneval)], log,
+    run([medusa_eval, f"output_dir={out}", *eval_overrides(group, prompts, args.humaneval, export)], log,
         {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", VLLM_KV_CACHE_GIB)})
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     return rows_of(cell, group, prompts, summary)
@@ -178,7 +259,7 @@ def measure(group: str, prompts: str, args: argparse.Namespace) -> list[dict[str
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cells", nargs="*", default=[], help="GROUP:SET, run in order")
+    parser.add_argument("--cells", nargs="*", default=[], help="GROUP:SET or DRAFTER-SIZE[/ENGINE]:SET, in order")
     parser.add_argument("--out", default="runs/coder", help="the runs' folder")
     parser.add_argument("--humaneval", type=int, default=20, help="HumanEval problems (the first N)")
     parser.add_argument("--commit", action="store_true", help="commit the table's files after each cell")

@@ -14,7 +14,11 @@
 # (EAGLE-3's training-time-test steps; empty: the preset's), SCALE_PRECISION (trainer.precision; auto: bf16 where the
 # CPU has bf16 instructions), SCALE_DTYPE (auto: the dtype the tree is tuned in), SCALE_DISTILL_ENGINE (vllm; hf
 # generates with the fp32 training model, much slower), SCALE_TAG (appended to the run folder's name: a cell with other
-# settings), MEDUSA_VLLM_VENV (.venv-vllm).
+# settings), MEDUSA_VLLM_VENV (.venv-vllm); for another target (benchmarks/coder_table.py: Qwen2.5-Coder-1.5B),
+# SCALE_MODEL (its model/ preset; smollm2_135m), SCALE_MODEL_DTYPE (the frozen target's dtype in training and in the
+# hidden-state cache; float32), SCALE_CODE_SHARE (data.code_share: the share of code conversations; empty: file order)
+# and SCALE_EXCLUDE (data.exclude_prompts, e.g. humaneval: its problems never trained on). Give each target its own
+# SCALE_OUT: the replies of a size are the target's.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -37,6 +41,10 @@ if [[ -n "$ttt" ]]; then
   heads+=(heads.medusa_num_heads="$ttt")
 fi
 conversations=$(( 700 * size ))
+model_preset="${SCALE_MODEL:-smollm2_135m}" model_dtype="${SCALE_MODEL_DTYPE:-float32}"
+data_extra=()
+[[ -n "${SCALE_CODE_SHARE:-}" ]] && data_extra+=(data.code_share="$SCALE_CODE_SHARE")
+[[ -n "${SCALE_EXCLUDE:-}" ]] && data_extra+=("data.exclude_prompts=[$SCALE_EXCLUDE]")
 head_vocab="${SCALE_HEAD_VOCAB:-4096}"
 precision="${SCALE_PRECISION:-auto}"
 dtype="${SCALE_DTYPE:-auto}"

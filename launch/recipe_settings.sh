@@ -2,7 +2,9 @@
 # medusa-tune-tree and medusa-eval runs share, defined here once.
 # Reads: root, conversations, epochs, head_vocab, dtype, tune_prompts, eval_tokens, precision (trainer.precision),
 #   distill_choice (auto | vllm | hf: the self-distillation engine; auto: vllm when its environment is installed),
-#   distill_dtype (vLLM's dtype, auto: bf16 where the hardware multiplies bf16 natively).
+#   distill_dtype (vLLM's dtype, auto: bf16 where the hardware multiplies bf16 natively); optionally model_preset
+#   (the target's model/ preset, default smollm2_135m), model_dtype (the frozen target's dtype in training and in the
+#   hidden-state cache, default float32) and data_extra (an array of further data.* overrides).
 # Sets: vllm_ready, engine, train, tune and evaluate (arrays of overrides), and resumes DIR.
 resumes() {  # resumes DIR: true when DIR holds what a killed run of it left (checkpoints, export, replies)
   [[ -d "$1/checkpoints" || -d "$1/export" || -d "$1/self_distill" ]] && echo true || echo false
@@ -18,7 +20,8 @@ echo "== self-distillation engine: $engine ($([[ "$engine" == vllm ]] && echo "d
   "$([[ "$vllm_ready" == true ]] || echo "- vLLM's environment is not installed: bash launch/install_vllm.sh makes it")"
 
 # the data and trainer settings every drafter trains with (a second drafter reads the first one's replies)
-train=(model=smollm2_135m model.dtype=float32 data=sharegpt data.self_distill=true "${distill[@]}"
+train=(model="${model_preset:-smollm2_135m}" model.dtype="${model_dtype:-float32}" data=sharegpt data.self_distill=true
+       "${distill[@]}" "${data_extra[@]}"
        data.max_conversations="$conversations" data.max_prompt_tokens=128 data.max_new_tokens=192
        data.generation_batch_size=128 data.eval_fraction=0.03 max_length=320 hidden_cache=true
        heads.head_vocab_size="$head_vocab" trainer=cpu trainer.precision="$precision" trainer.learning_rate=2e-3

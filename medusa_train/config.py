@@ -27,6 +27,7 @@ from medusa_train.bounds import (
 from medusa_train.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, head_types, titles
 from medusa_train.drafters.hydra.heads import COMBINES
 from medusa_train.precision import AUTO, TRAINING_PRECISIONS, check_dtype_name
+from medusa_train.prompts import PROBLEM_SETS
 
 MODEL_FORMATS = ("auto", "hf", "gguf", "llama2c")
 DEVICES = ("cpu", "cuda", "cuda:N", "auto")  # what medusa_train.loading.base.resolve_device places a model on
@@ -310,6 +311,12 @@ class DataConfig:
             replies).
         path: file or folder for ``json``/``hf_disk`` (optional for ``sharegpt``).
         max_conversations: keep at most this many conversations (None: all).
+        code_share: with ``max_conversations``, the share of them whose first user turn shows or asks for code
+            (:func:`medusa_train.data.topics.looks_like_code`; 20% of ShareGPT's), the first such conversations and
+            the first others in file order; None: file order, whatever the topic. For a code model's drafter, so
+            that code is well represented.
+        exclude_prompts: evaluation prompt sets whose problems training must never see (``humaneval``): a
+            conversation holding one of their function signatures is left out and counted.
         stride: keep every ``stride``-th conversation of the source (1: all), so ``max_conversations`` samples
             ``stride`` times as much of it. ShareGPT is in session order (9% of its first 700 first turns continue
             one user's story), so a small sample taken from the start is narrow. On ``sharegpt``, keep
@@ -353,6 +360,8 @@ class DataConfig:
     source: str = "sharegpt"
     path: Optional[str] = None
     max_conversations: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_STEPS))
+    code_share: Optional[float] = field(default=None, metadata=bound(0, 1, hint="the share of code conversations"))
+    exclude_prompts: list[str] = field(default_factory=list)
     stride: int = field(default=1, metadata=bound(1, cap=MAX_COUNT, hint="1 keeps every conversation"))
     eval_fraction: float = field(default=0.05, metadata=bound(0, 1, high_open=True))
     prompts: list[str] = field(default_factory=list)
@@ -375,6 +384,13 @@ class DataConfig:
             raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
         if self.source in ("json", "hf_disk") and not self.path:
             raise ValueError(f"data.source={self.source} needs data.path (a file or folder)")
+        if self.code_share is not None and (self.max_conversations is None or self.source == "prompts"):
+            raise ValueError("data.code_share picks the code conversations among data.max_conversations read from a "
+                             "conversation source: set data.max_conversations, or leave data.code_share null")
+        unknown = [name for name in self.exclude_prompts if name not in PROBLEM_SETS]
+        if unknown:
+            raise ValueError(f"data.exclude_prompts: {unknown} cannot be excluded; choose from "
+                             f"{', '.join(PROBLEM_SETS)}")
         if self.source == "prompts":
             if not self.prompts:
                 raise ValueError("data.source=prompts needs a non-empty data.prompts list")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,9 @@ class LoadStats:
         truncated_chars: characters of a record cut off by the end of the file (ShareGPT's file has one).
         stopped_early: reading stopped once ``max_conversations`` were collected (later records not counted).
         strided: usable conversations passed over by ``stride``.
+        excluded: usable conversations left out by ``exclude`` (e.g. holding an evaluation problem).
+        over_share: usable conversations passed over to keep ``topic_share``.
+        on_topic: conversations kept that are on ``topic`` (counted when one is given).
         unknown_roles: the unknown role names seen, with counts.
     """
 
@@ -72,6 +75,9 @@ class LoadStats:
     truncated_chars: int = 0
     stopped_early: bool = False
     strided: int = 0
+    excluded: int = 0
+    over_share: int = 0
+    on_topic: int = 0
     unknown_roles: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -86,8 +92,11 @@ class LoadStats:
         roles = f" {self.unknown_roles}" if self.unknown_roles else ""
         strided = f", {self.strided} passed over by stride" if self.strided else ""
         blank = f", {self.blank} whose turns are all empty" if self.blank else ""
+        topic = f" ({self.on_topic} on topic, {self.over_share} passed over for the share)" if self.over_share or \
+            self.on_topic else ""
+        excluded = f", {self.excluded} excluded" if self.excluded else ""
         return (
-            f"{self.path}: {self.records} complete records{early}, kept {self.kept}{strided}; "
+            f"{self.path}: {self.records} complete records{early}, kept {self.kept}{topic}{strided}{excluded}; "
             f"dropped {self.empty} empty{blank}, {self.no_assistant} without an assistant turn, "
             f"{self.unknown_role} with unknown roles{roles}, {self.malformed} malformed{cut}"
         )
@@ -240,15 +249,32 @@ def _iter_hf_disk_records(path: Path, stats: LoadStats) -> Iterator[Any]:
 
 
 def _collect(
-    records: Iterable[Any], stats: LoadStats, max_conversations: int | None, require_assistant: bool, stride: int = 1
+    records: Iterable[Any], stats: LoadStats, max_conversations: int | None, require_assistant: bool, stride: int = 1,
+    exclude: Callable[[Conversation], bool] | None = None, topic: Callable[[Conversation], bool] | None = None,
+    topic_share: float | None = None,
 ) -> list[Conversation]:
+    quota = None
+    if topic is not None and topic_share is not None and max_conversations is not None:
+        wanted = round(max_conversations * topic_share)
+        quota = {True: wanted, False: max_conversations - wanted}
     conversations: list[Conversation] = []
     for record in records:
         messages = normalize_record(record, stats, require_assistant)
         if messages is not None:
-            if (len(conversations) + stats.strided) % stride:  # the usable conversations before this one
+            if exclude is not None and exclude(messages):
+                stats.excluded += 1
+                continue
+            if (len(conversations) + stats.strided + stats.over_share) % stride:  # usable ones before this one
                 stats.strided += 1
                 continue
+            if topic is not None:
+                on = bool(topic(messages))
+                if quota is not None and quota[on] == 0:
+                    stats.over_share += 1
+                    continue
+                if quota is not None:
+                    quota[on] -= 1
+                stats.on_topic += on
             conversations.append(messages)
             if max_conversations is not None and len(conversations) >= max_conversations:
                 stats.stopped_early = True
@@ -263,6 +289,9 @@ def load_conversations(
     seed: int | None = None,
     require_assistant: bool = True,
     stride: int = 1,
+    exclude: Callable[[Conversation], bool] | None = None,
+    topic: Callable[[Conversation], bool] | None = None,
+    topic_share: float | None = None,
 ) -> tuple[list[Conversation], LoadStats]:
     """Load conversations from one source.
 
@@ -280,6 +309,13 @@ def load_conversations(
         stride: keep every ``stride``-th usable conversation (the 1st, the ``stride + 1``-th, ...), so
             ``max_conversations`` spreads over ``stride`` times as much of the file: ShareGPT is in session order,
             and a run of neighbouring conversations is often one user's topic.
+        exclude: a conversation for which it is true is left out and counted (e.g. one holding an evaluation
+            problem, :func:`medusa_train.data.topics.holds_problem`).
+        topic: whether a conversation is on a topic (e.g. :func:`medusa_train.data.topics.looks_like_code`); its
+            conversations are counted.
+        topic_share: with ``topic`` and ``max_conversations``, the share of them on the topic: the first
+            ``round(max_conversations * topic_share)`` on-topic conversations and the first others, in file order,
+            passing over the rest; reading stops once both are full. None: file order, whatever the topic.
 
     Returns:
         ``(conversations, stats)``: a list of message lists with roles ``user``/``assistant``/``system``,
@@ -294,13 +330,17 @@ def load_conversations(
         raise ValueError(f"max_conversations must be positive or None, got {max_conversations}")
     if stride < 1:
         raise ValueError(f"stride must be >= 1, got {stride}")
+    if topic_share is not None and not (0 <= topic_share <= 1 and max_conversations is not None and topic):
+        raise ValueError(f"topic_share must be in [0, 1] and come with max_conversations and a topic, got "
+                         f"{topic_share}, {max_conversations} and {topic}")
     path = resolve_data_path(source, path)
     stats = LoadStats(source=source, path=str(path))
     if source == "hf_disk":
         records = _iter_hf_disk_records(path, stats)
     else:
         records = _iter_json_records(path, stats)
-    conversations = _collect(records, stats, max_conversations, require_assistant, stride)
+    conversations = _collect(records, stats, max_conversations, require_assistant, stride, exclude, topic,
+                             topic_share)
     stats.kept = len(conversations)
     if not conversations:
         wanted = "an assistant turn" if require_assistant else "a message"

@@ -27,6 +27,7 @@ HUMANEVAL_CATEGORY = "humaneval"
 # A problem as a chat turn: the instruction, then the problem's signature and docstring in a Python code block (the
 # way code-instruction models such as Qwen2.5-Coder-Instruct are asked for a completion in chat).
 HUMANEVAL_TURN = "Complete the following Python function:\n```python\n{prompt}```"
+PROBLEM_SETS = ("humaneval",)  # the sets whose problems training can leave out (data.exclude_prompts)
 # Training reads ShareGPT from the start of the file; prompts from this conversation on are held out by default.
 SHAREGPT_HELDOUT_OFFSET = 16000
 
@@ -144,6 +145,22 @@ def humaneval_prompts(path: str | Path | None = None) -> list[Prompt]:
     if not prompts:
         raise ValueError(f"HumanEval file {path} holds no problems")
     return prompts
+
+
+def problem_signatures(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The function signatures (``def NAME(``) of every problem of the prompt sets ``names`` (:data:`PROBLEM_SETS`):
+    what a training conversation must not hold (:func:`medusa_train.data.topics.holds_problem`).
+
+    Raises:
+        ValueError: a set without problems to leave out (:data:`PROBLEM_SETS` named).
+        FileNotFoundError: its package is not installed (the pip command named).
+    """
+    signatures: list[str] = []
+    for name in names:
+        if name not in PROBLEM_SETS:
+            raise ValueError(f"data.exclude_prompts: {name!r} cannot be excluded; choose from {', '.join(PROBLEM_SETS)}")
+        signatures += [f"def {p.meta['entry_point']}(" for p in humaneval_prompts() if p.meta.get("entry_point")]
+    return tuple(dict.fromkeys(signatures))
 
 
 def load_prompts(

@@ -16,6 +16,7 @@ Steps, each failing before training with a message that names the setting to cha
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -37,9 +38,10 @@ from medusa_train.data import (
 from medusa_train.conversations import normalize_record
 from medusa_train.data.distill_engines import distill_engine, engine_placement_here, request_size
 from medusa_train.data.self_distill import distill_prompt, prompt_key, read_records, record_id, written_blocks
+from medusa_train.data.topics import holds_problem, looks_like_code
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.paths import cache_dir
-from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET
+from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET, problem_signatures
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +146,11 @@ def source_conversations(data: DataConfig, seed: int) -> tuple[list[Conversation
     """
     if data.source == "prompts":
         return [[{"role": "user", "content": p}] for p in data.prompts], None
+    signatures = problem_signatures(data.exclude_prompts)
     conversations, stats = load_conversations(
         data.source, data.path, data.max_conversations, seed, require_assistant=not data.self_distill,
-        stride=data.stride,
+        stride=data.stride, exclude=functools.partial(holds_problem, signatures=signatures) if signatures else None,
+        topic=looks_like_code if data.code_share is not None else None, topic_share=data.code_share,
     )
     log.info("data: %s", stats.summary())
     if data.source == "sharegpt" and data.path is None:

@@ -1,0 +1,128 @@
+"""benchmarks/coder_table.py: the cells (plain and drafters'), what each runs, its rows (each speedup over its own
+engine's plain row), the table rendered, a finished cell never run again, and a drafter's recipe run with the 1.5B's
+settings, its replies archived once and restored on another machine (the recipe itself is run by the benchmark)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def table(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("coder_table", REPO_ROOT / "benchmarks" / "coder_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "TABLE", tmp_path / "coder.json")
+    monkeypatch.setattr(module, "DOC", tmp_path / "coder.md")
+    monkeypatch.setattr(module, "REPLIES", tmp_path / "data" / "coder")
+    return module
+
+
+def summary(*names: str, baseline: dict | None = None) -> dict:
+    def metrics(name: str) -> dict:
+        return {"tokens_per_second": 5.0, "speedup": 1.5, "baseline": (baseline or {}).get(name, "vanilla"),
+                "speedup_interval": {"low": 1.2, "high": 1.8}, "mean_accepted_tokens": 2.5,
+                "exact_match_vs_greedy": 1.0, "new_tokens": 100}
+    return {"decoders": {n: metrics(n) for n in names}, "prompts": 20, "dtype": "bfloat16",
+            "load_average": {"before": [0.5, 0, 0], "after": [2.1, 0, 0]}}
+
+
+@pytest.mark.parametrize("text, parsed", [
+    ("ours:humaneval", ("ours", "humaneval")), ("vllmngram:spec_bench", ("vllmngram", "spec_bench")),
+    ("medusa-1:mt_bench", ("medusa-1", "mt_bench")), ("eagle3-4/llamacpp:humaneval", ("eagle3-4/llamacpp", "humaneval")),
+    ("eagle3-1/vllm:humaneval", ("eagle3-1/vllm", "humaneval")), ("hydra-1/fp32:humaneval", ("hydra-1/fp32", "humaneval")),
+])
+def test_cells_parse(table, text, parsed):
+    assert table.parse_cell(text) == parsed
+
+
+@pytest.mark.parametrize("text, message", [
+    ("ours:gsm8k", "SET one of humaneval, mt_bench, spec_bench"), ("lookahead:humaneval", "DRAFTER one of medusa"),
+    ("medusa-0:humaneval", "SIZE a positive integer"), ("medusa-1/tgi:humaneval", "ENGINE one of fp32, vllm, llamacpp"),
+    ("medusa-1/llamacpp:humaneval", "llama.cpp loads EAGLE-3 drafters only, not medusa"),
+    ("hydra-1/vllm:humaneval", "vLLM serves no hydra drafter"),
+])
+def test_a_bad_cell_is_refused_naming_it(table, text, message):
+    with pytest.raises(ValueError, match=message):
+        table.parse_cell(text)
+
+
+def test_what_each_cell_runs(table):
+    ours = table.eval_overrides("ours", "humaneval", 20)
+    assert ours[:3] == ["model=qwen2_5_coder_1_5b", "draft=qwen2_5_coder_0_5b",
+                        "decoders=[vanilla,draft,hf_assisted,hf_prompt_lookup,lookahead]"]
+    assert {"prompts=humaneval", "num_prompts=20", "dtype=auto", "max_new_tokens=256",
+            "decoder.draft.num_draft_tokens=3"} <= set(ours)
+    assert "decoders=[vanilla,llamacpp,llamacpp_draft,llamacpp_ngram]" in table.eval_overrides("llamacpp", "mt_bench", 20)
+    assert {"per_category=1", "max_turns=1"} <= set(table.eval_overrides("vllm", "spec_bench", 20))
+    eagle3 = table.eval_overrides("eagle3-1/vllm", "humaneval", 20, Path("E"))
+    assert eagle3[:2] == ["export_dir=E", "decoders=[vanilla,vllm,vllm_eagle3]"] and "model=qwen2_5_coder_1_5b" not in eagle3
+    exact = table.eval_overrides("medusa-1/fp32", "mt_bench", 20, Path("E"))
+    assert {"decoders=[vanilla,medusa,composite]", "dtype=float32", "num_prompts=3"} <= set(exact)
+    assert not any(o.startswith("per_category") for o in exact)
+
+
+def test_rows_name_their_engine_drafter_and_baseline_and_each_plain_row_comes_once(table):
+    rows = table.rows_of("vllm:humaneval", "vllm", "humaneval", summary(
+        "vanilla", "vllm", "vllm_draft", baseline={"vllm_draft": "vllm"}))
+    assert [(r["decoder"], r["engine"], r["baseline"], r["drafter"]) for r in rows] == [
+        ("vllm", "vllm", "vanilla", None), ("vllm_draft", "vllm", "vllm", None)]  # vanilla comes from ours
+    assert rows[1]["speedup_low"] == 1.2 and rows[1]["turns"] == 20 and rows[1]["cpu"]["cores"] >= 1
+    assert [r["decoder"] for r in table.rows_of("vllmngram:x", "vllmngram", "humaneval",
+                                                summary("vanilla", "vllm", "vllm_ngram"))] == ["vllm_ngram"]
+    mine = table.rows_of("eagle3-1/llamacpp:humaneval", "eagle3-1/llamacpp", "humaneval",
+                         summary("vanilla", "llamacpp", "llamacpp_eagle3"))
+    assert [(r["decoder"], r["drafter"]) for r in mine] == [("llamacpp_eagle3", "eagle3-1")]
+
+
+def test_the_table_is_rendered_per_prompt_set_with_fp32_exactness(table):
+    table.DOC.write_text(f"# T\n\n{table.BEGIN}\nold\n{table.END}\n\nafter\n", encoding="utf-8")
+    rows = (table.rows_of("ours:humaneval", "ours", "humaneval", summary("vanilla", "draft"))
+            + table.rows_of("medusa-1:humaneval", "medusa-1", "humaneval", summary("vanilla", "medusa"))
+            + table.rows_of("fp32:humaneval", "fp32", "humaneval", summary("vanilla", "draft")))
+    rows[-1]["exact"] = 0.5
+    table.render(rows)
+    text = table.DOC.read_text(encoding="utf-8")
+    assert text.startswith("# T\n\n") and text.endswith("\n\nafter\n") and "old" not in text
+    lines = [line for line in text.splitlines() if line.startswith("| ours")]
+    assert [line.split(" | ")[1:3] for line in lines] == [["vanilla", "none"], ["draft", "Qwen2.5-Coder-0.5B"],
+                                                          ["medusa", "medusa-1"]]
+    assert "| 0.50 |" in lines[1] and "(0.5/2.1)" in lines[1]  # the draft's fp32 exactness; the load around it
+    assert "**humaneval** (20 prompts, up to 256 new tokens)" in text and "mt_bench" not in text
+
+
+def test_a_finished_cell_is_not_run_again(table, monkeypatch, capsys):
+    table.TABLE.write_text(json.dumps(table.rows_of("ours:humaneval", "ours", "humaneval", summary("vanilla"))))
+    monkeypatch.setattr(table, "measure", lambda *a: pytest.fail("a finished cell was measured again"))
+    assert table.main(["--cells", "ours:humaneval"]) == 0
+    assert "ours:humaneval: in" in capsys.readouterr().out
+
+
+def test_a_drafters_recipe_runs_with_the_targets_settings_and_its_replies_are_kept(table, tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(command, log, env=None):
+        calls.append((command, env))
+        folder = Path(env["SCALE_OUT"]) / "replies-1"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "conversations.block000000.jsonl").write_text('{"id": "a"}\n')
+
+    monkeypatch.setattr(table, "run", fake_run)
+    args = type("Args", (), {"out": str(tmp_path / "runs"), "commit": False})()
+    export = table.train("eagle3", 1, args)
+    assert export == tmp_path / "runs" / "drafters" / "eagle3-1" / "export"
+    command, env = calls[0]
+    assert command == ["bash", "launch/recipe_scale.sh", "eagle3", "1"]
+    assert env == {"SCALE_OUT": str(tmp_path / "runs" / "drafters"), "SCALE_MODEL": "qwen2_5_coder_1_5b",
+                   "SCALE_MODEL_DTYPE": "bfloat16", "SCALE_CODE_SHARE": "0.5", "SCALE_EXCLUDE": "humaneval"}
+    archive = table.REPLIES / "replies-1.tar.gz"
+    assert archive.is_file()  # the first drafter of the size wrote the archive
+    args.out = str(tmp_path / "elsewhere")  # another machine: the replies come back before the recipe runs
+    monkeypatch.setattr(table, "run", lambda command, log, env=None: calls.append(
+        sorted(p.name for p in (Path(env["SCALE_OUT"]) / "replies-1").iterdir())))
+    table.train("medusa", 1, args)
+    assert calls[-1] == ["conversations.block000000.jsonl"]
