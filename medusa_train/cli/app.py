@@ -30,6 +30,9 @@ from medusa_train.paths import CONF_DIR
 from medusa_train.resolvers import register_resolvers
 
 
+HYDRA_NODE = "hydra"  # the Hydra framework's own node of a composed config (not the Hydra drafter)
+
+
 class RefuseBeforeRun(Callback):
     """Hydra callback: check one setting before Hydra creates or writes the job's folder, and exit with the check's
     one-line message when it fails (Hydra turns a callback's exceptions into warnings, so this one exits instead).
@@ -117,7 +120,7 @@ def not_installed(node: Any) -> str | None:
 
     for key in node:
         child = node._get_node(key)
-        if key == "hydra" and node._get_parent() is None:
+        if key == HYDRA_NODE and node._get_parent() is None:
             continue
         if OmegaConf.is_dict(child):
             found = not_installed(child)
