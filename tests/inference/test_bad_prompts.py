@@ -27,6 +27,26 @@ def test_a_lone_surrogate_in_a_prompt_file_names_the_prompt_turn_and_character(t
         load_prompts("jsonl", str(path))
 
 
+def test_a_prompt_file_with_a_byte_order_mark_or_one_json_array_is_named_as_such_with_the_fix(tmp_path):
+    from medusa_train.prompts import read_question_jsonl
+
+    line = json.dumps({"question_id": 1, "turns": ["hi"]})
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + line.encode() + b"\n")
+    with pytest.raises(ValueError, match=rf"^{bom}:1: starts with a UTF-8 byte-order mark \(BOM, bytes EF BB BF\), "
+                                         r"which JSON Lines does not allow: save it as UTF-8 without a BOM \(e.g. "
+                                         rf"`sed -i '1s/\^\\xEF\\xBB\\xBF//' {bom}`\)$"):
+        read_question_jsonl(bom)
+    array = tmp_path / "questions.json"
+    array.write_text(f"[\n  {line},\n  {line}\n]\n")
+    with pytest.raises(ValueError, match=rf"^{array}: holds a JSON array \(one document for the whole file\), not "
+                                         r"JSON Lines .*: convert it, e.g. `jq -c '\.\[\]' "
+                                         rf"{array} > {tmp_path}/questions-lines.jsonl`, and pass that file$"):
+        read_question_jsonl(array)
+    bom.write_text(line + "\n")  # the same line without either: read
+    assert [p.turns for p in read_question_jsonl(bom)] == [["hi"]]
+
+
 def test_a_lone_surrogate_on_the_command_line_is_refused_by_position():
     # argv bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape)
     prompt = b"Once upon \xff time".decode("utf-8", errors="surrogateescape")
