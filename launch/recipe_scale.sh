@@ -32,7 +32,11 @@ esac
 # conversation 16,000: SHAREGPT_HELDOUT_OFFSET in medusa_train/prompts.py), so SIZE <= 16000 / 700 = 22 (MAX_SIZE in
 # benchmarks/data_scaling.py); compared as text first, so no size overflows bash's 64-bit arithmetic
 max_size=22
-[[ ${#size} -le ${#max_size} ]] && (( size <= max_size )) || { echo "SIZE=$size: give at most $max_size ($max_size x 700 = $(( max_size * 700 )) ShareGPT conversations; the held-out prompts start at 16,000). $usage" >&2; exit 2; }
+if ! { [[ ${#size} -le ${#max_size} ]] && (( size <= max_size )); }; then
+  echo "SIZE=$size: give at most $max_size ($max_size x 700 = $(( max_size * 700 )) ShareGPT conversations; the" \
+       "held-out prompts start at 16,000). $usage" >&2
+  exit 2
+fi
 out="${SCALE_OUT:-runs/scale}"
 epochs="${SCALE_EPOCHS:-$(( size < 4 ? 5 : size < 16 ? 3 : 2 ))}"
 [[ "$epochs" =~ ^[1-9][0-9]*$ ]] || { echo "SCALE_EPOCHS=$epochs: give a positive integer" >&2; exit 2; }
