@@ -4,8 +4,8 @@
     python benchmarks/data_scaling.py --render       # docs/data-scaling.md and the plot again, from the JSON
 
 A cell is ``DRAFTER:SIZE`` (``medusa``, ``hydra`` or ``eagle3``; SIZE a multiple of the quickstart's 700 ShareGPT
-conversations), optionally ``:vocab=N`` (the head / draft vocabulary) and ``:ttt=K`` (EAGLE-3's training-time-test
-steps). For each cell, in order:
+conversations, 1 to 22: :data:`MAX_SIZE`), optionally ``:vocab=N`` (the head / draft vocabulary) and ``:ttt=K``
+(EAGLE-3's training-time-test steps). For each cell, in order:
 
 1. ``bash launch/recipe_scale.sh DRAFTER SIZE``: regenerated replies (shared by the drafters of a size), training,
    export and the tree tuned on this CPU (every step resumes after a kill, a finished one is not redone). The replies
@@ -45,15 +45,29 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from inference.evaluation.eval_config import EvaluateConfig  # noqa: E402
 from medusa_train.atomic import atomic_write, atomic_write_text  # noqa: E402
+from medusa_train.bounds import Bound  # noqa: E402
 from medusa_train.catalog import drafter_type  # noqa: E402
 from medusa_train.checksums import file_sha256  # noqa: E402
+from medusa_train.cli.flags import FlagParser, check_flags, schema_bound  # noqa: E402
+from medusa_train.config import HeadsConfig  # noqa: E402
 from medusa_train.engines.llamacpp_env import llamacpp_available  # noqa: E402
 from medusa_train.engines.vllm_env import vllm_available  # noqa: E402
 from medusa_train.precision import cpu_flags  # noqa: E402
+from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET  # noqa: E402
 
 DRAFTERS = ("medusa", "hydra", "eagle3")  # the drafters launch/recipe_scale.sh trains
 QUICKSTART_CONVERSATIONS = 700
+# The largest SIZE: SIZE x 700 ShareGPT conversations stay below the held-out prompts the tuner and the evaluation
+# read (they start at conversation SHAREGPT_HELDOUT_OFFSET, 16,000), so no cell trains on what it is measured on.
+# 22 (15,400 conversations); launch/recipe_scale.sh refuses above it too (tests/test_data_scaling.py checks both).
+MAX_SIZE = SHAREGPT_HELDOUT_OFFSET // QUICKSTART_CONVERSATIONS
+# each number of a cell, and the config field's bound it is checked with (a cell's settings become those fields)
+CELL_BOUNDS = {"size": Bound(1, MAX_SIZE, hint=f"SIZE x {QUICKSTART_CONVERSATIONS} ShareGPT conversations stay "
+                             f"below the held-out prompts at {SHAREGPT_HELDOUT_OFFSET:,}"),
+               "vocab": schema_bound(HeadsConfig, "head_vocab_size"),
+               "ttt": schema_bound(HeadsConfig, "medusa_num_heads")}
 TABLE = ROOT / "docs" / "data-scaling.json"
 DOC = ROOT / "docs" / "data-scaling.md"
 PLOT = ROOT / "docs" / "figures" / "data-scaling.png"
@@ -64,17 +78,18 @@ def parse_cell(text: str) -> dict[str, Any]:
     """``DRAFTER:SIZE[:vocab=N][:ttt=K]`` -> ``{"drafter", "size", "vocab", "ttt"}`` (None: the recipe's default).
 
     Raises:
-        ValueError: an unknown drafter, a size or setting that is not a positive integer, ttt for another drafter.
+        ValueError: an unknown drafter, a size or setting that is not a decimal integer in ASCII digits or is out of
+            its range (:data:`CELL_BOUNDS`: SIZE at most :data:`MAX_SIZE`), ttt for another drafter; the cell named.
     """
     parts = text.split(":")
     if len(parts) < 2 or parts[0] not in DRAFTERS:
         raise ValueError(f"--cells {text!r}: write DRAFTER:SIZE with DRAFTER one of {', '.join(DRAFTERS)}")
-    cell: dict[str, Any] = {"drafter": parts[0], "size": _positive(parts[1], text), "vocab": None, "ttt": None}
+    cell: dict[str, Any] = {"drafter": parts[0], "size": _number(parts[1], text, "size"), "vocab": None, "ttt": None}
     for option in parts[2:]:
         key, _, value = option.partition("=")
         if key not in ("vocab", "ttt"):
             raise ValueError(f"--cells {text!r}: unknown setting {key!r} (vocab=N, ttt=K)")
-        cell[key] = _positive(value, text)
+        cell[key] = _number(value, text, key)
     if cell["ttt"] is not None and not drafter_type(cell["drafter"]).sequence:
         raise ValueError(f"--cells {text!r}: ttt= is EAGLE-3's training-time-test steps (eagle3 cells only)")
     return cell
@@ -87,9 +102,18 @@ def vllm_decoder(drafter: str) -> str | None:
     return None if method is None else f"vllm_{method}"
 
 
-def _positive(value: str, text: str) -> int:
-    if not value.isdigit() or int(value) < 1:
+def _number(value: str, text: str, key: str) -> int:
+    """``value``, the ``key`` of cell ``text``, as an int within :data:`CELL_BOUNDS`.
+
+    Raises:
+        ValueError: not ASCII digits (``str.isdigit`` admits ``²``, which ``int`` refuses), 0 or out of range.
+    """
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
         raise ValueError(f"--cells {text!r}: {value!r} is not a positive integer")
+    try:
+        CELL_BOUNDS[key].check(int(value), key)
+    except ValueError as e:
+        raise ValueError(f"--cells {text!r}: {e}") from None
     return int(value)
 
 
@@ -356,14 +380,25 @@ def plot(cells: list[dict[str, Any]]) -> None:
     os.replace(PLOT.with_suffix(".tmp.png"), PLOT)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cells", nargs="*", default=[], help="DRAFTER:SIZE[:vocab=N][:ttt=K], run in order")
+BOUNDS = {"per_category": schema_bound(EvaluateConfig, "per_category")}  # each numeric flag's range
+
+
+def build_parser() -> FlagParser:
+    """The flags; a bad one is refused in one line naming it, exit status 2 (:class:`FlagParser`)."""
+    parser = FlagParser(prog="data_scaling.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cells", nargs="*", default=[],
+                        help=f"DRAFTER:SIZE[:vocab=N][:ttt=K], run in order (SIZE 1 to {MAX_SIZE})")
     parser.add_argument("--out", default="runs/scale", help="the runs' folder (SCALE_OUT)")
     parser.add_argument("--per-category", type=int, default=2, help="prompts of each category, MT-Bench and Spec-Bench")
     parser.add_argument("--commit", action="store_true", help="commit the table's files after each cell")
     parser.add_argument("--render", action="store_true", help="only rewrite the Markdown table and the plot")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    check_flags(parser, args, BOUNDS)
     try:
         cells = [parse_cell(c) for c in args.cells]
     except ValueError as e:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One cell of the data-scaling table (docs/data-scaling.md): bash launch/recipe_scale.sh DRAFTER SIZE
 #   DRAFTER: medusa (Medusa-1 heads), hydra (Hydra heads) or eagle3 (an EAGLE-3 drafter);
-#   SIZE: a positive integer, the multiple of the quickstart's data (SIZE x 700 ShareGPT conversations read, their
+#   SIZE: 1 to 22, the multiple of the quickstart's data (SIZE x 700 ShareGPT conversations read, their
 #   first turns of at most 128 tokens answered again by SmolLM2-135M-Instruct itself through vLLM's engine).
 # The quickstart's recipe (launch/recipe_settings.sh, shared) trains into $SCALE_OUT/DRAFTER-SIZE/ (default
 # runs/scale), and medusa-tune-tree tunes the tree of its export, $SCALE_OUT/DRAFTER-SIZE/export, on this CPU.
@@ -32,6 +32,15 @@ case "$drafter" in
   *) echo "DRAFTER=$drafter: choose medusa, hydra or eagle3. $usage" >&2; exit 2 ;;
 esac
 [[ "$size" =~ ^[1-9][0-9]*$ ]] || { echo "SIZE=$size: give a positive integer (the multiple of the quickstart's 700 conversations). $usage" >&2; exit 2; }
+# SIZE x 700 ShareGPT conversations must stay below the held-out prompts the tuner and medusa-eval read (they start at
+# conversation 16,000: SHAREGPT_HELDOUT_OFFSET in medusa_train/prompts.py), so SIZE <= 16000 / 700 = 22 (MAX_SIZE in
+# benchmarks/data_scaling.py); compared as text first, so no size overflows bash's 64-bit arithmetic
+max_size=22
+if ! { [[ ${#size} -le ${#max_size} ]] && (( size <= max_size )); }; then
+  echo "SIZE=$size: give at most $max_size ($max_size x 700 = $(( max_size * 700 )) ShareGPT conversations; the" \
+       "held-out prompts start at 16,000). $usage" >&2
+  exit 2
+fi
 out="${SCALE_OUT:-runs/scale}"
 epochs="${SCALE_EPOCHS:-$(( size < 4 ? 5 : size < 16 ? 3 : 2 ))}"
 [[ "$epochs" =~ ^[1-9][0-9]*$ ]] || { echo "SCALE_EPOCHS=$epochs: give a positive integer" >&2; exit 2; }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,6 +54,33 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def temp_path(path: str | os.PathLike[str]) -> Path:
+    """The temporary sibling :func:`atomic_write` fills for ``path`` in this process: ``.NAME.tmp-PID``."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+# a temporary sibling as temp_path names it, of any process: the target's name and the PID
+TEMP_NAME = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>\d+)")
+
+
+def temp_files(folder: str | os.PathLike[str], names: re.Pattern[str]) -> list[tuple[Path, re.Match[str]]]:
+    """The temporary files left in ``folder`` by :func:`atomic_write` calls that were killed (``.NAME.tmp-PID``, any
+    PID, files only) whose NAME matches ``names`` whole, each with that match, in name order. Removing them is the
+    caller's: only it knows that no live writer of those names shares the folder.
+
+    Raises:
+        OSError: the folder cannot be listed.
+    """
+    found = []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        temp = TEMP_NAME.fullmatch(entry.name)
+        match = names.fullmatch(temp["name"]) if temp else None
+        if match and entry.is_file(follow_symlinks=False):
+            found.append((Path(entry.path), match))
+    return found
+
+
 def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
     """Write ``path`` durably and atomically: ``write(tmp)`` fills a temporary sibling ``.NAME.tmp-PID``, which is
     fsynced, given :func:`default_mode`, renamed over ``path`` (``os.replace``), and the folder fsynced.
@@ -67,7 +95,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) ->
         was (old content, or absent) and the temporary file is removed.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_path(path)
     try:
         write(tmp)
         with open(tmp, "rb") as f:
@@ -84,4 +112,5 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
 
 
-__all__ = ["atomic_write", "atomic_write_text", "default_mode", "fsync_dir", "umask"]
+__all__ = ["TEMP_NAME", "atomic_write", "atomic_write_text", "default_mode", "fsync_dir", "temp_files", "temp_path",
+           "umask"]

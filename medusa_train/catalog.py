@@ -424,8 +424,26 @@ def new_spec(head_type: str, options: Mapping[str, Any] | None = None, target_co
     return entry.spec_cls(**sizes, **chosen)
 
 
+def spec_for_config(heads_cfg: Any, target_config: Any, hidden_size: int, vocab_size: int) -> Any:
+    """The spec of the drafter ``heads.*`` describes (:class:`~medusa_train.config.HeadShape`) for a target of
+    ``hidden_size`` H and ``vocab_size`` V (:func:`new_spec` with the type's options from the config).
+
+    Raises:
+        ValueError: ``heads.head_vocab_size`` above V (the field, V and the fix named: a preset's draft vocabulary,
+            EAGLE-3's 4,096, is more than a small model has), or what :func:`new_spec` raises.
+    """
+    draft_vocab = heads_cfg.head_vocab_size
+    if draft_vocab is not None and draft_vocab > vocab_size:
+        raise ValueError(f"heads.head_vocab_size={draft_vocab} is more than the target's vocabulary of {vocab_size} "
+                         f"tokens: set heads.head_vocab_size={vocab_size} or below")
+    return new_spec(heads_cfg.head_type, drafter_type(heads_cfg.head_type, "heads.head_type").spec_options(heads_cfg),
+                    target_config, num_heads=heads_cfg.medusa_num_heads, num_layers=heads_cfg.medusa_num_layers,
+                    hidden_size=hidden_size, vocab_size=vocab_size, share_lm_head=heads_cfg.share_lm_head,
+                    head_vocab_size=draft_vocab)
+
+
 __all__ = ["BUILTIN_MODULES", "ENGINES", "LAYOUTS", "MEDUSA_LAYOUT", "STATE_DICT_LAYOUT", "DrafterType", "LogitsFn",
            "ProjectFn", "ProjectedFn", "TargetInputs", "check_head_type", "drafter_type", "drafter_types",
            "expect_head_type", "grows_dynamic_trees", "head_types", "heads_from_spec", "is_drafter", "new_spec",
-           "register", "registered", "shifted_path_tokens", "titles", "tree_drafter", "type_of", "unregister",
-           "vllm_drafter_type", "vllm_methods"]
+           "register", "registered", "shifted_path_tokens", "spec_for_config", "titles", "tree_drafter", "type_of",
+           "unregister", "vllm_drafter_type", "vllm_methods"]

@@ -62,13 +62,22 @@ def read_question_jsonl(path: str | Path) -> list[Prompt]:
         FileNotFoundError: no such file.
         ValueError: a malformed line (its 1-based line number and the problem in the message), a turn that is not
             text (a lone surrogate: prompt id, turn and character named), a file that is not UTF-8 (line and byte
-            named), or an empty file.
+            named), a file that starts with a UTF-8 byte-order mark or holds one JSON array instead of one object a
+            line (each named as such, with the command that fixes it), or an empty file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} not found")
+    text = read_text(path)
+    if text.startswith("\ufeff"):
+        raise ValueError(f"{path}:1: starts with a UTF-8 byte-order mark (BOM, bytes EF BB BF), which JSON Lines does "
+                         f"not allow: save it as UTF-8 without a BOM (e.g. `sed -i '1s/^\\xEF\\xBB\\xBF//' {path}`)")
+    if text.lstrip().startswith("["):
+        raise ValueError(f"{path}: holds a JSON array (one document for the whole file), not JSON Lines (one object "
+                         f"a line, MT-Bench's question.jsonl): convert it, e.g. `jq -c '.[]' {path} > "
+                         f"{path.with_name(path.stem + '-lines.jsonl')}`, and pass that file")
     prompts: list[Prompt] = []
-    for lineno, line in enumerate(jsonl_lines(read_text(path)), start=1):
+    for lineno, line in enumerate(jsonl_lines(text), start=1):
         if not line.strip():
             continue
         try:

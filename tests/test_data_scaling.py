@@ -33,10 +33,32 @@ def test_cells_parse_into_settings_and_names(scaling):
     ("medusa", "write DRAFTER:SIZE"), ("lookahead:1", "write DRAFTER:SIZE with DRAFTER one of medusa, hydra, eagle3"),
     ("medusa:0", "'0' is not a positive integer"), ("eagle3:4:vocab=big", "'big' is not a positive integer"),
     ("eagle3:4:depth=3", "unknown setting 'depth'"), ("medusa:4:ttt=5", "ttt= is EAGLE-3's"),
+    ("medusa:²", r"'medusa:²': '²' is not a positive integer"),  # str.isdigit admits it, int() does not
+    ("medusa:99999999999999999999", r"'medusa:99999999999999999999': size must be in \[1, 22\] \(SIZE x 700 "
+                                    r"ShareGPT conversations stay below the held-out prompts at 16,000\), got "
+                                    r"99999999999999999999"),
+    ("medusa:23", r"size must be in \[1, 22\]"), ("eagle3:4:vocab=99999999", "vocab must be at most 1048576"),
 ])
 def test_a_bad_cell_is_refused_naming_it(scaling, text, message):
     with pytest.raises(ValueError, match=message):
         scaling.parse_cell(text)
+
+
+def test_the_script_refuses_a_bad_cell_in_one_line_with_exit_2_before_any_run(scaling, monkeypatch, capsys):
+    monkeypatch.setattr(scaling, "measure", lambda cell, args: pytest.fail("a cell ran"))
+    with pytest.raises(SystemExit) as e:
+        scaling.main(["--cells", "medusa:1", "medusa:99999999999999999999"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("data_scaling.py: error: --cells 'medusa:99999999999999999999': size must be in [1, 22]")
+
+
+def test_the_largest_size_keeps_the_training_data_below_the_held_out_prompts_in_both_scripts(scaling):
+    from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET
+
+    assert scaling.MAX_SIZE == 22 and 22 * 700 < SHAREGPT_HELDOUT_OFFSET <= 23 * 700
+    shell = (REPO_ROOT / "launch" / "recipe_scale.sh").read_text()
+    assert f"max_size={scaling.MAX_SIZE}\n" in shell
 
 
 def record(name, drafter, size, tokens, tau):
@@ -74,7 +96,9 @@ def test_a_finished_cell_is_not_run_again(scaling, monkeypatch, capsys):
 def test_recipe_scale_refuses_bad_arguments_before_any_work(tmp_path):
     for args, message in [(["medusa"], "usage: bash launch/recipe_scale.sh DRAFTER SIZE"),
                           (["lookahead", "1"], "DRAFTER=lookahead: choose medusa, hydra or eagle3"),
-                          (["medusa", "x"], "SIZE=x: give a positive integer")]:
+                          (["medusa", "x"], "SIZE=x: give a positive integer"),
+                          (["medusa", "23"], "SIZE=23: give at most 22 (22 x 700 = 15400 ShareGPT conversations"),
+                          (["medusa", "99999999999999999999"], "SIZE=99999999999999999999: give at most 22")]:
         done = subprocess.run(["bash", str(REPO_ROOT / "launch" / "recipe_scale.sh"), *args], capture_output=True,
                               text=True, env={"PATH": "/usr/bin:/bin", "SCALE_OUT": str(tmp_path / "scale")})
         assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -12,7 +12,9 @@
 - **Prompts that do not fit**: a prompt turn whose tokens plus ``max_new_tokens`` exceed the target's context is
   skipped, with its later turns, before any decoder runs on it: every first turn is checked before the first
   decoder runs (all of them named in one warning), a later turn when the conversation reaching it is known. The
-  skipped turns are returned (``summary.json`` lists them) with the ``max_new_tokens`` that would fit them.
+  skipped turns are returned (``summary.json`` lists them) with the ``max_new_tokens`` that would fit them. A run
+  where no prompt fits (none measured before either) fails before any decoder runs (:class:`NothingFits`), rather
+  than end with an empty table.
 """
 
 from __future__ import annotations
@@ -59,11 +61,45 @@ def overlong(prompt_id: str, turn: int, prompt_tokens: int, max_new_tokens: int,
             "context": context, "fits_max_new_tokens": room if room >= 1 else None}
 
 
+def context_limits(decoders: Mapping[str, Decoder], context: int | None) -> dict[str, int]:
+    """Each known limit on the positions of one sequence, by the setting that sets it: ``max_position_embeddings``
+    (``context``, the target's) and ``decoder.<name>.max_model_len`` (an engine such as vLLM reserves less than the
+    model allows)."""
+    limits = {} if context is None else {"max_position_embeddings": context}
+    for name, decoder in decoders.items():
+        if getattr(decoder, "max_model_len", None) is not None:
+            limits[f"decoder.{name}.max_model_len"] = decoder.max_model_len
+    return limits
+
+
 def decoders_context(decoders: Mapping[str, Decoder], context: int | None) -> int | None:
-    """The positions every decoder can use: the smallest of ``context`` (the target's) and the decoders' own
-    ``max_model_len`` (an engine such as vLLM reserves less than the model allows); None when none is known."""
-    limits = [c for c in (context, *(getattr(d, "max_model_len", None) for d in decoders.values())) if c is not None]
-    return min(limits) if limits else None
+    """The positions every decoder can use: the smallest of :func:`context_limits`; None when none is known."""
+    limits = context_limits(decoders, context)
+    return min(limits.values()) if limits else None
+
+
+class NothingFits(ValueError):
+    """Every prompt of the run was left out because it does not fit the context: the run would measure nothing."""
+
+
+def nothing_fits(skipped: Sequence[dict[str, Any]], limits: Mapping[str, int], max_new_tokens: int) -> NothingFits:
+    """The error of a run whose every prompt was ``skipped`` (:func:`overlong`'s records): each named with its length,
+    the setting that set the context (``limits``: :func:`context_limits`) and the fixes."""
+    context = min(limits.values())
+    binding = [name for name, value in limits.items() if value == context]
+    fixes = []
+    fits = sorted(s["fits_max_new_tokens"] for s in skipped if s["fits_max_new_tokens"])
+    if fits:
+        fixes.append(f"lower max_new_tokens (max_new_tokens={fits[0]} fits {len(fits)} of them)")
+    engines = [name for name in binding if name.endswith(".max_model_len")]
+    if engines:
+        most = limits.get("max_position_embeddings")
+        fixes.append(f"raise {' and '.join(engines)}" + (f" (the target allows {most} positions)" if most else ""))
+    fixes.append("give shorter prompts" if engines else "give shorter prompts or a target with a longer context")
+    setting = ", ".join(f"{name}={limits[name]}" for name in binding)
+    return NothingFits(f"no prompt fits the context of {context} positions ({setting}) with max_new_tokens="
+                       f"{max_new_tokens}, so the run would measure nothing; all {len(skipped)} left out: "
+                       f"{describe_skips(skipped)}. To measure them: {'; or '.join(fixes)}")
 
 
 def describe_skips(skipped: Sequence[dict[str, Any]]) -> str:
@@ -137,12 +173,14 @@ def evaluate_prompts(
     Raises:
         ValueError: the baseline missing or not first, duplicate prompt ids, or a decoder's own error (the prompt,
             turn and decoder named).
+        NothingFits: no prompt's first turn fits the context and none was measured before (raised before any
+            decoder runs): every prompt named with its length, the setting that set the context and the fixes.
     """
     names = list(decoders)
     if not names or names[0] != baseline:
         raise ValueError(f"decoders must start with the baseline {baseline!r}, got {names}")
     check_prompt_ids(prompts)
-    context = decoders_context(decoders, context)
+    given_context, context = context, decoders_context(decoders, context)
     fingerprints = fingerprints or {}
     units = [(p, t) for p in prompts for t in range(1, len(turns_of(p, max_turns)) + 1)]
     done = sum(all((p.id, t, n) in results for n in names) for p, t in units)
@@ -161,6 +199,8 @@ def evaluate_prompts(
                     "left out (summary.json lists them): %s", len(run.skipped), len(prompts), context,
                     request.max_new_tokens, describe_skips(run.skipped))
     left_out = {s["prompt_id"] for s in run.skipped}
+    if prompts and len(left_out) == len(prompts):  # nothing measured before, nothing to measure now
+        raise nothing_fits(run.skipped, context_limits(decoders, given_context), request.max_new_tokens)
     fitting = [p for p in prompts if p.id in first_ids and p.id not in left_out]
     if pending and warmup and fitting:
         warm_up({n: decoders[n] for n in pending}, first_ids[fitting[0].id], request, warmup, warmup_max_new_tokens)
@@ -221,5 +261,5 @@ def _postfix(row: dict[str, Any]) -> str:
     return f"{row['decoder']} {row['tokens_per_second']:.1f} tok/s tau {tau_text}"
 
 
-__all__ = ["PromptRun", "check_prompt_ids", "conversation_messages", "describe_skips", "evaluate_prompts", "overlong",
-           "turns_of", "warm_up"]
+__all__ = ["NothingFits", "PromptRun", "check_prompt_ids", "context_limits", "conversation_messages", "describe_skips",
+           "evaluate_prompts", "nothing_fits", "overlong", "turns_of", "warm_up"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -13,22 +12,11 @@ from omegaconf import MISSING
 from inference.tuning.latency import DEFAULT_SIZES
 from medusa_train.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
 from medusa_train.config import check_device
+from medusa_train.export.files import check_export_dir
 from medusa_train.export.tree_files import read_latency_profile
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
 from medusa_train.tree.buffers import TOPK
-
-
-def check_export_dir(export_dir: str) -> None:
-    """``export_dir`` holds an export's ``config.json`` (read-only: checked before the folder is locked or written).
-
-    Raises:
-        FileNotFoundError: no such folder, or a folder without ``config.json``; the message says what to pass.
-    """
-    if not (Path(export_dir) / "config.json").is_file():
-        what = "does not exist" if not Path(export_dir).exists() else "holds no config.json"
-        raise FileNotFoundError(f"export_dir {export_dir} {what}: it is not an export written by medusa-train; pass "
-                                "the export folder of a training run (e.g. export_dir=runs/NAME/export)")
 
 
 @dataclass

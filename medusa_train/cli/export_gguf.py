@@ -31,6 +31,17 @@ class ExportGgufConfig:
     outtype: str = "f32"
     force: bool = False
 
+    def validate(self) -> None:
+        """Checks that need no file: ``outtype`` (before the export or llama.cpp's install is looked at).
+
+        Raises:
+            ValueError: ``outtype`` not one of :data:`~medusa_train.engines.llamacpp_env.OUTTYPES`.
+        """
+        from medusa_train.engines.llamacpp_env import OUTTYPES
+
+        if self.outtype not in OUTTYPES:
+            raise ValueError(f"outtype={self.outtype!r}: choose one of {', '.join(OUTTYPES)}")
+
 
 def register_schemas() -> None:
     """What ``conf/export_gguf.yaml`` composes from: ``export_gguf_schema`` and the shared schemas (idempotent)."""
@@ -41,15 +52,24 @@ def register_schemas() -> None:
 
 
 def run(cfg: DictConfig) -> str:
-    """Check the export and llama.cpp's install, convert, print the GGUF's path and return it."""
+    """Check the settings (``outtype``), the export (a folder medusa-train wrote, with ``speculators/``) and
+    llama.cpp's install, in that order; convert, print the GGUF's path and return it.
+
+    Raises:
+        ValueError: an unknown ``outtype``, or a speculators config llama.cpp cannot take.
+        FileNotFoundError: ``export_dir`` is no such folder or no export, or has no ``speculators/``.
+        LlamaCppUnavailable: llama.cpp not installed (checked after the settings and the export).
+    """
     from medusa_train.config import as_dataclass
     from medusa_train.drafters.eagle3.gguf import export_eagle3_gguf, speculators_files
     from medusa_train.engines.llamacpp_env import converter_command
+    from medusa_train.export.files import check_export_dir
     from medusa_train.export.reader import read_export_config
     from medusa_train.loading.base import engine_model_path
     from medusa_train.loading.medusa import export_base_config
 
-    ec: ExportGgufConfig = as_dataclass(ExportGgufConfig, cfg)
+    ec: ExportGgufConfig = as_dataclass(ExportGgufConfig, cfg)  # outtype checked first (validate)
+    check_export_dir(ec.export_dir)
     speculators_files(ec.export_dir)  # refused before a base model is converted
     converter_command()
     target = engine_model_path(export_base_config(ec.export_dir, read_export_config(ec.export_dir), ec.model))

@@ -23,6 +23,18 @@ from medusa_train.text_files import read_text
 _CORRUPT = (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError, UnicodeDecodeError)
 
 
+def check_export_dir(export_dir: str | os.PathLike[str]) -> None:
+    """``export_dir`` holds an export's ``config.json`` (read-only: checked before the folder is locked or written).
+
+    Raises:
+        FileNotFoundError: no such folder, or a folder without ``config.json``; the message says what to pass.
+    """
+    if not (Path(export_dir) / "config.json").is_file():
+        what = "is no such folder" if not Path(export_dir).exists() else "holds no config.json"
+        raise FileNotFoundError(f"export_dir {export_dir} {what}: it is not an export written by medusa-train; pass "
+                                "the export folder of a training run (e.g. export_dir=runs/NAME/export)")
+
+
 def set_default_modes(folder: Path) -> None:
     """Give ``folder``, and every file and folder under it, :func:`default_mode` (for trees written by other
     libraries, e.g. ``save_pretrained`` into a ``tempfile.mkdtemp`` folder, ``0o700``, with ``0o600`` weights)."""

@@ -57,18 +57,75 @@ class TargetSizes:
         return max(self.largest_layer, self.embed, self.lm_head)
 
 
-def load_target_config(path: str | Path) -> Any:
-    """The transformers ``PretrainedConfig`` of a ``config.json`` file or a local model folder (no network).
+# The size fields a plan reads of the target's config (under the config class's own names where it maps them, e.g.
+# GPT-2's n_embd). transformers fills a missing one with its class's default (LlamaConfig: hidden_size 4,096,
+# intermediate_size 11,008), which plans another model: a 70B without them was planned as 17.9B and said to fit.
+SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+CONTEXT_FIELD = "max_position_embeddings"
+
+
+def _stored(config: Any, raw: dict[str, Any], name: str) -> Any:
+    """The value of field ``name`` of ``config`` (its text config's) as the file stores it, or None when absent."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    section = raw.get("text_config", raw) if text is not config and isinstance(raw.get("text_config"), dict) else raw
+    key = text.attribute_map.get(name, name)
+    return section.get(key, section.get(name))
+
+
+def check_size_fields(config: Any, raw: dict[str, Any], source: str) -> None:
+    """Refuse a config whose file lacks a :data:`SIZE_FIELDS` entry its class has (a class without the field, as
+    GPT-2 has no ``intermediate_size``, is not asked for it).
+
+    Args:
+        config: the ``PretrainedConfig`` transformers made of the file.
+        raw: the file's JSON as stored (``PretrainedConfig.get_config_dict``).
+        source: what to name (the path, or the setting that gave it).
 
     Raises:
-        ValueError: nothing readable there (the path named).
+        ValueError: the missing fields named, with the default transformers would have put in each and the fix.
+    """
+    text = getattr(config, "get_text_config", lambda: config)()
+    missing = [n for n in SIZE_FIELDS if hasattr(text, n) and _stored(config, raw, n) is None]
+    if missing:
+        guessed = ", ".join(f"{n}={getattr(text, n)}" for n in missing)
+        raise ValueError(f"{source} has no {', '.join(missing)}: transformers would put {type(text).__name__}'s "
+                         f"defaults there ({guessed}) and plan another model; give the model's own config.json, or "
+                         f"add {', '.join(missing)} to it")
+
+
+def stored_context(config: Any, raw: dict[str, Any]) -> int | None:
+    """The context length (``max_position_embeddings``) the file states, or None when it states none (then nothing
+    is checked against it: the class's default is not the model's)."""
+    value = _stored(config, raw, CONTEXT_FIELD)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def raw_config(name_or_path: str | Path, **kwargs: Any) -> dict[str, Any]:
+    """The JSON of a model's ``config.json`` as stored (a file, a folder or a cached Hub id; local files only)."""
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig.get_config_dict(str(name_or_path), local_files_only=True, **kwargs)[0]
+
+
+def load_target_config(path: str | Path) -> Any:
+    """The transformers ``PretrainedConfig`` of a ``config.json`` file or a local model folder (no network; never a
+    Hub id), checked to state its sizes (:func:`check_size_fields`).
+
+    Raises:
+        FileNotFoundError: no such file or folder.
+        ValueError: nothing readable there, or sizes missing (the path named).
     """
     from transformers import AutoConfig
 
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path}: no such file or folder (give the target's config.json or a local model "
+                                "folder holding one)")
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config, raw = AutoConfig.from_pretrained(str(path), local_files_only=True), raw_config(path)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read a model config at {path}: {e}") from e
+    check_size_fields(config, raw, str(path))
+    return config
 
 
 def meta_target(config: Any) -> nn.Module:
@@ -164,13 +221,9 @@ def meta_heads(heads_cfg: Any, target_config: Any, sizes: TargetSizes) -> tuple[
     Raises:
         ValueError: settings the drafter refuses (from its spec, naming the field).
     """
-    from medusa_train.catalog import drafter_type, heads_from_spec, new_spec
+    from medusa_train.catalog import heads_from_spec, spec_for_config
 
-    entry = drafter_type(heads_cfg.head_type, "heads.head_type")
-    spec = new_spec(heads_cfg.head_type, entry.spec_options(heads_cfg), target_config,
-                    num_heads=heads_cfg.medusa_num_heads, num_layers=heads_cfg.medusa_num_layers,
-                    hidden_size=sizes.hidden_size, vocab_size=sizes.vocab_size,
-                    share_lm_head=heads_cfg.share_lm_head, head_vocab_size=heads_cfg.head_vocab_size)
+    spec = spec_for_config(heads_cfg, target_config, sizes.hidden_size, sizes.vocab_size)
     with torch.device("meta"):
         token_map = None if spec.head_vocab_size is None else torch.zeros(spec.head_vocab_size, dtype=torch.long)
         return heads_from_spec(spec, token_map), spec
@@ -193,5 +246,5 @@ def heads_sizes(heads_cfg: Any, target_config: Any, sizes: TargetSizes) -> Heads
                       features=entry.feature_names(spec), reads_path=entry.reads_path, num_heads=spec.num_heads)
 
 
-__all__ = ["HeadsSizes", "TargetSizes", "count", "heads_sizes", "load_target_config", "meta_heads", "meta_target",
-           "target_sizes"]
+__all__ = ["CONTEXT_FIELD", "HeadsSizes", "SIZE_FIELDS", "TargetSizes", "check_size_fields", "count", "heads_sizes",
+           "load_target_config", "meta_heads", "meta_target", "raw_config", "stored_context", "target_sizes"]

@@ -29,6 +29,10 @@ def target_config_of(cfg: TrainConfig) -> tuple[Any, str | None]:
 
     HF folders and Hub ids in the local cache: ``AutoConfig`` (``local_files_only``); llama2.c: the config its
     loader derives from the checkpoint's 28-byte header; GGUF: not known before loading (skipped).
+
+    Raises:
+        ValueError: the file lacks a size field the plan reads (:func:`~medusa_train.planning.meta.check_size_fields`:
+            transformers' defaults would plan another model).
     """
     from medusa_train.loading.base import detect_format
 
@@ -43,11 +47,16 @@ def target_config_of(cfg: TrainConfig) -> tuple[Any, str | None]:
                       "the whole GGUF file), so the memory plan is skipped")
     from transformers import AutoConfig
 
+    from medusa_train.planning.meta import check_size_fields, raw_config
+
     try:
-        return AutoConfig.from_pretrained(model.name_or_path, revision=model.revision, local_files_only=True,
-                                          trust_remote_code=model.trust_remote_code), None
+        config = AutoConfig.from_pretrained(model.name_or_path, revision=model.revision, local_files_only=True,
+                                            trust_remote_code=model.trust_remote_code)
+        raw = raw_config(model.name_or_path, revision=model.revision)
     except (OSError, ValueError) as e:
         return None, f"the config of {model.name_or_path!r} is not readable offline ({e}); the memory plan is skipped"
+    check_size_fields(config, raw, f"the config.json of model.name_or_path={model.name_or_path}")
+    return config, None
 
 
 def host_ram_bytes() -> int | None:
@@ -127,7 +136,8 @@ def check_run_memory(cfg: TrainConfig, world_size: int) -> MemoryPlan | None:
 
     Raises:
         ValueError: a stage needs more than a device (or host) has: naming the stage, the bytes needed and
-            available, and the overrides that make it fit (or, when none does, the settings to lower).
+            available, and the overrides that make it fit (or, when none does, the settings to lower); or the base's
+            config.json lacks a size field (:func:`target_config_of`).
     """
     from medusa_train.planning.plan import find_fix
 

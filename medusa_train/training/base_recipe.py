@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, TrainerCallback,
 from medusa_train.config import ModelConfig, TrainConfig, as_dataclass
 from medusa_train.export import save_base_model, save_export
 from medusa_train.export.files import write_json
-from medusa_train.catalog import drafter_type, heads_from_spec, is_drafter, new_spec, type_of
+from medusa_train.catalog import drafter_type, heads_from_spec, is_drafter, spec_for_config, type_of
 from medusa_train.loading.base import (
     base_weight_bytes,
     engine_model_path,
@@ -269,11 +269,7 @@ class BaseRecipe:
         architecture, and heads of ``heads.*``'s shape buildable for it (e.g. EAGLE-3's ``heads.feature_layers``
         within its layers, the fields named), before the data is prepared and the folder changed."""
         check_supported(base)
-        hc = self.cfg.heads
-        hidden_size, vocab_size = base_sizes(base)
-        new_spec(hc.head_type, drafter_type(hc.head_type).spec_options(hc), base.config,
-                 num_heads=hc.medusa_num_heads, num_layers=hc.medusa_num_layers, hidden_size=hidden_size,
-                 vocab_size=vocab_size, share_lm_head=hc.share_lm_head, head_vocab_size=hc.head_vocab_size)
+        spec_for_config(self.cfg.heads, base.config, *base_sizes(base))
 
     def load_base_and_data(self, args: TrainingArguments) -> PreparedData:
         """The base model and tokenizer (``self.base``, ``self.tokenizer``; converted once by the main process first),

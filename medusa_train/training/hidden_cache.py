@@ -18,10 +18,17 @@ whatever the data size; a file is written to a temporary sibling and renamed int
 first), so a half-written block is never taken for a whole one.
 
 Resume: a block whose seal matches (version, data fingerprint, rows, features) and whose file still has the sealed
-size is reused without reading it; ``verify=True`` also recomputes each of this rank's blocks' sha256 (the whole
-cache read once, over the ranks). One built for other data is rebuilt, saying why; one written by another cache
-version or for other features, or a damaged one, is rebuilt with a warning saying why. Since names hold the block
-index only, a run resumed on another number of ranks reuses every finished block.
+size is reused; ``verify=True`` (what every training run passes) also checks each of this rank's blocks against its
+seal's sha256 before the run first reads it, so a block damaged in place (same size) is rebuilt, never trained on: the
+whole cache read once per run, over the ranks, hashed as it is read (parallel threads, one sequential read a block;
+the pages it reads serve the training's first reads where memory holds them). It is not folded into the training's
+own reads: those come in the sampler's order, a few rows at a time, and sha256 needs a file's bytes in order; and a
+block found damaged there could not be rebuilt, since the base's backbone is released once the cache is built. One
+built for other data is rebuilt, saying why; one written by another cache version or for other features, or a
+damaged one, is rebuilt with a warning saying why. Since names hold the block index only, a run resumed on another
+number of ranks reuses every finished block. A build stopped by SIGTERM or SIGUSR1 discards the block it was writing
+and exits with 75 (:class:`CacheBuildStopped`); one killed outright leaves that block's temporary file, which the
+next build removes (:func:`remove_temp_files`).
 
 Disk: before any forward pass every rank checks that the cache folder's file system has room for the blocks still
 to build (``tokens x (features x H x bytes(dtype) + 8)`` plus headers; EAGLE-3 stores three taps and FINAL): 1,000
@@ -45,8 +52,13 @@ import hashlib
 import json
 import logging
 import os
+import re
+import signal
+import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,15 +68,16 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from medusa_train.atomic import atomic_write, atomic_write_text
+from medusa_train.atomic import atomic_write, atomic_write_text, temp_files
 from medusa_train.blocks import block_count, block_rows, check_block_size, check_rank
-from medusa_train.checksums import file_sha256
+from medusa_train.checksums import files_sha256
 from medusa_train.disk_space import DiskSpaceError, disk_full_named, require_free
 from medusa_train.drills import EXIT_AT_CACHE_BLOCK, exit_if_drilled
 from medusa_train.data.collate import Collator
 from medusa_train.features import FINAL, check_feature_layers, count_layers, feature_layer, target_features
 from medusa_train.safetensors_stream import SafetensorsStream, TensorPlan, planned_size
 from medusa_train.training.base_placement import gathered
+from medusa_train.training.callbacks import PREEMPTED_EXIT_CODE, STOP_SIGNALS
 from medusa_train.training.process_group import ranks_max
 from medusa_train.training.step import FrozenBase, feature_key
 
@@ -173,11 +186,11 @@ class ShardProblem:
     warn: bool = False
 
 
-def _block_problem(folder: Path, name: str, fingerprint: str, rows: range, features: Sequence[str],
-                   verify: bool) -> ShardProblem | None:
+def _block_problem(folder: Path, name: str, fingerprint: str, rows: range,
+                   features: Sequence[str]) -> ShardProblem | None:
     """None when the block can be reused, else why not: missing or unsealed, written by another cache version, built
-    for other data or other features, or (checked by size, and with ``verify`` by sha256) changed since it was
-    sealed."""
+    for other data or other features, or (checked by size; :func:`_verify_blocks` checks the sha256) changed since
+    it was sealed."""
     meta_path, data_path = folder / f"{name}.json", folder / f"{name}.safetensors"
     if not (meta_path.is_file() and data_path.is_file()):
         return ShardProblem("missing")
@@ -195,10 +208,30 @@ def _block_problem(folder: Path, name: str, fingerprint: str, rows: range, featu
                             warn=True)
     if data_path.stat().st_size != meta.get("size"):
         return ShardProblem(f"damaged: {data_path.stat().st_size} bytes, {meta.get('size')} when sealed", warn=True)
-    if verify and file_sha256(data_path) != meta.get("sha256"):
-        return ShardProblem("damaged: its sha256 differs from the one sealed when it was written (same size)",
-                            warn=True)
     return None
+
+
+# why a block whose sha256 no longer matches its seal is rebuilt
+SHA_MISMATCH = ShardProblem("damaged: its sha256 differs from the one sealed when it was written (same size)",
+                            warn=True)
+
+
+def _verify_blocks(folder: Path, names: Sequence[str]) -> dict[str, ShardProblem]:
+    """The blocks among ``names`` (sealed, of their sealed size) whose file's sha256 differs from their seal's, each
+    with :data:`SHA_MISMATCH`. Each file is read once, sequentially, and hashed as it is read
+    (:func:`~medusa_train.checksums.files_sha256`: several files in parallel threads); the pages read stay in the
+    page cache for the training's first reads where memory holds them. Logs the bytes and the time taken."""
+    if not names:
+        return {}
+    paths = [folder / f"{name}.safetensors" for name in names]
+    start = time.perf_counter()
+    digests = files_sha256(paths)
+    seconds = time.perf_counter() - start
+    size = sum(p.stat().st_size for p in paths)
+    log.info("hidden cache: verified %d sealed blocks (%.2f GB) against their sha256 in %.1f s", len(paths),
+             size / 1e9, seconds)
+    return {name: SHA_MISMATCH for name, path in zip(names, paths)
+            if digests[path] != json.loads((folder / f"{name}.json").read_text()).get("sha256")}
 
 
 @dataclass(frozen=True)
@@ -238,6 +271,63 @@ def plan_block(dataset: Any, block: int, block_size: int, batch_size: int) -> Bl
     lengths = [len(dataset[i]["input_ids"]) for i in rows]
     order = sorted(range(len(rows)), key=lambda j: lengths[j], reverse=True)
     return BlockPlan(block, rows, lengths, [order[s : s + batch_size] for s in range(0, len(order), batch_size)])
+
+
+# a block file or seal of split `split`, block `block` (what atomic_write's temporary files are named after)
+BLOCK_FILE = re.compile(r"(?P<split>\w+)-block-(?P<block>\d{6})\.(safetensors|json)")
+
+
+def remove_temp_files(folder: Path, split: str, rank: int, world_size: int) -> list[Path]:
+    """Remove the temporary files that builds killed mid-write left in ``folder`` (``.{split}-block-NNNNNN.
+    safetensors.tmp-PID``, and its seal's ``.json.tmp-PID``): of ``split`` only, and of the blocks this rank owns
+    (``N % world_size == rank``: in this run no other rank writes those, so none is removed under a live writer; each
+    left-over file has one owner, whatever the number of ranks that left it). Returns the files removed (logged with
+    their bytes)."""
+    removed = []
+    for path, match in temp_files(folder, BLOCK_FILE):
+        if match["split"] == split and int(match["block"]) % world_size == rank:
+            size = path.stat().st_size
+            path.unlink(missing_ok=True)
+            log.warning("hidden cache: removed %s (%d bytes), left by a build stopped while writing it", path, size)
+            removed.append(path)
+    return removed
+
+
+class CacheBuildStopped(SystemExit):
+    """A stop signal (SIGTERM, SIGUSR1: a preemption) arrived while the cache was built: the block being written is
+    discarded (its temporary file removed), every block sealed before it is kept, and the process exits with
+    :data:`~medusa_train.training.callbacks.PREEMPTED_EXIT_CODE` (75), as a training run stopped by a signal does."""
+
+    def __init__(self, signum: int, split: str) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.signum, self.split = signum, split
+
+    def __str__(self) -> str:
+        return (f"stopped on {signal.Signals(self.signum).name} while building the {self.split} blocks of the hidden "
+                f"cache; every sealed block is kept: run the same command with resume=true to continue (exit code "
+                f"{PREEMPTED_EXIT_CODE})")
+
+
+@contextmanager
+def _stop_on_signals(split: str) -> Iterator[None]:
+    """Within: SIGTERM and SIGUSR1 raise :class:`CacheBuildStopped` (so the ``finally`` of the write removes its
+    temporary file); the previous handlers are put back after. Nothing changes off the main thread, where Python
+    cannot set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        log.warning("hidden cache: received %s; discarding the block being written, keeping the sealed ones",
+                    signal.Signals(signum).name)
+        raise CacheBuildStopped(signum, split)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 # the ways out of a cache folder without room, in every message that says so
@@ -318,8 +408,10 @@ def build_hidden_cache(
         features: the target features to store (:mod:`medusa_train.features` names; the drafter's); a block
             written for other features is rebuilt.
         block_size: rows per block file (the same for every world size; readers must be given the same).
-        verify: also recompute the sha256 of each of this rank's sealed blocks before reusing it (reads them; without
-            it a block is checked by its seal and its size).
+        verify: also check each of this rank's sealed blocks against its seal's sha256 before reusing it (reads each
+            once, hashing as it reads: about 1.4 s per GB on a loaded core, ``docs/reliability.md``); one that differs
+            is rebuilt with a warning naming it. Without it a block is checked by its seal and its size. The
+            recipes pass True: every run checks every block it reuses.
         lockstep: every rank runs the same number of base forward passes (padding passes on a one-token batch,
             outputs discarded): needed when the base's parameters are partitioned by ZeRO-3. Collective: with it
             every rank must call this function.
@@ -338,6 +430,10 @@ def build_hidden_cache(
         DiskFullError: the disk filled anyway while a block was written (another writer, a file-size limit): the
             block and the bytes named; the block's temporary file is removed and it has no seal, so no reader takes
             it, and a rerun rebuilds it alone.
+        CacheBuildStopped: SIGTERM or SIGUSR1 arrived while blocks were written (exit code 75): the block being
+            written discarded, its temporary file removed. A build killed outright (``kill -9``) leaves its
+            temporary file; the next build removes the ones of this rank's blocks before it starts
+            (:func:`remove_temp_files`).
     """
     features = check_features(features)
     check_rank(rank, world_size)
@@ -347,6 +443,7 @@ def build_hidden_cache(
         check_feature_layers(layers, count_layers(base.backbone.config), field="layers")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    remove_temp_files(folder, split, rank, world_size)
     weight = base.lm_head.weight
     H = int(getattr(weight, "ds_shape", weight.shape)[1])  # ZeRO-3 keeps the full shape in ds_shape
     dtype = weight.dtype
@@ -354,12 +451,19 @@ def build_hidden_cache(
     todo: list[tuple[BlockPlan, list[TensorPlan]]] = []
     mine: list[Path] = []
     needed = 0
-    for b in range(block_count(len(dataset), block_size)):
+    count = block_count(len(dataset), block_size)
+    problems = {block_name(split, b): _block_problem(folder, block_name(split, b), fingerprint,
+                                                     block_rows(b, len(dataset), block_size), features)
+                for b in range(count)}
+    if verify:  # this rank's blocks only: each block is hashed by one rank
+        problems.update(_verify_blocks(folder, [block_name(split, b) for b in range(rank, count, world_size)
+                                                if problems[block_name(split, b)] is None]))
+    for b in range(count):
         ours = b % world_size == rank
         name = block_name(split, b)
         path = folder / f"{name}.safetensors"
         rows = block_rows(b, len(dataset), block_size)
-        problem = _block_problem(folder, name, fingerprint, rows, features, verify=verify and ours)
+        problem = problems[name]
         if ours:
             mine.append(path)
         if problem is None:
@@ -384,26 +488,27 @@ def build_hidden_cache(
     def run(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         return _base_forward(base, batch, layers, device, argmax_chunk_size)
 
-    left = sum(planned_size(tensors) for _, tensors in todo)  # this rank's bytes still to write
-    for n, (plan, tensors) in enumerate(todo, start=1):
-        exit_if_drilled(EXIT_AT_CACHE_BLOCK, n, rank)
-        name = block_name(split, plan.block)
-        path, seal_path = folder / f"{name}.safetensors", folder / f"{name}.json"
-        seal_path.unlink(missing_ok=True)  # first: the block being rebuilt is never read under its old seal
-        size = planned_size(tensors)
-        what = f"hidden-cache block {plan.block} ({size:,} bytes) and this rank's {len(todo) - n} blocks after it"
-        with disk_full_named(path, left, what, FULL_WAYS_OUT):
-            sha256 = _write_block(path, plan, tensors, run, dataset, collator, features, dtype)
-            seal = BlockSeal(fingerprint=fingerprint, rows=[plan.rows.start, plan.rows.stop], hidden_size=H,
-                             dtype=str(dtype), size=path.stat().st_size, sha256=sha256, features=list(features))
-            atomic_write_text(seal_path, json.dumps(seal.to_json()))
-        left -= size
-        log.info("hidden cache: wrote %s (%d rows, %d tokens)", path, len(plan.rows), sum(plan.lengths))
-    if padding:
-        dummy = collator([{"input_ids": list(dataset[0]["input_ids"][:1]), "labels": [-100]}])
-        for _ in range(padding):
-            run(dummy)  # discarded: the other ranks' parameter all-gathers need this rank's pass
-        log.info("hidden cache: %d padding forward passes (lockstep with the other ranks)", padding)
+    with _stop_on_signals(split):  # a preemption: the block being written discarded, exit 75
+        left = sum(planned_size(tensors) for _, tensors in todo)  # this rank's bytes still to write
+        for n, (plan, tensors) in enumerate(todo, start=1):
+            exit_if_drilled(EXIT_AT_CACHE_BLOCK, n, rank)
+            name = block_name(split, plan.block)
+            path, seal_path = folder / f"{name}.safetensors", folder / f"{name}.json"
+            seal_path.unlink(missing_ok=True)  # first: the block being rebuilt is never read under its old seal
+            size = planned_size(tensors)
+            what = f"hidden-cache block {plan.block} ({size:,} bytes) and this rank's {len(todo) - n} blocks after it"
+            with disk_full_named(path, left, what, FULL_WAYS_OUT):
+                sha256 = _write_block(path, plan, tensors, run, dataset, collator, features, dtype)
+                seal = BlockSeal(fingerprint=fingerprint, rows=[plan.rows.start, plan.rows.stop], hidden_size=H,
+                                 dtype=str(dtype), size=path.stat().st_size, sha256=sha256, features=list(features))
+                atomic_write_text(seal_path, json.dumps(seal.to_json()))
+            left -= size
+            log.info("hidden cache: wrote %s (%d rows, %d tokens)", path, len(plan.rows), sum(plan.lengths))
+        if padding:
+            dummy = collator([{"input_ids": list(dataset[0]["input_ids"][:1]), "labels": [-100]}])
+            for _ in range(padding):
+                run(dummy)  # discarded: the other ranks' parameter all-gathers need this rank's pass
+            log.info("hidden cache: %d padding forward passes (lockstep with the other ranks)", padding)
     return mine
 
 
@@ -434,7 +539,7 @@ class CachedHiddenDataset(torch.utils.data.Dataset):
         self.names = [block_name(split, b) for b in range(block_count(len(dataset), block_size))]
         for b, name in enumerate(self.names):
             rows = block_rows(b, len(dataset), block_size)
-            problem = _block_problem(self.folder, name, fingerprint, rows, features, verify=False)
+            problem = _block_problem(self.folder, name, fingerprint, rows, features)
             if problem is not None:
                 raise FileNotFoundError(
                     f"hidden cache block {self.folder / name}.safetensors is {problem.reason}; it is rebuilt at the "

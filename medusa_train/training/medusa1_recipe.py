@@ -67,7 +67,8 @@ class Medusa1Recipe(BaseRecipe):
                                      **self.trainer_kwargs(args, train_set, eval_set))
 
     def cached_datasets(self, data: PreparedData, batch_size: int, heads: Any) -> tuple[Any, Any]:
-        """Build this rank's cache shards, wait for all ranks, and read every shard back; drop the backbone."""
+        """Build this rank's cache shards (each sealed one reused checked against its sha256 first: one changed in
+        place is rebuilt with a warning), wait for all ranks, and read every shard back; drop the backbone."""
         folder = Path(self.cfg.hidden_cache_dir or self.paths.hidden_cache)
         dtype = self.base.get_output_embeddings().weight.dtype
         out = []
@@ -79,7 +80,7 @@ class Medusa1Recipe(BaseRecipe):
             build_hidden_cache(self.frozen_base, dataset, folder, split=split, fingerprint=fingerprints[split],
                                collator=self.collator, batch_size=batch_size, rank=self.env.rank,
                                world_size=self.env.world_size, device=self.device, features=features,
-                               lockstep=self.placement == ZERO3,
+                               verify=True, lockstep=self.placement == ZERO3,
                                argmax_chunk_size=self.cfg.trainer.loss_chunk_size)
         self.barrier()
         for split, dataset in (("train", data.train), ("eval", data.eval)):

@@ -12,7 +12,7 @@ import pytest
 from inference.decoders import DecodeConfig, VanillaDecoder
 from inference.decoders.chat import chat_prompt_ids
 from inference.evaluation.results import ResultsLog
-from inference.evaluation.runner import evaluate_prompts
+from inference.evaluation.runner import NothingFits, evaluate_prompts
 from medusa_train.data.distill_engines import server_generate
 from medusa_train.engines.openai_client import ServerError
 from medusa_train.prompts import Prompt, encode_prompt, load_prompts
@@ -25,6 +25,26 @@ def test_a_lone_surrogate_in_a_prompt_file_names_the_prompt_turn_and_character(t
     with pytest.raises(ValueError, match=rf"^{path}:2: prompt '8' turn 2: character 4 is a lone surrogate "
                                          r"\(U\+D800\), which is not text"):
         load_prompts("jsonl", str(path))
+
+
+def test_a_prompt_file_with_a_byte_order_mark_or_one_json_array_is_named_as_such_with_the_fix(tmp_path):
+    from medusa_train.prompts import read_question_jsonl
+
+    line = json.dumps({"question_id": 1, "turns": ["hi"]})
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + line.encode() + b"\n")
+    with pytest.raises(ValueError, match=rf"^{bom}:1: starts with a UTF-8 byte-order mark \(BOM, bytes EF BB BF\), "
+                                         r"which JSON Lines does not allow: save it as UTF-8 without a BOM \(e.g. "
+                                         rf"`sed -i '1s/\^\\xEF\\xBB\\xBF//' {bom}`\)$"):
+        read_question_jsonl(bom)
+    array = tmp_path / "questions.json"
+    array.write_text(f"[\n  {line},\n  {line}\n]\n")
+    with pytest.raises(ValueError, match=rf"^{array}: holds a JSON array \(one document for the whole file\), not "
+                                         r"JSON Lines .*: convert it, e.g. `jq -c '\.\[\]' "
+                                         rf"{array} > {tmp_path}/questions-lines.jsonl`, and pass that file$"):
+        read_question_jsonl(array)
+    bom.write_text(line + "\n")  # the same line without either: read
+    assert [p.turns for p in read_question_jsonl(bom)] == [["hi"]]
 
 
 def test_a_lone_surrogate_on_the_command_line_is_refused_by_position():
@@ -109,6 +129,45 @@ def test_prompts_too_long_for_an_engines_max_model_len_are_skipped_and_listed(tm
     assert run.skipped == [{"prompt_id": "long", "turn": 1, "prompt_tokens": long_tokens, "max_new_tokens": 8,
                             "context": 48, "fits_max_new_tokens": 48 - long_tokens if long_tokens < 47 else None}]
     assert sorted((r["prompt_id"], r["decoder"]) for r in run.rows) == [("short", "engine"), ("short", "vanilla")]
+
+
+class Counted(VanillaDecoder):
+    """Plain decoding that counts its generations (none may run when nothing fits)."""
+
+    calls = 0
+
+    def generate(self, *args, **kwargs):
+        Counted.calls += 1
+        return super().generate(*args, **kwargs)
+
+
+def test_a_run_where_no_prompt_fits_a_tiny_context_fails_naming_each_prompt_and_the_fixes(tmp_path):
+    model, tokenizer = make_tiny_model("llama", max_position_embeddings=24), make_tiny_tokenizer()
+    template = len(encode_prompt(tokenizer, [{"role": "user", "content": ""}]))  # one token per character
+    prompts = [Prompt("near", "x", ["a" * (20 - template)]), Prompt("far", "x", ["b" * 30])]
+    request = DecodeConfig(max_new_tokens=8, eos_token_ids=(tokenizer.eos_token_id,))
+    Counted.calls = 0
+    with pytest.raises(NothingFits) as e:
+        evaluate_prompts({"vanilla": Counted(model)}, tokenizer, prompts, request,
+                         ResultsLog(tmp_path / "results.jsonl"), warmup=1, progress=False, context=24)
+    assert str(e.value) == (
+        "no prompt fits the context of 24 positions (max_position_embeddings=24) with max_new_tokens=8, so the run "
+        "would measure nothing; all 2 left out: prompt 'near' turn 1 (20 tokens; max_new_tokens=4 would fit it); "
+        f"prompt 'far' turn 1 ({30 + template} tokens; the prompt alone fills the context: leave it out). To measure "
+        "them: lower max_new_tokens (max_new_tokens=4 fits 1 of them); or give shorter prompts or a target with a "
+        "longer context")
+    assert Counted.calls == 0 and not (tmp_path / "results.jsonl").exists()
+
+
+def test_a_run_where_no_prompt_fits_an_engines_max_model_len_names_that_setting(tmp_path):
+    model, tokenizer = make_tiny_model("llama"), make_tiny_tokenizer()
+    request = DecodeConfig(max_new_tokens=8, eos_token_ids=(tokenizer.eos_token_id,))
+    with pytest.raises(NothingFits, match=r"^no prompt fits the context of 48 positions \(decoder.engine."
+                                          r"max_model_len=48\) .* To measure them: raise decoder.engine.max_model_len "
+                                          r"\(the target allows 2048 positions\); or give shorter prompts$"):
+        evaluate_prompts({"vanilla": VanillaDecoder(model), "engine": ShortEngine(model)}, tokenizer,
+                         [Prompt("long", "x", ["a" * 60])], request, ResultsLog(tmp_path / "results.jsonl"),
+                         warmup=0, progress=False, context=model.config.max_position_embeddings)
 
 
 @pytest.mark.vllm

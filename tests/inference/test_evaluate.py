@@ -530,6 +530,17 @@ def test_a_self_layers_draft_as_deep_as_the_target_is_named_before_decoding(expo
     assert counter.calls == {"vanilla": 0, "medusa": 0} and not (out / "results.jsonl").exists()
 
 
+def test_medusa_eval_where_no_prompt_fits_fails_instead_of_writing_an_empty_table(export, tmp_path):
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "turns": ["x" * 2100]}) + "\n" for i in (1, 2)))
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"^no prompt fits the context of 2048 positions \(max_position_embeddings="
+                                         r"2048\) with max_new_tokens=10, so the run would measure nothing; all 2 left "
+                                         r"out: prompt '1' turn 1 \(\d+ tokens; the prompt alone fills the context"):
+        evaluate(config(export, prompts, out))
+    assert not (out / "summary.json").exists() and not (out / "summary.md").exists()
+
+
 def test_prompts_that_do_not_fit_the_context_are_left_out_named_and_listed(export, tmp_path, caplog):
     # the tiny tokenizer is one token per character; the tiny Llama has 2048 positions
     template = len(encode_prompt(make_tiny_tokenizer(), [{"role": "user", "content": ""}]))

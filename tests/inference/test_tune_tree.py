@@ -206,4 +206,4 @@ def test_a_folder_that_is_not_an_export_is_refused_before_anything_is_written_in
     missing = tmp_path / "missing"
     run = subprocess.run([sys.executable, "-m", "inference.cli.tune_tree", f"export_dir={missing}"],
                          capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0 and "does not exist" in run.stderr and not missing.exists()
+    assert run.returncode != 0 and f"export_dir {missing} is no such folder" in run.stderr and not missing.exists()

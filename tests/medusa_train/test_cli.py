@@ -52,3 +52,25 @@ def test_complete_command_lines_reach_the_command_itself(tmp_path):
                           "prompt=hi"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 1 and "is not a folder (an export written by medusa-train)" in run.stderr
+
+
+def export_gguf(*overrides: str) -> str:
+    from hydra import compose, initialize_config_dir
+
+    from medusa_train.cli.export_gguf import register_schemas, run
+    from medusa_train.paths import CONF_DIR
+
+    register_schemas()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return run(compose("export_gguf", overrides=list(overrides)))
+
+
+def test_medusa_export_gguf_checks_outtype_then_the_export_folder_before_llamacpp(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEDUSA_LLAMACPP_DIR", str(tmp_path / "no-llamacpp"))  # llama.cpp is not installed
+    missing = tmp_path / "runs" / "nothing" / "export"
+    with pytest.raises(ValueError, match=r"^outtype='q9_bogus': choose one of f32, f16, bf16, q8_0$"):
+        export_gguf(f"export_dir={missing}", "outtype=q9_bogus")
+    with pytest.raises(FileNotFoundError, match=rf"^export_dir {missing} is no such folder: it is not an export "
+                                                r"written by medusa-train; pass the export folder of a training run"):
+        export_gguf(f"export_dir={missing}")
+    assert not missing.parent.exists()  # nothing written

@@ -314,6 +314,9 @@ def four_layer_inputs(folder: Path, tiny_inputs: tuple[Path, Path]) -> Path:
      r"heads.feature_layers: layer 5 is out of range for a target with 4 layers"),
     ([EAGLE3[0], EAGLE3[2], "heads.feature_layers=[1,3]"], r"heads.feature_layers=\[1, 3\]: EAGLE-3 fuses three"),
     ([*EAGLE3, "heads.share_lm_head=true"], r"heads.share_lm_head=true: an EAGLE-3 drafter projects with its own"),
+    (["heads=eagle3", "heads.feature_layers=[0,1,2]"],  # the preset's draft vocabulary, 4,096, on a 512-token target
+     r"^heads.head_vocab_size=4096 is more than the target's vocabulary of 512 tokens: set heads.head_vocab_size=512 "
+     r"or below$"),
 ])
 def test_bad_eagle3_settings_are_refused_once_the_target_loads_before_its_data(
         overrides, message, tiny_inputs, tmp_path, no_data_preparation):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -172,6 +173,49 @@ def test_same_size_damage_is_found_with_verify(tiny_llama, tmp_path, caplog):
         build(tiny_llama, data, tmp_path, verify=True)
     assert f"{block} is damaged: its sha256 differs" in caplog.text and calls == [1, 1]
     assert file_sha256(block) == json.loads((tmp_path / "train-block-000000.json").read_text())["sha256"]
+
+
+def test_a_build_stopped_by_sigterm_discards_its_block_keeps_the_sealed_ones_and_exits_75(tiny_llama, tmp_path,
+                                                                                          monkeypatch):
+    data = rows()
+    passes = []
+
+    def preempted(*args, **kwargs):
+        passes.append(1)
+        if len(passes) == 4:  # block 1's second batch: block 0 sealed, block 1 half written
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    real = hidden_cache._base_forward
+    monkeypatch.setattr(hidden_cache, "_base_forward", preempted)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(hidden_cache.CacheBuildStopped, match="stopped on SIGTERM while building the train blocks") as e:
+        build(tiny_llama, data, tmp_path)
+    assert e.value.code == 75 and signal.getsignal(signal.SIGTERM) is before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train-block-000000.json", "train-block-000000.safetensors"]
+    monkeypatch.setattr(hidden_cache, "_base_forward", real)
+    calls = count_passes(tiny_llama)
+    build(tiny_llama, data, tmp_path)
+    assert calls == [1] * (ROWS - BLOCK)  # every row but block 0's
+    check_values(tiny_llama, data, tmp_path)
+
+
+def test_the_next_build_removes_only_its_own_blocks_temporary_files(tiny_llama, tmp_path, caplog):
+    data = rows()
+    left = {".train-block-000000.safetensors.tmp-4242": 300, ".train-block-000002.json.tmp-17": 5,
+            ".train-block-000008.safetensors.tmp-99": 10}  # rank 0 of 2 owns blocks 0, 2, 4, 6, 8 (beyond the data)
+    kept = {".train-block-000001.safetensors.tmp-4242": 7,  # rank 1's block: it may be writing it right now
+            ".eval-block-000000.safetensors.tmp-1": 7,  # the other split
+            ".train-block-000000.safetensors.tmp-x1": 7, "train-block-000000.safetensors.tmp-1": 7,  # not ours
+            ".notes.txt.tmp-3": 7}
+    for name, size in {**left, **kept}.items():
+        (tmp_path / name).write_bytes(b"x" * size)
+    with caplog.at_level("WARNING", logger="medusa_train.training.hidden_cache"):
+        build(tiny_llama, data, tmp_path, rank=0, world_size=2)
+    assert f"removed {tmp_path / '.train-block-000000.safetensors.tmp-4242'} (300 bytes)" in caplog.text
+    names = {p.name for p in tmp_path.iterdir()}
+    assert not names & set(left) and set(kept) <= names
+    assert names - set(kept) == {f"train-block-{b:06d}.{ext}" for b in (0, 2) for ext in ("json", "safetensors")}
 
 
 def test_a_build_killed_mid_block_leaves_no_block_and_no_seal(tiny_llama, tmp_path, monkeypatch):

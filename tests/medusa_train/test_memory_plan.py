@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,6 +151,83 @@ def test_the_script_prints_a_table_and_as_its_last_line_a_json_object(capsys):
     assert set(record["stages"]) == {"self_distill", "cache_build", "training", "export"}
     assert record["stages"]["cache_build"]["disk_gib"] == round(1_000_000 * (4096 * 2 + 24) / GIB, 3)
     assert record["target_params"] == 8_030_261_248
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("memory_plan", ROOT / "benchmarks" / "memory_plan.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def config_without(tmp_path: Path, *fields: str) -> Path:
+    """The 70B's config.json without ``fields``."""
+    config = json.loads((CONFIGS / "llama-3.1-70b.json").read_text())
+    for field in fields:
+        del config[field]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+GIVEN = ["--heads", "medusa", "--gpus", "8", "--gpu-gib", "80", "--seq", "4096"]
+
+
+@pytest.mark.parametrize("config, flags, line", [
+    ("sizes", [], "--config {config} has no hidden_size, intermediate_size: transformers would put LlamaConfig's "
+                  "defaults there (hidden_size=4096, intermediate_size=11008) and plan another model; give the model's "
+                  "own config.json, or add hidden_size, intermediate_size to it"),
+    ("missing", [], "--config {config}: no such file or folder (give the target's config.json or a local model folder "
+                    "holding one)"),
+    ("meta-llama/Llama-3.1-70B", [], "--config meta-llama/Llama-3.1-70B: no such file or folder (give the target's "
+                                     "config.json or a local model folder holding one)"),  # never read as a Hub id
+    ("70b", ["--seq", "131073"], "--seq 131073 is beyond the target's context (max_position_embeddings=131072 in "
+                                 "{config}): give --seq 131072 or less"),
+    ("70b", ["--host-gib", "0"], "--host-gib must be > 0 (RAM of one host in GiB; leave the flag out not to check "
+                                 "it), got 0.0"),
+    ("70b", ["--gpu-gib", "nan"], "--gpu-gib must be a finite number (memory of one GPU in GiB, e.g. 80), got nan"),
+    ("70b", ["--batch", "0"], "--batch must be >= 1, got 0"),
+    ("70b", ["--gpus-per-host", "16"], "--gpus-per-host 16 is more than --gpus 8: give at most --gpus"),
+    ("70b", ["--heads", "eagle3", "--head-vocab-size", "200000"],
+     "--head-vocab-size 200000 is more than the target's vocabulary of 128256 tokens: set --head-vocab-size 128256 "
+     "or below"),
+])
+def test_every_refusal_of_the_script_is_one_line_naming_the_flag_and_the_fix_with_exit_2(config, flags, line,
+                                                                                        tmp_path, capsys):
+    path = {"sizes": lambda: config_without(tmp_path, "hidden_size", "intermediate_size"),
+            "missing": lambda: tmp_path / "nowhere" / "config.json",
+            "70b": lambda: CONFIGS / "llama-3.1-70b.json"}.get(config, lambda: config)()
+    with pytest.raises(SystemExit) as e:
+        load_script().main(["--config", str(path), *GIVEN, *flags])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and captured.out == ""
+    assert captured.err == f"memory_plan.py: error: {line.format(config=path)}\n"
+
+
+def test_a_config_without_its_sizes_is_refused_by_the_script_without_a_traceback(tmp_path):
+    config = config_without(tmp_path, "num_hidden_layers")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_plan.py"), "--config", str(config),
+                           *GIVEN], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"memory_plan.py: error: --config {config} has no num_hidden_layers: transformers "
+                                  "would put LlamaConfig's defaults there (num_hidden_layers=32)")
+
+
+def test_medusa_train_refuses_a_base_config_without_its_sizes_before_loading(tmp_path):
+    from medusa_train.planning.run_check import check_run_memory
+    from medusa_train.training.base_recipe import resolve_config
+    from tests.medusa_train.test_training import compose_train, tiny_overrides, write_tiny_inputs
+
+    folder = tmp_path / "llama70b"
+    folder.mkdir()
+    shutil.copy(config_without(tmp_path, "hidden_size", "intermediate_size"), folder / "config.json")
+    model_dir, data = write_tiny_inputs(tmp_path / "inputs", conversations=10)
+    cfg, _ = resolve_config(compose_train(tiny_overrides(model_dir, data, tmp_path / "run") + [
+        f"model.name_or_path={folder}", "plan_device_gib=80"]))
+    with pytest.raises(ValueError, match=rf"^the config.json of model.name_or_path={folder} has no hidden_size, "
+                                         r"intermediate_size: transformers would put LlamaConfig's defaults there"):
+        check_run_memory(cfg, world_size=1)
 
 
 def test_medusa_train_refuses_a_run_over_its_device_budget_before_loading(tmp_path, monkeypatch):

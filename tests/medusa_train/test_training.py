@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
+from medusa_train.checksums import file_sha256
 from medusa_train.cli.train import register_schemas
 from medusa_train.config import TrainerConfig
 from medusa_train.export import load_heads
@@ -357,6 +358,29 @@ def test_crashed_run_resumes_from_the_last_complete_checkpoint_to_the_same_heads
     assert resumed.summary["global_step"] == 8
     assert_same_heads(exported_heads(tmp_path / "whole" / "export"), exported_heads(run / "export"))
     assert checkpoints.incomplete_reason(ckpts / "checkpoint-8") is None  # rewritten, complete this time
+
+
+def test_a_cache_block_damaged_in_place_is_rebuilt_with_a_warning_on_resume_and_the_heads_are_a_clean_runs(
+        tiny_inputs, tmp_path, caplog):
+    model_dir, data = tiny_inputs
+    cache = {"hidden_cache": "true", "heads.target": "base_argmax"}
+    build_recipe(compose_train(tiny_overrides(model_dir, data, tmp_path / "clean", **cache))).run()
+    run = tmp_path / "damaged"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build_recipe(compose_train(tiny_overrides(model_dir, data, run, **cache)), callbacks=[CrashAtStep(6)]).run()
+    block = run / "hidden_cache" / "train-block-000000.safetensors"
+    sealed = json.loads(block.with_suffix(".json").read_text())["sha256"]
+    damaged = bytearray(block.read_bytes())
+    middle = len(damaged) // 2
+    damaged[middle : middle + 64] = bytes(b ^ 0xFF for b in damaged[middle : middle + 64])  # same size
+    block.write_bytes(bytes(damaged))
+    with caplog.at_level(logging.WARNING, logger="medusa_train.training.hidden_cache"):
+        resumed = build_recipe(compose_train(tiny_overrides(model_dir, data, run, resume="true", **cache)))
+        resumed.run()
+    assert f"hidden cache: {block} is damaged: its sha256 differs from the one sealed" in caplog.text
+    assert file_sha256(block) == sealed == file_sha256(tmp_path / "clean" / "hidden_cache" / block.name)  # rebuilt
+    assert resumed.summary["resumed_from"] == str(run / "checkpoints" / "checkpoint-4")
+    assert_same_heads(exported_heads(tmp_path / "clean" / "export"), exported_heads(run / "export"), atol=0)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------------
