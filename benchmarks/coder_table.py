@@ -133,8 +133,10 @@ def eval_overrides(group: str, prompts: str, humaneval: int, export: Path | None
     else:
         precision = ["dtype=auto", f"max_new_tokens={MAX_NEW_TOKENS}"]
     # K = 3 drafted tokens for our draft decoders: the 0.5B costs 0.41 of a target token and a pass over 4 tokens
-    # 1.14x one here (docs/coder-1.5b.md, the latency curve), which the draft-model speedup formula puts at K = 3-4
-    lengths = ["decoder.draft.num_draft_tokens=3", "decoder.hf_assisted.num_draft_tokens=3"]
+    # 1.14x one here (docs/coder-1.5b.md, the latency curve), which the draft-model speedup formula puts at K = 3-4;
+    # both stop after a draft token below 0.4 probability (transformers' default for hf_assisted)
+    lengths = ["decoder.draft.num_draft_tokens=3", "decoder.hf_assisted.num_draft_tokens=3",
+               "decoder.draft.confidence_threshold=0.4"]
     if export is not None:
         drafter, _, engine = drafter_cell(group)
         method = drafter_type(drafter).vllm_method

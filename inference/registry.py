@@ -157,7 +157,15 @@ class DraftSettings(DraftConfig):
     """Speculative decoding with a draft model (:class:`~inference.decoders.draft.DraftDecoder`); the fields of
     :class:`inference.draft_loading.DraftConfig`: ``kind`` (``self_layers``: the target's first ``num_layers``
     layers; ``model``: a separate ``model/`` config under ``model``, loaded in the run's dtype and device),
-    ``num_draft_tokens`` (K) and ``schedule``."""
+    ``num_draft_tokens`` (K) and ``schedule``, and:
+
+    Attributes:
+        confidence_threshold: stop drafting after a token the draft gave less probability than this (transformers'
+            ``assistant_confidence_threshold``, whose default is 0.4; :class:`HfAssistedSettings`); 0: always draft
+            K tokens.
+    """
+
+    confidence_threshold: float = field(default=0.0, metadata=bound(0, 1, high_open=True))
 
 
 @dataclass
@@ -580,7 +588,8 @@ def _build_draft(settings: DraftSettings, ctx: BuildContext) -> BuiltDecoder:
 
     draft, draft_tokenizer, info = _draft(settings, ctx, "draft")
     decoder = DraftDecoder(ctx.model.base, draft, num_draft_tokens=settings.num_draft_tokens,
-                           schedule=settings.schedule, tokenizer=ctx.tokenizer, draft_tokenizer=draft_tokenizer)
+                           schedule=settings.schedule, tokenizer=ctx.tokenizer, draft_tokenizer=draft_tokenizer,
+                           confidence_threshold=settings.confidence_threshold)
     return BuiltDecoder(decoder, info)
 
 

@@ -80,7 +80,7 @@ def test_the_target_alone_runs_every_decoder_that_needs_no_drafter_greedy_exact(
     out = tmp_path / "out"
     summary = evaluate(eval_config(f"+model.name_or_path={target}", "+model.format=hf", f"prompts={prompts}",
                                    f"output_dir={out}", f"decoders=[{','.join(OURS)}]", "decoder.draft.kind=self_layers",
-                                   *draft_overrides(draft)))
+                                   "decoder.draft.confidence_threshold=0.4", *draft_overrides(draft)))
     assert list(summary["decoders"]) == OURS
     for name, m in summary["decoders"].items():
         assert m["exact_match_vs_greedy"] == 1.0, name  # fp32: plain greedy decoding's replies, token for token
