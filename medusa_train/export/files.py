@@ -1,6 +1,11 @@
 """File helpers for exports: JSON, safetensors and torch files written through the one durable atomic write
 (:func:`medusa_train.atomic.atomic_write`, which also gives each file the default mode), tensor/JSON reads whose
 errors name the file, checksums.
+
+A tensor file that does not fit (a full disk, a quota, the file-size limit) fails with a
+:class:`~medusa_train.disk_space.DiskFullError` naming the file, the bytes it needs, the bytes free and the cause
+(:func:`~medusa_train.disk_space.disk_full_named`), not safetensors' ``File too large`` or torch's ``unexpected
+pos``; the file's temporary sibling is removed.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import hashlib
 import json
 import os
 import pickle
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +23,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from medusa_train.atomic import atomic_write, atomic_write_text, default_mode
+from medusa_train.disk_space import disk_full_named
+from medusa_train.safetensors_stream import TensorPlan, planned_size
 from medusa_train.text_files import read_text
 
 # Errors a damaged file raises in safetensors / torch.load; re-raised as ValueError naming the file.
@@ -50,15 +58,42 @@ def write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
+# how a DiskFullError of an export file ends (the export is written beside the previous one: folder_swap.py)
+FULL_WAYS_OUT = "free that much space there, or give the run an output_dir on a larger disk"
+_FORMAT_PT = {"format": "pt"}  # safetensors metadata: what transformers and vLLM expect of a PyTorch file
+
+
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    # metadata format=pt: what transformers and vLLM expect of a PyTorch safetensors file.
-    atomic_write(path, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    """``tensors`` as a safetensors file (metadata ``format: pt``).
+
+    Raises:
+        DiskFullError: no room for the file's bytes (its planned size named, as
+            :func:`~medusa_train.safetensors_stream.planned_size` counts them); ``path`` is left as it was.
+    """
+    try:
+        size = planned_size([TensorPlan(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], _FORMAT_PT)
+    except ValueError:  # a dtype the planner has no name for: the tensors' bytes alone
+        size = sum(v.numel() * v.element_size() for v in tensors.values())
+    with disk_full_named(path, size, f"{path.name} ({len(tensors)} tensors)", FULL_WAYS_OUT):
+        atomic_write(path, lambda p: save_file(tensors, str(p), metadata=_FORMAT_PT))
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes of the tensors' storages, each counted once (tied or shared weights are stored once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def write_torch(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """``torch.save`` of a plain name -> tensor dict (what FasterDecoding's loader ``torch.load``s); tensors that
-    share storage are stored once."""
-    atomic_write(path, lambda p: torch.save(tensors, p))
+    share storage are stored once.
+
+    Raises:
+        DiskFullError: no room for the file (the bytes named: its tensors' storages, a lower bound of the zip
+            file's size); ``path`` is left as it was.
+    """
+    with disk_full_named(path, storage_bytes(tensors.values()), f"{path.name} ({len(tensors)} tensors; at least their bytes)",
+                         FULL_WAYS_OUT):
+        atomic_write(path, lambda p: torch.save(tensors, p))
 
 
 def sha256_files(paths: list[Path]) -> str:
