@@ -35,7 +35,8 @@ HYDRA_NODE = "hydra"  # the Hydra framework's own node of a composed config (not
 
 class RefuseBeforeRun(Callback):
     """Hydra callback: check one setting before Hydra creates or writes the job's folder, and exit with the check's
-    one-line message when it fails (Hydra turns a callback's exceptions into warnings, so this one exits instead).
+    one-line message on stderr and status 2 (a refused command line, as a missing required setting) when it fails
+    (Hydra turns a callback's exceptions into warnings, so this one exits instead).
 
     Args (the ``hydra.callbacks`` entry of a ``conf/`` file):
         check: the dotted path of a function taking the setting's value and raising ``ValueError`` or ``OSError``.
@@ -58,7 +59,8 @@ class RefuseBeforeRun(Callback):
         try:
             hydra.utils.get_method(self.check)(*args)
         except (ValueError, OSError) as e:
-            raise SystemExit(f"{self.command}: {e}") from None
+            print(f"{self.command}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
 
     def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
         self._check(config)

@@ -10,6 +10,7 @@ pos``; the file's temporary sibling is removed.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -31,12 +32,65 @@ from medusa_train.text_files import read_text
 _CORRUPT = (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError, UnicodeDecodeError)
 
 
+def check_readable(folder: str | os.PathLike[str] | None, field: str = "export_dir") -> None:
+    """Refuse an export this process cannot read whole, before anything reads it: ``folder`` and every folder under
+    it must list, and every file in them open for reading (each is opened and closed, nothing read; what the
+    readers meet, ACLs and capabilities included). Entries whose names start with a dot (temporary files of a write
+    in progress, Hydra's ``.tune_tree/``) and symbolic links to folders are not walked into. None, or a ``folder``
+    that does not exist, passes: whoever needs it names it missing.
+
+    Raises:
+        PermissionError: ``"{field}={folder}: {path} has no read permission for this user ({what}); ..."``, naming
+            the first file or folder that cannot be read and the fix (``chmod -R a+rX``).
+    """
+    if folder is None:
+        return
+    root = Path(folder)
+
+    def refuse(path: str | os.PathLike[str], what: str) -> PermissionError:
+        error = PermissionError(f"{field}={root}: {path} has no read permission for this user ({what}); an export "
+                                f"is read whole: give this user read access (e.g. chmod -R a+rX {root}), or run as "
+                                "the user who wrote it")
+        error.errno = errno.EACCES  # (a filename would replace the message in str())
+        return error
+
+    try:
+        os.stat(root)
+    except FileNotFoundError:
+        return
+    except PermissionError:
+        raise refuse(root, "a folder above it cannot be entered") from None
+    pending = [root]
+    while pending:
+        path = pending.pop()
+        try:
+            with os.scandir(path) as listing:
+                entries = sorted((e for e in listing if not e.name.startswith(".")), key=lambda e: e.name)
+        except NotADirectoryError:  # the root is a file: whoever needs a folder names it
+            return
+        except PermissionError:
+            raise refuse(path, "a folder that cannot be listed") from None
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(Path(entry.path))
+                else:
+                    os.close(os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK))
+            except PermissionError:
+                raise refuse(entry.path, "it cannot be opened") from None
+            except OSError:  # gone since it was listed, a dangling link, ...: the reader names it
+                pass
+
+
 def check_export_dir(export_dir: str | os.PathLike[str]) -> None:
-    """``export_dir`` holds an export's ``config.json`` (read-only: checked before the folder is locked or written).
+    """``export_dir`` holds an export's ``config.json`` and can be read whole (:func:`check_readable`), read-only:
+    checked before the folder is locked or written.
 
     Raises:
         FileNotFoundError: no such folder, or a folder without ``config.json``; the message says what to pass.
+        PermissionError: a file or folder of the export this user cannot read (:func:`check_readable`).
     """
+    check_readable(export_dir)
     if not (Path(export_dir) / "config.json").is_file():
         what = "is no such folder" if not Path(export_dir).exists() else "holds no config.json"
         raise FileNotFoundError(f"export_dir {export_dir} {what}: it is not an export written by medusa-train; pass "

@@ -437,13 +437,13 @@ def test_the_command_line_refuses_an_empty_or_foreign_output_dir_before_hydra_wr
     root_hydra = Path("/hydra").exists()
     overrides = [o for o in tiny_overrides(model_dir, data, tmp_path / "unused") if not o.startswith("output_dir=")]
     empty = cli([*overrides, "output_dir="], cwd=cwd)
-    assert empty.returncode == 1 and "medusa-train: output_dir is empty" in empty.stderr
+    assert empty.returncode == 2 and "medusa-train: output_dir is empty" in empty.stderr
     assert list(cwd.iterdir()) == [] and Path("/hydra").exists() == root_hydra  # nothing in . or in /hydra
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "notes.txt").write_text("mine")
     refused = cli(tiny_overrides(model_dir, data, theirs, overwrite="true"), cwd=cwd)
-    assert refused.returncode == 1 and "holds files that are not a medusa-train run (notes.txt)" in refused.stderr
+    assert refused.returncode == 2 and "holds files that are not a medusa-train run (notes.txt)" in refused.stderr
     assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
 
 
