@@ -40,20 +40,24 @@ class RefuseBeforeRun(Callback):
 
     Args (the ``hydra.callbacks`` entry of a ``conf/`` file):
         check: the dotted path of a function taking the setting's value and raising ``ValueError`` or ``OSError``.
-        key: the setting, a dotted path into the config (``output_dir``, ``hydra.run.dir``).
+        key: the setting, a dotted path into the config (``output_dir``, ``hydra.run.dir``); null: the whole config
+            without Hydra's own node (a command's settings, for its schema's ``validate``).
         command: the command's name, put before the message.
         multirun: also check before a ``-m`` sweep starts (the sweep folder).
         pass_hydra_entries: also give the check :func:`hydra_entries` of the run (a folder check then accepts what
             Hydra wrote there for an earlier, killed, run of the same command).
     """
 
-    def __init__(self, check: str, key: str, command: str, multirun: bool = False,
+    def __init__(self, check: str, key: str | None, command: str, multirun: bool = False,
                  pass_hydra_entries: bool = False) -> None:
         self.check, self.key, self.command, self.multirun = check, key, command, multirun
         self.pass_hydra_entries = pass_hydra_entries
 
     def _check(self, config: DictConfig) -> None:
-        args = [OmegaConf.select(config, self.key)]
+        if self.key is None:
+            args = [OmegaConf.masked_copy(config, [key for key in config if key != HYDRA_NODE])]
+        else:
+            args = [OmegaConf.select(config, self.key)]
         if self.pass_hydra_entries:  # what Hydra writes into the job's folder: an earlier killed job left them
             args.append(hydra_entries(config.hydra))
         try:
