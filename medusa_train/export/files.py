@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from medusa_train.atomic import atomic_write, atomic_write_text, default_mode
 from medusa_train.disk_space import disk_full_named
+from medusa_train.paths import resolve_path
 from medusa_train.safetensors_stream import TensorPlan, planned_size
 from medusa_train.text_files import read_text
 
@@ -42,10 +43,12 @@ def check_readable(folder: str | os.PathLike[str] | None, field: str = "export_d
     Raises:
         PermissionError: ``"{field}={folder}: {path} has no read permission for this user ({what}); ..."``, naming
             the first file or folder that cannot be read and the fix (``chmod -R a+rX``).
+        ValueError: ``folder`` is on a symlink loop (:func:`~medusa_train.paths.resolve_path`, the links named).
     """
     if folder is None:
         return
     root = Path(folder)
+    resolve_path(root, field)
 
     def refuse(path: str | os.PathLike[str], what: str) -> PermissionError:
         error = PermissionError(f"{field}={root}: {path} has no read permission for this user ({what}); an export "
@@ -89,6 +92,7 @@ def check_export_dir(export_dir: str | os.PathLike[str]) -> None:
     Raises:
         FileNotFoundError: no such folder, or a folder without ``config.json``; the message says what to pass.
         PermissionError: a file or folder of the export this user cannot read (:func:`check_readable`).
+        ValueError: ``export_dir`` is on a symlink loop (named).
     """
     check_readable(export_dir)
     if not (Path(export_dir) / "config.json").is_file():
