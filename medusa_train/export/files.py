@@ -149,8 +149,8 @@ def write_torch(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         DiskFullError: no room for the file (the bytes named: its tensors' storages, a lower bound of the zip
             file's size); ``path`` is left as it was.
     """
-    with disk_full_named(path, storage_bytes(tensors.values()), f"{path.name} ({len(tensors)} tensors; at least their bytes)",
-                         FULL_WAYS_OUT):
+    what = f"{path.name} ({len(tensors)} tensors; at least their bytes)"
+    with disk_full_named(path, storage_bytes(tensors.values()), what, FULL_WAYS_OUT):
         atomic_write(path, lambda p: torch.save(tensors, p))
 
 

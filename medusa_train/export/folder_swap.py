@@ -11,8 +11,8 @@ card, an evaluation), makes it durable, then swaps it in:
 
 A write that fails at any point before the swap deletes its temporary folder and leaves the old folder as it was (a
 :class:`~medusa_train.disk_space.DiskFullError` of a file of the new folder says so, after the file, the bytes it
-needs and the cause); a write killed before the swap leaves the temporary folder, which the next write deletes. The folder's lock
-(:data:`~medusa_train.run_lock.EXPORT_LOCK`) is held throughout, so no two writes, and no write and a
+needs and the cause); a write killed before the swap leaves the temporary folder, which the next write deletes. The
+folder's lock (:data:`~medusa_train.run_lock.EXPORT_LOCK`) is held throughout, so no two writes, and no write and a
 ``medusa-tune-tree`` run, overlap.
 
 Entries are carried over as hard links (copies where the file system refuses links): the old folder is never

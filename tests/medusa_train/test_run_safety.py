@@ -463,7 +463,8 @@ def test_a_folder_in_a_symlink_loop_is_named_as_such_by_each_command_check(tmp_p
     from medusa_train.training.run_dir import OutputDirError, check_location
 
     loop = symlink_loop(tmp_path / "loop")
-    links = rf"symlink loop \({loop} -> b -> a\): a symbolic link on the path leads back to itself; fix or remove the link"
+    links = (rf"symlink loop \({loop} -> b -> a\): a symbolic link on the path leads back to itself; fix or remove the "
+             "link")
     with pytest.raises(OutputDirError, match=rf"^output_dir {loop}/run: {links}, or choose another output_dir$"):
         check_location(loop / "run")
     with pytest.raises(EvalDirError, match=rf"^output_dir {loop}/eval: {links}, or choose another output_dir$"):
