@@ -9,7 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from medusa_train.catalog import drafter_type
-from medusa_train.drafters.eagle3.speculators import CONFIG_FILE, SPECULATORS_DIR, SPECULATORS_MODEL_TYPE
+from medusa_train.drafters.eagle3.speculators import (
+    CONFIG_FILE,
+    SPECULATORS_DIR,
+    SPECULATORS_MODEL_TYPE,
+    check_served_files,
+)
 from medusa_train.engines.vllm_env import tuned_speculative_tokens
 from medusa_train.export.configs import export_head_type
 from medusa_train.export.files import read_json
@@ -35,7 +40,9 @@ def speculative_config(export_dir: str | os.PathLike[str], num_speculative_token
         FileNotFoundError: no export ``config.json``, or no ``speculators/config.json`` (re-export with
             ``export_vllm=true``).
         ValueError: the export's ``head_type`` is a drafter vLLM does not serve as ``eagle3`` (Medusa heads: use the
-            ``vllm_medusa`` decoder), ``speculators/config.json`` is not an EAGLE-3 speculators config, or
+            ``vllm_medusa`` decoder), ``speculators/config.json`` is not an EAGLE-3 speculators config,
+            ``speculators/`` is not what the export wrote for its drafter (tensors, other weights files, sha256:
+            :func:`~medusa_train.drafters.eagle3.speculators.check_served_files`, the file named), or
             ``num_speculative_tokens`` < 1. All before vLLM starts.
     """
     head_type = export_head_type(read_export_config(export_dir))
@@ -55,6 +62,7 @@ def speculative_config(export_dir: str | os.PathLike[str], num_speculative_token
         raise ValueError(f"{folder / CONFIG_FILE}: not an EAGLE-3 speculators config (speculators_model_type "
                          f"{config.get('speculators_model_type')!r}, speculative_tokens {default_k!r}); re-export the "
                          "drafter")
+    check_served_files(export_dir)
     k = num_speculative_tokens
     if k is None:
         k = (tuned_speculative_tokens(export_dir, VLLM_METHOD) if recorded else None) or default_k
