@@ -23,7 +23,7 @@ from inference.evaluation.eval_run import evaluate
 from inference.evaluation.results import read_rows
 from medusa_train.config import ModelConfig
 from medusa_train.drafters.medusa.vllm import speculative_config
-from medusa_train.engines.vllm_env import VllmUnavailable, VllmWorker
+from medusa_train.engines.vllm_env import VllmUnavailable, VllmWorker, group_states
 from medusa_train.export import save_export
 from medusa_train.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
@@ -256,19 +256,6 @@ def stopped_group(pgid: int, timeout_s: float = 10.0) -> dict[int, str]:
         if set(states.values()) == {"T"} or time.monotonic() > deadline:
             return states
         time.sleep(0.05)
-
-
-def group_states(pgid: int) -> dict[int, str]:
-    """``{pid: state}`` of the processes in process group ``pgid`` (``/proc/PID/stat``: state, ppid, pgrp)."""
-    states = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
-            continue
-        if int(fields[2]) == pgid:
-            states[int(stat.parent.name)] = fields[0]
-    return states
 
 
 @vllm
