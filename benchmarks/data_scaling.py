@@ -67,7 +67,7 @@ MAX_SIZE = SHAREGPT_HELDOUT_OFFSET // QUICKSTART_CONVERSATIONS
 CELL_BOUNDS = {"size": Bound(1, MAX_SIZE, hint=f"SIZE x {QUICKSTART_CONVERSATIONS} ShareGPT conversations stay "
                              f"below the held-out prompts at {SHAREGPT_HELDOUT_OFFSET:,}"),
                "vocab": schema_bound(HeadsConfig, "head_vocab_size"),
-               "ttt": schema_bound(HeadsConfig, "medusa_num_heads")}
+               "ttt": schema_bound(HeadsConfig, "num_heads")}
 TABLE = ROOT / "docs" / "data-scaling.json"
 DOC = ROOT / "docs" / "data-scaling.md"
 PLOT = ROOT / "docs" / "figures" / "data-scaling.png"

@@ -25,7 +25,7 @@ import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
 from inference.decoders.choices import resolve_medusa_choices
-from inference.decoders.medusa import default_medusa_choices
+from inference.decoders.tree import default_medusa_choices
 from inference.tuning.replay import replayed_accept_length
 from inference.tuning.search import expected_accept_length
 from medusa_train.export.tree_files import read_tree_files

@@ -128,7 +128,7 @@ def engine_inputs(export: Path) -> tuple[str, Any, tuple[int, ...]]:
     from inference.decoders.chat import eos_ids
     from medusa_train.export import read_export_config
     from medusa_train.loading.base import engine_model_path
-    from medusa_train.loading.medusa import export_base_config
+    from medusa_train.loading.export import export_base_config
 
     path = engine_model_path(export_base_config(export, read_export_config(export)))
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -4,11 +4,12 @@ Adding a decoder is one :class:`DecoderEntry` in :data:`REGISTRY`: its settings 
 missing required settings) by :func:`decoder_settings` before any model is loaded, and :func:`build_decoder` turns
 them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model.
 
-Names: ``vanilla``, ``medusa``, ``composite``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the
-real engines ``vllm`` / ``vllm_medusa`` / ``vllm_eagle3`` / ``vllm_draft`` / ``vllm_ngram`` and ``llamacpp`` /
-``llamacpp_eagle3`` / ``llamacpp_draft`` / ``llamacpp_ngram``. The vLLM decoders run
-in vLLM's own environment (``bash launch/install_vllm.sh``), the llama.cpp ones in its ``llama-server`` (``bash
-launch/install_llamacpp.sh``), and only when listed in ``decoders``: they are left out of the default list.
+Names: ``vanilla``, ``tree`` (``medusa``: its old name, :mod:`medusa_train.renames`), ``composite``, ``draft``,
+``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the real engines ``vllm`` / ``vllm_medusa`` / ``vllm_eagle3``
+/ ``vllm_draft`` / ``vllm_ngram`` and ``llamacpp`` / ``llamacpp_eagle3`` / ``llamacpp_draft`` / ``llamacpp_ngram``. The
+vLLM decoders run in vLLM's own environment (``bash launch/install_vllm.sh``), the llama.cpp ones in its
+``llama-server`` (``bash launch/install_llamacpp.sh``), and only when listed in ``decoders``: they are left out of the
+default list.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from inference.decoders.base import DecodeConfig, Decoder
-from inference.decoders.medusa import ACCEPTANCE, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, check_acceptance
+from inference.decoders.tree import ACCEPTANCE, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, check_acceptance
 from inference.draft_loading import DraftConfig
 from inference.engines.llamacpp_server import REPACK as LLAMACPP_REPACK
 from medusa_train.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
+from medusa_train.renames import decoder_alias
 from medusa_train.tree.buffers import TOPK
 from medusa_train.tree.composite import LOOKUP_LENGTH, MAX_MATCHING_NGRAM_SIZE
 
@@ -37,7 +39,7 @@ class BuildContext:
     """What builders get besides their settings: the loaded target model and where it came from.
 
     Attributes:
-        model: the :class:`~medusa_train.model.MedusaModel` (``.base`` is the target ``*ForCausalLM``).
+        model: the :class:`~medusa_train.model.SpeculativeModel` (``.base`` is the target ``*ForCausalLM``).
         tokenizer: the target's tokenizer.
         export_dir: the export folder (tuned tree files live there).
         dtype, device: the run's dtype and device overrides (None: the model config's); a second model (a draft)
@@ -87,9 +89,10 @@ class VanillaSettings:
 
 
 @dataclass
-class MedusaSettings:
-    """Tree decoding with the export's draft heads (:class:`~inference.decoders.medusa.TreeDecoder`): Medusa heads,
-    or Hydra heads drafting level by level (the export's ``head_type``; the run record names it).
+class TreeSettings:
+    """Tree decoding with the export's drafter (:class:`~inference.decoders.tree.TreeDecoder`), whatever its type
+    (the export's ``head_type``; the run record names it): Medusa heads, Hydra heads drafting level by level, an
+    EAGLE-3 drafter.
 
     Attributes:
         acceptance: ``greedy``, ``typical`` or ``speculative`` (typical and speculative are greedy at temperature 0).
@@ -99,7 +102,7 @@ class MedusaSettings:
             ``medusa_choices.json`` when present, else Medusa's default tree cut to the heads and ``topk``.
         dynamic_tree: an EAGLE-2 dynamic tree grown every step by drafters that grow one (EAGLE-3):
             ``{depth, topk, total}`` (:class:`medusa_train.tree.dynamic.DynamicTree`), e.g.
-            ``decoder.medusa.dynamic_tree={depth:5,topk:8,total:48}``; ``medusa_choices`` and ``topk`` are then
+            ``decoder.tree.dynamic_tree={depth:5,topk:8,total:48}``; ``medusa_choices`` and ``topk`` are then
             unused. None: for such drafters the export's ``dynamic_tree.json`` (``medusa-tune-tree``) when present
             and ``medusa_choices`` is not set, else the static tree above (the run record's ``tree_source`` says
             which).
@@ -121,11 +124,11 @@ class MedusaSettings:
 
 
 @dataclass
-class CompositeSettings(MedusaSettings):
-    """The composite tree decoder (:class:`~inference.decoders.medusa.TreeDecoder` with ``composite``): every step's
+class CompositeSettings(TreeSettings):
+    """The composite tree decoder (:class:`~inference.decoders.tree.TreeDecoder` with ``composite``): every step's
     tree merges the export's heads' candidates with prompt lookup's drafts of the prompt and the reply so far, within
     a node budget, verified in one pass (:mod:`inference.proposers.composite`). The fields of
-    :class:`MedusaSettings` (the heads' tree: ``medusa_choices`` None takes ``composite_tree.json``'s, the heads'
+    :class:`TreeSettings` (the heads' tree: ``medusa_choices`` None takes ``composite_tree.json``'s, the heads'
     best tree of the whole budget), and the budget split; each None takes the export's ``composite_tree.json``
     (``medusa-tune-tree``), else the default:
 
@@ -413,8 +416,8 @@ def _greedy_only(name: str) -> Callable[[Any, DecodeConfig], None]:
     return check
 
 
-def _check_tree_request(name: str) -> Callable[[MedusaSettings, DecodeConfig], None]:
-    def check(settings: MedusaSettings, request: DecodeConfig) -> None:
+def _check_tree_request(name: str) -> Callable[[TreeSettings, DecodeConfig], None]:
+    def check(settings: TreeSettings, request: DecodeConfig) -> None:
         check_acceptance(settings.acceptance, request, f"decoder.{name}.acceptance")
     return check
 
@@ -457,31 +460,38 @@ def _build_vanilla(settings: VanillaSettings, ctx: BuildContext) -> BuiltDecoder
                                        record_top2_gaps=settings.record_top2_gaps))
 
 
-def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
+def _build_tree(settings: TreeSettings, ctx: BuildContext, name: str = "tree") -> BuiltDecoder:
     from inference.decoders.choices import resolve_dynamic_tree
-    from inference.decoders.medusa import TreeDecoder
+    from inference.decoders.tree import TreeDecoder
     from medusa_train.export.tree_files import DYNAMIC_TREE_FILE, read_tree_files
 
     shape, source = resolve_dynamic_tree(settings.dynamic_tree, settings.medusa_choices, ctx.export_dir, ctx.model,
-                                         "decoder.medusa.dynamic_tree")
+                                         f"decoder.{name}.dynamic_tree")
     if shape is not None:
         if settings.dynamic_tree is None:
             _check_tuned_for(read_tree_files(ctx.export_dir).get("latency_profile"), ctx, DYNAMIC_TREE_FILE)
         decoder = TreeDecoder(ctx.model, None, acceptance=settings.acceptance, dynamic_tree=shape,
                               posterior_threshold=settings.posterior_threshold,
                               posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer)
+        decoder.name = name
         return BuiltDecoder(decoder, {"head_type": ctx.model.head_type, "tree_source": source,
                                       "dynamic_tree": decoder.dynamic_tree.as_dict(),
                                       "tree_nodes": decoder.dynamic_tree.num_nodes})
-    choices, source = _static_tree(settings, ctx, settings.medusa_choices, "decoder.medusa.medusa_choices")
+    choices, source = _static_tree(settings, ctx, settings.medusa_choices, f"decoder.{name}.medusa_choices")
     decoder = TreeDecoder(ctx.model, choices, topk=settings.topk, acceptance=settings.acceptance,
                           posterior_threshold=settings.posterior_threshold,
                           posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer)
+    decoder.name = name
     return BuiltDecoder(decoder, {"head_type": ctx.model.head_type, "medusa_choices": [list(p) for p in choices],
                                   "tree_source": source, "tree_nodes": len(choices) + 1})
 
 
-def _static_tree(settings: MedusaSettings, ctx: BuildContext, choices: Any, key: str) -> tuple[list, str]:
+def _build_old_tree(settings: TreeSettings, ctx: BuildContext) -> BuiltDecoder:
+    """``tree`` under its old name, ``medusa``: its rows keep that name."""
+    return _build_tree(settings, ctx, "medusa")
+
+
+def _static_tree(settings: TreeSettings, ctx: BuildContext, choices: Any, key: str) -> tuple[list, str]:
     """The static tree a tree decoder takes and where it came from: ``choices`` (the setting ``key``), else the
     export's ``medusa_choices.json`` (warned when tuned on other latency), else Medusa's default tree."""
     from inference.decoders.choices import resolve_medusa_choices
@@ -499,7 +509,7 @@ def _static_tree(settings: MedusaSettings, ctx: BuildContext, choices: Any, key:
 
 def _build_composite(settings: CompositeSettings, ctx: BuildContext) -> BuiltDecoder:
     from inference.decoders.choices import resolve_composite
-    from inference.decoders.medusa import TreeDecoder
+    from inference.decoders.tree import TreeDecoder
     from medusa_train.tree.dynamic import dynamic_tree
     from medusa_train.tree.buffers import validate_medusa_choices
     from medusa_train.export.tree_files import COMPOSITE_FILE, read_tree_files
@@ -849,9 +859,11 @@ def register_decoder(entry: DecoderEntry) -> None:
 
 for _entry in (
     DecoderEntry("vanilla", VanillaSettings, _build_vanilla, "plain decoding, one target pass per token"),
-    DecoderEntry("medusa", MedusaSettings, _build_medusa,
-                 "the export's heads (Medusa or Hydra) draft a tree, one target pass verifies it",
-                 _check_tree_request("medusa"), uses_heads=True),
+    DecoderEntry("tree", TreeSettings, _build_tree,
+                 "the export's drafter (any type) drafts a tree, one target pass verifies it",
+                 _check_tree_request("tree"), uses_heads=True),
+    DecoderEntry("medusa", TreeSettings, _build_old_tree, "tree under its old name (medusa_train.renames)",
+                 _check_tree_request("medusa"), uses_heads=True, default=False),
     DecoderEntry("composite", CompositeSettings, _build_composite,
                  "the export's heads' candidates and prompt lookup's in one tree, one target pass verifies it",
                  _check_tree_request("composite"), uses_heads=True),
@@ -926,6 +938,8 @@ def check_decoder_names(names: Sequence[str]) -> list[str]:
     names = list(names)
     if not names:
         raise ValueError(f"decoders is empty: pick some of {', '.join(REGISTRY)}")
+    for name in names:
+        decoder_alias(name)  # an old name runs as before, warned (medusa_train.renames)
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise ValueError(f"unknown decoder name(s) {unknown}; valid: {', '.join(REGISTRY)}")
@@ -1087,7 +1101,7 @@ __all__ = [
     "LlamaCppNgramSettings",
     "LlamaCppSettings",
     "LookaheadSettings",
-    "MedusaSettings",
+    "TreeSettings",
     "REGISTRY",
     "VanillaSettings",
     "VllmDraftSettings",

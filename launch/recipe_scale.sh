@@ -47,7 +47,7 @@ epochs="${SCALE_EPOCHS:-$(( size < 4 ? 5 : size < 16 ? 3 : 2 ))}"
 ttt="${SCALE_TTT_STEPS:-}"
 if [[ -n "$ttt" ]]; then
   [[ "$drafter" == eagle3 ]] || { echo "SCALE_TTT_STEPS=$ttt: only EAGLE-3 has training-time-test steps (DRAFTER=eagle3)" >&2; exit 2; }
-  heads+=(heads.medusa_num_heads="$ttt")
+  heads+=(heads.num_heads="$ttt")
 fi
 conversations=$(( 700 * size ))
 model_preset="${SCALE_MODEL:-smollm2_135m}" model_dtype="${SCALE_MODEL_DTYPE:-float32}"

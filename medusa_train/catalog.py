@@ -115,7 +115,7 @@ class DrafterType:
         sequence: its logits read whole sequences (EAGLE-3's training-time test attends to the positions before):
             :class:`TargetInputs` holds ``[B, T, ...]`` features and path tokens, the ``attention_mask`` and the
             ``positions`` wanted; else any positions ``[...]``, each on its own.
-        joint: Medusa-2 (``heads.mode=medusa2``) may train it jointly with the base.
+        joint: the joint recipe (``heads.mode=joint``, Medusa-2) may train it together with the base.
         layout: its export layout (:data:`LAYOUTS`).
         weights_file: the weights file of a ``state_dict`` layout.
         config_keys: ``spec.<field>`` -> its key in our ``config.json`` for the spec's own fields (the sizes
@@ -198,7 +198,7 @@ class DrafterType:
         return self.engines[engine]
 
     def make_tree_drafter(self, model: Any) -> TreeDrafter:
-        """Its tree drafter for ``model`` (a :class:`~medusa_train.model.MedusaModel` holding such heads).
+        """Its tree drafter for ``model`` (a :class:`~medusa_train.model.SpeculativeModel` holding such heads).
 
         Raises:
             ValueError: the type declares no tree drafter.
@@ -437,7 +437,7 @@ def spec_for_config(heads_cfg: Any, target_config: Any, hidden_size: int, vocab_
         raise ValueError(f"heads.head_vocab_size={draft_vocab} is more than the target's vocabulary of {vocab_size} "
                          f"tokens: set heads.head_vocab_size={vocab_size} or below")
     return new_spec(heads_cfg.head_type, drafter_type(heads_cfg.head_type, "heads.head_type").spec_options(heads_cfg),
-                    target_config, num_heads=heads_cfg.medusa_num_heads, num_layers=heads_cfg.medusa_num_layers,
+                    target_config, num_heads=heads_cfg.num_heads, num_layers=heads_cfg.num_layers,
                     hidden_size=hidden_size, vocab_size=vocab_size, share_lm_head=heads_cfg.share_lm_head,
                     head_vocab_size=draft_vocab)
 

@@ -124,7 +124,8 @@ class LoraSettings:
             raise ValueError("heads.lora.target_modules is empty: list module names or use null for the default")
 
 
-HEADS_MODES = ("medusa1", "medusa2")  # one training recipe each (medusa_train.training.recipe.RECIPES)
+FROZEN_BASE, JOINT = "frozen_base", "joint"  # heads.mode: the heads on a frozen base, or base and heads together
+HEADS_MODES = (FROZEN_BASE, JOINT)  # one training recipe each (medusa_train.training.recipe.RECIPES)
 
 
 @dataclass
@@ -136,10 +137,11 @@ class HeadShape:
             input embeddings of the path tokens t+1 .. t+k+1: Ankner et al. 2024, arXiv:2402.05109, Sec. 3;
             :mod:`medusa_train.drafters.hydra`) or ``eagle3`` (one decoder layer over three target layers, its K draft
             steps unrolled in training: :mod:`medusa_train.drafters.eagle3`). Hydra and EAGLE-3 train on a frozen base
-            (``mode=medusa1``).
+            (``mode=frozen_base``).
         combine: Hydra only: ``concat`` (hidden state and path embeddings concatenated, the paper's) or ``sum``.
-        medusa_num_heads: K heads (Medusa or Hydra); head k predicts token t+k+2.
-        medusa_num_layers: residual blocks per head.
+        num_heads: K heads (Medusa or Hydra; EAGLE-3: its training-time-test steps); head k predicts token t+k+2.
+            An export's ``config.json`` records it under its type's key (Medusa: ``medusa_num_heads``).
+        num_layers: residual blocks per head (EAGLE-3: decoder layers).
         share_lm_head: all heads project with the base lm_head (vLLM's ``original_lm_head``): much smaller.
         head_vocab_size: reduced head vocabulary of the most frequent training tokens (vLLM's
             ``truncated_vocab_size``; EAGLE-3's draft vocabulary); None keeps the full vocabulary.
@@ -150,8 +152,8 @@ class HeadShape:
 
     head_type: str = "medusa"
     combine: str = "concat"
-    medusa_num_heads: int = field(default=4, metadata=bound(1, cap=MAX_COUNT))
-    medusa_num_layers: int = field(default=1, metadata=bound(1, cap=MAX_COUNT))
+    num_heads: int = field(default=4, metadata=bound(1, cap=MAX_COUNT))
+    num_layers: int = field(default=1, metadata=bound(1, cap=MAX_COUNT))
     share_lm_head: bool = False
     head_vocab_size: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
     feature_layers: Optional[list[int]] = field(default=None, metadata=bound(
@@ -178,13 +180,14 @@ class HeadsTraining:
     """How the heads are trained, in either flow (``heads.*``).
 
     Attributes:
-        mode: ``medusa1`` (base frozen, heads only) or ``medusa2`` (joint fine-tuning).
+        mode: ``frozen_base`` (the base frozen, the heads trained alone: Medusa-1's recipe, which every type trains
+            with) or ``joint`` (base and heads fine-tuned together: Medusa-2's recipe).
         loss_decay: weight of head k's loss is ``loss_decay ** k`` (Medusa uses 0.8).
         target: ``labels`` (the data's next tokens), ``base_argmax`` (the base model's own greedy token at each
             position: what greedy verification checks) or ``soft`` (KL to the base distribution).
     """
 
-    mode: str = "medusa1"
+    mode: str = FROZEN_BASE
     loss_decay: float = field(default=0.8, metadata=bound(0, 1, low_open=True))
     target: str = "base_argmax"
 
@@ -197,8 +200,8 @@ class HeadsTraining:
 
 @dataclass
 class JointSettings:
-    """Medusa-2 only (``mode=medusa2``, joint training of base and heads; Medusa paper, arXiv:2401.10774, Sec. 2.2.2
-    and 2.3.2; see :mod:`medusa_train.training.joint`; ``heads.*``).
+    """Joint training only (``mode=joint``: Medusa-2, base and heads together; Medusa paper, arXiv:2401.10774,
+    Sec. 2.2.2 and 2.3.2; see :mod:`medusa_train.training.joint`; ``heads.*``).
 
     Attributes:
         medusa_loss_weight: lambda_0, the heads' weight against the base loss (``L_base + lambda_0 * s(t) *
@@ -242,11 +245,11 @@ class JointSettings:
 
 @dataclass
 class StageOneSettings:
-    """Where Medusa-2's joint stage starts (``mode=medusa2`` only; ``heads.*``).
+    """Where the joint stage starts (``mode=joint`` only; ``heads.*``).
 
     Attributes:
         stage1_epochs: > 0: first train the heads alone (Medusa-1) for this many epochs into
-            ``${output_dir}/stage1``, then train jointly from those heads; 0: no first stage.
+            ``${output_dir}/stage1`` on a frozen base, then train jointly from those heads; 0: no first stage.
         stage1_hidden_cache: stage 1 trains from the hidden-state cache.
         init_from: start the joint stage from the heads of this export folder (made for the same base model).
     """
@@ -263,31 +266,32 @@ class StageOneSettings:
 
 @dataclass
 class HeadsConfig(StageOneSettings, JointSettings, HeadsTraining, HeadShape):
-    """Draft heads and the way they are trained (config group ``heads/``: ``medusa1``, ``medusa2``, ``hydra``).
+    """Draft heads and the way they are trained (config group ``heads/``: ``medusa1``, ``medusa2``, ``hydra``,
+    ``eagle3``).
 
     The fields of four groups, each defined (with its default) in its group and read as ``heads.<field>`` on the
-    command line: :class:`HeadShape` (what the heads are), :class:`HeadsTraining` (either flow), and for Medusa-2
-    only :class:`JointSettings` (loss, ramp, learning rates, LoRA) and :class:`StageOneSettings` (stage 1 or heads
-    to start from).
+    command line: :class:`HeadShape` (what the heads are), :class:`HeadsTraining` (either flow), and for joint
+    training only :class:`JointSettings` (loss, ramp, learning rates, LoRA) and :class:`StageOneSettings` (stage 1 or
+    heads to start from).
 
     Raises (``validate``):
-        ValueError: a value out of range, a combination no flow trains (Hydra heads with ``mode=medusa2``), or a
-            Medusa-2 setting given to ``mode=medusa1`` (the field and the fix named).
+        ValueError: a value out of range, a combination no flow trains (Hydra heads with ``mode=joint``), or a
+            joint-training setting given to ``mode=frozen_base`` (the field and the fix named).
     """
 
     def validate(self) -> None:
         check_bounds(self, "heads")  # every group's numeric fields, LoRA's included, whatever the mode
         self.validate_shape()
         self.validate_training()
-        if not drafter_type(self.head_type).joint and self.mode != "medusa1":
+        if not drafter_type(self.head_type).joint and self.mode != FROZEN_BASE:
             joint = [e for e in drafter_types() if e.joint]
-            raise ValueError(f"heads.head_type={self.head_type} trains the heads on a frozen base (heads.mode=medusa1); "
-                             f"joint fine-tuning (medusa2) is for {titles(joint)} heads")
-        if self.mode == "medusa1":
+            raise ValueError(f"heads.head_type={self.head_type} trains the heads on a frozen base (heads.mode="
+                             f"{FROZEN_BASE}); joint fine-tuning ({JOINT}) is for {titles(joint)} heads")
+        if self.mode == FROZEN_BASE:
             unset = StageOneSettings()
             for name in ("stage1_epochs", "init_from"):
                 if getattr(self, name) != getattr(unset, name):
-                    raise ValueError(f"heads.{name} is for joint training: set heads.mode=medusa2 (or heads=medusa2)")
+                    raise ValueError(f"heads.{name} is for joint training: set heads.mode={JOINT} (or heads=medusa2)")
             return
         self.validate_joint()
         self.validate_stage1()
@@ -551,7 +555,7 @@ class TrainConfig:
         max_length: tokens kept per conversation (longer ones are truncated, with a warning and a count).
         hidden_cache: compute the frozen base model's last hidden states once and train the heads from them.
         hidden_cache_dir: where the cache goes; None: ``${output_dir}/hidden_cache``.
-        base_placement: where a frozen base lives while training (Medusa-1, Hydra, EAGLE-3): ``replicated`` (every
+        base_placement: where a frozen base lives while training (``heads.mode=frozen_base``): ``replicated`` (every
             rank holds the whole base on its device), ``zero3`` (its parameters partitioned over the ranks by
             DeepSpeed ZeRO-3, every rank running each forward pass in lockstep) or ``auto`` (``zero3`` when the memory
             plan says one device cannot hold the replicated base, else ``replicated``); ``docs/scale.md``.
@@ -590,7 +594,7 @@ class TrainConfig:
 
     @property
     def base_loss(self) -> str:
-        """Medusa-2's base loss: ``heads.base_loss``, or ``kl`` with self-distilled data and ``lm`` without."""
+        """The joint recipe's base loss: ``heads.base_loss``, or ``kl`` with self-distilled data and ``lm`` without."""
         if self.heads.base_loss is not None:
             return self.heads.base_loss
         return "kl" if self.data.self_distill else "lm"
@@ -610,9 +614,9 @@ class TrainConfig:
             raise ValueError(f"base_placement must be one of {BASE_PLACEMENTS}, got {self.base_placement!r}")
         if self.resume and self.overwrite:
             raise ValueError("resume=true and overwrite=true contradict each other; choose one")
-        if self.hidden_cache and self.heads.mode != "medusa1":
-            raise ValueError("hidden_cache=true needs a frozen base (heads.mode=medusa1); with heads.mode=medusa2 "
-                             "use heads.stage1_hidden_cache=true for the heads-only first stage")
+        if self.hidden_cache and self.heads.mode != FROZEN_BASE:
+            raise ValueError(f"hidden_cache=true needs a frozen base (heads.mode={FROZEN_BASE}); with heads.mode="
+                             f"{JOINT} use heads.stage1_hidden_cache=true for the heads-only first stage")
         for part in (self.model, self.heads, self.data, self.trainer, self.logger):
             part.validate()
         if self.export and self.export_vllm:
@@ -622,7 +626,7 @@ class TrainConfig:
             if problem is not None:
                 raise ValueError(f"export_vllm=true, but {problem}; set export_vllm=false or another "
                                  "heads.head_vocab_size")
-        if self.heads.mode == "medusa2" and self.heads.finetune == "full" and self.base_loss == "kl":
+        if self.heads.mode == JOINT and self.heads.finetune == "full" and self.base_loss == "kl":
             raise ValueError("data.self_distill=true makes heads.base_loss default to kl, which with "
                              "heads.finetune=full would need a second, frozen copy of the base model; set "
                              "heads.base_loss=lm or heads.finetune=lora")
@@ -661,7 +665,7 @@ def as_dataclass(cls: type, cfg: Any) -> Any:
 
 
 __all__ = [
-    "DEVICES", "HEADS_MODES", "check_device", "ModelConfig", "HeadsConfig", "HeadShape", "HeadsTraining",
-    "JointSettings", "StageOneSettings", "LoraSettings", "DataConfig", "TrainerConfig", "LoggerConfig", "TrainConfig",
-    "register_configs", "as_dataclass", "field",
+    "DEVICES", "FROZEN_BASE", "HEADS_MODES", "JOINT", "check_device", "ModelConfig", "HeadsConfig", "HeadShape",
+    "HeadsTraining", "JointSettings", "StageOneSettings", "LoraSettings", "DataConfig", "TrainerConfig", "LoggerConfig",
+    "TrainConfig", "register_configs", "as_dataclass", "field",
 ]

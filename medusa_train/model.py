@@ -1,4 +1,5 @@
-"""The Medusa model: a Hugging Face causal LM plus draft heads (any catalog type), sharing one backbone pass.
+"""The speculative model: a Hugging Face causal LM (the target) plus a drafter of any catalog type, sharing one
+backbone pass.
 
 The base model is used through transformers' public surface only: ``base.base_model`` (the backbone, whose
 ``last_hidden_state`` is taken after the final norm), ``get_output_embeddings()`` (the lm_head) and the usual
@@ -35,7 +36,7 @@ def check_supported(base: PreTrainedModel) -> None:
         value = getattr(cfg, attr, None)
         if value not in (None, 1.0, 1):
             raise ValueError(
-                f"{type(base).__name__} post-processes logits ({attr}={value}); Medusa heads need logits equal to "
+                f"{type(base).__name__} post-processes logits ({attr}={value}); the drafters need logits equal to "
                 "lm_head(last_hidden_state). This architecture is not supported yet."
             )
     if base.get_output_embeddings() is None:
@@ -43,13 +44,13 @@ def check_supported(base: PreTrainedModel) -> None:
 
 
 @dataclass
-class MedusaOutput:
-    """Outputs of one :meth:`MedusaModel.forward`.
+class SpeculativeOutput:
+    """Outputs of one :meth:`SpeculativeModel.forward`.
 
     Attributes:
         logits: ``[B, T, V]`` base-model logits.
         head_logits: ``[K, B, T, V']`` head logits (None when not asked for; Hydra heads teacher forced on
-            ``input_ids``, see :meth:`MedusaModel.forward`).
+            ``input_ids``, see :meth:`SpeculativeModel.forward`).
         hidden_states: ``[B, T, H]`` last hidden states after the final norm.
         past_key_values: the updated cache, when one was passed or ``use_cache``.
     """
@@ -60,7 +61,7 @@ class MedusaOutput:
     past_key_values: Any = None
 
 
-class MedusaModel(nn.Module):
+class SpeculativeModel(nn.Module):
     """Base causal LM + draft heads of any registered type (:mod:`medusa_train.drafters`): e.g.
     :class:`~medusa_train.drafters.medusa.heads.MedusaHeads` or :class:`~medusa_train.drafters.hydra.heads.HydraHeads`
     (which also read the base's input embeddings of the path tokens).
@@ -153,7 +154,7 @@ class MedusaModel(nn.Module):
         missing = [n for n in entry.feature_names(self.heads.spec) if n not in features]
         if missing:
             raise ValueError(f"{entry.title} heads read the target features {missing}: pass them by name, "
-                             "{name: [B, T, H]} as MedusaModel.features gives them")
+                             "{name: [B, T, H]} as SpeculativeModel.features gives them")
         if entry.reads_path and path_tokens is None:
             raise ValueError(f"{entry.title} heads read the path tokens t+1 .. t+k+1: pass path_tokens [..., K], or "
                              "draft level by level with head_logits_at()")
@@ -177,7 +178,7 @@ class MedusaModel(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, with_heads: bool = True, **kwargs: Any
-    ) -> MedusaOutput:
+    ) -> SpeculativeOutput:
         """One backbone pass; base logits and (optionally) head logits from the same hidden states.
 
         Hydra heads are teacher forced: head k at position t reads ``input_ids[t+1 .. t+k+1]`` as its path (the true
@@ -206,7 +207,7 @@ class MedusaModel(nn.Module):
                                          else None)
             else:
                 heads = self.head_logits(hidden, path)
-        return MedusaOutput(logits=logits, head_logits=heads, hidden_states=hidden, past_key_values=cache)
+        return SpeculativeOutput(logits=logits, head_logits=heads, hidden_states=hidden, past_key_values=cache)
 
 
 def base_sizes(base: PreTrainedModel) -> tuple[int, int]:
@@ -253,7 +254,7 @@ def new_heads_for(
         options: the type's own spec fields (Hydra: ``combine``, one of ``concat``, ``sum``); others are ignored.
 
     Raises:
-        ValueError: ``num_heads < 1`` or ``num_layers < 1`` (field named ``medusa_num_heads``/``medusa_num_layers``),
+        ValueError: ``num_heads < 1`` or ``num_layers < 1`` (the field named),
             an unknown ``head_type`` or an invalid option.
     """
     hidden_size, vocab_size = base_sizes(base)

@@ -75,7 +75,7 @@ def test_the_dispatch_patterns_catch_what_they_are_for():
               'case "hydra":', 'entry = drafter_type("eagle3")', "isinstance(drafter, Eagle3TreeDrafter)",
               "issubclass(cls, Eagle3Spec)", "type(heads) is not MedusaHeads", 'load_heads(f, head_type="eagle3")']
     fine = ["entry = drafter_type(spec.head_type)", 'head_type: str = "medusa",', 'run_dir / "hydra"',
-            'method: ClassVar[str] = "eagle3"', 'DecoderEntry("medusa", MedusaSettings, _build_medusa,',
+            'method: ClassVar[str] = "eagle3"', 'DecoderEntry("medusa", TreeSettings, _build_medusa,',
             'if config.get("model_type") != VLLM_MODEL_TYPE:', "isinstance(drafter, DynamicTreeDrafter)",
             'if name == "medusa1":']
     patterns = registered_dispatch()
@@ -143,7 +143,7 @@ def random_drafter(head_type: str, base: nn.Module, seed: int = 0) -> nn.Module:
 @pytest.mark.parametrize("head_type", head_types())
 def test_every_type_round_trips_through_its_export_with_identical_logits(head_type, tmp_path):
     from medusa_train.export import load_heads, save_export
-    from medusa_train.model import MedusaModel
+    from medusa_train.model import SpeculativeModel
     from tests.conftest import make_tiny_model
 
     base = make_tiny_model("llama")
@@ -153,7 +153,7 @@ def test_every_type_round_trips_through_its_export_with_identical_logits(head_ty
     assert type(loaded) is type(heads) and loaded.spec == heads.spec and config.get("head_type", "medusa") == head_type
     hidden = {name: torch.randn(2, 5, base.config.hidden_size) for name in type_of(heads).feature_names(heads.spec)}
     path = torch.randint(0, base.config.vocab_size, (2, 5, 3)) if drafter_type(head_type).reads_path else None
-    before, after = MedusaModel(base, heads), MedusaModel(base, loaded)
+    before, after = SpeculativeModel(base, heads), SpeculativeModel(base, loaded)
     torch.testing.assert_close(after.head_logits(hidden, path), before.head_logits(hidden, path), rtol=0, atol=0)
 
 
@@ -182,8 +182,8 @@ def test_every_types_tuner_replay_gives_the_decoders_counts(head_type, tmp_path)
     records is the tree decoder's count of tokens and passes on the same prompts, where the heads accept more than
     one token a pass."""
     from inference.decoders.base import DecodeConfig
-    from inference.decoders.medusa import MedusaDecoder
-    from medusa_train.loading.medusa import load_medusa
+    from inference.decoders.tree import TreeDecoder
+    from medusa_train.loading.export import load_export
     from medusa_train.training.recipe import build_recipe
     from inference.tuning.accuracy import measure_head_accuracy
     from inference.tuning.replay import replay_counts
@@ -194,9 +194,9 @@ def test_every_types_tuner_replay_gives_the_decoders_counts(head_type, tmp_path)
                                           # vLLM's default EAGLE-3 taps; layers 0, 2, 4 (the last layer's input)
                                           "trainer.max_steps=60", "export_vllm=false", "trainer.disable_tqdm=true"])
     summary = build_recipe(cfg).run()
-    model, tokenizer, _ = load_medusa(summary["export_dir"], dtype="float32", head_type=head_type)
+    model, tokenizer, _ = load_export(summary["export_dir"], dtype="float32", head_type=head_type)
     tree = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
-    decoder = MedusaDecoder(model, tree, topk=4)
+    decoder = TreeDecoder(model, tree, topk=4)
     prompts = [tokenizer(t)["input_ids"] for t in ("Once upon a time, there was a little girl named Lily.",
                                                    "The cat was sad.", "Tom had a big red ball.")]
     tokens = passes = 0

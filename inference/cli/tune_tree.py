@@ -107,7 +107,7 @@ def print_dynamic_tree(dynamic: dict, export_dir: str) -> None:
     print_timed_choice(dynamic, "dynamic tree", [("depth", "depth"), ("topk", "topk"), ("total", "total")],
                        lambda d: f"depth {d['depth']}, topk {d['topk']}, total {d['total']}",
                        f"{export_dir}/dynamic_tree.json: the decoder's default for this drafter "
-                       "(decoder.medusa.dynamic_tree or medusa_choices overrides it)")
+                       "(decoder.tree.dynamic_tree or medusa_choices overrides it)")
 
 
 def print_composite_tree(composite: dict, export_dir: str) -> None:

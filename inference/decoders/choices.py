@@ -63,8 +63,8 @@ def resolve_dynamic_tree(setting: Any, medusa_choices: Any, export_dir: str, mod
         setting: ``dynamic_tree`` as given (``{depth, topk, total}``, a triple, or None).
         medusa_choices: the static tree as given (None: not set).
         export_dir: the export folder.
-        model: the :class:`~medusa_train.model.MedusaModel` that will decode.
-        setting_name: the setting's name in ``source`` (e.g. ``decoder.medusa.dynamic_tree``).
+        model: the :class:`~medusa_train.model.SpeculativeModel` that will decode.
+        setting_name: the setting's name in ``source`` (e.g. ``decoder.tree.dynamic_tree``).
 
     Returns:
         ``(shape, source)``: ``shape`` the setting as given or ``{"depth", "topk", "total"}`` from the file, None for

@@ -40,7 +40,7 @@ from inference.decoders.base import (
     make_generator,
     prompt_tensor,
 )
-from inference.decoders.medusa import tree_attention_mask
+from inference.decoders.tree import tree_attention_mask
 from inference.decoders.stopping import StopCondition
 from inference.decoders.streaming import StreamFeed
 from inference.draft_loading import check_draft_compatible, check_draft_length, check_schedule
@@ -274,7 +274,8 @@ class DraftDecoder:
     """Speculative decoding with a draft model (see the module docstring).
 
     Args:
-        model: the target ``*ForCausalLM`` (a :class:`~medusa_train.model.MedusaModel` is accepted: its base is used).
+        model: the target ``*ForCausalLM`` (a :class:`~medusa_train.model.SpeculativeModel` is accepted: its base is
+            used).
         draft: a ``*ForCausalLM`` with the target's vocabulary: a smaller sibling, or the target's own first layers
             (:func:`inference.draft_loading.self_layer_draft`).
         num_draft_tokens: K >= 1, tokens drafted per step (the first K with ``schedule="heuristic"``).

@@ -45,7 +45,8 @@ def describe_environment(model: Any) -> dict[str, Any]:
     """The run's environment for the record.
 
     Args:
-        model: the target model (a ``MedusaModel`` or ``*ForCausalLM``); its first parameter gives device and dtype.
+        model: the target model (a ``SpeculativeModel`` or ``*ForCausalLM``); its first parameter gives device and
+            dtype.
 
     Returns:
         ``{"device", "dtype", "torch_threads", "platform", "python", "versions": {...}, "git_commit"}``.

@@ -73,7 +73,7 @@ from medusa_train.export.files import write_json
 from medusa_train.export.reader import heads_checksum
 from medusa_train.export.tree_files import read_tree_files
 from medusa_train.generation import max_positions
-from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, export_base_config, model_config_for_export
+from medusa_train.loading.export import ORIGINAL_BASE_KEY, export_base_config, model_config_for_export
 from medusa_train.loading.runtime import (
     InferenceRuntime,
     load_for_inference,

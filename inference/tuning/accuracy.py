@@ -13,7 +13,7 @@ import torch
 
 from medusa_train.generation import greedy_generate, length_batches
 from medusa_train.heads_base import to_head_vocab
-from medusa_train.model import MedusaModel
+from medusa_train.model import SpeculativeModel
 from medusa_train.tree.buffers import TOPK
 
 
@@ -71,7 +71,7 @@ def count_rank_hits(ranks: torch.Tensor, valid: torch.Tensor, topk: int) -> tupl
 
 @torch.no_grad()
 def measure_head_accuracy(
-    model: MedusaModel,
+    model: SpeculativeModel,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int = 128,
     topk: int = TOPK,

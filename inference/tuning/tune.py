@@ -24,12 +24,12 @@ from medusa_train.export.tree_files import (
     read_latency_profile,
 )
 from medusa_train.generation import max_positions, pad_token_id_of
-from medusa_train.model import MedusaModel
+from medusa_train.model import SpeculativeModel
 from medusa_train.prompts import Prompt, encode_prompt
 
 log = logging.getLogger(__name__)
 
-def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: TuneTreeConfig,
+def tune_tree(model: SpeculativeModel, tokenizer: Any, prompts: list[Prompt], cfg: TuneTreeConfig,
               runtime: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure, search, and write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json``,
     ``composite_tree.json`` (unless ``composite=false``), and for

@@ -66,7 +66,7 @@ def run(cfg: DictConfig) -> str:
     from medusa_train.export.files import check_export_dir
     from medusa_train.export.reader import read_export_config
     from medusa_train.loading.base import engine_model_path
-    from medusa_train.loading.medusa import export_base_config
+    from medusa_train.loading.export import export_base_config
 
     ec: ExportGgufConfig = as_dataclass(ExportGgufConfig, cfg)  # outtype checked first (validate)
     check_export_dir(ec.export_dir)

@@ -11,7 +11,7 @@ export/
 ```
 
 ``base/`` is what engines load as the target model (vLLM ``--model export/base --speculative-model export/vllm``,
-TGI, transformers' ``from_pretrained``); :func:`medusa_train.loading.medusa.load_medusa` finds it through the relative
+TGI, transformers' ``from_pretrained``); :func:`medusa_train.loading.export.load_export` finds it through the relative
 path. The folder is written into a temporary sibling and renamed into place, so a killed export leaves the old
 ``base/`` or the new one, never half of one.
 """

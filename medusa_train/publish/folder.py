@@ -44,7 +44,7 @@ from medusa_train.export.writer import (
     WEIGHTS_FILE,
 )
 from medusa_train.heads_base import HeadsSpec
-from medusa_train.loading.medusa import EXPORT_MODEL_KEY, ORIGINAL_BASE_KEY
+from medusa_train.loading.export import EXPORT_MODEL_KEY, ORIGINAL_BASE_KEY
 from medusa_train.publish.local_paths import published_base, scrub, scrub_text
 from medusa_train.export.tree_files import ACCURACY_FILE, CHOICES_FILE, TREE_FILES, read_tree_files
 

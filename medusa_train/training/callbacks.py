@@ -2,7 +2,7 @@
 
 :class:`SealCheckpoints` makes the HF Trainer's ``checkpoint-N`` folders atomic: in ``on_save`` (fired on every rank
 right after the Trainer wrote the checkpoint) it waits for every rank, marks the checkpoint complete with the sha256 of
-each file and rotates old checkpoints (:mod:`medusa_train.training.checkpoints`). ``MedusaTrainer`` installs it as the
+each file and rotates old checkpoints (:mod:`medusa_train.training.checkpoints`). ``DrafterTrainer`` installs it as the
 first callback. :class:`DiscardOverwritten` then deletes the run that ``overwrite=true`` set aside, once the first
 checkpoint of the new run is sealed (:mod:`medusa_train.training.run_dir`).
 

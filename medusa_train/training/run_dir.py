@@ -73,6 +73,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from medusa_train.atomic import atomic_write_text
+from medusa_train.renames import renamed_config
 from medusa_train.training import checkpoints
 from medusa_train.training.run_lock import LOCK_FILE
 
@@ -178,7 +179,8 @@ def _shown(keys: list[str], saved: dict[str, Any], current: dict[str, Any]) -> s
 
 def run_record(root: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The resolved config recorded in ``root/train_config.yaml`` when it is a run record of ours (a YAML mapping
-    holding every key of :data:`RECORD_KEYS`), else None (no such file, unreadable, not YAML, or another tool's)."""
+    holding every key of :data:`RECORD_KEYS`), under today's names (:func:`~medusa_train.renames.renamed_config`),
+    else None (no such file, unreadable, not YAML, or another tool's)."""
     path = Path(root) / RUN_CONFIG
     if not path.is_file():
         return None
@@ -188,7 +190,7 @@ def run_record(root: str | os.PathLike[str]) -> dict[str, Any] | None:
         return None
     if not isinstance(saved, dict) or not all(key in saved for key in RECORD_KEYS):
         return None
-    return saved
+    return renamed_config(saved)  # a run recorded under old names resumes as it is
 
 
 def _found(root: Path, name: str) -> str:

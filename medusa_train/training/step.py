@@ -206,7 +206,7 @@ def heads_on_batch(
             ``spec.features`` (``hidden [B, T, H]``, ``layer<i> [B, T, H]``, :func:`feature_key`; + ``base_argmax
             [B, T]``; heads that read the path need ``input_ids [B, T]`` too, the path tokens).
         spec: loss settings.
-        normalizer: see :func:`~medusa_train.training.losses.medusa_head_loss`.
+        normalizer: see :func:`~medusa_train.training.losses.heads_loss`.
 
     Returns:
         The loss and the per-head metric sums at the M counted positions.
@@ -257,7 +257,7 @@ class HeadTargets:
             (:func:`~medusa_train.training.losses.head_targets`; -100: not counted).
         b, t: ``[M]`` long, the positions' batch rows and time steps.
         spec: loss settings.
-        normalizer: the labelled tokens to divide by (see :func:`~medusa_train.training.losses.medusa_head_loss`).
+        normalizer: the labelled tokens to divide by (see :func:`~medusa_train.training.losses.heads_loss`).
         dists: the base's distributions (read only for ``soft`` targets: the base's distribution for token
             t + k + 2 is its logits at t + k + 1).
     """

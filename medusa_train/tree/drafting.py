@@ -1,7 +1,7 @@
 """Tree drafters: a drafter fills every node of a candidate tree, which one target pass then verifies.
 
-:class:`TreeDrafter` is the per-request protocol of the tree decoder (:class:`inference.decoders.medusa.TreeDecoder`,
-one step :func:`inference.decoders.medusa.tree_step`; Medusa paper, Sec. 2.1.2: the tree's node tokens are the
+:class:`TreeDrafter` is the per-request protocol of the tree decoder (:class:`inference.decoders.tree.TreeDecoder`,
+one step :func:`inference.decoders.tree.tree_step`; Medusa paper, Sec. 2.1.2: the tree's node tokens are the
 drafter's candidates). The decoder calls, per request:
 
 1. :meth:`~TreeDrafter.start` once, after the prefill, with the prompt's target features;
@@ -22,9 +22,9 @@ builds it):
   :mod:`medusa_train.tree.dynamic`).
 
 All are deterministic functions of the committed sequence and the root, so speculative sampling may treat each
-drafted token as a point mass (see :mod:`inference.decoders.medusa`).
+drafted token as a point mass (see :mod:`inference.decoders.tree`).
 
-**Target features** are named (``{FINAL: [B, T, H], ...}``); :meth:`medusa_train.model.MedusaModel.features` is
+**Target features** are named (``{FINAL: [B, T, H], ...}``); :meth:`medusa_train.model.SpeculativeModel.features` is
 the one place the decoder turns a backbone pass into them.
 
 Shapes: B batch, T prompt length (left-padded), K heads, N tree nodes, D tree depth, W accepted-path width (the

@@ -180,7 +180,7 @@ def test_medusa_eval_skips_and_lists_prompts_longer_than_vllms_max_model_len(tmp
     from medusa_train.config import ModelConfig
     from medusa_train.export import save_export
     from medusa_train.loading.base import load_base_model
-    from medusa_train.loading.medusa import export_extra_config
+    from medusa_train.loading.export import export_extra_config
     from medusa_train.model import new_heads_for
     from medusa_train.paths import CONF_DIR, package_file
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from inference.decoders import DecodeConfig, TreeDecoder
-import inference.decoders.medusa as medusa_module
+import inference.decoders.tree as medusa_module
 from medusa_train.drafters.medusa.vllm import speculative_config
 from medusa_train.engines.vllm_env import tuned_speculative_tokens
 from medusa_train.export import save_export

@@ -107,7 +107,7 @@ def test_refusals_come_before_any_model_loads(qwen_pair, prompts, tmp_path, monk
         evaluate(eval_config(*base, "decoders=[vanilla]"))
     with pytest.raises(ValueError, match=r"decoders \['medusa', 'composite'\] decode with a trained drafter, and no "
                                          r"export_dir is given: .*decoders=\[vanilla,draft\]"):
-        evaluate(eval_config(*base, *model_cfg, "decoders=[vanilla,medusa,composite,draft]"))
+        evaluate(eval_config(*base, *model_cfg, "decoders=[vanilla,tree,composite,draft]"))
     with pytest.raises(ValueError, match=r"decoder.llamacpp_draft.model: llamacpp_draft drafts with a separate model "
                                          r"and none is given: pass draft=<draft preset>"):
         check_request("llamacpp_draft", LlamaCppDraftSettings(), DecodeConfig(max_new_tokens=4))

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from inference.cli.tune_tree import register_schemas
 from medusa_train.config import ModelConfig
 from medusa_train.export import save_export
-from medusa_train.loading.medusa import export_extra_config
+from medusa_train.loading.export import export_extra_config
 from medusa_train.model import new_heads_for
 from medusa_train.paths import CONF_DIR
 from tests.conftest import make_tiny_model, make_tiny_tokenizer

@@ -28,7 +28,7 @@ from medusa_train.export import save_export
 from medusa_train.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.loading.base import engine_model_path, load_base_model
-from medusa_train.loading.medusa import export_extra_config
+from medusa_train.loading.export import export_extra_config
 from medusa_train.paths import CONF_DIR, package_file
 from medusa_train.prompts import encode_prompt, load_prompts
 

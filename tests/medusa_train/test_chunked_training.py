@@ -22,10 +22,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # drafter -> (overrides, joint): soft and greedy targets, per-head and shared projections, a reduced vocabulary
 DRAFTERS = {
-    "medusa_soft": (["heads.medusa_num_heads=3", "heads.target=soft"], False),
+    "medusa_soft": (["heads.num_heads=3", "heads.target=soft"], False),
     "medusa_shared_map": (["heads.share_lm_head=true", "heads.head_vocab_size=64", "heads.target=base_argmax"],
                           False),
-    "hydra": (["heads=hydra", "heads.medusa_num_heads=2", "heads.target=soft"], False),
+    "hydra": (["heads=hydra", "heads.num_heads=2", "heads.target=soft"], False),
     "eagle3": ([*EAGLE3, "heads.target=base_argmax"], False),
     "medusa2_lora": (["heads.target=soft"], True),
     # the base's own LM / KL loss and argmax projected in chunks too (soft targets keep the base's logits whole)

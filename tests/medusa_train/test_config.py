@@ -94,7 +94,7 @@ def test_the_documented_command_line_composes():
     cfg = compose_in(CONF_DIR, "train", ["model=smollm2_135m", "data=sharegpt", "trainer=ddp"])
     train = as_dataclass(TrainConfig, resolved_or_skip(cfg))
     assert (train.model.format, train.data.source, train.trainer.strategy) == ("gguf", "sharegpt", "ddp")
-    assert train.heads.mode == "medusa1" and train.logger.report_to == []
+    assert train.heads.mode == "frozen_base" and train.logger.report_to == []
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         hydra_cfg = compose("train", overrides=["output_dir=/runs/x"], return_hydra_config=True).hydra
     assert hydra_cfg.run.dir == "/runs/x/hydra"  # every rank under torchrun writes into one folder
@@ -164,8 +164,8 @@ def extended_schema(path: Path) -> type | None:
 def test_every_conf_file_sets_only_what_differs_from_its_schema(path):
     """Each default is defined once, in its dataclass schema: every file under conf/ extends its schema and sets
     only the keys whose value differs from the schema's default, so changing a default changes every shipped run.
-    Kept besides: required keys (``???``), interpolations, and a preset's own name (heads/medusa1's ``mode``,
-    data/sharegpt's ``source``, draft/self_layers's ``kind``: it stays that preset whatever the default)."""
+    Kept besides: required keys (``???``), interpolations, and a preset's own name (data/sharegpt's ``source``,
+    draft/self_layers's ``kind``: it stays that preset whatever the default)."""
     file = CONF_DIR / f"{path}.yaml"
     schema = extended_schema(file)
     assert schema is not None, f"conf/{path}.yaml extends no schema in its defaults list"
@@ -188,4 +188,4 @@ def test_every_heads_mode_has_its_recipe():
     from medusa_train.config import HEADS_MODES
     from medusa_train.training.recipe import RECIPES
 
-    assert tuple(RECIPES) == HEADS_MODES == ("medusa1", "medusa2")
+    assert tuple(RECIPES) == HEADS_MODES == ("frozen_base", "joint")

@@ -104,7 +104,7 @@ def test_killed_deepspeed_zero2_run_resumes_to_the_same_heads(reference):
 
 # ---- Hydra heads: the same pipeline with per-head MLPs that read the path's embeddings -------------------------------
 
-HYDRA = {"heads": "hydra", "heads.medusa_num_layers": 2}
+HYDRA = {"heads": "hydra", "heads.num_layers": 2}
 
 
 @pytest.fixture(scope="module")

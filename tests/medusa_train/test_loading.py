@@ -137,7 +137,7 @@ def test_export_naming_no_base_model_says_which_file_field_and_fix(tmp_path, mon
 
     import medusa_train.loading.base as loading
     from medusa_train.export import save_export
-    from medusa_train.loading.medusa import load_medusa
+    from medusa_train.loading.export import load_export
     from medusa_train.model import new_heads_for
 
     save_export(new_heads_for(make_tiny_model("llama"), num_heads=2), tmp_path / "export", "tiny-llama", vllm=False)
@@ -148,4 +148,4 @@ def test_export_naming_no_base_model_says_which_file_field_and_fix(tmp_path, mon
     with pytest.raises(ValueError, match=rf"{tmp_path / 'export' / 'config.json'} has no base_model_name_or_path "
                                          r"\(got None\).*Add \"base_model_name_or_path\": \"<Hub id or local folder of "
                                          r"the base model>\" to .*or choose the base on the command line with model="):
-        load_medusa(str(tmp_path / "export"))
+        load_export(str(tmp_path / "export"))

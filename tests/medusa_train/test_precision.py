@@ -13,7 +13,7 @@ from inference.cli.evaluate import register_schemas as register_evaluate_schemas
 from inference.cli.tune_tree import register_schemas as register_tune_tree_schemas
 from medusa_train.config import ModelConfig
 from medusa_train.export import save_export
-from medusa_train.loading.medusa import export_extra_config
+from medusa_train.loading.export import export_extra_config
 from medusa_train.model import new_heads_for
 from medusa_train.paths import CONF_DIR
 from medusa_train.precision import BF16_WITHOUT_INSTRUCTIONS, choose_dtype, cpu_isa
@@ -178,7 +178,7 @@ def test_eval_and_tune_tree_default_to_auto_and_record_the_choice(export, tmp_pa
 
 
 def test_eval_refuses_float16_on_a_cpu_before_loading(export, tmp_path, monkeypatch):
-    import medusa_train.loading.medusa as loading
+    import medusa_train.loading.export as loading
     from inference.evaluation.eval_run import evaluate
 
     folder, prompts = export

@@ -421,7 +421,7 @@ def test_download_export_local_folders_and_errors(hub, export, tmp_path):
 
 
 def test_decoder_arguments_from_the_hub(hub, export, heads, base, tmp_path):
-    from inference.decoders.medusa import TreeDecoder
+    from inference.decoders.tree import TreeDecoder
 
     publish_export(export, REPO)
     local_base = tmp_path / "base"
@@ -503,7 +503,7 @@ def test_local_paths_never_reach_the_card_the_config_or_the_eval_files(heads, ba
     """Trained on a local llama2.c file, evaluated with absolute paths on the command line: the repository names the
     file and says it is local; with the model/ config's hub_id (or base_model=) it names the Hub id."""
     from medusa_train.config import ModelConfig
-    from medusa_train.loading.medusa import export_extra_config
+    from medusa_train.loading.export import export_extra_config
 
     local = tmp_path / "home" / "alice" / "models"
     model_cfg = ModelConfig(name_or_path=str(local / "stories260K.bin"), format="llama2c",

@@ -255,15 +255,15 @@ def test_two_training_runs_into_one_folder_the_second_is_refused_and_resumes_aft
 def test_resume_with_another_head_count_is_refused_before_the_model_loads_and_the_advice_works(inputs, run_copy):
     model_dir, data = inputs
     before = snapshot(run_copy)
-    three = {"heads.medusa_num_heads": 3}
+    three = {"heads.num_heads": 3}
     recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, run_copy, resume="true", **three)))
-    with pytest.raises(ValueError, match=r"resume=true cannot continue the run .* heads.medusa_num_heads \(2 -> 3\).*"
+    with pytest.raises(ValueError, match=r"resume=true cannot continue the run .* heads.num_heads \(2 -> 3\).*"
                                          r"new output_dir, or overwrite=true"):
         recipe.setup()
     recipe.cleanup(failed=True)
     assert not hasattr(recipe, "base")  # refused before the model loaded
     assert snapshot(run_copy) == before  # train_config.yaml still says 2 heads
-    with pytest.raises(ValueError, match="heads.medusa_num_heads") as refused:
+    with pytest.raises(ValueError, match="heads.num_heads") as refused:
         build_recipe(compose_train(tiny_overrides(model_dir, data, run_copy, **three))).check()
     assert "resume=true to continue" not in str(refused.value)  # it would not work: not advised
     # what resume=true may change, it continues: the refusal advises it, and it trains on from the last checkpoint

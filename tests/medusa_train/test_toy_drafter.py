@@ -28,7 +28,7 @@ def repeat_type():
 
 def test_a_new_drafter_type_trains_exports_resumes_tunes_and_decodes_exactly_greedy(repeat_type, tmp_path):
     from inference.decoders.base import DecodeConfig
-    from inference.decoders.medusa import MedusaDecoder
+    from inference.decoders.tree import TreeDecoder
     from inference.decoders.vanilla import VanillaDecoder
     from inference.cli.tune_tree import register_schemas, run as tune
     from medusa_train.export import load_heads, read_export_config
@@ -72,7 +72,7 @@ def test_a_new_drafter_type_trains_exports_resumes_tunes_and_decodes_exactly_gre
     assert len(json.loads((export / "head_accuracy.json").read_text())["acc"]) == 2
 
     # the tree decoder runs it from the export, greedy output identical to plain greedy decoding (fp32)
-    decoder = MedusaDecoder.from_pretrained(str(export), dtype="float32")
+    decoder = TreeDecoder.from_pretrained(str(export), dtype="float32")
     assert type(decoder.model.heads) is RepeatHeads and decoder.model.head_type == "repeat"
     vanilla = VanillaDecoder(decoder.model.base)
     request = DecodeConfig(max_new_tokens=24)
@@ -83,7 +83,7 @@ def test_a_new_drafter_type_trains_exports_resumes_tunes_and_decodes_exactly_gre
 def test_a_registered_type_is_refused_where_it_cannot_go(repeat_type, tmp_path):
     model_dir, data = write_tiny_inputs(tmp_path)
     cfg = compose_train(tiny_overrides(model_dir, data, tmp_path / "run") + [repeat_type, "heads=repeat",
-                                                                               "heads.mode=medusa2"])
+                                                                               "heads.mode=joint"])
     from medusa_train.config import TrainConfig, as_dataclass
 
     with pytest.raises(ValueError, match=r"heads.head_type=repeat trains the heads on a frozen base.*for Medusa heads"):

@@ -70,7 +70,7 @@ class Eagle3Spec(HeadsSpec):
         super().__post_init__()
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
         if self.num_layers != 1:
-            raise ValueError(f"EAGLE-3 drafters have one decoder layer (heads.medusa_num_layers=1, what vLLM reads), "
+            raise ValueError(f"EAGLE-3 drafters have one decoder layer (heads.num_layers=1, what vLLM reads), "
                              f"got {self.num_layers}")
         if self.share_lm_head:
             raise ValueError("heads.share_lm_head=true: an EAGLE-3 drafter projects with its own lm_head over the "

@@ -110,7 +110,7 @@ def static_plan(tree: TreeBuffers) -> _Plan:
 
 
 class Eagle3TreeDrafter:
-    """EAGLE-3 drafting over a tree (see the module docstring) for a :class:`~medusa_train.model.MedusaModel`
+    """EAGLE-3 drafting over a tree (see the module docstring) for a :class:`~medusa_train.model.SpeculativeModel`
     holding an :class:`~medusa_train.drafters.eagle3.drafter.Eagle3Drafter` (``model.heads``; ``model.features``
     returns the taps its ``feature_layers`` name, ``model.embed`` the target's input embeddings)."""
 

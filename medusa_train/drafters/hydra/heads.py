@@ -10,7 +10,7 @@ head k predicts. Decoding must therefore run the heads level by level down the t
 (:mod:`medusa_train.drafters.hydra.proposer`); training feeds the true tokens (teacher forcing,
 :func:`medusa_train.catalog.shifted_path_tokens`).
 
-Each head is an MLP of ``num_layers`` residual blocks (``medusa_num_layers``) over the combined inputs, then a
+Each head is an MLP of ``num_layers`` residual blocks (``heads.num_layers``) over the combined inputs, then a
 vocabulary projection exactly as Medusa's (per head, the base lm_head shared, or a reduced head vocabulary with its
 token map: :class:`~medusa_train.heads_base.HeadsSpec`). ``combine`` says how the inputs meet:
 

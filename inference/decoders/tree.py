@@ -94,7 +94,7 @@ from medusa_train.tree.masks import additive_mask, positions
 from medusa_train.tree.sampling import greedy_tokens, logits_to_probs
 
 ACCEPTANCE_RULES = ("greedy", "typical", "speculative")
-# The defaults of every Medusa setting, defined here only (the decoder, MedusaSettings and medusa-tune-tree read
+# The defaults of every tree-decoding setting, defined here only (the decoder, TreeSettings and medusa-tune-tree read
 # them): Medusa's own (FasterDecoding/Medusa medusa/model/medusa_model.py at 10a2697, MedusaModel.medusa_generate):
 # typical acceptance (greedy at temperature 0) with epsilon = 0.09 and delta = sqrt(epsilon) = 0.3.
 ACCEPTANCE = "typical"
@@ -153,7 +153,7 @@ def check_acceptance(acceptance: str, config: DecodeConfig, key: str | None = No
     Args:
         acceptance: ``greedy``, ``typical`` or ``speculative``.
         config: the request (temperature, top-k, top-p).
-        key: the setting's name in the message (e.g. ``decoder.medusa.acceptance``); None: the decoder's argument.
+        key: the setting's name in the message (e.g. ``decoder.tree.acceptance``); None: the decoder's argument.
 
     Raises:
         ValueError: an unknown rule; ``greedy`` with temperature > 0; ``typical`` with top-k/top-p (it applies
@@ -232,7 +232,7 @@ def tree_pass(model: Any, cache: DynamicCache, tree: TreeBuffers, node_tokens: T
               next_position: Tensor, position_limit: int | None = None) -> dict[str, Tensor]:
     """Step (b): ONE backbone pass over the N nodes ``[B, N]`` on top of the cache (which it extends by N slots),
     with the tree's 4-D mask; returns the nodes' target features ``{name: [B, N, H]}``
-    (:meth:`~medusa_train.model.MedusaModel.features`)."""
+    (:meth:`~medusa_train.model.SpeculativeModel.features`)."""
     mask = tree_attention_mask(tree.attn_mask, past_valid, model.base.dtype)  # [B, 1, N, L + N]
     node_positions = next_position[:, None] + tree.position_ids[None, :]  # [B, N]
     if position_limit is not None:
@@ -261,7 +261,7 @@ def tree_step(
     once, to read the accept lengths and emitted tokens together.
 
     Args:
-        model: a :class:`~medusa_train.model.MedusaModel` (``hidden``, ``lm_head``).
+        model: a :class:`~medusa_train.model.SpeculativeModel` (``hidden``, ``lm_head``).
         cache: KV cache of L slots (``L = past_valid.shape[1]``), compactable (:func:`medusa_train.tree.kv_cache.
             check_compactable`); updated in place.
         tree: buffers on the model's device (:func:`medusa_tree`: built for the D heads it reads, ``tree.num_heads``);
@@ -330,7 +330,7 @@ class TreeDecoder:
     acceptance rules and cache handling are the same for any drafter. Registered as the decoder ``medusa``.
 
     Args:
-        model: a :class:`~medusa_train.model.MedusaModel` (Medusa or Hydra heads).
+        model: a :class:`~medusa_train.model.SpeculativeModel` (Medusa or Hydra heads).
         medusa_choices: the tree, a prefix-closed list of rank paths (e.g. ``[[0], [0, 0], [1]]``).
         topk: candidates taken from each head (every rank in ``medusa_choices`` must be below it).
         acceptance: ``greedy``, ``typical`` or ``speculative``.
@@ -360,7 +360,7 @@ class TreeDecoder:
         NotImplementedError: an attention backend or layer layout that cannot take a custom 4-D mask.
     """
 
-    name = "medusa"
+    name = "tree"
 
     def __init__(
         self,
@@ -376,7 +376,7 @@ class TreeDecoder:
     ) -> None:
         for attr in ("hidden", "head_logits", "heads", "base"):
             if not hasattr(model, attr):
-                raise TypeError(f"TreeDecoder needs a MedusaModel (missing .{attr}), got {type(model).__name__}")
+                raise TypeError(f"TreeDecoder needs a SpeculativeModel (missing .{attr}), got {type(model).__name__}")
         check_acceptance(acceptance, DecodeConfig(max_new_tokens=1))
         check_posterior(posterior_threshold, posterior_alpha)
         spec = model.heads.spec
@@ -506,6 +506,3 @@ class TreeDecoder:
             root, past_valid, next_position = step.root, step.past_valid, step.next_position
         return replies.results(lengths.tolist(), time.perf_counter() - start, prefill_time, **times.totals())
 
-
-# Deprecated: the tree decoder runs any tree drafter, Medusa heads or not. Use TreeDecoder.
-MedusaDecoder = TreeDecoder
