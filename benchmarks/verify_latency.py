@@ -67,7 +67,7 @@ def ours(preset: str, draft: str | None, dtype: str, context: int, sizes: list[i
 
 def llamacpp(preset: str, draft: str | None, context: int, sizes: list[int], repeats: int, threads: int) -> dict:
     """t(k) of the target's GGUF in ``llama-bench``, and the draft GGUF's t(1)."""
-    from inference.engines.llamacpp_server import REPACK
+    from medusa_train.engines.llamacpp_env import REPACK
     from medusa_train.engines.llamacpp_env import llamacpp_binary
     from medusa_train.loading.conversion_cache import gguf_location
 

@@ -2,7 +2,10 @@
 
 Adding a decoder is one :class:`DecoderEntry` in :data:`REGISTRY`: its settings are checked (unknown keys, bad values,
 missing required settings) by :func:`decoder_settings` before any model is loaded, and :func:`build_decoder` turns
-them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model.
+them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model. A drafter type's engine
+decoders (``vllm_medusa``, ``vllm_eagle3``, ``llamacpp_eagle3``) are its own: declared with their settings in its folder
+(:attr:`~medusa_train.catalog.DrafterType.engine_decoders`) and registered here by :func:`sync_drafter_decoders`, built
+by the engine's builder; this module names no drafter type.
 
 Names: ``vanilla``, ``tree`` (``medusa``: its old name, :mod:`medusa_train.renames`), ``composite``, ``draft``,
 ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the real engines ``vllm`` / ``vllm_medusa`` / ``vllm_eagle3``
@@ -15,6 +18,7 @@ default list.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,8 +27,9 @@ from typing import Any, ClassVar, Optional
 from inference.decoders.base import DecodeConfig, Decoder
 from inference.decoders.tree import ACCEPTANCE, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, check_acceptance
 from inference.draft_loading import DraftConfig
-from inference.engines.llamacpp_server import REPACK as LLAMACPP_REPACK
-from medusa_train.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
+from medusa_train.bounds import MAX_COUNT, bound, check_bounds
+from medusa_train.catalog import drafter_types
+from medusa_train.engines.settings import LlamaCppSettings, VllmSettings
 from medusa_train.renames import decoder_alias
 from medusa_train.tree.buffers import TOPK
 from medusa_train.tree.composite import LOOKUP_LENGTH, MAX_MATCHING_NGRAM_SIZE
@@ -216,117 +221,6 @@ class HfPromptLookupSettings:
 
     def validate(self) -> None:
         return None
-
-
-@dataclass
-class VllmSettings:
-    """Plain decoding in vLLM (:class:`~inference.decoders.vllm.VllmDecoder`), in vLLM's own environment: the same
-    prompt ids, dtype, ``max_new_tokens`` and EOS ids as our decoders; the engine starts once per run.
-
-    Attributes:
-        max_model_len: tokens per sequence the engine reserves (prompt + reply must fit).
-        enforce_eager: skip vLLM's ``torch.compile``: the engine starts in about 45 s instead of 2-3 min on a
-            2-core CPU (decoding speed there measured in docs/vllm.md).
-        gpu_memory_utilization: share of GPU memory vLLM may take (CUDA only; None: vLLM's default, 0.9).
-    """
-
-    max_model_len: int = field(default=4096, metadata=bound(1, cap=MAX_TOKENS))
-    enforce_eager: bool = False
-    gpu_memory_utilization: Optional[float] = field(default=None, metadata=bound(0, 1, low_open=True))
-
-    def validate(self) -> None:
-        return None
-
-
-@dataclass
-class VllmMedusaSettings(VllmSettings):
-    """vLLM's Medusa speculator with the export's ``vllm/`` heads (:class:`~inference.decoders.vllm.VllmDecoder`):
-    each head's top-1 token drafted as one chain (no tree), verified by the target in one pass. The fields of
-    :class:`VllmSettings`, and:
-
-    Attributes:
-        num_speculative_tokens: drafted tokens per step, 1..K (the first heads); None: the length measured fastest
-            (the export's ``vllm_speculative.json``, ``benchmarks/serve_vllm.py --record``), else all K heads.
-        method: vLLM's speculative method this decoder serves (the catalog's
-            :attr:`~medusa_train.catalog.DrafterType.vllm_method`; its type gives the ``speculative_config``).
-    """
-
-    num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
-    method: ClassVar[str] = "medusa"
-
-
-@dataclass
-class VllmEagle3Settings(VllmSettings):
-    """vLLM's EAGLE-3 speculator with the export's ``speculators/`` drafter
-    (:class:`~inference.decoders.vllm.VllmDecoder`, ``method: eagle3``): a chain of K drafted tokens per step, each
-    drafted from the drafter's own output feature, verified by the target in one pass; τ from vLLM's spec-decode
-    counters. The fields of :class:`VllmSettings`, and:
-
-    Attributes:
-        num_speculative_tokens: drafted tokens per step (K >= 1); None: the length measured fastest on this machine
-            (the export's ``vllm_speculative.json``, ``benchmarks/serve_vllm.py --record``), else the export's
-            ``speculative_tokens`` (the drafter's training-time-test steps).
-        method: vLLM's speculative method this decoder serves (as :attr:`VllmMedusaSettings.method`).
-    """
-
-    num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
-    method: ClassVar[str] = "eagle3"
-
-
-@dataclass
-class LlamaCppSettings:
-    """Plain decoding in llama.cpp (:class:`~inference.decoders.llamacpp.LlamaCppDecoder`): ``llama-server`` built by
-    ``bash launch/install_llamacpp.sh``, on the target's GGUF as stored, greedy, the same prompt ids,
-    ``max_new_tokens`` and compute threads as our decoders; the server starts once per run.
-
-    Attributes:
-        ctx_size: context tokens the server reserves (prompt + reply + drafted chain must fit).
-        target_gguf: the target's GGUF; None: the model config's (``format: gguf``: ``name_or_path/gguf_file``).
-        repack: llama.cpp's weight repacking for the CPU's wide instructions (``--repack``); off by default
-            (:data:`inference.engines.llamacpp_server.REPACK`: it segfaults at start on the AMX Xeon here); ``true``
-            where it runs.
-    """
-
-    ctx_size: int = field(default=4096, metadata=bound(1, cap=MAX_TOKENS))
-    target_gguf: Optional[str] = None
-    repack: bool = LLAMACPP_REPACK
-
-    def validate(self) -> None:
-        return None
-
-
-@dataclass
-class LlamaCppEagle3Settings(LlamaCppSettings):
-    """llama.cpp's EAGLE-3 speculative decoding with the export's drafter (``--spec-type draft-eagle3``;
-    :class:`~inference.decoders.llamacpp.LlamaCppDecoder`): a chain of at most ``draft_max`` drafted tokens per step,
-    verified by the target in one pass; acceptance from the server's counters. The fields of
-    :class:`LlamaCppSettings`, and:
-
-    Attributes:
-        draft_max: the longest drafted chain (``--spec-draft-n-max``); None: the export's ``speculative_tokens``
-            (the drafter's training-time-test steps).
-        draft_p_min: stop drafting where the drafter's top-1 probability is below this (``--spec-draft-p-min``);
-            None: llama.cpp's default.
-        drafter_gguf: the drafter's GGUF; None: the export's ``llamacpp/eagle3_drafter.gguf``, converted from its
-            ``speculators/`` by llama.cpp's converter when missing or older than them
-            (the type's :attr:`~medusa_train.catalog.DrafterType.llamacpp_gguf`,
-            :func:`medusa_train.drafters.eagle3.gguf.export_eagle3_gguf`, also ``medusa-export-gguf``).
-        outtype: the converted drafter's weight type (``f32``, ``f16``, ``bf16``, ``q8_0``).
-        method: the speculative method of the drafter llama.cpp loads (``--spec-type draft-eagle3``), by vLLM's name
-            (:attr:`~medusa_train.catalog.DrafterType.vllm_method`): llama.cpp converts the files vLLM serves it from.
-    """
-
-    draft_max: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
-    draft_p_min: Optional[float] = field(default=None, metadata=bound(0, 1))
-    drafter_gguf: Optional[str] = None
-    outtype: str = "f32"
-    method: ClassVar[str] = "eagle3"
-
-    def validate(self) -> None:
-        from medusa_train.engines.llamacpp_env import OUTTYPES
-
-        if self.outtype not in OUTTYPES:
-            raise ValueError(f"outtype={self.outtype!r}: choose one of {', '.join(OUTTYPES)}")
 
 
 @dataclass
@@ -676,10 +570,6 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
     return BuiltDecoder(VllmDecoder(worker, name, settings.max_model_len), info)
 
 
-def _build_vllm_medusa(settings: VllmMedusaSettings, ctx: BuildContext) -> BuiltDecoder:
-    return _build_vllm(settings, ctx, "vllm_medusa")
-
-
 def _build_vllm_draft(settings: VllmDraftSettings, ctx: BuildContext) -> BuiltDecoder:
     return _build_vllm(settings, ctx, "vllm_draft")
 
@@ -695,10 +585,6 @@ def _draft_model_config(model: Any, ctx: BuildContext) -> Any:
     cfg = as_dataclass(ModelConfig, model)  # None was refused by the request check (_needs_draft_model)
     overrides = {k: v for k, v in (("dtype", ctx.dtype), ("device", ctx.device)) if v is not None}
     return dataclasses.replace(cfg, **overrides)
-
-
-def _build_vllm_eagle3(settings: VllmEagle3Settings, ctx: BuildContext) -> BuiltDecoder:
-    return _build_vllm(settings, ctx, "vllm_eagle3")
 
 
 def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "llamacpp") -> BuiltDecoder:
@@ -733,6 +619,7 @@ def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "
             draft = settings.drafter_gguf
         else:
             draft = str(entry.llamacpp_gguf(ctx.export_dir, engine_model_path(ctx.model_config), settings.outtype))
+        spec_type = settings.spec_type
         info = {"drafter_gguf": draft, "draft_max": draft_max, "draft_max_source":
                 f"decoder.{name}.draft_max" if settings.draft_max is not None else "the export's speculative_tokens",
                 "draft_p_min": settings.draft_p_min,
@@ -784,10 +671,6 @@ def _gguf_file(model_config: Any, key: str) -> str:
     except FileNotFoundError as e:
         raise ValueError(f"{key}: {e}") from e
     return str(folder / name)
-
-
-def _build_llamacpp_eagle3(settings: LlamaCppEagle3Settings, ctx: BuildContext) -> BuiltDecoder:
-    return _build_llamacpp(settings, ctx, "llamacpp_eagle3")
 
 
 def _build_llamacpp_draft(settings: LlamaCppDraftSettings, ctx: BuildContext) -> BuiltDecoder:
@@ -876,18 +759,9 @@ for _entry in (
                  "transformers generate(prompt_lookup_num_tokens=K) (greedy)", _greedy_only("hf_prompt_lookup")),
     DecoderEntry("vllm", VllmSettings, _build_vllm, "plain decoding in vLLM (its own environment)",
                  _check_vllm_request, default=False, engine="vllm"),
-    DecoderEntry("vllm_medusa", VllmMedusaSettings, _build_vllm_medusa,
-                 "vLLM's Medusa speculator with the export's vllm/ heads (a chain of top-1 drafts)",
-                 _check_vllm_request, uses_heads=True, default=False, engine="vllm", baseline="vllm"),
-    DecoderEntry("vllm_eagle3", VllmEagle3Settings, _build_vllm_eagle3,
-                 "vLLM's EAGLE-3 speculator with the export's speculators/ drafter (a chain of K drafts)",
-                 _check_vllm_request, uses_heads=True, default=False, engine="vllm", baseline="vllm"),
     DecoderEntry("llamacpp", LlamaCppSettings, _build_llamacpp,
                  "plain decoding in llama.cpp's llama-server on the target's GGUF (launch/install_llamacpp.sh)",
                  _check_llamacpp_request, default=False, engine="llamacpp"),
-    DecoderEntry("llamacpp_eagle3", LlamaCppEagle3Settings, _build_llamacpp_eagle3,
-                 "llama.cpp's EAGLE-3 speculative decoding with the export's drafter as a GGUF (a chain of drafts)",
-                 _check_llamacpp_request, uses_heads=True, default=False, engine="llamacpp", baseline="llamacpp"),
     DecoderEntry("vllm_draft", VllmDraftSettings, _build_vllm_draft,
                  "vLLM's draft-model speculation with a separate draft model (a chain of K drafts)",
                  _needs_draft_model(_check_vllm_request, "vllm_draft"), default=False, engine="vllm", baseline="vllm"),
@@ -904,15 +778,43 @@ for _entry in (
 ):
     register_decoder(_entry)
 
+# the engines' builders and request checks, for the decoders the drafter catalog's types declare
+_ENGINE_PARTS = {"vllm": (_build_vllm, _check_vllm_request), "llamacpp": (_build_llamacpp, _check_llamacpp_request)}
+_FROM_CATALOG: list[str] = []  # the names sync_drafter_decoders registered
+
+
+def sync_drafter_decoders() -> None:
+    """Register the decoders the drafter catalog's types declare (:attr:`~medusa_train.catalog.DrafterType.
+    engine_decoders`: ``vllm_medusa``, ``vllm_eagle3``, ``llamacpp_eagle3``, ...) as the catalog holds them now,
+    after the registry's own; each runs in its engine, uses the export's drafter and is measured against the engine's
+    plain decoder. Called by every function here that lists or checks names."""
+    declared = [d for entry in drafter_types() for d in entry.engine_decoders]
+    if [d.name for d in declared] == _FROM_CATALOG:
+        return
+    for name in _FROM_CATALOG:
+        REGISTRY.pop(name, None)
+    _FROM_CATALOG.clear()
+    for decoder in declared:
+        build, check = _ENGINE_PARTS[decoder.engine]
+        register_decoder(DecoderEntry(decoder.name, decoder.settings, functools.partial(build, name=decoder.name),
+                                      decoder.summary, check, uses_heads=True, default=False, engine=decoder.engine,
+                                      baseline=decoder.engine))
+        _FROM_CATALOG.append(decoder.name)
+
+
+sync_drafter_decoders()
+
 
 def decoder_names() -> tuple[str, ...]:
     """The registered decoder names, in registration order."""
+    sync_drafter_decoders()
     return tuple(REGISTRY)
 
 
 def default_decoder_names() -> tuple[str, ...]:
     """The decoders medusa-eval runs when ``decoders`` is not given: every registered one but the vLLM and
     llama.cpp engines."""
+    sync_drafter_decoders()
     return tuple(name for name, entry in REGISTRY.items() if entry.default)
 
 
@@ -923,6 +825,7 @@ def register_decoder_schemas() -> None:
     call it before composing; importing this module stores nothing."""
     from hydra.core.config_store import ConfigStore
 
+    sync_drafter_decoders()
     cs = ConfigStore.instance()
     for name, entry in REGISTRY.items():
         cs.store(group="schema/decoder", name=name, node=entry.settings)
@@ -935,6 +838,7 @@ def check_decoder_names(names: Sequence[str]) -> list[str]:
     Raises:
         ValueError: an empty list, an unknown name (the valid ones listed) or a name given twice.
     """
+    sync_drafter_decoders()
     names = list(names)
     if not names:
         raise ValueError(f"decoders is empty: pick some of {', '.join(REGISTRY)}")
@@ -1097,7 +1001,6 @@ __all__ = [
     "HfAssistedSettings",
     "HfPromptLookupSettings",
     "LlamaCppDraftSettings",
-    "LlamaCppEagle3Settings",
     "LlamaCppNgramSettings",
     "LlamaCppSettings",
     "LookaheadSettings",
@@ -1105,7 +1008,6 @@ __all__ = [
     "REGISTRY",
     "VanillaSettings",
     "VllmDraftSettings",
-    "VllmMedusaSettings",
     "VllmNgramSettings",
     "VllmSettings",
     "baseline_of",

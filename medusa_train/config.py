@@ -7,6 +7,9 @@ runs (model loading, data preparation), so a bad run fails in seconds.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -25,7 +28,6 @@ from medusa_train.bounds import (
     check_bounds,
 )
 from medusa_train.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, head_types, titles
-from medusa_train.drafters.hydra.heads import COMBINES
 from medusa_train.precision import AUTO, TRAINING_PRECISIONS, check_dtype_name
 from medusa_train.prompts import PROBLEM_SETS
 
@@ -130,7 +132,10 @@ HEADS_MODES = (FROZEN_BASE, JOINT)  # one training recipe each (medusa_train.tra
 
 @dataclass
 class HeadShape:
-    """What the draft heads are (``heads.*``; recorded in their export).
+    """What the draft heads are (``heads.*``; recorded in their export), whatever their type. A type's own settings
+    (Hydra's ``heads.combine``, EAGLE-3's ``heads.feature_layers``) are its catalog entry's
+    (:attr:`~medusa_train.catalog.DrafterType.options`), defined in its folder: :func:`heads_schema` adds every
+    registered type's to these.
 
     Attributes:
         head_type: ``medusa`` (head k reads the hidden state at t), ``hydra`` (it also reads the base model's
@@ -138,41 +143,37 @@ class HeadShape:
             :mod:`medusa_train.drafters.hydra`) or ``eagle3`` (one decoder layer over three target layers, its K draft
             steps unrolled in training: :mod:`medusa_train.drafters.eagle3`). Hydra and EAGLE-3 train on a frozen base
             (``mode=frozen_base``).
-        combine: Hydra only: ``concat`` (hidden state and path embeddings concatenated, the paper's) or ``sum``.
         num_heads: K heads (Medusa or Hydra; EAGLE-3: its training-time-test steps); head k predicts token t+k+2.
             An export's ``config.json`` records it under its type's key (Medusa: ``medusa_num_heads``).
         num_layers: residual blocks per head (EAGLE-3: decoder layers).
         share_lm_head: all heads project with the base lm_head (vLLM's ``original_lm_head``): much smaller.
         head_vocab_size: reduced head vocabulary of the most frequent training tokens (vLLM's
             ``truncated_vocab_size``; EAGLE-3's draft vocabulary); None keeps the full vocabulary.
-        feature_layers: EAGLE-3 only: the three target layers fused by the drafter (:mod:`medusa_train.features`
-            indices: the input of decoder layer i, as vLLM's ``eagle_aux_hidden_state_layer_ids``); None: vLLM's
-            default taps ``(2, L // 2, L - 3)`` of an L-layer target. Checked against the target once it loads.
     """
 
     head_type: str = "medusa"
-    combine: str = "concat"
     num_heads: int = field(default=4, metadata=bound(1, cap=MAX_COUNT))
     num_layers: int = field(default=1, metadata=bound(1, cap=MAX_COUNT))
     share_lm_head: bool = False
     head_vocab_size: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
-    feature_layers: Optional[list[int]] = field(default=None, metadata=bound(
-        0, cap=MAX_COUNT, hint="target layer indices (the input of layer i); null: vLLM's default taps"))
 
     def validate_shape(self) -> None:
+        """Raises:
+            ValueError: an unknown ``head_type``, another type's option set (the option, its type and the fix
+                named), or a bad value of the type's own options (their check)."""
         if self.head_type not in head_types():
             raise ValueError(f"heads.head_type must be one of {head_types()}, got {self.head_type!r}")
-        if self.combine not in COMBINES:
-            raise ValueError(f"heads.combine must be one of {COMBINES}, got {self.combine!r}")
-        entry, unset = drafter_type(self.head_type), HeadShape()
-        options = dict.fromkeys(o for e in drafter_types() for o in e.options)  # every type's (DrafterType.options)
-        for name in options:
-            if name not in entry.options and getattr(self, name) != getattr(unset, name):
-                owners = [e for e in drafter_types() if name in e.options]
-                owner = owners[0].name
-                raise ValueError(f"heads.{name}={getattr(self, name)} is for {titles(owners)} heads, not "
-                                 f"{entry.title} heads: set heads={owner} (heads.head_type={owner}) or drop "
-                                 f"heads.{name}")
+        entry = drafter_type(self.head_type)
+        for owner in drafter_types():  # another type's options stay at their defaults
+            if owner is entry or owner.options is None:
+                continue
+            unset = owner.options()
+            for name in owner.option_names:
+                if getattr(self, name, getattr(unset, name)) != getattr(unset, name):
+                    raise ValueError(f"heads.{name}={getattr(self, name)} is for {owner.title} heads, not "
+                                     f"{entry.title} heads: set heads={owner.name} (heads.head_type={owner.name}) or "
+                                     f"drop heads.{name}")
+        entry.check_options(self)
 
 
 @dataclass
@@ -272,11 +273,13 @@ class HeadsConfig(StageOneSettings, JointSettings, HeadsTraining, HeadShape):
     The fields of four groups, each defined (with its default) in its group and read as ``heads.<field>`` on the
     command line: :class:`HeadShape` (what the heads are), :class:`HeadsTraining` (either flow), and for joint
     training only :class:`JointSettings` (loss, ramp, learning rates, LoRA) and :class:`StageOneSettings` (stage 1 or
-    heads to start from).
+    heads to start from). Read from a config (:func:`as_dataclass`, the ``schema/heads`` node), it is
+    :func:`heads_schema`'s subclass, which adds each registered drafter type's own options.
 
     Raises (``validate``):
-        ValueError: a value out of range, a combination no flow trains (Hydra heads with ``mode=joint``), or a
-            joint-training setting given to ``mode=frozen_base`` (the field and the fix named).
+        ValueError: a value out of range, a combination no flow trains (Hydra heads with ``mode=joint``), a
+            joint-training setting given to ``mode=frozen_base``, or another type's option (the field and the fix
+            named).
     """
 
     def validate(self) -> None:
@@ -644,21 +647,64 @@ def register_configs() -> None:
     this module stores nothing."""
     cs = ConfigStore.instance()
     cs.store(group="schema/model", name="base", node=ModelConfig)
-    cs.store(group="schema/heads", name="base", node=HeadsConfig)
+    cs.store(group="schema/heads", name="base", node=heads_schema())
     cs.store(group="schema/data", name="base", node=DataConfig)
     cs.store(group="schema/trainer", name="base", node=TrainerConfig)
     cs.store(group="schema/logger", name="base", node=LoggerConfig)
-    cs.store(group="schema", name="train", node=TrainConfig)
+    cs.store(group="schema", name="train", node=train_schema())
+
+
+def heads_schema() -> type:
+    """The ``heads.*`` schema: :class:`HeadsConfig` with every registered drafter type's own options
+    (:attr:`~medusa_train.catalog.DrafterType.options`, defined in its folder) as fields beside the shared ones; the
+    same class while the catalog holds the same types. A subclass of :class:`HeadsConfig`."""
+    return _with_options(tuple(e.options for e in drafter_types() if e.options is not None))
+
+
+def train_schema() -> type:
+    """:class:`TrainConfig` whose ``heads`` is :func:`heads_schema`'s (a subclass of :class:`TrainConfig`)."""
+    return _train_with(heads_schema())
+
+
+@functools.lru_cache(maxsize=None)
+def _with_options(options: tuple[type, ...]) -> type:
+    if not options:
+        return HeadsConfig
+    return _named(dataclasses.make_dataclass("HeadsConfig", [], bases=(HeadsConfig, *options)), options)
+
+
+@functools.lru_cache(maxsize=None)
+def _train_with(heads: type) -> type:
+    if heads is HeadsConfig:
+        return TrainConfig
+    fields = [("heads", heads, field(default=MISSING))]
+    return _named(dataclasses.make_dataclass("TrainConfig", fields, bases=(TrainConfig,)), (heads,))
+
+
+def _named(cls: type, parts: tuple[type, ...]) -> type:
+    """``cls`` made findable by pickle: a module attribute of its own (its ``__qualname__``), named after its
+    parts; its ``__name__`` stays the schema's own for messages."""
+    cls.__module__ = __name__
+    cls.__qualname__ = f"{cls.__name__}_with_{'_'.join(p.__qualname__ for p in parts)}"
+    globals()[cls.__qualname__] = cls
+    return cls
+
+
+# schemas read with the registered drafter types' options (as_dataclass)
+_ASSEMBLED: dict[type, Callable[[], type]] = {HeadsConfig: heads_schema, TrainConfig: train_schema}
 
 
 def as_dataclass(cls: type, cfg: Any) -> Any:
-    """An OmegaConf node (or dict) -> an instance of the dataclass ``cls``, with validation."""
+    """An OmegaConf node (or dict) -> an instance of the dataclass ``cls``, with validation. :class:`HeadsConfig`
+    and :class:`TrainConfig` are read as :func:`heads_schema` and :func:`train_schema` (every registered type's
+    options among ``heads.*``)."""
     from omegaconf import OmegaConf
 
     if isinstance(cfg, cls):
         obj = cfg
     else:
-        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), cfg))
+        schema = _ASSEMBLED[cls]() if cls in _ASSEMBLED else cls
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
     if hasattr(obj, "validate"):
         obj.validate()
     return obj
@@ -667,5 +713,5 @@ def as_dataclass(cls: type, cfg: Any) -> Any:
 __all__ = [
     "DEVICES", "FROZEN_BASE", "HEADS_MODES", "JOINT", "check_device", "ModelConfig", "HeadsConfig", "HeadShape",
     "HeadsTraining", "JointSettings", "StageOneSettings", "LoraSettings", "DataConfig", "TrainerConfig", "LoggerConfig",
-    "TrainConfig", "register_configs", "as_dataclass", "field",
+    "TrainConfig", "register_configs", "as_dataclass", "field", "heads_schema", "train_schema",
 ]

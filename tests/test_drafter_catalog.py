@@ -90,15 +90,34 @@ def test_every_drafter_folder_is_a_catalog_entry_with_real_imports():
         folder = f"medusa_train.drafters.{entry.name}."
         assert entry.module_cls.__module__.startswith(folder) and entry.tree_drafter.__module__.startswith(folder)
         assert callable(entry.logits) and isinstance(entry.tree_drafter, type)
-        for part in (*entry.engine_writers.values(), entry.vllm_config, entry.llamacpp_gguf):
+        for part in (*entry.engine_writers.values(), entry.vllm_config, entry.llamacpp_gguf, entry.options,
+                     *(d.settings for d in entry.engine_decoders)):
             assert part is None or (callable(part) and part.__module__.startswith(folder)), (entry.name, part)
+
+
+def test_the_shared_schema_and_the_decoder_registry_hold_nothing_of_a_drafter_type():
+    """A type's options and its engine decoders are its folder's: the shared heads schema has none of them as its
+    own fields (they come from the catalog, :func:`medusa_train.config.heads_schema`), and the registry declares no
+    settings class of a type (they come from the catalog, :func:`inference.registry.sync_drafter_decoders`)."""
+    import dataclasses
+
+    from inference import registry
+    from medusa_train.config import HeadsConfig, heads_schema
+
+    options = {name for entry in drafter_types() for name in entry.option_names}
+    assert options and not options & {f.name for f in dataclasses.fields(HeadsConfig)}
+    assert options <= {f.name for f in dataclasses.fields(heads_schema())}
+    declared = {d.name: d.settings for entry in drafter_types() for d in entry.engine_decoders}
+    assert {"vllm_medusa", "vllm_eagle3", "llamacpp_eagle3"} <= set(declared)
+    assert all(registry.REGISTRY[name].settings is settings for name, settings in declared.items())
+    assert not [c for c in vars(registry).values() if isinstance(c, type) and c in declared.values()]
 
 
 def test_the_built_in_types_declare_themselves():
     assert head_types()[:2] == ("medusa", "hydra")
     medusa, hydra = drafter_type("medusa"), drafter_type("hydra")
     assert medusa.engine_problem("vllm") is None and medusa.joint and not medusa.reads_path
-    assert "Medusa heads only" in hydra.engine_problem("vllm") and hydra.reads_path and hydra.options == ("combine",)
+    assert "Medusa heads only" in hydra.engine_problem("vllm") and hydra.reads_path and hydra.option_names == ("combine",)
     with pytest.raises(ValueError, match=r"heads.head_type: head_type 'eagle' is not one this medusa-train knows"):
         drafter_type("eagle", "heads.head_type")
 
@@ -123,7 +142,7 @@ def layer_options(head_type: str, num_layers: int) -> dict[str, list[int]]:
     """Explicit target layers for a type that reads some (``feature_layers`` among its options; the tiny models are
     too shallow for vLLM's default EAGLE-3 taps), else nothing."""
     return {"feature_layers": [0, num_layers // 2, num_layers]} if "feature_layers" in drafter_type(
-        head_type).options else {}
+        head_type).option_names else {}
 
 
 def layer_overrides(head_type: str, num_layers: int) -> list[str]:

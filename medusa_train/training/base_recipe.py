@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, TrainerCallback, TrainingArguments, set_seed
 
-from medusa_train.config import FROZEN_BASE, JOINT, ModelConfig, TrainConfig, as_dataclass
+from medusa_train.config import FROZEN_BASE, JOINT, ModelConfig, TrainConfig, as_dataclass, train_schema
 from medusa_train.export import save_base_model, save_export
 from medusa_train.export.files import write_json
 from medusa_train.catalog import drafter_type, heads_from_spec, is_drafter, spec_for_config, type_of
@@ -116,7 +116,7 @@ def resolve_config(cfg: TrainConfig | DictConfig | dict[str, Any]) -> tuple[Trai
         node = OmegaConf.structured(cfg)
     else:
         given = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
-        node = OmegaConf.merge(OmegaConf.structured(TrainConfig), given)
+        node = OmegaConf.merge(OmegaConf.structured(train_schema()), given)
     resolved = OmegaConf.to_container(node, resolve=True)
     resolved.pop("hydra", None)
     return as_dataclass(TrainConfig, resolved), resolved

@@ -426,7 +426,7 @@ def random_heads(head_type: str, base: torch.nn.Module, num_heads: int = 3, seed
     """Random heads of any registered drafter type on ``base`` (every rule of the decoder serves every type): every
     parameter but the projections (copied from the base lm_head) perturbed by N(0, 0.3^2), so they disagree with the
     base often and many drafts are rejected. ``options``: the type's own (Hydra's ``combine``)."""
-    if "feature_layers" in drafter_type(head_type).options and "feature_layers" not in options \
+    if "feature_layers" in drafter_type(head_type).option_names and "feature_layers" not in options \
             and count_layers(base.config) < 7:  # too shallow for vLLM's default taps: the input of every layer
         options["feature_layers"] = tuple(range(3))
     heads = new_heads_for(base, num_heads, head_type=head_type, **options)

@@ -105,7 +105,7 @@ def test_refusals_come_before_any_model_loads(qwen_pair, prompts, tmp_path, monk
     base = [f"prompts={prompts}", f"output_dir={tmp_path / 'out'}"]
     with pytest.raises(ValueError, match=r"export_dir: give export_dir=DIR .* or the target alone with model="):
         evaluate(eval_config(*base, "decoders=[vanilla]"))
-    with pytest.raises(ValueError, match=r"decoders \['medusa', 'composite'\] decode with a trained drafter, and no "
+    with pytest.raises(ValueError, match=r"decoders \['tree', 'composite'\] decode with a trained drafter, and no "
                                          r"export_dir is given: .*decoders=\[vanilla,draft\]"):
         evaluate(eval_config(*base, *model_cfg, "decoders=[vanilla,tree,composite,draft]"))
     with pytest.raises(ValueError, match=r"decoder.llamacpp_draft.model: llamacpp_draft drafts with a separate model "

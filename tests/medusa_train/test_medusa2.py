@@ -51,7 +51,7 @@ def joint_overrides(model_dir: Path, data: Path, output_dir: Path, **extra: obje
 
 
 def lora_heads_config(**lora: object) -> HeadsConfig:
-    return HeadsConfig(mode="medusa2", finetune="lora", lora=LoraSettings(**{"r": 4, "dropout": 0.0, **lora}))
+    return HeadsConfig(mode="joint", finetune="lora", lora=LoraSettings(**{"r": 4, "dropout": 0.0, **lora}))
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,7 @@ def test_two_stages_with_zero_head_weight_keep_the_stage1_heads(lora_run):
     recipe, out = lora_run
     stage1 = out / "stage1" / "export"
     assert (stage1 / "config.json").is_file() and recipe.summary["stage1"]["global_step"] == 4  # 16 rows / 4
-    assert read_export_config(stage1)["training"]["mode"] == "medusa1"
+    assert read_export_config(stage1)["training"]["mode"] == "frozen_base"
     # lambda_0 = 0: the heads get zero gradients, AdamW moves them by exactly nothing
     a, b = exported_heads(stage1), exported_heads(out / "export")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -298,7 +298,7 @@ def test_crashed_joint_run_resumes_to_the_same_heads_and_base(tiny_inputs, tmp_p
 
 def joint_model(finetune: str = "lora") -> JointModel:
     base = make_tiny_model("llama", seed=0, vocab_size=512)
-    config = lora_heads_config() if finetune == "lora" else HeadsConfig(mode="medusa2", finetune=finetune)
+    config = lora_heads_config() if finetune == "lora" else HeadsConfig(mode="joint", finetune=finetune)
     return JointModel(prepare_base(base, config), new_heads_for(base, 2))
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
-from medusa_train.config import HeadsConfig
+from medusa_train.config import HeadsConfig, heads_schema
 from medusa_train.paths import assets_dir
 from medusa_train.planning import GIB, PlanSettings, build_plan, find_fix, heads_sizes, load_target_config, target_sizes
 from medusa_train.planning.presets import heads_preset
@@ -54,7 +54,7 @@ def test_the_tiny_target_and_each_drafter_count_exactly_what_a_hand_count_gives(
         "medusa": HeadsConfig(num_heads=2),
         "shared": HeadsConfig(num_heads=2, share_lm_head=True),
         "hydra": HeadsConfig(head_type="hydra", num_heads=2),
-        "eagle3": HeadsConfig(head_type="eagle3", num_heads=2, head_vocab_size=100, feature_layers=[0, 1, 2]),
+        "eagle3": heads_schema()(head_type="eagle3", num_heads=2, head_vocab_size=100, feature_layers=[0, 1, 2]),
     }.items()}
     assert count == {"medusa": MEDUSA, "shared": MEDUSA_SHARED, "hydra": HYDRA, "eagle3": EAGLE3}
     assert count == {"medusa": 136_320, "shared": 8_320, "hydra": 169_088, "eagle3": 64_000}

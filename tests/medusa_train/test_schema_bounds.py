@@ -30,7 +30,7 @@ from inference.registry import REGISTRY, decoder_settings
 from inference.tuning.tune_tree_config import TuneTreeConfig
 from medusa_train.bounds import field_bound, optional_fields
 from medusa_train.cli.export_gguf import ExportGgufConfig
-from medusa_train.config import DataConfig, TrainConfig, as_dataclass
+from medusa_train.config import DataConfig, as_dataclass, train_schema
 from medusa_train.paths import CONF_DIR, REPO_ROOT
 from medusa_train.publish.publish_config import PublishConfig
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
@@ -98,7 +98,7 @@ def compose_conf(name: str, overrides: list[str]):
 
 # --- the schemas and how each entry point validates them ---------------------------------------------------------
 
-ROOTS: dict[str, type] = {"train": TrainConfig, "tune_tree": TuneTreeConfig, "evaluate": EvaluateConfig,
+ROOTS: dict[str, type] = {"train": train_schema(), "tune_tree": TuneTreeConfig, "evaluate": EvaluateConfig,
                           "generate": GenerateConfig, "draft": DraftConfig, "publish": PublishConfig,
                           "export_gguf": ExportGgufConfig,
                           **{f"decoder.{name}": entry.settings for name, entry in REGISTRY.items()}}
