@@ -29,7 +29,7 @@ EXACT_NEW_TOKENS = 40
 
 
 def write_json(path: Path, data: dict) -> None:
-    from medusa_train.atomic import atomic_write_text
+    from medusa_train.files.atomic import atomic_write_text
 
     atomic_write_text(Path(path), json.dumps(data, indent=1) + "\n")
 
@@ -56,8 +56,8 @@ def exact(device: str, dtypes: list[str], out: Path) -> bool:
 
     from inference.decoders import DecodeConfig, TreeDecoder, VanillaDecoder
     from medusa_train.tree.buffers import SMALL_TREE_15
-    from medusa_train.catalog import head_types
-    from medusa_train.precision import parse_dtype
+    from medusa_train.models.catalog import head_types
+    from medusa_train.config.precision import parse_dtype
     from tests.conftest import make_tiny_model
     from tests.inference.test_decoders import random_heads
 
@@ -94,8 +94,8 @@ def speed(config_path: Path, device: str, dtype_name: str, num_layers: int | Non
 
     from inference.decoders import DecodeConfig, TreeDecoder, VanillaDecoder
     from medusa_train.tree.buffers import SMALL_TREE_15
-    from medusa_train.model import SpeculativeModel, new_heads_for
-    from medusa_train.precision import parse_dtype
+    from medusa_train.models.speculative import SpeculativeModel, new_heads_for
+    from medusa_train.config.precision import parse_dtype
 
     dtype = parse_dtype(dtype_name)
     config = transformers.AutoConfig.from_pretrained(config_path)

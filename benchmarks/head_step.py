@@ -28,7 +28,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from medusa_train.cli.train import register_schemas
-from medusa_train.paths import CONF_DIR
+from medusa_train.files.paths import CONF_DIR
 from medusa_train.training.joint_loss import base_loss_sum
 from medusa_train.training.losses import IGNORE_INDEX, head_targets, heads_loss
 from medusa_train.training.recipe import FrozenBaseRecipe, JointRecipe, build_recipe

@@ -61,9 +61,9 @@ from medusa_train.export.tree_files import read_tree_files
 from medusa_train.loading.cpu_kernels import apply_cpu_kernels
 from medusa_train.loading.export import check_export_base, load_export, model_config_for_export
 from medusa_train.loading.runtime import decide_runtime
-from medusa_train.model import SpeculativeModel
-from medusa_train.paths import CONF_DIR, REPO_ROOT
-from medusa_train.prompts import encode_prompt, load_prompts
+from medusa_train.models.speculative import SpeculativeModel
+from medusa_train.files.paths import CONF_DIR, REPO_ROOT
+from medusa_train.chat.prompts import encode_prompt, load_prompts
 from medusa_train.training.recipe import build_recipe
 
 STORIES_HELDOUT = REPO_ROOT / "data" / "stories260k_heldout.jsonl"

@@ -30,7 +30,7 @@ from inference.decoders.choices import resolve_medusa_choices
 from inference.decoders.tree import default_medusa_choices
 from medusa_train.data import build_dataset, load_conversations
 from medusa_train.loading.export import load_export
-from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, sharegpt_prompts
+from medusa_train.chat.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, sharegpt_prompts
 
 
 @torch.inference_mode()

@@ -28,10 +28,10 @@ import argparse
 import json
 import sys
 
-from medusa_train.bounds import MAX_COUNT, Bound
+from medusa_train.config.bounds import MAX_COUNT, Bound
 from medusa_train.cli.flags import FlagParser, check_flags, refuse, schema_bound
-from medusa_train.config import DataConfig, HeadsConfig, TrainConfig, TrainerConfig
-from medusa_train.paths import CONF_DIR
+from medusa_train.config.schema import DataConfig, HeadsConfig, TrainConfig, TrainerConfig
+from medusa_train.files.paths import CONF_DIR
 from medusa_train.planning import (
     GIB,
     PlanSettings,

@@ -40,17 +40,17 @@ from inference.decoders.choices import resolve_medusa_choices
 from inference.decoders.tree import make_verifier, tree_step, medusa_tree
 from inference.decoders.vanilla import VanillaDecoder
 from inference.tuning.latency import PassTimer
-from medusa_train.catalog import tree_drafter
+from medusa_train.models.catalog import tree_drafter
 from medusa_train.cli.app import register_shared_schemas
-from medusa_train.config import ModelConfig, as_dataclass
-from medusa_train.features import FINAL
+from medusa_train.config.schema import ModelConfig, as_dataclass
+from medusa_train.models.features import FINAL
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.cpu_kernels import PackedKernels, apply_cpu_kernels, choose_cpu_kernels
 from medusa_train.loading.export import load_export
-from medusa_train.model import SpeculativeModel, new_heads_for
-from medusa_train.paths import CONF_DIR
-from medusa_train.precision import cpu_isa
-from medusa_train.prompts import encode_prompt
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
+from medusa_train.files.paths import CONF_DIR
+from medusa_train.config.precision import cpu_isa
+from medusa_train.chat.prompts import encode_prompt
 from medusa_train.tree.kv_cache import preallocated_cache
 from medusa_train.tree.masks import additive_mask
 

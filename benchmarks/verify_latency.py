@@ -35,12 +35,12 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def model_config(preset: str) -> Any:
-    """The ``model/`` preset ``preset`` as a :class:`~medusa_train.config.ModelConfig` (resolvers run: an uninstalled
+    """The ``model/`` preset ``preset`` as a :class:`~medusa_train.config.schema.ModelConfig` (resolvers run: an uninstalled
     model fails here with its install command)."""
     from hydra import compose, initialize_config_dir
 
-    from medusa_train.config import ModelConfig, as_dataclass
-    from medusa_train.paths import CONF_DIR
+    from medusa_train.config.schema import ModelConfig, as_dataclass
+    from medusa_train.files.paths import CONF_DIR
     from medusa_train.cli.app import register_shared_schemas
 
     register_shared_schemas()
@@ -92,8 +92,8 @@ def llamacpp(preset: str, draft: str | None, context: int, sizes: list[int], rep
 
 def main(argv: list[str] | None = None) -> int:
     from data_scaling import cpu_model, git
-    from medusa_train.atomic import atomic_write_text
-    from medusa_train.precision import cpu_flags
+    from medusa_train.files.atomic import atomic_write_text
+    from medusa_train.config.precision import cpu_flags
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2_5_coder_1_5b", help="the target's model/ preset")

@@ -52,7 +52,7 @@ def continuation_hidden(model: Any, tokenizer: Any, num_prompts: int, max_new_to
     from inference.decoders.base import DecodeConfig
     from inference.decoders.chat import eos_ids
     from inference.decoders.vanilla import VanillaDecoder
-    from medusa_train.prompts import encode_prompt, load_prompts
+    from medusa_train.chat.prompts import encode_prompt, load_prompts
 
     base = model.base
     decoder = VanillaDecoder(base, tokenizer=tokenizer)

@@ -4,10 +4,10 @@ Adding a decoder is one :class:`DecoderEntry` in :data:`REGISTRY`: its settings 
 missing required settings) by :func:`decoder_settings` before any model is loaded, and :func:`build_decoder` turns
 them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model. A drafter type's engine
 decoders (``vllm_medusa``, ``vllm_eagle3``, ``llamacpp_eagle3``) are its own: declared with their settings in its folder
-(:attr:`~medusa_train.catalog.DrafterType.engine_decoders`) and registered here by :func:`sync_drafter_decoders`, built
+(:attr:`~medusa_train.models.catalog.DrafterType.engine_decoders`) and registered here by :func:`sync_drafter_decoders`, built
 by the engine's builder; this module names no drafter type.
 
-Names: ``vanilla``, ``tree`` (``medusa``: its old name, :mod:`medusa_train.renames`), ``composite``, ``draft``,
+Names: ``vanilla``, ``tree`` (``medusa``: its old name, :mod:`medusa_train.config.renames`), ``composite``, ``draft``,
 ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the real engines ``vllm`` / ``vllm_medusa`` / ``vllm_eagle3``
 / ``vllm_draft`` / ``vllm_ngram`` and ``llamacpp`` / ``llamacpp_eagle3`` / ``llamacpp_draft`` / ``llamacpp_ngram``. The
 vLLM decoders run in vLLM's own environment (``bash launch/install_vllm.sh``), the llama.cpp ones in its
@@ -27,10 +27,10 @@ from typing import Any, ClassVar, Optional
 from inference.decoders.base import DecodeConfig, Decoder
 from inference.decoders.tree import ACCEPTANCE, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, check_acceptance
 from inference.draft_loading import DraftConfig
-from medusa_train.bounds import MAX_COUNT, bound, check_bounds
-from medusa_train.catalog import drafter_types
+from medusa_train.config.bounds import MAX_COUNT, bound, check_bounds
+from medusa_train.models.catalog import drafter_types
 from medusa_train.engines.settings import LlamaCppSettings, VllmSettings
-from medusa_train.renames import decoder_alias
+from medusa_train.config.renames import decoder_alias
 from medusa_train.tree.buffers import TOPK
 from medusa_train.tree.composite import LOOKUP_LENGTH, MAX_MATCHING_NGRAM_SIZE
 
@@ -44,7 +44,7 @@ class BuildContext:
     """What builders get besides their settings: the loaded target model and where it came from.
 
     Attributes:
-        model: the :class:`~medusa_train.model.SpeculativeModel` (``.base`` is the target ``*ForCausalLM``).
+        model: the :class:`~medusa_train.models.speculative.SpeculativeModel` (``.base`` is the target ``*ForCausalLM``).
         tokenizer: the target's tokenizer.
         export_dir: the export folder (tuned tree files live there).
         dtype, device: the run's dtype and device overrides (None: the model config's); a second model (a draft)
@@ -52,7 +52,7 @@ class BuildContext:
         kernels: the target's linear kernels (:class:`~medusa_train.loading.cpu_kernels.KernelChoice`); a second
             model is converted the same way, so drafting runs on the kernels verification runs on. None: as loaded.
         drafts: drafts built so far, by settings, so that decoders sharing a draft load it once.
-        model_config: the target's resolved ``model/`` config (:class:`~medusa_train.config.ModelConfig`), for
+        model_config: the target's resolved ``model/`` config (:class:`~medusa_train.config.schema.ModelConfig`), for
             engines that load the target themselves (vLLM); None where the caller has none.
     """
 
@@ -458,7 +458,7 @@ def _draft(settings: DraftConfig, ctx: BuildContext, name: str) -> tuple[Any, An
         ValueError: a self-layers draft as deep as the target (``decoder.<name>.num_layers`` and the target's layer
             count named), or the draft's own errors.
     """
-    from medusa_train.config import ModelConfig, as_dataclass
+    from medusa_train.config.schema import ModelConfig, as_dataclass
     from inference.draft_loading import load_draft
 
     if settings.kind == "self_layers":
@@ -529,7 +529,7 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
     import torch
 
     from inference.decoders.vllm import VllmDecoder
-    from medusa_train.catalog import vllm_drafter_type
+    from medusa_train.models.catalog import vllm_drafter_type
     from medusa_train.engines.vllm_env import SPECULATIVE_FILE, VllmWorker, tuned_speculative_tokens
     from medusa_train.export.configs import dtype_name
     from medusa_train.loading.base import engine_model_path
@@ -580,7 +580,7 @@ def _build_vllm_ngram(settings: VllmNgramSettings, ctx: BuildContext) -> BuiltDe
 
 def _draft_model_config(model: Any, ctx: BuildContext) -> Any:
     """The ``model/`` config of an engine decoder's separate draft model, with the run's dtype and device."""
-    from medusa_train.config import ModelConfig, as_dataclass
+    from medusa_train.config.schema import ModelConfig, as_dataclass
 
     cfg = as_dataclass(ModelConfig, model)  # None was refused by the request check (_needs_draft_model)
     overrides = {k: v for k, v in (("dtype", ctx.dtype), ("device", ctx.device)) if v is not None}
@@ -592,7 +592,7 @@ def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "
 
     from inference.decoders.llamacpp import LlamaCppDecoder
     from inference.engines.llamacpp_server import LlamaServer
-    from medusa_train.catalog import vllm_drafter_type
+    from medusa_train.models.catalog import vllm_drafter_type
     from medusa_train.loading.base import engine_model_path
 
     if ctx.model_config is None:
@@ -691,7 +691,7 @@ class DecoderEntry:
     Attributes:
         name: the decoder's name in configs, results and summaries.
         settings: a dataclass with defaults, numeric ranges declared in its fields' metadata
-            (:func:`medusa_train.bounds.bound`), and a ``validate()`` for the rest that raises ``ValueError`` naming
+            (:func:`medusa_train.config.bounds.bound`), and a ``validate()`` for the rest that raises ``ValueError`` naming
             the field.
         build: ``(settings, BuildContext) -> BuiltDecoder``; called once the target model is loaded.
         summary: one line for listings.
@@ -745,7 +745,7 @@ for _entry in (
     DecoderEntry("tree", TreeSettings, _build_tree,
                  "the export's drafter (any type) drafts a tree, one target pass verifies it",
                  _check_tree_request("tree"), uses_heads=True),
-    DecoderEntry("medusa", TreeSettings, _build_old_tree, "tree under its old name (medusa_train.renames)",
+    DecoderEntry("medusa", TreeSettings, _build_old_tree, "tree under its old name (medusa_train.config.renames)",
                  _check_tree_request("medusa"), uses_heads=True, default=False),
     DecoderEntry("composite", CompositeSettings, _build_composite,
                  "the export's heads' candidates and prompt lookup's in one tree, one target pass verifies it",
@@ -784,7 +784,7 @@ _FROM_CATALOG: list[str] = []  # the names sync_drafter_decoders registered
 
 
 def sync_drafter_decoders() -> None:
-    """Register the decoders the drafter catalog's types declare (:attr:`~medusa_train.catalog.DrafterType.
+    """Register the decoders the drafter catalog's types declare (:attr:`~medusa_train.models.catalog.DrafterType.
     engine_decoders`: ``vllm_medusa``, ``vllm_eagle3``, ``llamacpp_eagle3``, ...) as the catalog holds them now,
     after the registry's own; each runs in its engine, uses the export's drafter and is measured against the engine's
     plain decoder. Called by every function here that lists or checks names."""
@@ -843,7 +843,7 @@ def check_decoder_names(names: Sequence[str]) -> list[str]:
     if not names:
         raise ValueError(f"decoders is empty: pick some of {', '.join(REGISTRY)}")
     for name in names:
-        decoder_alias(name)  # an old name runs as before, warned (medusa_train.renames)
+        decoder_alias(name)  # an old name runs as before, warned (medusa_train.config.renames)
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise ValueError(f"unknown decoder name(s) {unknown}; valid: {', '.join(REGISTRY)}")
@@ -855,7 +855,7 @@ def check_decoder_names(names: Sequence[str]) -> list[str]:
 
 def decoder_settings(name: str, raw: Any = None) -> Any:
     """The validated settings dataclass of decoder ``name`` from ``raw`` (a mapping, an OmegaConf node, an instance,
-    or None for the defaults): the numeric ranges its fields declare (:func:`medusa_train.bounds.check_bounds`),
+    or None for the defaults): the numeric ranges its fields declare (:func:`medusa_train.config.bounds.check_bounds`),
     then its ``validate()``.
 
     Raises:
@@ -913,7 +913,7 @@ def with_run_draft(name: str, raw: Any, draft: Any) -> dict[str, Any]:
     """
     from omegaconf import OmegaConf
 
-    from medusa_train.config import ModelConfig, as_dataclass
+    from medusa_train.config.schema import ModelConfig, as_dataclass
 
     run_draft = as_dataclass(DraftConfig, draft)
     if OmegaConf.is_config(raw):

@@ -33,7 +33,7 @@ case "$drafter" in
 esac
 [[ "$size" =~ ^[1-9][0-9]*$ ]] || { echo "SIZE=$size: give a positive integer (the multiple of the quickstart's 700 conversations). $usage" >&2; exit 2; }
 # SIZE x 700 ShareGPT conversations must stay below the held-out prompts the tuner and medusa-eval read (they start at
-# conversation 16,000: SHAREGPT_HELDOUT_OFFSET in medusa_train/prompts.py), so SIZE <= 16000 / 700 = 22 (MAX_SIZE in
+# conversation 16,000: SHAREGPT_HELDOUT_OFFSET in medusa_train/chat/prompts.py), so SIZE <= 16000 / 700 = 22 (MAX_SIZE in
 # benchmarks/data_scaling.py); compared as text first, so no size overflows bash's 64-bit arithmetic
 max_size=22
 if ! { [[ ${#size} -le ${#max_size} ]] && (( size <= max_size )); }; then

@@ -12,15 +12,15 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch import nn
 
-from medusa_train.catalog import drafter_type, drafter_types, head_types, type_of
-from medusa_train.heads_base import HeadsSpec
-from medusa_train.paths import CONF_DIR, PACKAGE_DIR
+from medusa_train.models.catalog import drafter_type, drafter_types, head_types, type_of
+from medusa_train.models.heads_base import HeadsSpec
+from medusa_train.files.paths import CONF_DIR, PACKAGE_DIR
 from tests.medusa_train.test_training import CrashAtStep, assert_same_heads, compose_train, tiny_overrides
 from tests.medusa_train.test_training import write_tiny_inputs
 
 ROOT = PACKAGE_DIR.parent
 # The places that may name a drafter type: the catalog and each type's own folder.
-OWN_MODULES = {"medusa_train/catalog.py"}
+OWN_MODULES = {"medusa_train/models/catalog.py"}
 OWN_FOLDER = "medusa_train/drafters/"
 # Lines outside those places allowed to match anyway, each with its reason: none.
 ALLOWED: dict[str, str] = {}
@@ -97,12 +97,12 @@ def test_every_drafter_folder_is_a_catalog_entry_with_real_imports():
 
 def test_the_shared_schema_and_the_decoder_registry_hold_nothing_of_a_drafter_type():
     """A type's options and its engine decoders are its folder's: the shared heads schema has none of them as its
-    own fields (they come from the catalog, :func:`medusa_train.config.heads_schema`), and the registry declares no
+    own fields (they come from the catalog, :func:`medusa_train.config.schema.heads_schema`), and the registry declares no
     settings class of a type (they come from the catalog, :func:`inference.registry.sync_drafter_decoders`)."""
     import dataclasses
 
     from inference import registry
-    from medusa_train.config import HeadsConfig, heads_schema
+    from medusa_train.config.schema import HeadsConfig, heads_schema
 
     options = {name for entry in drafter_types() for name in entry.option_names}
     assert options and not options & {f.name for f in dataclasses.fields(HeadsConfig)}
@@ -123,7 +123,7 @@ def test_the_built_in_types_declare_themselves():
 
 
 def test_only_a_heads_module_is_a_drafter_not_a_model_that_exposes_its_spec():
-    from medusa_train.catalog import is_drafter
+    from medusa_train.models.catalog import is_drafter
     from medusa_train.drafters.medusa.heads import MedusaHeads
 
     heads = MedusaHeads(HeadsSpec(2, 1, 8, 11))
@@ -152,7 +152,7 @@ def layer_overrides(head_type: str, num_layers: int) -> list[str]:
 
 def random_drafter(head_type: str, base: nn.Module, seed: int = 0) -> nn.Module:
     """Random heads of ``head_type`` for ``base`` (every parameter N(0, 0.3^2)), fp32."""
-    from medusa_train.model import new_heads_for
+    from medusa_train.models.speculative import new_heads_for
     from tests.medusa_train.test_export import randomized
 
     options = layer_options(head_type, base.config.num_hidden_layers)
@@ -162,7 +162,7 @@ def random_drafter(head_type: str, base: nn.Module, seed: int = 0) -> nn.Module:
 @pytest.mark.parametrize("head_type", head_types())
 def test_every_type_round_trips_through_its_export_with_identical_logits(head_type, tmp_path):
     from medusa_train.export import load_heads, save_export
-    from medusa_train.model import SpeculativeModel
+    from medusa_train.models.speculative import SpeculativeModel
     from tests.conftest import make_tiny_model
 
     base = make_tiny_model("llama")

@@ -114,8 +114,9 @@ def test_medusa_train_imports_nothing_of_inference():
 
 # What the drafter folders (medusa_train.drafters.<name>) build on: the catalog loads them by name (BUILTIN_MODULES),
 # and these floors import none of them, so that a folder can hold its export writer and serving mapping.
-BELOW_THE_DRAFTERS = ("medusa_train.catalog", "medusa_train.heads_base", "medusa_train.tree", "medusa_train.features",
-                      "medusa_train.model", "medusa_train.export", "medusa_train.engines")
+BELOW_THE_DRAFTERS = ("medusa_train.models.catalog", "medusa_train.models.heads_base", "medusa_train.tree",
+                      "medusa_train.models.features", "medusa_train.models.speculative", "medusa_train.export",
+                      "medusa_train.engines")
 
 
 def test_nothing_below_the_drafter_folders_and_nothing_of_inference_imports_one():

@@ -1,11 +1,11 @@
-"""Renamed names keep working with a FutureWarning (``medusa_train/renames.py``; README, "Renamed names"): old keys
+"""Renamed names keep working with a FutureWarning (``medusa_train/config/renames.py``; README, "Renamed names"): old keys
 and values on the command line, an old run's ``train_config.yaml``, and the tree decoder's old name ``medusa``."""
 
 from __future__ import annotations
 
 import pytest
 
-from medusa_train.renames import RENAMED_DECODERS, decoder_alias, renamed_config, renamed_overrides
+from medusa_train.config.renames import RENAMED_DECODERS, decoder_alias, renamed_config, renamed_overrides
 
 
 def test_old_keys_and_values_on_the_command_line_become_the_new_ones_with_a_warning():

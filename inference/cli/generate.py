@@ -28,12 +28,12 @@ from inference.registry import (
     decoder_settings,
     register_decoder_schemas,
 )
-from medusa_train.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
+from medusa_train.config.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
 from medusa_train.cli.app import hydra_app, register_shared_schemas
-from medusa_train.config import as_dataclass, check_device
+from medusa_train.config.schema import as_dataclass, check_device
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.loading.runtime import load_for_inference
-from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
+from medusa_train.config.precision import DEFAULT_DTYPE, check_dtype_name
 from medusa_train.tree.sampling import SAMPLING_DEFAULTS
 
 

@@ -51,7 +51,7 @@ from inference.proposers.draft_model import (
     last_logits,
     takes_logits_to_keep,
 )
-from medusa_train.generation import max_positions
+from medusa_train.models.generation import max_positions
 from medusa_train.tree.acceptance import chain_speculative_sample, greedy_accept
 from medusa_train.tree.kv_cache import crop, keep_positions
 from medusa_train.tree.sampling import logits_to_probs
@@ -274,7 +274,7 @@ class DraftDecoder:
     """Speculative decoding with a draft model (see the module docstring).
 
     Args:
-        model: the target ``*ForCausalLM`` (a :class:`~medusa_train.model.SpeculativeModel` is accepted: its base is
+        model: the target ``*ForCausalLM`` (a :class:`~medusa_train.models.speculative.SpeculativeModel` is accepted: its base is
             used).
         draft: a ``*ForCausalLM`` with the target's vocabulary: a smaller sibling, or the target's own first layers
             (:func:`inference.draft_loading.self_layer_draft`).

@@ -58,7 +58,7 @@ class LookaheadDecoder:
     """Lookahead decoding, greedy (see the module docstring).
 
     Args:
-        model: the target ``*ForCausalLM`` (a :class:`~medusa_train.model.SpeculativeModel` is accepted: its base is
+        model: the target ``*ForCausalLM`` (a :class:`~medusa_train.models.speculative.SpeculativeModel` is accepted: its base is
             used).
         window: W >= 1, positions ahead per Jacobi iteration.
         ngram: N >= 2, n-gram size (N - 1 window levels; N - 1 tokens verified per candidate).

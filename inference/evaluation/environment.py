@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from medusa_train.export.configs import dtype_name
-from medusa_train.paths import REPO_ROOT
+from medusa_train.files.paths import REPO_ROOT
 
 
 def _version(package: str) -> str | None:

@@ -31,7 +31,7 @@ from medusa_train.export.reader import heads_checksum
 from medusa_train.loading.base import resolve_device
 from medusa_train.loading.export import export_base_config
 from medusa_train.loading.runtime import target_config
-from medusa_train.precision import choose_dtype
+from medusa_train.config.precision import choose_dtype
 
 MEASURED_WITH = "measured_with"  # the run.json entry and the row field
 

@@ -87,7 +87,7 @@ def tune_dynamic_tree(model: Any, prompts: Sequence[Sequence[int]], reference: D
     """The dynamic tree's shape for ``model`` on this hardware, as ``dynamic_tree.json`` records it.
 
     Args:
-        model: a :class:`~medusa_train.model.SpeculativeModel` whose drafter grows dynamic trees, in the dtype and
+        model: a :class:`~medusa_train.models.speculative.SpeculativeModel` whose drafter grows dynamic trees, in the dtype and
             on the kernels that will decode.
         prompts: the timed tuning prompts (token-id lists); none: the reference is kept undecoded.
         reference, shapes: :func:`dynamic_shortlist`'s.

@@ -57,7 +57,7 @@ def time_trees(model: Any, prompts: Sequence[Sequence[int]], trees: dict[int, li
     """Decode every prompt greedily with every tree (:func:`time_decoders`).
 
     Args:
-        model: a :class:`~medusa_train.model.SpeculativeModel` in the dtype and on the kernels that will decode.
+        model: a :class:`~medusa_train.models.speculative.SpeculativeModel` in the dtype and on the kernels that will decode.
         prompts: token-id lists (non-empty).
         trees: ``{n: medusa_choices}``, n the tokens a pass (nodes + the root).
         max_new_tokens: tokens per reply; no EOS, so every tree decodes the same number of tokens.

@@ -7,7 +7,7 @@ actually says. For each conversation the first user turn (with the system turn, 
 the model; the records written are ShareGPT-like and :func:`load_conversations` ("json") reads them back.
 
 Work is split into blocks of :data:`BLOCK_CONVERSATIONS` conversations (fixed, not derived from the world size:
-:mod:`medusa_train.blocks`), block ``b`` written to :func:`block_path` ``{stem}.block{b:06d}{suffix}`` by rank
+:mod:`medusa_train.runs.blocks`), block ``b`` written to :func:`block_path` ``{stem}.block{b:06d}{suffix}`` by rank
 ``b % world_size``; each record is keyed by its prompt's hash (:func:`record_id`), so a run resumed on any number of
 ranks, or with a longer or reordered list, reuses every reply it has. Records are appended and flushed per batch.
 Replies in the files of earlier versions (``output_path`` itself, ``{stem}.rank{r}-of-{w}{suffix}``) are copied into
@@ -32,15 +32,15 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from medusa_train.blocks import block_rows, check_block_size, check_rank, rank_blocks
-from medusa_train.chat import encode, render, resolve_chat_template
-from medusa_train.conversations import Conversation
+from medusa_train.runs.blocks import block_rows, check_block_size, check_rank, rank_blocks
+from medusa_train.chat.templates import encode, render, resolve_chat_template
+from medusa_train.chat.conversations import Conversation
 from medusa_train.data.tokenize import end_of_turn_ids
-from medusa_train.disk_space import disk_full_named
-from medusa_train.drills import EXIT_AT_DISTILL_BATCH, exit_if_drilled
-from medusa_train.generation import greedy_generate, length_batches, pad_token_id_of
-from medusa_train.json_stream import jsonl_lines
-from medusa_train.text_files import not_utf8, read_text
+from medusa_train.runs.disk_space import disk_full_named
+from medusa_train.runs.drills import EXIT_AT_DISTILL_BATCH, exit_if_drilled
+from medusa_train.models.generation import greedy_generate, length_batches, pad_token_id_of
+from medusa_train.files.json_stream import jsonl_lines
+from medusa_train.files.text_files import not_utf8, read_text
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from medusa_train.atomic import fsync_dir
+from medusa_train.files.atomic import fsync_dir
 
 if TYPE_CHECKING:
     import datasets

@@ -3,7 +3,7 @@
 ``launch/install_llamacpp.sh``. Nothing here imports llama.cpp's Python packages: the converter runs as a subprocess.
 
 The llama.cpp decoders (:mod:`inference.engines.llamacpp_server`) run the binary; a drafter type whose drafter
-llama.cpp loads converts its export with the converter (:attr:`medusa_train.catalog.DrafterType.llamacpp_gguf`,
+llama.cpp loads converts its export with the converter (:attr:`medusa_train.models.catalog.DrafterType.llamacpp_gguf`,
 EAGLE-3's :mod:`medusa_train.drafters.eagle3.gguf`).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from medusa_train.paths import REPO_ROOT
+from medusa_train.files.paths import REPO_ROOT
 
 DIR_VARIABLE = "MEDUSA_LLAMACPP_DIR"
 VENV_VARIABLE = "MEDUSA_LLAMACPP_VENV"

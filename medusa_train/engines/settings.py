@@ -1,7 +1,7 @@
 """The engines' own settings, the base of every decoder that runs in one (``decoder.<name>.*``): plain decoding in
 vLLM (:class:`VllmSettings`) and in llama.cpp's ``llama-server`` (:class:`LlamaCppSettings`). The speculative ones
 derive them: the engines' own methods in ``inference.registry`` (draft model, n-gram), a drafter type's in its folder
-(:attr:`medusa_train.catalog.DrafterType.engine_decoders`, e.g. ``vllm_eagle3``), so a drafter's engine mapping
+(:attr:`medusa_train.models.catalog.DrafterType.engine_decoders`, e.g. ``vllm_eagle3``), so a drafter's engine mapping
 needs nothing of ``inference``.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from medusa_train.bounds import MAX_TOKENS, bound
+from medusa_train.config.bounds import MAX_TOKENS, bound
 from medusa_train.engines.llamacpp_env import REPACK
 
 

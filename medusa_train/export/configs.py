@@ -13,7 +13,7 @@ vLLM's (``vllm/transformers_utils/configs/medusa.py``, vLLM 0.32): ``model_type 
 (``writer.py`` explains), so ``truncated_vocab_size`` is always V and a reduced head vocabulary is recorded for our
 own reader only: ``medusa_train_head_vocab_size`` here and the ``medusa_train.token_map`` tensor (vLLM ignores both).
 
-Drafter types with the ``state_dict`` layout (:mod:`medusa_train.catalog`; Hydra heads) have no engine
+Drafter types with the ``state_dict`` layout (:mod:`medusa_train.models.catalog`; Hydra heads) have no engine
 layout here. Their config.json says ``head_type`` and names the spec's own fields by the type's ``config_keys``
 (``hydra_num_heads`` / ``hydra_num_layers`` / ``hydra_combine``), never ``medusa_num_heads``, so that FasterDecoding's
 and TGI's Medusa loaders do not take the folder for theirs; a reader checks each such key's JSON type against the
@@ -32,8 +32,8 @@ import torch
 
 from medusa_train.version import __version__
 from medusa_train.export.layouts import FASTERDECODING
-from medusa_train.catalog import MEDUSA_LAYOUT, DrafterType, drafter_types, type_of
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.catalog import MEDUSA_LAYOUT, DrafterType, drafter_types, type_of
+from medusa_train.models.heads_base import HeadsSpec
 
 # vllm/: vLLM's MedusaConfig (the name of vLLM's format, not of a drafter type), and the reduced head vocabulary of
 # heads written with full-vocabulary projections (ignored by vLLM).
@@ -72,7 +72,7 @@ def export_config(
     extra_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Our ``config.json``: the heads' own fields under their type's names
-    (:attr:`~medusa_train.catalog.DrafterType.config_keys`; Medusa: FasterDecoding's ``medusa_num_heads``,
+    (:attr:`~medusa_train.models.catalog.DrafterType.config_keys`; Medusa: FasterDecoding's ``medusa_num_heads``,
     ``medusa_num_layers``), ``head_type`` for every type but Medusa (FasterDecoding's layout has no such key), then the
     sizes and provenance.
 
@@ -255,7 +255,7 @@ def spec_from_medusa_config(
 
 def spec_from_config(entry: DrafterType, config: dict[str, Any], source: str) -> Any:
     """The spec of a ``state_dict``-layout export of type ``entry`` (Hydra heads, ...) from its ``config.json``: the
-    type's own fields (:attr:`~medusa_train.catalog.DrafterType.config_keys`) and the common sizes.
+    type's own fields (:attr:`~medusa_train.models.catalog.DrafterType.config_keys`) and the common sizes.
 
     Raises:
         ValueError: a field missing or of the wrong type (named), or an invalid value.

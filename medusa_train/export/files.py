@@ -1,5 +1,5 @@
 """File helpers for exports: JSON, safetensors and torch files written through the one durable atomic write
-(:func:`medusa_train.atomic.atomic_write`, which also gives each file the default mode), tensor/JSON reads whose
+(:func:`medusa_train.files.atomic.atomic_write`, which also gives each file the default mode), tensor/JSON reads whose
 errors name the file, checksums.
 """
 
@@ -16,8 +16,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from medusa_train.atomic import atomic_write, atomic_write_text, default_mode
-from medusa_train.text_files import read_text
+from medusa_train.files.atomic import atomic_write, atomic_write_text, default_mode
+from medusa_train.files.text_files import read_text
 
 # Errors a damaged file raises in safetensors / torch.load; re-raised as ValueError naming the file.
 _CORRUPT = (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError, UnicodeDecodeError)

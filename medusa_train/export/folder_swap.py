@@ -11,7 +11,7 @@ card, an evaluation), makes it durable, then swaps it in:
 
 A write that fails at any point before the swap deletes its temporary folder and leaves the old folder as it was; a
 write killed before the swap leaves the temporary folder, which the next write deletes. The folder's lock
-(:data:`~medusa_train.run_lock.EXPORT_LOCK`) is held throughout, so no two writes, and no write and a
+(:data:`~medusa_train.runs.run_lock.EXPORT_LOCK`) is held throughout, so no two writes, and no write and a
 ``medusa-tune-tree`` run, overlap.
 
 Entries are carried over as hard links (copies where the file system refuses links): the old folder is never
@@ -30,8 +30,8 @@ import shutil
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from medusa_train.atomic import fsync_dir
-from medusa_train.run_lock import EXPORT_LOCK, RunLock
+from medusa_train.files.atomic import fsync_dir
+from medusa_train.runs.run_lock import EXPORT_LOCK, RunLock
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from medusa_train.config import ModelConfig
+from medusa_train.config.schema import ModelConfig
 from medusa_train.loading.conversion_cache import conversion_sources, converted_dir, gguf_location, llama2c_tokenizer
-from medusa_train.precision import choose_dtype, parse_dtype
+from medusa_train.config.precision import choose_dtype, parse_dtype
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokeni
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode on ``cfg.device`` in ``cfg.dtype`` (``auto`` resolved by
-        :func:`medusa_train.precision.choose_dtype`); the tokenizer with its
+        :func:`medusa_train.config.precision.choose_dtype`); the tokenizer with its
         chat template, and a pad token (EOS when the tokenizer has none).
 
     Raises:

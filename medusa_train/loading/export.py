@@ -19,10 +19,10 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from transformers import PreTrainedTokenizerBase
 
-from medusa_train.config import ModelConfig, as_dataclass
+from medusa_train.config.schema import ModelConfig, as_dataclass
 from medusa_train.export import load_heads
 from medusa_train.loading.base import load_base_model
-from medusa_train.model import SpeculativeModel, check_heads_match_base
+from medusa_train.models.speculative import SpeculativeModel, check_heads_match_base
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Load an export for inference with the dtype and kernels decided, printed and recorded in one place.
 
 Every command that decodes (``medusa-eval``, ``medusa-tune-tree``, ``medusa-generate``) and the benchmarks load
-through :func:`load_for_inference`: it resolves ``dtype`` (:func:`medusa_train.precision.choose_dtype`) and
+through :func:`load_for_inference`: it resolves ``dtype`` (:func:`medusa_train.config.precision.choose_dtype`) and
 ``cpu_kernels`` (:func:`medusa_train.loading.cpu_kernels.choose_cpu_kernels`) for the device, refusing bad
 combinations before any weight is read, loads base and heads, converts the base's linear layers once (so every
 decoder built on it shares the kernels), prints the two decisions and returns them as :class:`InferenceRuntime` for
@@ -19,7 +19,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from medusa_train.config import ModelConfig, as_dataclass
+from medusa_train.config.schema import ModelConfig, as_dataclass
 from medusa_train.export import read_export_config
 from medusa_train.loading.base import load_base_model, resolve_device
 from medusa_train.loading.cpu_kernels import (
@@ -31,8 +31,8 @@ from medusa_train.loading.cpu_kernels import (
     choose_cpu_kernels,
 )
 from medusa_train.loading.export import export_base_config, load_export
-from medusa_train.model import SpeculativeModel
-from medusa_train.precision import DEFAULT_DTYPE, DtypeChoice, choose_dtype
+from medusa_train.models.speculative import SpeculativeModel
+from medusa_train.config.precision import DEFAULT_DTYPE, DtypeChoice, choose_dtype
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def load_for_inference(
 
 class TargetOnly:
     """A target model without a drafter, for runs whose decoders use none (plain decoding, a draft model, prompt
-    lookup, Lookahead, the engines): what those decoders read of a :class:`~medusa_train.model.SpeculativeModel`.
+    lookup, Lookahead, the engines): what those decoders read of a :class:`~medusa_train.models.speculative.SpeculativeModel`.
 
     Attributes:
         base: the ``*ForCausalLM``.

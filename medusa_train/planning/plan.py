@@ -13,7 +13,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from medusa_train.config import FROZEN_BASE, JOINT
+from medusa_train.config.schema import FROZEN_BASE, JOINT
 from medusa_train.planning.meta import HeadsSizes, TargetSizes, heads_sizes, target_sizes
 from medusa_train.planning.settings import PlanSettings
 from medusa_train.planning.stages import cache_build_stage, export_stage, self_distill_stage, training_stage

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from medusa_train.config import JOINT
+from medusa_train.config.schema import JOINT
 from medusa_train.planning.meta import HeadsSizes, TargetSizes
 from medusa_train.planning.settings import PlanSettings, dtype_bytes
 from medusa_train.planning.terms import GIB, Stage, Term, term

@@ -303,7 +303,7 @@ def _usage(contents: ExportContents, repo: str) -> str:
             "```python\n"
             "from inference.decoders.base import DecodeConfig\n"
             "from inference.decoders.tree import TreeDecoder\n"
-            "from medusa_train.prompts import encode_prompt\n\n"
+            "from medusa_train.chat.prompts import encode_prompt\n\n"
             f'decoder = TreeDecoder.from_pretrained("{repo}")  # the heads and tree from here, the base model '
             "from base_model_name_or_path\n"
             'prompt = encode_prompt(decoder.tokenizer, [{"role": "user", "content": "Why is the sky blue?"}])\n'

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from medusa_train.config import FROZEN_BASE, JOINT, TrainConfig
+from medusa_train.config.schema import FROZEN_BASE, JOINT, TrainConfig
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ launcher's world size against the trainer strategy, DeepSpeed batch sizes, the d
 the run cannot honour (:mod:`~medusa_train.training.base_placement`), ``output_dir`` itself
 (not empty, not a file, not someone else's folder) and whether it holds another run, or a run that ``resume=true``
 cannot continue with this config (:mod:`~medusa_train.training.run_dir`). Then the main process takes the folder's
-lock (:mod:`~medusa_train.training.run_lock`), the process group starts (through ``TrainingArguments``), the base
+lock (:mod:`~medusa_train.runs.run_lock`), the process group starts (through ``TrainingArguments``), the base
 model loads (converted once, main process first; replicated on every rank, or partitioned by ZeRO-3 as
 ``base_placement`` resolves) and the data is prepared (self-distillation sharded over ranks: by vLLM or a server
 before the base loads, so that the engines have the GPUs to themselves, its checks run on the base built on the
@@ -37,10 +37,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, TrainerCallback, TrainingArguments, set_seed
 
-from medusa_train.config import FROZEN_BASE, JOINT, ModelConfig, TrainConfig, as_dataclass, train_schema
+from medusa_train.config.schema import FROZEN_BASE, JOINT, ModelConfig, TrainConfig, as_dataclass, train_schema
 from medusa_train.export import save_base_model, save_export
 from medusa_train.export.files import write_json
-from medusa_train.catalog import drafter_type, heads_from_spec, is_drafter, spec_for_config, type_of
+from medusa_train.models.catalog import drafter_type, heads_from_spec, is_drafter, spec_for_config, type_of
 from medusa_train.loading.base import (
     base_weight_bytes,
     engine_model_path,
@@ -48,9 +48,9 @@ from medusa_train.loading.base import (
     load_tokenizer_and_config,
 )
 from medusa_train.loading.export import export_extra_config
-from medusa_train.heads_base import build_token_map
-from medusa_train.precision import choose_dtype, choose_precision
-from medusa_train.model import DraftHeads, base_sizes, check_supported, new_heads_for
+from medusa_train.models.heads_base import build_token_map
+from medusa_train.config.precision import choose_dtype, choose_precision
+from medusa_train.models.speculative import DraftHeads, base_sizes, check_supported, new_heads_for
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import (
     DistEnv,
@@ -75,7 +75,7 @@ from medusa_train.training.base_placement import (
     start_zero3_engine,
     zero3_inference_config,
 )
-from medusa_train.disk_space import require_free
+from medusa_train.runs.disk_space import require_free
 from medusa_train.training.callbacks import (
     DiscardOverwritten,
     Preempted,
@@ -83,7 +83,7 @@ from medusa_train.training.callbacks import (
     exit_callback_from_env,
     signal_callback_from_env,
 )
-from medusa_train.drills import check_drills
+from medusa_train.runs.drills import check_drills
 from medusa_train.training.data_prep import PreparedData, check_data_source, check_enough_data, prepare_data
 from medusa_train.training.head_accuracy import head_accuracy
 from medusa_train.training.metrics import format_table
@@ -97,7 +97,7 @@ from medusa_train.training.run_dir import (
     prepare_output_dir,
     settle_overwritten,
 )
-from medusa_train.training.run_lock import RunLock, check_token
+from medusa_train.runs.run_lock import RunLock, check_token
 from medusa_train.training.step import FrozenBase, LossSpec
 from medusa_train.training.trainer import DrafterTrainer, TrainingStopped, nonfinite_names
 
@@ -504,7 +504,7 @@ class BaseRecipe:
 
     def training_record(self) -> dict[str, Any]:
         """The ``training`` entry of the export's config (a flow adds its settings); ``precision`` the mixed
-        precision trained in (:meth:`~medusa_train.precision.PrecisionChoice.record`: asked for, used, why);
+        precision trained in (:meth:`~medusa_train.config.precision.PrecisionChoice.record`: asked for, used, why);
         ``memory`` holds the memory plan's peak per device and, on CUDA, ``torch.cuda.max_memory_allocated`` after
         training (bytes; None where not planned or not measured); ``data`` the data's counts
         (:meth:`PreparedData.record`: labelled tokens, skips); ``train_runtime_s`` the Trainer's seconds in this

@@ -9,7 +9,7 @@ checkpoint of the new run is sealed (:mod:`medusa_train.training.run_dir`).
 :class:`ExitAfterStep` stops the process abruptly (``os._exit``: no cleanup, no final save) once a given optimizer step
 has finished, to test that a killed run resumes to the same heads. ``medusa-train`` adds it when the environment
 variable ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds a step number, ``N:RANK`` for one rank alone (tests and
-fault-injection drills only; every drill variable is in :mod:`medusa_train.drills`).
+fault-injection drills only; every drill variable is in :mod:`medusa_train.runs.drills`).
 
 :class:`StopOnSignal` turns SIGTERM or SIGUSR1 (SLURM's preemption and its ``--signal`` warning, ``scancel``) into a
 sealed checkpoint at the end of the current optimizer step and an exit with :data:`PREEMPTED_EXIT_CODE`, which
@@ -26,7 +26,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from medusa_train.drills import EXIT_AFTER_STEP, EXIT_CODE, SIGNAL_AT_STEP, count_and_rank
+from medusa_train.runs.drills import EXIT_AFTER_STEP, EXIT_CODE, SIGNAL_AT_STEP, count_and_rank
 from medusa_train.training import checkpoints
 from medusa_train.training.process_group import ranks_max
 from medusa_train.training.run_dir import RunPaths, discard_overwritten

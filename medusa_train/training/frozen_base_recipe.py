@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from medusa_train.data import Collator
-from medusa_train.catalog import drafter_type, type_of
+from medusa_train.models.catalog import drafter_type, type_of
 from medusa_train.training.base_placement import ZERO3, partition_numel, release_backbone, stop_zero3_engine
 from medusa_train.training.base_recipe import BaseRecipe
 from medusa_train.training.data_prep import PreparedData

@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_train.catalog import ProjectFn
-from medusa_train.config import HeadsConfig
-from medusa_train.features import FINAL, target_features
-from medusa_train.model import DraftHeads
+from medusa_train.models.catalog import ProjectFn
+from medusa_train.config.schema import HeadsConfig
+from medusa_train.models.features import FINAL, target_features
+from medusa_train.models.speculative import DraftHeads
 from medusa_train.training.base_placement import gathered, is_partitioned
 from medusa_train.training.chunked_loss import chunked_argmax
 from medusa_train.training.joint_loss import base_loss_sum, chunked_base_loss_sum

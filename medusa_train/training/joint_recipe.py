@@ -40,10 +40,10 @@ from transformers import PreTrainedModel
 from medusa_train.data import Collator
 from medusa_train.export import BASE_DIR, load_heads
 from medusa_train.export.configs import export_head_type
-from medusa_train.catalog import expect_head_type
+from medusa_train.models.catalog import expect_head_type
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.export import ORIGINAL_BASE_KEY, check_export_base
-from medusa_train.model import DraftHeads, check_heads_match_base
+from medusa_train.models.speculative import DraftHeads, check_heads_match_base
 from medusa_train.training.arguments import zero3_hidden_from_transformers
 from medusa_train.training.base_recipe import BaseRecipe
 from medusa_train.training.joint import (

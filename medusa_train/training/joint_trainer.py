@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.utils import SAFE_WEIGHTS_NAME
 
-from medusa_train.config import JointSettings
+from medusa_train.config.schema import JointSettings
 from medusa_train.training.joint import BaseLossRequest, trainable_state
 from medusa_train.training.joint_loss import base_loss_sum, next_token_positions, ramp
 from medusa_train.training.losses import head_targets
@@ -50,7 +50,7 @@ __all__ = ["TRAINABLE_FILE", "JointSpec", "JointTrainer"]
 
 @dataclass(frozen=True)
 class JointSpec:
-    """Medusa-2 loss and optimizer settings, as :class:`~medusa_train.config.JointSettings` gives them (its
+    """Medusa-2 loss and optimizer settings, as :class:`~medusa_train.config.schema.JointSettings` gives them (its
     defaults are the only ones), with the base loss resolved.
 
     Attributes:

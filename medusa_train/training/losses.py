@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from medusa_train.heads_base import to_head_vocab
+from medusa_train.models.heads_base import to_head_vocab
 from medusa_train.training.chunked_loss import TeacherFn, chunked_linear_ce
 
 IGNORE_INDEX = -100

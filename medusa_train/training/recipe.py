@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig
 from transformers import TrainerCallback
 
-from medusa_train.config import FROZEN_BASE, JOINT, TrainConfig
+from medusa_train.config.schema import FROZEN_BASE, JOINT, TrainConfig
 from medusa_train.training.base_recipe import ACCURACY_FILE, BaseRecipe, gather_trainable_state, resolve_config
 from medusa_train.training.frozen_base_recipe import FrozenBaseRecipe
 from medusa_train.training.joint_recipe import JointRecipe

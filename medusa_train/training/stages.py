@@ -12,7 +12,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from medusa_train.config import FROZEN_BASE
+from medusa_train.config.schema import FROZEN_BASE
 
 STAGE1_DIR = "stage1"
 

@@ -16,7 +16,7 @@ from inference.decoders.tree import TreeDecoder
 from inference.decoders.vanilla import VanillaDecoder
 from inference.draft_loading import self_layer_draft
 from medusa_train.loading.cpu_kernels import PackedLinear, onednn_available, pack_linear_layers
-from medusa_train.model import SpeculativeModel, new_heads_for
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
 from tests.conftest import BF16, make_tiny_model
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -58,7 +58,7 @@ def test_every_decoder_equals_plain_greedy_on_the_same_packed_kernels(family, dt
 def test_medusa_eval_packs_the_model_once_for_every_decoder(tmp_path, monkeypatch):
     import medusa_train.loading.runtime as runtime
     from inference.evaluation.eval_run import evaluate
-    from medusa_train.config import ModelConfig
+    from medusa_train.config.schema import ModelConfig
     from medusa_train.export import save_export
     from medusa_train.loading.export import export_extra_config
     from tests.conftest import make_tiny_tokenizer

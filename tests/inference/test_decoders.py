@@ -21,9 +21,9 @@ from inference.decoders import (
 )
 from inference.decoders.chat import chat_prompt_ids, eos_ids
 from inference.decoders.tree import tree_attention_mask
-from medusa_train.catalog import drafter_type, head_types
-from medusa_train.features import count_layers
-from medusa_train.model import SpeculativeModel, new_heads_for
+from medusa_train.models.catalog import drafter_type, head_types
+from medusa_train.models.features import count_layers
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
 from medusa_train.tree.buffers import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
 from tests.conftest import FAMILIES, chi_square, make_tiny_model
 

@@ -9,8 +9,8 @@ import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
 from medusa_train.drafters.eagle3.proposer import Eagle3TreeDrafter
-from medusa_train.features import layer_feature
-from medusa_train.model import SpeculativeModel
+from medusa_train.models.features import layer_feature
+from medusa_train.models.speculative import SpeculativeModel
 from medusa_train.tree.buffers import SMALL_TREE_15, chain_choices
 from medusa_train.tree.dynamic import DynamicTree, dynamic_tree
 from tests.conftest import FAMILIES, VOCAB, make_tiny_model

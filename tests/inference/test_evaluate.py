@@ -18,12 +18,12 @@ from inference.evaluation.eval_run import evaluate
 from inference.evaluation.results import read_rows
 from inference.evaluation.sweep import concerns, find_runs, sweep_candidates, sweep_markdown, write_sweep
 from inference.registry import REGISTRY, decoder_settings, default_decoder_names
-from medusa_train.config import ModelConfig
+from medusa_train.config.schema import ModelConfig
 from medusa_train.export import save_export
 from medusa_train.loading.export import export_extra_config
-from medusa_train.model import new_heads_for
-from medusa_train.paths import CONF_DIR
-from medusa_train.prompts import encode_prompt
+from medusa_train.models.speculative import new_heads_for
+from medusa_train.files.paths import CONF_DIR
+from medusa_train.chat.prompts import encode_prompt
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 register_schemas()  # what conf/evaluate.yaml composes from
@@ -287,7 +287,7 @@ def test_more_prompts_extend_a_run_other_settings_are_refused(export, prompts, t
 def test_prompt_subsets(prompts, tmp_path, extra, ids):
     from inference.evaluation.eval_config import EvaluateConfig
     from inference.evaluation.eval_run import load_eval_prompts
-    from medusa_train.config import as_dataclass
+    from medusa_train.config.schema import as_dataclass
 
     ec = as_dataclass(EvaluateConfig, config(tmp_path, prompts, tmp_path, *extra))
     assert [p.id for p in load_eval_prompts(ec)] == ids
@@ -345,7 +345,7 @@ def test_decoder_yaml_files_hold_the_schema_defaults(tmp_path):
     assert sorted(set(REGISTRY) - set(cfg.decoders)) == ["llamacpp", "llamacpp_draft", "llamacpp_eagle3",
                                                          "llamacpp_ngram", "medusa", "vllm", "vllm_draft",
                                                          "vllm_eagle3", "vllm_medusa", "vllm_ngram"]  # when listed
-    # medusa: tree's old name (medusa_train.renames)
+    # medusa: tree's old name (medusa_train.config.renames)
     for name, entry in REGISTRY.items():
         assert OmegaConf.to_object(cfg.decoder[name]) == entry.settings(), name
     from inference.evaluation.eval_config import EvaluateConfig

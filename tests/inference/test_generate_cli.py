@@ -13,12 +13,12 @@ from hydra import compose, initialize_config_dir
 from inference.cli.generate import GenerateConfig, register_schemas, run
 from inference.decoders import DecodeConfig, VanillaDecoder, default_medusa_choices
 from inference.decoders.choices import resolve_medusa_choices
-from medusa_train.config import ModelConfig, as_dataclass
+from medusa_train.config.schema import ModelConfig, as_dataclass
 from medusa_train.export import save_export
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.export import export_extra_config
-from medusa_train.model import new_heads_for
-from medusa_train.paths import CONF_DIR, assets_dir
+from medusa_train.models.speculative import new_heads_for
+from medusa_train.files.paths import CONF_DIR, assets_dir
 
 register_schemas()  # what conf/generate.yaml composes from
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
-from medusa_train.catalog import tree_drafter
+from medusa_train.models.catalog import tree_drafter
 from medusa_train.drafters.hydra.proposer import HydraTreeDrafter
 from medusa_train.drafters.medusa.proposer import MedusaTreeDrafter
-from medusa_train.features import FINAL
-from medusa_train.model import SpeculativeModel, new_heads_for
+from medusa_train.models.features import FINAL
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
 from medusa_train.tree.buffers import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
-from medusa_train.tree.drafting import tree_levels
+from medusa_train.models.tree_drafter import tree_levels
 from tests.conftest import VOCAB, chi_square, make_tiny_model
 from tests.inference.test_decoders import PROMPTS, check_counts, greedy, random_heads
 

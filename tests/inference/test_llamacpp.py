@@ -20,15 +20,15 @@ from inference.decoders import DecodeConfig
 from inference.decoders.llamacpp import LlamaCppDecoder, cut_at_eos, pass_lengths
 from inference.engines.llamacpp_server import counter_difference, parse_spec_counters
 from inference.registry import BuildContext, build_decoder, check_request, decoder_settings
-from medusa_train.config import ModelConfig
-from medusa_train.catalog import new_spec
+from medusa_train.config.schema import ModelConfig
+from medusa_train.models.catalog import new_spec
 from medusa_train.drafters.eagle3.drafter import Eagle3Drafter
 from medusa_train.export import save_export
 from medusa_train.drafters.eagle3.gguf import drafter_gguf_path, export_eagle3_gguf, speculators_files
 from medusa_train.drafters.eagle3.llamacpp import LlamaCppEagle3Settings
 from medusa_train.engines.settings import LlamaCppSettings
 from medusa_train.engines.llamacpp_env import LlamaCppUnavailable, llamacpp_available
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from tests.conftest import VOCAB, make_tiny_model
 from tests.inference.test_vllm import smollm2  # noqa: F401 - fixture
@@ -295,7 +295,7 @@ def test_llamacpp_drafts_with_our_converted_drafter_and_keeps_plain_replies(smol
     server drafts with it (draft tokens counted, chains of at most K = 3), its greedy replies equal plain
     llama.cpp's, and the pass lengths rebuilt from its counters add up to each reply."""
     from medusa_train.loading.base import engine_model_path, load_base_model
-    from medusa_train.prompts import encode_prompt, load_prompts
+    from medusa_train.chat.prompts import encode_prompt, load_prompts
     from inference.engines.llamacpp_server import LlamaServer
 
     model, tokenizer = load_base_model(smollm2)
@@ -329,7 +329,7 @@ def test_medusa_eval_runs_the_llamacpp_rows(smollm2, tmp_path):
     from inference.evaluation.eval_run import evaluate
     from inference.evaluation.results import read_rows
     from medusa_train.loading.base import load_base_model
-    from medusa_train.paths import CONF_DIR
+    from medusa_train.files.paths import CONF_DIR
 
     register_schemas()
     model, _ = load_base_model(smollm2)

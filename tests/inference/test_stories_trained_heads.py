@@ -12,7 +12,7 @@ from inference.tuning.accuracy import measure_head_accuracy
 from inference.tuning.replay import replay_counts
 from medusa_train.cli.train import register_schemas
 from medusa_train.loading.export import load_export
-from medusa_train.paths import CONF_DIR
+from medusa_train.files.paths import CONF_DIR
 from medusa_train.training.recipe import build_recipe
 from medusa_train.tree.buffers import chain_choices
 

@@ -35,8 +35,8 @@ from inference.registry import (
     takes_draft,
     with_run_draft,
 )
-from medusa_train.config import ModelConfig
-from medusa_train.paths import CONF_DIR
+from medusa_train.config.schema import ModelConfig
+from medusa_train.files.paths import CONF_DIR
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

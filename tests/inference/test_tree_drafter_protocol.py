@@ -12,9 +12,9 @@ from torch import Tensor
 
 from inference.decoders import DecodeConfig, TreeDecoder
 import inference.decoders.tree as medusa
-from medusa_train.features import FINAL
+from medusa_train.models.features import FINAL
 from medusa_train.tree.buffers import TreeBuffers
-from medusa_train.tree.drafting import TreeDrafter
+from medusa_train.models.tree_drafter import TreeDrafter
 from tests.conftest import make_tiny_model
 from tests.inference.test_decoders import PROMPTS, SMALL_TREE, check_counts, greedy, random_medusa
 

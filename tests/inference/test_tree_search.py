@@ -206,7 +206,7 @@ def test_the_shortlist_times_the_predicted_best_and_the_measured_sizes_near_it()
 def test_timed_trees_count_what_the_decoder_decodes():
     from inference.decoders.base import DecodeConfig
     from inference.decoders.tree import TreeDecoder
-    from medusa_train.model import SpeculativeModel, new_heads_for
+    from medusa_train.models.speculative import SpeculativeModel, new_heads_for
     from inference.tuning.timed import fastest, time_trees
     from tests.conftest import make_tiny_model
 

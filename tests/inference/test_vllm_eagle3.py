@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
-from medusa_train.catalog import new_spec
+from medusa_train.models.catalog import new_spec
 from medusa_train.drafters.eagle3.drafter import Eagle3Drafter
 from medusa_train.drafters.eagle3.vllm import speculative_config as eagle3_speculative_config
 from medusa_train.engines.vllm_env import VllmWorker
 from medusa_train.export import load_heads, save_export
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.loading.base import engine_model_path
-from medusa_train.model import SpeculativeModel
-from medusa_train.prompts import encode_prompt, load_prompts
+from medusa_train.models.speculative import SpeculativeModel
+from medusa_train.chat.prompts import encode_prompt, load_prompts
 from medusa_train.training.recipe import build_recipe
 from medusa_train.tree.buffers import chain_choices
 from tests.conftest import VOCAB, make_tiny_model

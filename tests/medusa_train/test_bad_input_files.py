@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from inference.decoders.choices import resolve_medusa_choices
-from medusa_train.conversations import load_conversations
+from medusa_train.chat.conversations import load_conversations
 from medusa_train.data.self_distill import read_records
 from medusa_train.export import load_heads, save_export
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.loading.export import load_export
-from medusa_train.prompts import load_prompts
+from medusa_train.chat.prompts import load_prompts
 from tests.conftest import HIDDEN, VOCAB
 
 LATIN1 = '{"question_id": 1, "turns": ["caf\xe9"]}\n'.encode("latin-1")  # byte 0xe9 is not UTF-8 here

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from medusa_train.config import DataConfig, HeadsConfig, TrainConfig
+from medusa_train.config.schema import DataConfig, HeadsConfig, TrainConfig
 from medusa_train.training.base_placement import (
     REPLICATED,
     ZERO3,

@@ -129,7 +129,7 @@ def test_a_short_training_run_gives_the_same_loss_chunked_or_not(name, tiny_inpu
 
 
 def test_loss_chunk_size_zero_is_off_and_a_negative_one_is_refused_naming_the_field():
-    from medusa_train.config import TrainerConfig
+    from medusa_train.config.schema import TrainerConfig
 
     TrainerConfig(loss_chunk_size=0).validate()
     with pytest.raises(ValueError, match=r"trainer\.loss_chunk_size.*0: off"):

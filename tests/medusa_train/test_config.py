@@ -14,8 +14,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from medusa_train.config import TrainConfig, as_dataclass
-from medusa_train.paths import CONF_DIR, REPO_ROOT
+from medusa_train.config.schema import TrainConfig, as_dataclass
+from medusa_train.files.paths import CONF_DIR, REPO_ROOT
 from medusa_train.training.arguments import load_deepspeed_config
 
 PRIMARY = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
@@ -132,7 +132,7 @@ def test_heads_presets_set_only_what_differs_from_the_schema(preset):
     """Each default is defined once, in the heads schema: a preset sets its mode and the fields it changes."""
     import dataclasses
 
-    from medusa_train.config import HeadsConfig
+    from medusa_train.config.schema import HeadsConfig
 
     values = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "heads" / f"{preset}.yaml"))
     values.pop("defaults")
@@ -185,7 +185,7 @@ def test_every_conf_file_sets_only_what_differs_from_its_schema(path):
 
 def test_every_heads_mode_has_its_recipe():
     """heads.mode is checked once, by the schema; the recipes are keyed by the same modes."""
-    from medusa_train.config import HEADS_MODES
+    from medusa_train.config.schema import HEADS_MODES
     from medusa_train.training.recipe import RECIPES
 
     assert tuple(RECIPES) == HEADS_MODES == ("frozen_base", "joint")

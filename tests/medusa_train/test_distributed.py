@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from medusa_train.paths import REPO_ROOT
+from medusa_train.files.paths import REPO_ROOT
 from medusa_train.training import checkpoints
-from medusa_train.drills import EXIT_AFTER_STEP, EXIT_CODE
+from medusa_train.runs.drills import EXIT_AFTER_STEP, EXIT_CODE
 from medusa_train.training.recipe import build_recipe
 from tests.processes import run_group
 from tests.medusa_train.test_training import (

@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from medusa_train.catalog import drafter_type, shifted_path_tokens
-from medusa_train.features import layer_feature
-from medusa_train.model import SpeculativeModel, new_heads_for
+from medusa_train.models.catalog import drafter_type, shifted_path_tokens
+from medusa_train.models.features import layer_feature
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
 from medusa_train.training import base_recipe
 from medusa_train.training.recipe import build_recipe
 from tests.conftest import make_tiny_model
@@ -215,8 +215,8 @@ def test_a_crashed_cached_run_resumes_to_the_same_drafter(tiny_inputs, tmp_path)
 
 @pytest.fixture
 def cpu_flags(monkeypatch):
-    """Fake the CPU's instruction-set flags (:data:`medusa_train.precision.CPU_FLAGS_ENV`): ``cpu_flags(flags)``."""
-    from medusa_train.precision import CPU_FLAGS_ENV
+    """Fake the CPU's instruction-set flags (:data:`medusa_train.config.precision.CPU_FLAGS_ENV`): ``cpu_flags(flags)``."""
+    from medusa_train.config.precision import CPU_FLAGS_ENV
 
     return lambda flags: monkeypatch.setenv(CPU_FLAGS_ENV, " ".join(sorted(flags)))
 
@@ -335,7 +335,7 @@ def test_bad_eagle3_settings_are_refused_once_the_target_loads_before_its_data(
                                                       r"Hydra heads"),
 ])
 def test_eagle3_settings_for_other_flows_are_refused_before_any_model_loads(overrides, message, tiny_inputs, tmp_path):
-    from medusa_train.config import TrainConfig, as_dataclass
+    from medusa_train.config.schema import TrainConfig, as_dataclass
 
     with pytest.raises(ValueError, match=message):
         as_dataclass(TrainConfig, compose_train(tiny_overrides(*tiny_inputs, tmp_path / "run") + overrides))

@@ -14,8 +14,8 @@ import torch
 
 import medusa_train.export.files as files
 from medusa_train.export import save_export
-from medusa_train.model import new_heads_for
-from medusa_train.run_lock import EXPORT_LOCK, LockHeldError, RunLock
+from medusa_train.models.speculative import new_heads_for
+from medusa_train.runs.run_lock import EXPORT_LOCK, LockHeldError, RunLock
 from tests.conftest import make_tiny_model
 
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from medusa_train.export import save_export
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.loading.export import load_export
-from medusa_train.paths import PACKAGE_DIR
+from medusa_train.files.paths import PACKAGE_DIR
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 VENV = Path(os.environ.get("MEDUSA_FASTERDECODING_VENV") or PACKAGE_DIR.parent / ".venv-fasterdecoding")

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from medusa_train.heads_base import HeadsSpec, build_token_map
+from medusa_train.models.heads_base import HeadsSpec, build_token_map
 from medusa_train.drafters.medusa.heads import MedusaHeads
-from medusa_train.model import SpeculativeModel, new_heads_for
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from medusa_train.catalog import drafter_types, head_types, titles
-from medusa_train.heads_base import HeadsSpec
-from medusa_train.catalog import shifted_path_tokens
+from medusa_train.models.catalog import drafter_types, head_types, titles
+from medusa_train.models.heads_base import HeadsSpec
+from medusa_train.models.catalog import shifted_path_tokens
 from medusa_train.drafters.hydra.heads import HydraHeads, HydraSpec
-from medusa_train.model import SpeculativeModel, new_heads_for
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
 from medusa_train.training.recipe import build_recipe
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 from tests.medusa_train.test_training import compose_train, tiny_overrides

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from medusa_train.catalog import head_types
+from medusa_train.models.catalog import head_types
 from medusa_train.export import load_heads, read_export_config, save_export
-from medusa_train.catalog import shifted_path_tokens
+from medusa_train.models.catalog import shifted_path_tokens
 from medusa_train.drafters.hydra.heads import HydraHeads, HydraSpec
 from medusa_train.loading.export import load_export
-from medusa_train.model import new_heads_for
+from medusa_train.models.speculative import new_heads_for
 from medusa_train.publish.folder import collect_export
 from medusa_train.training.losses import heads_loss
 from medusa_train.training.recipe import build_recipe

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from medusa_train.config import HeadsConfig, LoraSettings
+from medusa_train.config.schema import HeadsConfig, LoraSettings
 from medusa_train.export import load_heads, read_export_config, save_export
 from medusa_train.loading.export import load_export
-from medusa_train.model import new_heads_for
+from medusa_train.models.speculative import new_heads_for
 from medusa_train.training import checkpoints
 from medusa_train.training.joint import (
     JointModel,

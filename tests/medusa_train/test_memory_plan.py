@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
-from medusa_train.config import HeadsConfig, heads_schema
-from medusa_train.paths import assets_dir
+from medusa_train.config.schema import HeadsConfig, heads_schema
+from medusa_train.files.paths import assets_dir
 from medusa_train.planning import GIB, PlanSettings, build_plan, find_fix, heads_sizes, load_target_config, target_sizes
 from medusa_train.planning.presets import heads_preset
 from medusa_train.planning.stages import CUDA_RESERVE_BYTES

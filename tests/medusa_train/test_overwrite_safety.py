@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
-from medusa_train.paths import REPO_ROOT
+from medusa_train.files.paths import REPO_ROOT
 from medusa_train.training import checkpoints, run_dir
 from medusa_train.training.recipe import build_recipe
 from medusa_train.training.run_dir import OutputDirError, RunPaths

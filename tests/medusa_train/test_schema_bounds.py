@@ -2,7 +2,7 @@
 
 The walk covers each schema Hydra's ConfigStore holds once every console script registered its own (plus the two
 validated through ``as_dataclass`` without being stored: ``draft/`` and ``medusa-publish``'s), recursing into nested
-schemas. Each int or float field must declare a bound (``medusa_train.bounds``); zero, a negative, a huge value and
+schemas. Each int or float field must declare a bound (``medusa_train.config.bounds``); zero, a negative, a huge value and
 (for floats) NaN are tried through the function each entry point validates with, and every value the bound refuses
 must be refused naming the dotted field. The concrete cases of issue 27 then run through the real composition of
 ``conf/*.yaml`` with the model loader replaced by one that fails the test if it is reached."""
@@ -28,10 +28,10 @@ from inference.draft_loading import DraftConfig
 from inference.evaluation.eval_config import EvaluateConfig
 from inference.registry import REGISTRY, decoder_settings
 from inference.tuning.tune_tree_config import TuneTreeConfig
-from medusa_train.bounds import field_bound, optional_fields
+from medusa_train.config.bounds import field_bound, optional_fields
 from medusa_train.cli.export_gguf import ExportGgufConfig
-from medusa_train.config import DataConfig, as_dataclass, train_schema
-from medusa_train.paths import CONF_DIR, REPO_ROOT
+from medusa_train.config.schema import DataConfig, as_dataclass, train_schema
+from medusa_train.files.paths import CONF_DIR, REPO_ROOT
 from medusa_train.publish.publish_config import PublishConfig
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 from tests.inference.test_tune_tree import tiny_export  # noqa: F401 (a fixture: a 3-head export of a tiny Llama)

@@ -14,8 +14,8 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from medusa_train import catalog
-from medusa_train.paths import CONF_DIR
+from medusa_train.models import catalog
+from medusa_train.files.paths import CONF_DIR
 from tests.medusa_train.test_training import CrashAtStep, assert_same_heads, compose_train, tiny_overrides
 from tests.medusa_train.test_training import write_tiny_inputs
 
@@ -51,7 +51,7 @@ def repeat_type(monkeypatch):
 
 def test_the_toy_is_found_as_the_built_in_types_are(repeat_type):
     from inference.registry import REGISTRY, decoder_names
-    from medusa_train.config import heads_schema
+    from medusa_train.config.schema import heads_schema
 
     entry = catalog.drafter_type("repeat")
     assert catalog.head_types()[-1] == "repeat" and entry.module_cls.__module__ == f"{TOY}.heads"
@@ -69,7 +69,7 @@ def test_a_new_drafter_type_trains_exports_resumes_tunes_decodes_exactly_greedy_
     from inference.decoders.tree import TreeDecoder
     from inference.decoders.vanilla import VanillaDecoder
     from inference.registry import BuildContext, build_decoder, decoder_settings
-    from medusa_train.config import ModelConfig
+    from medusa_train.config.schema import ModelConfig
     from medusa_train.export import load_heads, read_export_config
     from medusa_train.training.recipe import build_recipe
     from tests.toy_drafter import fake_engine
@@ -138,7 +138,7 @@ def test_a_new_drafter_type_trains_exports_resumes_tunes_decodes_exactly_greedy_
 
 
 def test_a_registered_type_is_refused_where_it_cannot_go(repeat_type, tmp_path):
-    from medusa_train.config import TrainConfig, as_dataclass
+    from medusa_train.config.schema import TrainConfig, as_dataclass
 
     model_dir, data = write_tiny_inputs(tmp_path)
 

@@ -19,12 +19,12 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from medusa_train.checksums import file_sha256
+from medusa_train.files.checksums import file_sha256
 from medusa_train.cli.train import register_schemas
-from medusa_train.config import TrainerConfig
+from medusa_train.config.schema import TrainerConfig
 from medusa_train.export import load_heads
 from medusa_train.loading.llama2c import load_llama2c_tokenizer
-from medusa_train.paths import CONF_DIR, assets_dir
+from medusa_train.files.paths import CONF_DIR, assets_dir
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import check_deepspeed_batch
 from medusa_train.training.losses import decay_weights, heads_loss, packed_head_loss, valid_mask
@@ -234,7 +234,7 @@ def test_loss_rejects_mismatched_shapes_and_missing_base_outputs():
 @pytest.mark.parametrize("target", ["labels", "base_argmax", "soft"])
 @pytest.mark.parametrize("share_lm_head", [False, True])
 def test_heads_run_only_where_counted_and_give_the_dense_loss_gradient_and_metrics(target, share_lm_head, chunk):
-    from medusa_train.heads_base import HeadsSpec
+    from medusa_train.models.heads_base import HeadsSpec
     from medusa_train.drafters.medusa.heads import MedusaHeads
     from medusa_train.training.step import FrozenBase, LossSpec, heads_on_batch
 

@@ -18,12 +18,12 @@ from hydra import compose, initialize_config_dir
 
 from inference.cli.generate import register_schemas, run
 from inference.decoders.tree import TreeDecoder
-from medusa_train.config import ModelConfig
+from medusa_train.config.schema import ModelConfig
 from medusa_train.export import save_export
 from medusa_train.loading.export import export_extra_config, load_export
 from medusa_train.loading.runtime import load_for_inference
-from medusa_train.model import new_heads_for
-from medusa_train.paths import CONF_DIR
+from medusa_train.models.speculative import new_heads_for
+from medusa_train.files.paths import CONF_DIR
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 register_schemas()

@@ -2,7 +2,7 @@
 one folder (this one: its module, :mod:`tests.toy_drafter.heads`; its own option ``heads.scale`` and its check,
 :mod:`tests.toy_drafter.options`; its engine files, vLLM mapping and engine decoder ``vllm_repeat``,
 :mod:`tests.toy_drafter.serving`; and this catalog entry), one preset (``conf/heads/repeat.yaml``) and one catalog
-line (its package among :data:`medusa_train.catalog.BUILTIN_MODULES`). Its tree drafter is Medusa's, imported from
+line (its package among :data:`medusa_train.models.catalog.BUILTIN_MODULES`). Its tree drafter is Medusa's, imported from
 Medusa's folder: its heads, like Medusa's, all read the last committed position at once. No real engine serves it: the
 tests serve it with a fake one (:mod:`tests.toy_drafter.fake_engine`).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from medusa_train.catalog import DrafterType, register
+from medusa_train.models.catalog import DrafterType, register
 from medusa_train.drafters.medusa.proposer import MedusaTreeDrafter
 from tests.toy_drafter.heads import RepeatHeads, RepeatSpec, repeat_logits
 from tests.toy_drafter.options import RepeatOptions

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from medusa_train.catalog import TargetInputs
-from medusa_train.features import FINAL
-from medusa_train.heads_base import HeadsSpec, register_token_map
+from medusa_train.models.catalog import TargetInputs
+from medusa_train.models.features import FINAL
+from medusa_train.models.heads_base import HeadsSpec, register_token_map
 
 
 @dataclass(frozen=True)

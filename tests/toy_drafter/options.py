@@ -1,11 +1,11 @@
-"""The repeat drafter's own setting, ``heads.scale`` (:attr:`medusa_train.catalog.DrafterType.options`): defined, bounded
+"""The repeat drafter's own setting, ``heads.scale`` (:attr:`medusa_train.models.catalog.DrafterType.options`): defined, bounded
 and checked here only; the heads schema holds it while the type is registered."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from medusa_train.bounds import bound
+from medusa_train.config.bounds import bound
 
 
 @dataclass

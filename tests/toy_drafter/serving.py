@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-from medusa_train.bounds import MAX_COUNT, bound
-from medusa_train.catalog import EngineDecoder
+from medusa_train.config.bounds import MAX_COUNT, bound
+from medusa_train.models.catalog import EngineDecoder
 from medusa_train.engines.settings import VllmSettings
 from medusa_train.export.files import read_json, write_json
 

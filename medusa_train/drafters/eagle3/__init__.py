@@ -12,7 +12,7 @@ Its export is the ``state_dict`` layout (``eagle3_drafter.safetensors``). This m
 
 from __future__ import annotations
 
-from medusa_train.catalog import DrafterType, register
+from medusa_train.models.catalog import DrafterType, register
 from medusa_train.drafters.eagle3.drafter import (
     Eagle3Drafter,
     Eagle3Spec,

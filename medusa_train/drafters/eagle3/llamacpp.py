@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from medusa_train.bounds import MAX_COUNT, bound
-from medusa_train.catalog import EngineDecoder
+from medusa_train.config.bounds import MAX_COUNT, bound
+from medusa_train.models.catalog import EngineDecoder
 from medusa_train.drafters.eagle3.vllm import VLLM_METHOD
 from medusa_train.engines.llamacpp_env import OUTTYPES
 from medusa_train.engines.settings import LlamaCppSettings
@@ -29,11 +29,11 @@ class LlamaCppEagle3Settings(LlamaCppSettings):
             None: llama.cpp's default.
         drafter_gguf: the drafter's GGUF; None: the export's ``llamacpp/eagle3_drafter.gguf``, converted from its
             ``speculators/`` by llama.cpp's converter when missing or older than them
-            (the type's :attr:`~medusa_train.catalog.DrafterType.llamacpp_gguf`,
+            (the type's :attr:`~medusa_train.models.catalog.DrafterType.llamacpp_gguf`,
             :func:`medusa_train.drafters.eagle3.gguf.export_eagle3_gguf`, also ``medusa-export-gguf``).
         outtype: the converted drafter's weight type (``f32``, ``f16``, ``bf16``, ``q8_0``).
         method: the speculative method of the drafter llama.cpp loads, by vLLM's name
-            (:attr:`~medusa_train.catalog.DrafterType.vllm_method`): llama.cpp converts the files vLLM serves it from.
+            (:attr:`~medusa_train.models.catalog.DrafterType.vllm_method`): llama.cpp converts the files vLLM serves it from.
         spec_type: llama.cpp's ``--spec-type`` for it, ``draft-eagle3``.
     """
 

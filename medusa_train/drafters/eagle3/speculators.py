@@ -17,7 +17,7 @@ Layout (read in vLLM 0.32.0: ``vllm/transformers_utils/configs/speculators/{base
                          t2d [V] bool (the target ids in the draft vocabulary; vLLM skips it)
 
 vLLM's target records the input of each tap layer (``EagleModelMixin._maybe_add_hidden_state``; the same index as
-:mod:`medusa_train.features`) and concatenates the taps in ascending layer order (``_set_aux_hidden_state_layers``
+:mod:`medusa_train.models.features`) and concatenates the taps in ascending layer order (``_set_aux_hidden_state_layers``
 sorts them), so ``fc``'s column blocks are written in that order and the ids sorted. Tap ``L`` (the last layer's
 output) differs: vLLM's is before the final norm, ours after it, so a drafter reading it is refused when the target
 is known. No ``embed_tokens``: vLLM shares the target's, which our drafter reads frozen.
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from medusa_train.export.files import write_json, write_safetensors
-from medusa_train.features import count_layers
+from medusa_train.models.features import count_layers
 
 SPECULATORS_DIR = "speculators"
 CONFIG_FILE = "config.json"

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-from medusa_train.bounds import MAX_COUNT, bound
-from medusa_train.catalog import EngineDecoder, drafter_type
+from medusa_train.config.bounds import MAX_COUNT, bound
+from medusa_train.models.catalog import EngineDecoder, drafter_type
 from medusa_train.drafters.eagle3.speculators import CONFIG_FILE, SPECULATORS_DIR, SPECULATORS_MODEL_TYPE
 from medusa_train.engines.settings import VllmSettings
 from medusa_train.engines.vllm_env import tuned_speculative_tokens
@@ -79,7 +79,7 @@ class VllmEagle3Settings(VllmSettings):
             (the export's ``vllm_speculative.json``, ``benchmarks/serve_vllm.py --record``), else the export's
             ``speculative_tokens`` (the drafter's training-time-test steps).
         method: vLLM's speculative method this decoder serves (the catalog's
-            :attr:`~medusa_train.catalog.DrafterType.vllm_method`).
+            :attr:`~medusa_train.models.catalog.DrafterType.vllm_method`).
     """
 
     num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))

@@ -8,7 +8,7 @@ The folder holds the heads and their loss logits (:mod:`~medusa_train.drafters.h
 
 from __future__ import annotations
 
-from medusa_train.catalog import DrafterType, register
+from medusa_train.models.catalog import DrafterType, register
 from medusa_train.drafters.hydra.heads import HydraHeads, HydraSpec, hydra_logits, hydra_projected
 from medusa_train.drafters.hydra.options import HydraOptions
 from medusa_train.drafters.hydra.proposer import HydraTreeDrafter

@@ -1,6 +1,6 @@
-"""Hydra heads' own settings (``heads.*``, :attr:`medusa_train.catalog.DrafterType.options`): how each head combines
+"""Hydra heads' own settings (``heads.*``, :attr:`medusa_train.models.catalog.DrafterType.options`): how each head combines
 the hidden state with the path's embeddings. Defined and checked here only; the heads schema holds them
-(:func:`medusa_train.config.heads_schema`) and the catalog entry passes them to :class:`~.heads.HydraSpec`."""
+(:func:`medusa_train.config.schema.heads_schema`) and the catalog entry passes them to :class:`~.heads.HydraSpec`."""
 
 from __future__ import annotations
 

@@ -5,16 +5,16 @@ The folder holds the heads and their loss logits (:mod:`~medusa_train.drafters.m
 (:mod:`~medusa_train.drafters.medusa.vllm`).
 Their export is the ``medusa`` layout, FasterDecoding's keys that FasterDecoding, TGI and vLLM load, written and read
 by :mod:`medusa_train.export` (which also reads FasterDecoding's and vLLM's own folders); the shared spec and head
-vocabulary are :mod:`medusa_train.heads_base`'s. This module is the catalog entry.
+vocabulary are :mod:`medusa_train.models.heads_base`'s. This module is the catalog entry.
 """
 
 from __future__ import annotations
 
-from medusa_train.catalog import MEDUSA_LAYOUT, DrafterType, register
+from medusa_train.models.catalog import MEDUSA_LAYOUT, DrafterType, register
 from medusa_train.drafters.medusa.heads import MedusaHeads, medusa_logits
 from medusa_train.drafters.medusa.proposer import MedusaTreeDrafter
 from medusa_train.drafters.medusa.vllm import VLLM_DECODER, VLLM_METHOD, speculative_config
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 
 MEDUSA = register(DrafterType(
     name="medusa", title="Medusa", spec_cls=HeadsSpec, module_cls=MedusaHeads, logits=medusa_logits,

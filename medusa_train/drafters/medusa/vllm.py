@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-from medusa_train.bounds import MAX_COUNT, bound
-from medusa_train.catalog import EngineDecoder
+from medusa_train.config.bounds import MAX_COUNT, bound
+from medusa_train.models.catalog import EngineDecoder
 from medusa_train.engines.settings import VllmSettings
 from medusa_train.engines.vllm_env import SPECULATIVE_FILE, tuned_speculative_tokens
 from medusa_train.export.configs import VLLM_MODEL_TYPE
@@ -68,7 +68,7 @@ class VllmMedusaSettings(VllmSettings):
         num_speculative_tokens: drafted tokens per step, 1..K (the first heads); None: the length measured fastest
             (the export's ``vllm_speculative.json``, ``benchmarks/serve_vllm.py --record``), else all K heads.
         method: vLLM's speculative method this decoder serves (the catalog's
-            :attr:`~medusa_train.catalog.DrafterType.vllm_method`; its type gives the ``speculative_config``).
+            :attr:`~medusa_train.models.catalog.DrafterType.vllm_method`; its type gives the ``speculative_config``).
     """
 
     num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))

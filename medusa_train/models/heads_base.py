@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from medusa_train.catalog import type_of
+from medusa_train.models.catalog import type_of
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class HeadsSpec:
 
     @property
     def head_type(self) -> str:
-        """The registered drafter type of this spec's class (:mod:`medusa_train.catalog`): ``"medusa"``
+        """The registered drafter type of this spec's class (:mod:`medusa_train.models.catalog`): ``"medusa"``
         here, ``"hydra"`` for :class:`~medusa_train.drafters.hydra.heads.HydraSpec`."""
         return type_of(self).name
 

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_train.catalog import TargetInputs, heads_from_spec, new_spec, shifted_path_tokens, titles, type_of
-from medusa_train.catalog import drafter_types
-from medusa_train.features import FINAL, feature_layer, target_features
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.catalog import TargetInputs, heads_from_spec, new_spec, shifted_path_tokens, titles, type_of
+from medusa_train.models.catalog import drafter_types
+from medusa_train.models.features import FINAL, feature_layer, target_features
+from medusa_train.models.heads_base import HeadsSpec
 
-DraftHeads = nn.Module  # any registered drafter type's module (medusa_train.catalog)
+DraftHeads = nn.Module  # any registered drafter type's module (medusa_train.models.catalog)
 
 # config attributes that change logits after the lm_head; we compute logits as lm_head(hidden) and must refuse these.
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
@@ -100,9 +100,9 @@ class SpeculativeModel(nn.Module):
 
     def features(self, input_ids: torch.Tensor, **kwargs: Any) -> tuple[dict[str, torch.Tensor], Any]:
         """Backbone pass: ``input_ids [B, T]`` -> (the named target features the heads' type reads, each
-        ``[B, T, H]``, :attr:`~medusa_train.catalog.DrafterType.features`, ``final`` always; the cache).
+        ``[B, T, H]``, :attr:`~medusa_train.models.catalog.DrafterType.features`, ``final`` always; the cache).
 
-        The same function (:func:`medusa_train.features.target_features`) feeds training, tuning and decoding.
+        The same function (:func:`medusa_train.models.features.target_features`) feeds training, tuning and decoding.
         ``kwargs`` as :meth:`hidden`.
         """
         names = {FINAL, *type_of(self.heads.spec).feature_names(self.heads.spec)}
@@ -111,7 +111,7 @@ class SpeculativeModel(nn.Module):
 
     @property
     def head_type(self) -> str:
-        """The heads' registered type (:mod:`medusa_train.catalog`), e.g. ``"medusa"``."""
+        """The heads' registered type (:mod:`medusa_train.models.catalog`), e.g. ``"medusa"``."""
         return type_of(self.heads.spec).name
 
     def _shared_weight(self) -> torch.Tensor | None:
@@ -133,11 +133,11 @@ class SpeculativeModel(nn.Module):
     def head_logits(self, hidden: torch.Tensor | Mapping[str, torch.Tensor], path_tokens: torch.Tensor | None = None,
                     num_heads: int | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[..., H]`` -> ``[K, ..., V']`` logits of all heads, as their type computes them
-        (:attr:`~medusa_train.catalog.DrafterType.logits`).
+        (:attr:`~medusa_train.models.catalog.DrafterType.logits`).
 
         Args:
             hidden: ``[..., H]`` last hidden states at positions t, or the named features the type reads
-                (:meth:`features`; a :attr:`~medusa_train.catalog.DrafterType.sequence` type, EAGLE-3,
+                (:meth:`features`; a :attr:`~medusa_train.models.catalog.DrafterType.sequence` type, EAGLE-3,
                 needs them, ``[B, T, H]`` each: whole sequences).
             path_tokens: for types that read the path (Hydra, EAGLE-3), ``[..., K]`` long, the tokens t+1 .. t+K
                 (head k reads the first k + 1).
@@ -248,7 +248,7 @@ def new_heads_for(
     """Fresh heads for ``base``: zero blocks (identity), projections copied from the base lm_head.
 
     Args:
-        head_type: a registered drafter type (:mod:`medusa_train.catalog`): ``medusa``
+        head_type: a registered drafter type (:mod:`medusa_train.models.catalog`): ``medusa``
             (:class:`~medusa_train.drafters.medusa.heads.MedusaHeads`), ``hydra``
             (:class:`~medusa_train.drafters.hydra.heads.HydraHeads`) ...
         options: the type's own spec fields (Hydra: ``combine``, one of ``concat``, ``sum``); others are ignored.

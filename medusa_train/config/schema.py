@@ -16,7 +16,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from medusa_train.bounds import (
+from medusa_train.config.bounds import (
     MAX_COUNT,
     MAX_EPOCHS,
     MAX_PROCESSES,
@@ -27,9 +27,9 @@ from medusa_train.bounds import (
     bound,
     check_bounds,
 )
-from medusa_train.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, head_types, titles
-from medusa_train.precision import AUTO, TRAINING_PRECISIONS, check_dtype_name
-from medusa_train.prompts import PROBLEM_SETS
+from medusa_train.models.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, head_types, titles
+from medusa_train.config.precision import AUTO, TRAINING_PRECISIONS, check_dtype_name
+from medusa_train.chat.prompts import PROBLEM_SETS
 
 MODEL_FORMATS = ("auto", "hf", "gguf", "llama2c")
 DEVICES = ("cpu", "cuda", "cuda:N", "auto")  # what medusa_train.loading.base.resolve_device places a model on
@@ -56,7 +56,7 @@ class ModelConfig:
         tokenizer_path: the llama2.c ``tok*.bin`` tokenizer (``format=llama2c`` only).
         dtype: ``float32``, ``bfloat16`` or ``float16`` (short forms ``fp32``/``bf16``/``fp16`` accepted), or
             ``auto``: bf16 where the hardware multiplies bf16 natively, fp32 elsewhere
-            (:func:`medusa_train.precision.choose_dtype`, which also refuses float16 on a CPU).
+            (:func:`medusa_train.config.precision.choose_dtype`, which also refuses float16 on a CPU).
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available).
         revision: Hub revision (branch, tag or commit).
         attn_implementation: transformers' attention backend (``sdpa`` or ``eager``).
@@ -134,7 +134,7 @@ HEADS_MODES = (FROZEN_BASE, JOINT)  # one training recipe each (medusa_train.tra
 class HeadShape:
     """What the draft heads are (``heads.*``; recorded in their export), whatever their type. A type's own settings
     (Hydra's ``heads.combine``, EAGLE-3's ``heads.feature_layers``) are its catalog entry's
-    (:attr:`~medusa_train.catalog.DrafterType.options`), defined in its folder: :func:`heads_schema` adds every
+    (:attr:`~medusa_train.models.catalog.DrafterType.options`), defined in its folder: :func:`heads_schema` adds every
     registered type's to these.
 
     Attributes:
@@ -460,7 +460,7 @@ class TrainerConfig:
         num_train_epochs, max_steps: length (``max_steps > 0`` wins).
         precision: ``fp32``, ``bf16`` or ``fp16`` mixed precision for the heads (the HF Trainer's autocast), or
             ``auto``: ``bf16`` on a CUDA GPU with bf16 or a CPU with bf16 instructions (AVX-512 BF16, AMX), else
-            ``fp32`` (:func:`medusa_train.precision.choose_precision`; resolved once, logged, and recorded in the
+            ``fp32`` (:func:`medusa_train.config.precision.choose_precision`; resolved once, logged, and recorded in the
             export's ``training`` entry).
         logging_steps, save_steps, save_total_limit: log and checkpoint cadence (checkpoints are atomic).
         dataloader_num_workers: DataLoader worker processes.
@@ -656,7 +656,7 @@ def register_configs() -> None:
 
 def heads_schema() -> type:
     """The ``heads.*`` schema: :class:`HeadsConfig` with every registered drafter type's own options
-    (:attr:`~medusa_train.catalog.DrafterType.options`, defined in its folder) as fields beside the shared ones; the
+    (:attr:`~medusa_train.models.catalog.DrafterType.options`, defined in its folder) as fields beside the shared ones; the
     same class while the catalog holds the same types. A subclass of :class:`HeadsConfig`."""
     return _with_options(tuple(e.options for e in drafter_types() if e.options is not None))
 

@@ -11,7 +11,7 @@ drafter's candidates). The decoder calls, per request:
 
 So a drafter may keep per-request state (an autoregressive drafter: its own KV cache and the target features of
 every committed token); the decoder keeps none for it. Each drafter type's folder holds its implementation, which its
-catalog entry names (:attr:`medusa_train.catalog.DrafterType.tree_drafter`; :func:`medusa_train.catalog.tree_drafter`
+catalog entry names (:attr:`medusa_train.models.catalog.DrafterType.tree_drafter`; :func:`medusa_train.models.catalog.tree_drafter`
 builds it):
 
 - Medusa heads (:class:`medusa_train.drafters.medusa.proposer.MedusaTreeDrafter`) and Hydra heads
@@ -24,7 +24,7 @@ builds it):
 All are deterministic functions of the committed sequence and the root, so speculative sampling may treat each
 drafted token as a point mass (see :mod:`inference.decoders.tree`).
 
-**Target features** are named (``{FINAL: [B, T, H], ...}``); :meth:`medusa_train.model.SpeculativeModel.features` is
+**Target features** are named (``{FINAL: [B, T, H], ...}``); :meth:`medusa_train.models.speculative.SpeculativeModel.features` is
 the one place the decoder turns a backbone pass into them.
 
 Shapes: B batch, T prompt length (left-padded), K heads, N tree nodes, D tree depth, W accepted-path width (the
@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from medusa_train.features import FINAL
+from medusa_train.models.features import FINAL
 from medusa_train.tree.buffers import TreeBuffers
 
 

@@ -8,12 +8,12 @@ with; none compares a type's name or tests its class (``tests/test_drafter_catal
 
 A :class:`DrafterType` says:
 
-- what it is: its spec class (a frozen dataclass deriving :class:`~medusa_train.heads_base.HeadsSpec`), its
+- what it is: its spec class (a frozen dataclass deriving :class:`~medusa_train.models.heads_base.HeadsSpec`), its
   ``nn.Module`` class (built as ``module_cls(spec, token_map)``, with ``init_from_lm_head``, ``to_base_tokens``,
   ``token_map`` and ``dtype``), and ``options``: the dataclass of the ``heads.*`` settings only this type reads (their
   defaults, bounds and checks; the heads schema holds every registered type's,
-  :func:`medusa_train.config.heads_schema`), passed to its spec;
-- what it reads of the target: ``features`` (names from :mod:`medusa_train.features`, stored by the training cache)
+  :func:`medusa_train.config.schema.heads_schema`), passed to its spec;
+- what it reads of the target: ``features`` (names from :mod:`medusa_train.models.features`, stored by the training cache)
   and whether it reads the teacher-forced path tokens t+1 .. t+K (``reads_path``);
 - its loss: ``logits(heads, inputs, num_heads)`` gives its K heads' logits ``[K, ..., V']`` at the positions of
   :class:`TargetInputs`, teacher forced, which the one head loss (:mod:`medusa_train.training.losses`) scores
@@ -33,7 +33,7 @@ A :class:`DrafterType` says:
   run it in an engine (:class:`EngineDecoder`: ``vllm_eagle3``, its settings and their defaults), which
   ``inference.registry`` registers beside its own;
 - its tree drafter: ``tree_drafter``, a class built as ``tree_drafter(model)``
-  (:class:`medusa_train.tree.drafting.TreeDrafter`; :func:`tree_drafter`).
+  (:class:`medusa_train.models.tree_drafter.TreeDrafter`; :func:`tree_drafter`).
 
 Shapes: K heads, H hidden, V vocabulary (V' the heads').
 """
@@ -49,8 +49,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from medusa_train.features import FINAL
-from medusa_train.tree.drafting import DynamicTreeDrafter, TreeDrafter
+from medusa_train.models.features import FINAL
+from medusa_train.models.tree_drafter import DynamicTreeDrafter, TreeDrafter
 
 # Export layouts (DrafterType.layout).
 MEDUSA_LAYOUT = "medusa"  # FasterDecoding's keys (medusa_lm_head.safetensors/.pt), TGI's and vLLM's Medusa loaders
@@ -67,7 +67,7 @@ class TargetInputs:
     """What a drafter reads of the target model at some positions ``[...]``, teacher forced.
 
     Attributes:
-        features: named target features (:mod:`medusa_train.features`), each ``[..., H]``.
+        features: named target features (:mod:`medusa_train.models.features`), each ``[..., H]``.
         path_tokens: long ``[..., K]``, the tokens t+1 .. t+K of each position (None for types that do not read
             them).
         embed: the target's frozen input embeddings: long ``[...]`` -> ``[..., H]``.
@@ -131,7 +131,7 @@ class DrafterType:
     Attributes:
         name: the ``head_type`` (``heads.head_type``, an export's ``config.json``).
         title: its name in messages (``Medusa``).
-        spec_cls: its spec, a frozen dataclass deriving :class:`~medusa_train.heads_base.HeadsSpec`.
+        spec_cls: its spec, a frozen dataclass deriving :class:`~medusa_train.models.heads_base.HeadsSpec`.
         module_cls: its ``nn.Module``, built as ``module_cls(spec, token_map)``.
         logits: its heads' teacher-forced logits (:data:`LogitsFn`).
         projected: the same heads' features and projection weight handed to a :data:`ProjectFn` inside the heads'
@@ -140,10 +140,10 @@ class DrafterType:
             instead of holding ``[K, M, V']`` logits. None: the loss reads :attr:`logits` (all at once).
         source: the paper it follows (title, section).
         options: the dataclass of the ``heads.*`` settings only this type reads (e.g. Hydra's ``combine``), fields of
-            ``spec_cls`` too: their defaults and bounds (:func:`medusa_train.bounds.bound`), and a ``check_options()``
+            ``spec_cls`` too: their defaults and bounds (:func:`medusa_train.config.bounds.bound`), and a ``check_options()``
             method, when it has one, run on the heads config before anything loads (raising ``ValueError`` naming
             ``heads.<field>``); None: no options.
-        features: the target features it reads (:mod:`medusa_train.features` names), when the same for every spec.
+        features: the target features it reads (:mod:`medusa_train.models.features` names), when the same for every spec.
         features_of: ``spec -> names``, when they depend on the spec (EAGLE-3's layers); else None.
         target_fields: ``(target config, options) -> spec fields`` read from the target (EAGLE-3's attention shape and
             default layers), or None.
@@ -157,7 +157,7 @@ class DrafterType:
         config_keys: ``spec.<field>`` -> its key in our ``config.json`` for the spec's own fields (the sizes
             ``hidden_size``, ``vocab_size``, ``share_lm_head``, ``head_vocab_size`` are common to all types).
         engines: engine (:data:`ENGINES`) -> None when it serves this type's export, else the reason it cannot.
-        tree_drafter: its tree drafter class (:class:`~medusa_train.tree.drafting.TreeDrafter`), built as
+        tree_drafter: its tree drafter class (:class:`~medusa_train.models.tree_drafter.TreeDrafter`), built as
             ``tree_drafter(model)``.
         engine_writers: engine -> a function called as ``(heads, *, base_model_name_or_path, base_model)``: it checks
             the heads for that engine (raising ``ValueError`` naming what does not fit) and returns
@@ -263,7 +263,7 @@ class DrafterType:
         return self.engines[engine]
 
     def make_tree_drafter(self, model: Any) -> TreeDrafter:
-        """Its tree drafter for ``model`` (a :class:`~medusa_train.model.SpeculativeModel` holding such heads).
+        """Its tree drafter for ``model`` (a :class:`~medusa_train.models.speculative.SpeculativeModel` holding such heads).
 
         Raises:
             ValueError: the type declares no tree drafter.
@@ -401,7 +401,7 @@ def is_drafter(module: Any) -> bool:
 
 
 def tree_drafter(model: Any) -> TreeDrafter:
-    """A new drafter for ``model``'s heads, before :meth:`~medusa_train.tree.drafting.TreeDrafter.start`: the one their
+    """A new drafter for ``model``'s heads, before :meth:`~medusa_train.models.tree_drafter.TreeDrafter.start`: the one their
     type declares (:meth:`DrafterType.make_tree_drafter`).
 
     Raises:
@@ -412,7 +412,7 @@ def tree_drafter(model: Any) -> TreeDrafter:
 
 def grows_dynamic_trees(model: Any) -> bool:
     """Whether ``model``'s tree drafter (:func:`tree_drafter`) also grows EAGLE-2 dynamic trees
-    (:class:`~medusa_train.tree.drafting.DynamicTreeDrafter`): decided by the protocol, for any drafter type.
+    (:class:`~medusa_train.models.tree_drafter.DynamicTreeDrafter`): decided by the protocol, for any drafter type.
 
     Raises:
         ValueError: a type without a tree drafter.
@@ -469,7 +469,7 @@ def heads_from_spec(spec: Any, token_map: torch.Tensor | None = None) -> nn.Modu
 
 def new_spec(head_type: str, options: Mapping[str, Any] | None = None, target_config: Any = None,
              **sizes: Any) -> Any:
-    """The spec of a ``head_type`` drafter: ``sizes`` (the :class:`~medusa_train.heads_base.HeadsSpec` fields), the
+    """The spec of a ``head_type`` drafter: ``sizes`` (the :class:`~medusa_train.models.heads_base.HeadsSpec` fields), the
     type's options (others in ``options`` are ignored) and what it reads of ``target_config`` (the target's
     ``PretrainedConfig``; :attr:`DrafterType.target_fields`).
 
@@ -490,7 +490,7 @@ def new_spec(head_type: str, options: Mapping[str, Any] | None = None, target_co
 
 
 def spec_for_config(heads_cfg: Any, target_config: Any, hidden_size: int, vocab_size: int) -> Any:
-    """The spec of the drafter ``heads.*`` describes (:class:`~medusa_train.config.HeadShape`) for a target of
+    """The spec of the drafter ``heads.*`` describes (:class:`~medusa_train.config.schema.HeadShape`) for a target of
     ``hidden_size`` H and ``vocab_size`` V (:func:`new_spec` with the type's options from the config).
 
     Raises:
