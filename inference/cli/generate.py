@@ -31,6 +31,7 @@ from inference.registry import (
 from medusa_train.config.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
 from medusa_train.cli.app import hydra_app, register_shared_schemas
 from medusa_train.config.schema import as_dataclass, check_device
+from medusa_train.export.files import check_readable
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.loading.runtime import load_for_inference
 from medusa_train.config.precision import DEFAULT_DTYPE, check_dtype_name
@@ -82,6 +83,7 @@ class GenerateConfig:
         Raises:
             ValueError: a bad value (the key named), an unknown decoder, or settings that do not fit together.
             FileNotFoundError: ``export_dir`` is not a folder.
+            PermissionError: a file or folder of ``export_dir`` this user cannot read (named: ``check_readable``).
         """
         check_bounds(self)
         check_decoder_names([self.decoder_name])
@@ -97,6 +99,7 @@ class GenerateConfig:
         check_cpu_kernels(self.cpu_kernels)
         if self.device is not None:
             check_device(self.device, "device")
+        check_readable(self.export_dir)
         if not Path(self.export_dir).is_dir():
             raise FileNotFoundError(
                 f"export_dir={self.export_dir!r} is not a folder (an export written by medusa-train)")

@@ -48,11 +48,12 @@ def _run(tc: TuneTreeConfig) -> dict:
     from medusa_train.chat.prompts import load_prompts
     from inference.tuning.tune import tune_tree
 
+    # the prompts first: a malformed prompt file is named before the model loads
+    prompts = load_prompts(tc.prompts.source, tc.prompts.path, tc.prompts.offset, tc.prompts.num_prompts)
     model, tokenizer, _, runtime = load_for_inference(tc.export_dir, model=tc.model, dtype=tc.dtype, device=tc.device,
                                                       cpu_kernels=tc.cpu_kernels)
     if tc.topk > model.heads.spec.out_size:
         raise ValueError(f"topk={tc.topk} exceeds the heads' vocabulary of {model.heads.spec.out_size}")
-    prompts = load_prompts(tc.prompts.source, tc.prompts.path, tc.prompts.offset, tc.prompts.num_prompts)
     result = tune_tree(model, tokenizer, prompts, tc, runtime.record())
     acc = result["head_accuracy"]["acc"]
     print("head  " + "  ".join(f"top{i + 1:<3d}" for i in range(min(5, len(acc[0])))))

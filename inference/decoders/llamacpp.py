@@ -1,5 +1,6 @@
-"""llama.cpp as a decoder: ``llama-server`` on the target's GGUF, plain (``llamacpp``) or with the export's EAGLE-3
-drafter converted to GGUF (``llamacpp_eagle3``), on the same prompt ids, token budget and threads as ours.
+"""llama.cpp as a decoder: ``llama-server`` on the target's GGUF, plain (``llamacpp``), with the export's EAGLE-3
+drafter converted to GGUF (``llamacpp_eagle3``), a draft model (``llamacpp_draft``) or its n-gram self-speculation
+(``llamacpp_ngram``), on the same prompt ids, token budget and threads as ours.
 
 The server (:class:`inference.engines.llamacpp_server.LlamaServer`) starts once per run and is stopped between
 requests. It decodes the target's GGUF as stored (SmolLM2's is Q4_1, which our loader dequantizes), so its replies are
@@ -7,14 +8,12 @@ compared with plain llama.cpp's (``llamacpp``), not with ours. Greedy only; EOS:
 end-of-generation tokens (none when the request has no ``eos_token_ids``: it then runs to ``max_new_tokens``), and the
 reply is cut after the first of the request's ``eos_token_ids``.
 
-Counts (:mod:`inference.decoders.base`'s convention), from the server's counters for the request
-(:func:`inference.engines.llamacpp_server.counter_difference`): D verifying passes that carried drafts, A accepted
-drafts, accepted per draft position. Each such pass emits its accepted drafts and one more token; every other
-decoding pass (no draft: the drafter's top-1 fell below ``--spec-draft-p-min``, or one token was left) emits one.
-So ``accepted_lengths`` is the D chains' lengths (:func:`inference.decoders.vllm.accepted_lengths_from_counts`,
-longest first) followed by ``len(tokens) - 1 - (D + A)`` ones, and ``τ = (len(tokens) - 1) / forward_passes``. Where
-an EOS inside an accepted chain cut the reply, llama.cpp has counted the drafts past it; the longest lengths are
-then shortened until they sum to ``len(tokens) - 1``. ``wall_time_s``: the HTTP request, measured here;
+Counts (:mod:`inference.decoders.base`'s convention): from the server's counters for the request
+(:func:`inference.engines.llamacpp_server.counter_difference`), rebuilt by
+:func:`inference.decoders.engine_counts.pass_lengths`, the rule vLLM's rows share: the chains that carried drafts,
+then one token for each pass without a draft (the drafter's top-1 fell below ``--spec-draft-p-min``, the n-gram found
+no match, or one token was left), trimmed where an EOS cut an accepted chain; ``τ = (len(tokens) - 1) /
+forward_passes``. ``wall_time_s``: the HTTP request, measured here;
 ``prefill_time_s``: the server's ``prompt_ms``.
 """
 
@@ -26,36 +25,8 @@ from typing import Any
 import torch
 
 from inference.decoders.base import DecodeConfig, DecodeResult, check_context, prompt_tensor
-from inference.decoders.vllm import accepted_lengths_from_counts
+from inference.decoders.engine_counts import pass_lengths
 from inference.engines.llamacpp_server import LlamaServer
-
-
-def pass_lengths(new_tokens: int, spec: dict[str, Any]) -> list[int]:
-    """Tokens each decoding pass emitted, from a request's counters (see the module docstring).
-
-    Args:
-        new_tokens: N, the reply's length (the prefill's token included).
-        spec: ``num_drafts`` D, ``num_accepted_tokens`` A and ``accepted_per_pos`` ``[K]`` of the request.
-
-    Returns:
-        lengths summing to ``N - 1`` (none for ``N <= 1``): the D chains' (longest first), then the plain passes'.
-
-    Raises:
-        ValueError: counts that no chain produces (as :func:`accepted_lengths_from_counts`), or per-position counts
-            that do not add up to A.
-    """
-    drafts, accepted, per_pos = spec["num_drafts"], spec["num_accepted_tokens"], spec["accepted_per_pos"]
-    if sum(per_pos) != accepted:
-        raise ValueError(f"accepted_per_pos {per_pos} does not add up to the {accepted} accepted drafts")
-    lengths = accepted_lengths_from_counts(drafts, per_pos) if drafts else []
-    total = max(new_tokens - 1, 0)
-    lengths += [1] * max(total - sum(lengths), 0)
-    excess = sum(lengths) - total
-    for i in range(len(lengths)):  # drafts counted past an EOS (or a reply of one token): trim the longest
-        cut = min(excess, lengths[i] - 1)
-        lengths[i] -= cut
-        excess -= cut
-    return lengths[:total]  # still over only when every length is 1
 
 
 def cut_at_eos(tokens: Sequence[int], eos_token_ids: Sequence[int]) -> tuple[list[int], bool]:
@@ -114,4 +85,4 @@ class LlamaCppDecoder:
         self.server.close()
 
 
-__all__ = ["LlamaCppDecoder", "cut_at_eos", "pass_lengths"]
+__all__ = ["LlamaCppDecoder", "cut_at_eos", "pass_lengths"]  # pass_lengths: engine_counts

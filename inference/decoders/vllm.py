@@ -6,16 +6,15 @@ not vLLM's rendering); replies come back as token ids and are decoded by our tok
 ``eos_token_ids`` (vLLM's own EOS handling is off).
 
 vLLM's Medusa (``vllm/v1/spec_decode/medusa.py``, vLLM 0.32) drafts one chain, each head's top-1 token, from the
-hidden state of the last accepted token; the target verifies the K drafts in one pass. Its metrics count drafts
-(one per verifying pass) and accepted draft tokens, which give this module's counts:
+hidden state of the last accepted token; its EAGLE-3, draft-model and n-gram speculators draft a chain too; the target
+verifies the chain in one pass. Its metrics count passes that carried drafts and accepted draft tokens per position,
+which give this module's counts (:func:`inference.decoders.engine_counts.pass_lengths`, the same rule as llama.cpp's):
 
-- ``forward_passes``: passes after the prefill. Plain vLLM: one per token after the first. Medusa: vLLM's
-  ``spec_decode_num_drafts``.
-- ``accepted_lengths``: tokens each pass emitted (accepted drafts + the bonus token), rebuilt from vLLM's per-position
-  acceptance counts (``spec_decode_num_accepted_tokens_per_pos``); their order is not known, so they are listed
-  longest first. ``sum(accepted_lengths) / forward_passes = 1 + accepted / drafts``, vLLM's mean acceptance length.
-  vLLM counts drafts accepted in the last pass even where EOS or ``max_new_tokens`` then cut the reply, so
-  ``1 + sum(accepted_lengths)`` can exceed ``len(tokens)`` by at most K - 1.
+- ``accepted_lengths``: tokens each pass emitted (accepted drafts + the bonus token), the chains rebuilt from vLLM's
+  per-position acceptance counts (``spec_decode_num_accepted_tokens_per_pos``, longest first: their order is not
+  known), then one token for each pass that carried no draft (the n-gram speculator found no match); trimmed where
+  vLLM counted drafts accepted past an EOS or ``max_new_tokens``. They sum to ``len(tokens) - 1``.
+- ``forward_passes``: their number; plain vLLM: one per token after the first.
 - ``wall_time_s``: the ``LLM.generate`` call inside the worker (not the JSON round trip); ``prefill_time_s``: vLLM's
   first-token latency.
 
@@ -32,32 +31,8 @@ from typing import Any
 import torch
 
 from inference.decoders.base import DecodeConfig, DecodeResult, check_context, prompt_tensor
+from inference.decoders.engine_counts import accepted_lengths_from_counts, pass_lengths
 from medusa_train.engines.vllm_env import VllmWorker
-
-
-def accepted_lengths_from_counts(num_drafts: int, accepted_per_pos: Sequence[int]) -> list[int]:
-    """Tokens emitted by each of ``num_drafts`` verifying passes, from vLLM's per-position acceptance counts.
-
-    A chain accepts draft ``j`` only after drafts ``0..j-1``, so ``accepted_per_pos[j]`` passes accepted at least
-    ``j + 1`` drafts; each pass also emits one bonus (or recovered) token.
-
-    Args:
-        num_drafts: D, verifying passes that carried drafts.
-        accepted_per_pos: ``[K]``, non-increasing, each in ``[0, D]``.
-
-    Returns:
-        D lengths in ``[1, K + 1]``, longest first.
-
-    Raises:
-        ValueError: counts that no chain produces (increasing, or above ``num_drafts``).
-    """
-    counts = [num_drafts, *accepted_per_pos, 0]
-    if any(b > a for a, b in zip(counts, counts[1:])) or min(counts) < 0:
-        raise ValueError(f"accepted_per_pos {list(accepted_per_pos)} is not a chain's (drafts: {num_drafts})")
-    lengths: list[int] = []
-    for j in range(len(counts) - 2, -1, -1):  # exactly j accepted: counts[j] - counts[j + 1] passes
-        lengths.extend([j + 1] * (counts[j] - counts[j + 1]))
-    return lengths
 
 
 class VllmDecoder:
@@ -98,11 +73,7 @@ class VllmDecoder:
                                      seed=config.seed)
         out = reply["outputs"][0]
         tokens = [int(t) for t in out["token_ids"]]
-        spec = reply["spec"]
-        if self.speculative and spec["num_drafts"]:
-            lengths = accepted_lengths_from_counts(spec["num_drafts"], spec["accepted_per_pos"])
-        else:
-            lengths = [1] * max(len(tokens) - 1, 0)
+        lengths = pass_lengths(len(tokens), reply["spec"]) if self.speculative else [1] * max(len(tokens) - 1, 0)
         stop = "eos" if tokens and tokens[-1] in config.eos_token_ids and out["finish_reason"] == "stop" \
             else "max_new_tokens"
         first = out.get("first_token_s")
@@ -116,4 +87,4 @@ class VllmDecoder:
         self.worker.close()
 
 
-__all__ = ["VllmDecoder", "accepted_lengths_from_counts"]
+__all__ = ["VllmDecoder", "accepted_lengths_from_counts", "pass_lengths"]  # the counts: engine_counts

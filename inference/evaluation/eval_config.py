@@ -22,6 +22,7 @@ from inference.registry import (
 )
 from medusa_train.config.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
 from medusa_train.config.schema import check_device
+from medusa_train.export.files import check_readable
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.loading.runtime import target_config
 from medusa_train.config.precision import DEFAULT_DTYPE, check_dtype_name
@@ -122,6 +123,7 @@ class EvaluateConfig:
         Raises:
             ValueError: a bad value (the key named), an unknown decoder (valid names listed), or a decoder whose
                 settings are invalid or incomplete (``decoder.<name>`` named).
+            PermissionError: a file or folder of ``export_dir`` this user cannot read (named: ``check_readable``).
         """
         check_bounds(self)
         check_decoder_names(self.decoders)
@@ -155,6 +157,7 @@ class EvaluateConfig:
         if self.prompts not in PROMPT_SOURCES and not Path(self.prompts).is_file():
             raise FileNotFoundError(f"prompts={self.prompts!r} is neither a prompt set ({', '.join(PROMPT_SOURCES)}) "
                                     "nor an existing JSONL file of MT-Bench's shape")
+        check_readable(self.export_dir)
 
     def run_order(self) -> list[str]:
         """The decoders in the order they take turns on each prompt: the baseline first, then as listed."""

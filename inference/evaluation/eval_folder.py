@@ -21,6 +21,7 @@ import os
 from collections.abc import Collection
 from pathlib import Path
 
+from medusa_train.files.paths import resolve_path
 from medusa_train.runs.run_lock import EVAL_LOCK, RunLock
 
 TOOL = "medusa-eval"
@@ -62,9 +63,11 @@ def check_eval_dir(out: str | os.PathLike[str], ignored: Collection[str] = ()) -
         ignored: entries another program put there for this run (:func:`hydra_entries`).
 
     Raises:
-        EvalDirError: ``out`` is a file, or a folder with entries other than ``ignored`` and a lock file whose
-            ``run.json`` is not a medusa-eval run's; the message names the folder, some entries and the fix.
+        EvalDirError: ``out`` is a file, on a symlink loop (the links named), or a folder with entries other than
+            ``ignored`` and a lock file whose ``run.json`` is not a medusa-eval run's; the message names the folder,
+            some entries and the fix.
     """
+    resolve_path(out, "output_dir", EvalDirError)
     root = Path(out)
     if root.exists() and not root.is_dir():
         raise EvalDirError(f"output_dir {root} is a file, not a folder: choose a folder for the evaluation")

@@ -61,10 +61,15 @@ def run_identity(export_dir: str | None, model: Any = None, dtype: str | None = 
     return identity
 
 
+# What a builder reports about this one start of an engine (its log file, how long it took to start): recorded in
+# run.json, but not what the rows were measured with, so a resumed run keeps the rows an earlier start measured.
+RUN_FACTS = frozenset({"engine_log", "engine_start_s"})
+
+
 def decoder_identity(settings: dict[str, Any] | None, info: dict[str, Any], heads_sha256: str | None) -> dict:
-    """What one decoder's rows depend on: its settings, what its builder resolved, the heads' checksum if it uses
-    them (None: it does not)."""
-    identity = {"settings": settings or {}, **info}
+    """What one decoder's rows depend on: its settings, what its builder resolved (less :data:`RUN_FACTS`), the
+    heads' checksum if it uses them (None: it does not)."""
+    identity = {"settings": settings or {}, **{k: v for k, v in info.items() if k not in RUN_FACTS}}
     if heads_sha256 is not None:
         identity["heads_sha256"] = heads_sha256
     return identity
@@ -88,4 +93,4 @@ def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix.rstrip('.')}: {_short(old)} -> {_short(new)}"]
 
 
-__all__ = ["MEASURED_WITH", "decoder_identity", "differences", "fingerprint", "run_identity"]
+__all__ = ["MEASURED_WITH", "RUN_FACTS", "decoder_identity", "differences", "fingerprint", "run_identity"]

@@ -16,6 +16,7 @@ from medusa_train.export.files import check_export_dir
 from medusa_train.export.tree_files import read_latency_profile
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.config.precision import DEFAULT_DTYPE, check_dtype_name
+from medusa_train.chat.prompts import check_prompt_set
 from medusa_train.tree.buffers import TOPK
 
 
@@ -113,7 +114,8 @@ class TuneTreeConfig:
             ValueError: a value out of range or a bad name (the key named); a ``latency_from`` profile that cannot
                 be read.
             FileNotFoundError: ``export_dir`` is not an export (:func:`check_export_dir`); ``latency_from`` holds no
-                ``latency_profile.json``.
+                ``latency_profile.json``; ``prompts.path`` does not exist.
+            PermissionError: a file or folder of ``export_dir`` this user cannot read.
         """
         check_bounds(self)
         check_dtype_name(self.dtype)
@@ -134,6 +136,7 @@ class TuneTreeConfig:
 
             composite_shortlist(1, self.composite_heads, self.composite_lengths, self.composite_matches,
                                 self.max_nodes)
+        check_prompt_set(self.prompts.source, self.prompts.path, self.prompts.num_prompts)
         if self.latency_from is not None:
             read_latency_profile(self.latency_from)
         check_export_dir(self.export_dir)
@@ -190,6 +193,18 @@ class TuneTreeConfig:
                 raise ValueError(f"{key}={getattr(self, key)} does not fit the model's context of {max_positions} "
                                  f"positions (with a prompt of at least one token): set it to at most "
                                  f"{max_positions - 1}")
+
+
+def check_settings(cfg: Any) -> TuneTreeConfig:
+    """``cfg`` (``conf/tune_tree.yaml`` composed, without Hydra's node) as a validated :class:`TuneTreeConfig`:
+    what ``medusa-tune-tree``'s Hydra callback checks before Hydra makes ``.tune_tree/`` inside the export.
+
+    Raises:
+        ValueError / FileNotFoundError / PermissionError: as :meth:`TuneTreeConfig.validate`.
+    """
+    from medusa_train.config.schema import as_dataclass
+
+    return as_dataclass(TuneTreeConfig, cfg)
 
 
 def register_tune_tree_schema() -> None:

@@ -172,6 +172,23 @@ def problem_signatures(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(signatures))
 
 
+def check_prompt_set(source: str, path: str | None = None, num_prompts: int | None = None) -> None:
+    """What :func:`load_prompts` refuses before it reads anything (a command checks it with its settings).
+
+    Raises:
+        ValueError: unknown source (valid ones listed), ``jsonl`` without a path, ``num_prompts < 1``.
+        FileNotFoundError: ``path`` given and no such file.
+    """
+    if source not in PROMPT_SOURCES:
+        raise ValueError(f"unknown prompt source {source!r}; valid: {', '.join(PROMPT_SOURCES)}")
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    if source == "jsonl" and not path:
+        raise ValueError("prompts.source=jsonl needs prompts.path (a file of MT-Bench's question.jsonl shape)")
+    if path and not Path(path).is_file():
+        raise FileNotFoundError(f"prompt file {path} not found")
+
+
 def load_prompts(
     source: str, path: str | None = None, offset: int | None = None, num_prompts: int | None = None
 ) -> list[Prompt]:
@@ -181,12 +198,10 @@ def load_prompts(
     MT-Bench's shape). ``num_prompts`` keeps the first ones.
 
     Raises:
-        ValueError: unknown source (valid ones listed), ``jsonl`` without a path, ``num_prompts < 1``.
+        ValueError / FileNotFoundError: :func:`check_prompt_set`'s refusals; a malformed file (as the source's reader
+            names it).
     """
-    if source not in PROMPT_SOURCES:
-        raise ValueError(f"unknown prompt source {source!r}; valid: {', '.join(PROMPT_SOURCES)}")
-    if num_prompts is not None and num_prompts < 1:
-        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    check_prompt_set(source, path, num_prompts)
     if source == "sharegpt":
         return sharegpt_prompts(SHAREGPT_HELDOUT_OFFSET if offset is None else offset, num_prompts or 20)
     offset = offset or 0
@@ -197,8 +212,6 @@ def load_prompts(
     elif source == "humaneval":
         prompts = humaneval_prompts(path)
     else:
-        if not path:
-            raise ValueError("prompts.source=jsonl needs prompts.path (a file of MT-Bench's question.jsonl shape)")
         prompts = read_question_jsonl(path)
     return prompts[offset:][:num_prompts] if num_prompts else prompts[offset:]
 

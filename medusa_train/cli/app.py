@@ -36,30 +36,36 @@ HYDRA_NODE = "hydra"  # the Hydra framework's own node of a composed config (not
 
 class RefuseBeforeRun(Callback):
     """Hydra callback: check one setting before Hydra creates or writes the job's folder, and exit with the check's
-    one-line message when it fails (Hydra turns a callback's exceptions into warnings, so this one exits instead).
+    one-line message on stderr and status 2 (a refused command line, as a missing required setting) when it fails
+    (Hydra turns a callback's exceptions into warnings, so this one exits instead).
 
     Args (the ``hydra.callbacks`` entry of a ``conf/`` file):
         check: the dotted path of a function taking the setting's value and raising ``ValueError`` or ``OSError``.
-        key: the setting, a dotted path into the config (``output_dir``, ``hydra.run.dir``).
+        key: the setting, a dotted path into the config (``output_dir``, ``hydra.run.dir``); null: the whole config
+            without Hydra's own node (a command's settings, for its schema's ``validate``).
         command: the command's name, put before the message.
         multirun: also check before a ``-m`` sweep starts (the sweep folder).
         pass_hydra_entries: also give the check :func:`hydra_entries` of the run (a folder check then accepts what
             Hydra wrote there for an earlier, killed, run of the same command).
     """
 
-    def __init__(self, check: str, key: str, command: str, multirun: bool = False,
+    def __init__(self, check: str, key: str | None, command: str, multirun: bool = False,
                  pass_hydra_entries: bool = False) -> None:
         self.check, self.key, self.command, self.multirun = check, key, command, multirun
         self.pass_hydra_entries = pass_hydra_entries
 
     def _check(self, config: DictConfig) -> None:
-        args = [OmegaConf.select(config, self.key)]
+        if self.key is None:
+            args = [OmegaConf.masked_copy(config, [key for key in config if key != HYDRA_NODE])]
+        else:
+            args = [OmegaConf.select(config, self.key)]
         if self.pass_hydra_entries:  # what Hydra writes into the job's folder: an earlier killed job left them
             args.append(hydra_entries(config.hydra))
         try:
             hydra.utils.get_method(self.check)(*args)
         except (ValueError, OSError) as e:
-            raise SystemExit(f"{self.command}: {e}") from None
+            print(f"{self.command}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
 
     def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
         self._check(config)

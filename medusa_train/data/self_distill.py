@@ -15,6 +15,10 @@ the blocks instead of being generated again. Batches are left-padded with prompt
 throughput of unsorted batches on CPU). The replies come from HF ``generate`` on the training model, or from another
 engine through ``generate`` (:mod:`medusa_train.data.distill_engines`: vLLM, an OpenAI-compatible server): same
 prompts (our chat template's ids), same records, same resume.
+
+A preemption (SIGTERM, SIGUSR1: :mod:`medusa_train.runs.preemption`) while replies are generated discards the batch being
+generated, keeps every record written (a batch being appended is finished first) and exits with 75
+(:class:`DistillStopped`), as a training run stopped by a signal does; the rerun generates only the missing replies.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from medusa_train.runs.disk_space import disk_full_named
 from medusa_train.runs.drills import EXIT_AT_DISTILL_BATCH, exit_if_drilled
 from medusa_train.models.generation import greedy_generate, length_batches, pad_token_id_of
 from medusa_train.files.json_stream import jsonl_lines
+from medusa_train.runs.preemption import PREEMPTED_EXIT_CODE, Stopped, stop_on_signals
 from medusa_train.files.text_files import not_utf8, read_text
 
 logger = logging.getLogger(__name__)
@@ -82,6 +87,21 @@ class SelfDistillStats:
     generated: int = 0
     unfinished: int = 0
     empty: int = 0
+
+
+class DistillStopped(Stopped):
+    """A stop signal (SIGTERM, SIGUSR1: a preemption) arrived while replies were generated: the batch being
+    generated is discarded, every record written is kept (``written`` of them by this call), and the process exits
+    with :data:`~medusa_train.runs.preemption.PREEMPTED_EXIT_CODE` (75)."""
+
+    def __init__(self, signum: int, output_path: str | Path, written: int) -> None:
+        super().__init__(signum)
+        self.output_path, self.written = output_path, written
+
+    def __str__(self) -> str:
+        return (f"stopped on {self.signal_name} during self-distillation into {self.output_path}'s blocks; every "
+                f"record written is kept ({self.written} by this run): run the same command with resume=true to "
+                f"generate only the missing replies (exit code {PREEMPTED_EXIT_CODE})")
 
 
 def block_path(output_path: str | Path, block: int) -> Path:
@@ -236,6 +256,8 @@ def self_distill(
             their checksum.
         DiskFullError: the disk filled while a batch's records were appended (the block file and the bytes named);
             the records written before stay and a rerun generates only the others.
+        DistillStopped: SIGTERM or SIGUSR1 arrived while replies were generated (exit code 75): the batch being
+            generated is discarded (one being appended is finished first), every record written is kept.
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -288,25 +310,30 @@ def self_distill(
         model.eval()
     bar = tqdm(total=len(pending), desc="self-distill", disable=rank != 0 or not show_progress)
     try:
-        # as many batches as batch_size asks for, of even size: 520 prompts in 128s go as 5 x 104, not as
-        # 4 x 128 and a last batch of 8 that decodes alone
-        even = math.ceil(len(pending) / math.ceil(len(pending) / batch_size)) if pending else batch_size
-        for n, chunk in enumerate(length_batches([len(item[3]) for item in pending], even), start=1):
-            exit_if_drilled(EXIT_AT_DISTILL_BATCH, n, rank)
-            batch = [pending[j] for j in chunk]
-            replies = [(tokens[:-1] if finished and tokens and tokens[-1] in stop_ids else tokens, finished)
-                       for tokens, finished in generate([item[3] for item in batch], max_new_tokens, stop_ids)]
-            by_block: dict[int, list[dict[str, Any]]] = {}
-            for (index, rid, prompt, _), (reply, finished) in zip(batch, replies):
-                text = tokenizer.decode(reply, skip_special_tokens=True).strip()
-                by_block.setdefault(index // block_size, []).append(
-                    _record(index, rid, prompt, text, len(reply), finished))
-                stats.generated += 1
-                stats.unfinished += not finished
-                stats.empty += not text
-            for b, records in sorted(by_block.items()):
-                _append(block_path(output_path, b), records)
-            bar.update(len(batch))
+        with stop_on_signals(lambda signum: DistillStopped(signum, output_path, stats.generated),
+                             "self-distillation: received %s; discarding the batch being generated, keeping every "
+                             "record written") as signals:
+            # as many batches as batch_size asks for, of even size: 520 prompts in 128s go as 5 x 104, not as
+            # 4 x 128 and a last batch of 8 that decodes alone
+            even = math.ceil(len(pending) / math.ceil(len(pending) / batch_size)) if pending else batch_size
+            for n, chunk in enumerate(length_batches([len(item[3]) for item in pending], even), start=1):
+                exit_if_drilled(EXIT_AT_DISTILL_BATCH, n, rank)
+                batch = [pending[j] for j in chunk]
+                replies = [(tokens[:-1] if finished and tokens and tokens[-1] in stop_ids else tokens, finished)
+                           for tokens, finished in generate([item[3] for item in batch], max_new_tokens, stop_ids)]
+                by_block: dict[int, list[dict[str, Any]]] = {}
+                texts = []
+                for (index, rid, prompt, _), (reply, finished) in zip(batch, replies):
+                    texts.append(tokenizer.decode(reply, skip_special_tokens=True).strip())
+                    by_block.setdefault(index // block_size, []).append(
+                        _record(index, rid, prompt, texts[-1], len(reply), finished))
+                with signals.held():  # the batch's records written whole and counted, then a signal stops
+                    for b, records in sorted(by_block.items()):
+                        _append(block_path(output_path, b), records)
+                    stats.generated += len(batch)
+                    stats.unfinished += sum(not finished for _, finished in replies)
+                    stats.empty += sum(not text for text in texts)
+                bar.update(len(batch))
     finally:
         if own_model:
             model.train(was_training)

@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,41 @@ try:
 except ProcessLookupError:
     pass
 """
+
+
+def group_states(pgid: int) -> dict[int, str]:
+    """``{pid: state}`` of the processes in process group ``pgid``, read from ``/proc/PID/stat`` (state ``R``, ``S``,
+    ``T``, ``Z``...); empty once the group is gone."""
+    states = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[2]) == pgid:
+            states[int(stat.parent.name)] = fields[0]
+    return states
+
+
+def end_group(group: int, timeout_s: float = 30.0) -> None:
+    """Wait until every process of process group ``group`` has exited (zombies count as gone), up to ``timeout_s``
+    seconds, then ``SIGKILL`` the rest: nothing of a closed engine keeps a core busy."""
+
+    def running() -> bool:
+        return any(state != "Z" for state in group_states(group).values())
+
+    deadline = time.monotonic() + timeout_s
+    while running():
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                return
+            deadline = time.monotonic() + 10.0
+            while running() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return
+        time.sleep(0.05)
 
 
 def start_reaper(parent: int, group: int) -> subprocess.Popen:
@@ -368,6 +404,7 @@ class VllmWorker:
             except OSError:
                 pass
         self._log.close()
+        end_group(proc.pid)  # vLLM's engine core (same group) outlives the worker by a moment: let none run on
         self._proc = None
         if self._reaper is not None:
             self._reaper.kill()

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from medusa_train.export.files import set_default_modes
+from medusa_train.runs.disk_space import disk_full_named
+from medusa_train.export.files import FULL_WAYS_OUT, set_default_modes, storage_bytes
 
 BASE_DIR = "base"
 
@@ -41,6 +42,8 @@ def save_base_model(
 
     Raises:
         ValueError: ``model`` still holds peft adapters (merge them first with ``merge_and_unload()``).
+        DiskFullError: no room for the model's weights (their bytes named; a lower bound of the folder's size); the
+            old ``base/`` is left as it was.
     """
     if hasattr(model, "peft_config") or hasattr(model, "disable_adapter"):
         raise ValueError("save_base_model needs a model without adapters: call merge_and_unload() first")
@@ -49,8 +52,10 @@ def save_base_model(
     target = out / name
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{name}."))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with disk_full_named(tmp, storage_bytes(model.state_dict().values()),
+                             f"the fine-tuned base model {name}/ (at least its weights' bytes)", FULL_WAYS_OUT):
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
         set_default_modes(tmp)  # mkdtemp's folder is 0o700 and safetensors writes 0o600: a shared export needs both
         old = None
         if target.exists():

@@ -43,11 +43,14 @@ VLLM_TOKEN_MAP = "medusa_train.token_map"
 
 EXPORT_VERSION = 1  # bump when the export layout changes incompatibly; readers refuse newer versions
 HEAD_TYPE_KEY = "head_type"  # absent: Medusa heads
+# {path relative to the export: hex sha256} of the files a type's engine writer wrote (EAGLE-3: speculators/), which
+# engines read themselves: checked before they are served or converted (drafters/eagle3/speculators.py)
+ENGINE_SHA256_KEY = "engine_files_sha256"
 
 # Keys save_export writes itself; extra_config may not override them.
 _OWN_KEYS = ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size", "base_model_name_or_path",
              "share_lm_head", "version", "head_vocab_size", "torch_dtype", "medusa_train_version",
-             "base_model_class", "base_model_type", HEAD_TYPE_KEY)
+             "base_model_class", "base_model_type", HEAD_TYPE_KEY, ENGINE_SHA256_KEY)
 # The sizes every drafter type's config.json records under these names (DrafterType.config_keys adds its own).
 _COMMON_FIELDS = {"hidden_size": int, "vocab_size": int, "share_lm_head": bool}
 

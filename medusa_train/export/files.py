@@ -1,14 +1,21 @@
 """File helpers for exports: JSON, safetensors and torch files written through the one durable atomic write
 (:func:`medusa_train.files.atomic.atomic_write`, which also gives each file the default mode), tensor/JSON reads whose
 errors name the file, checksums.
+
+A tensor file that does not fit (a full disk, a quota, the file-size limit) fails with a
+:class:`~medusa_train.runs.disk_space.DiskFullError` naming the file, the bytes it needs, the bytes free and the cause
+(:func:`~medusa_train.runs.disk_space.disk_full_named`), not safetensors' ``File too large`` or torch's ``unexpected
+pos``; the file's temporary sibling is removed.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import pickle
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +24,77 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from medusa_train.files.atomic import atomic_write, atomic_write_text, default_mode
+from medusa_train.runs.disk_space import disk_full_named
+from medusa_train.files.paths import resolve_path
+from medusa_train.files.safetensors_stream import TensorPlan, planned_size
 from medusa_train.files.text_files import read_text
 
 # Errors a damaged file raises in safetensors / torch.load; re-raised as ValueError naming the file.
 _CORRUPT = (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError, UnicodeDecodeError)
 
 
+def check_readable(folder: str | os.PathLike[str] | None, field: str = "export_dir") -> None:
+    """Refuse an export this process cannot read whole, before anything reads it: ``folder`` and every folder under
+    it must list, and every file in them open for reading (each is opened and closed, nothing read; what the
+    readers meet, ACLs and capabilities included). Entries whose names start with a dot (temporary files of a write
+    in progress, Hydra's ``.tune_tree/``) and symbolic links to folders are not walked into. None, or a ``folder``
+    that does not exist, passes: whoever needs it names it missing.
+
+    Raises:
+        PermissionError: ``"{field}={folder}: {path} has no read permission for this user ({what}); ..."``, naming
+            the first file or folder that cannot be read and the fix (``chmod -R a+rX``).
+        ValueError: ``folder`` is on a symlink loop (:func:`~medusa_train.files.paths.resolve_path`, the links named).
+    """
+    if folder is None:
+        return
+    root = Path(folder)
+    resolve_path(root, field)
+
+    def refuse(path: str | os.PathLike[str], what: str) -> PermissionError:
+        error = PermissionError(f"{field}={root}: {path} has no read permission for this user ({what}); an export "
+                                f"is read whole: give this user read access (e.g. chmod -R a+rX {root}), or run as "
+                                "the user who wrote it")
+        error.errno = errno.EACCES  # (a filename would replace the message in str())
+        return error
+
+    try:
+        os.stat(root)
+    except FileNotFoundError:
+        return
+    except PermissionError:
+        raise refuse(root, "a folder above it cannot be entered") from None
+    pending = [root]
+    while pending:
+        path = pending.pop()
+        try:
+            with os.scandir(path) as listing:
+                entries = sorted((e for e in listing if not e.name.startswith(".")), key=lambda e: e.name)
+        except NotADirectoryError:  # the root is a file: whoever needs a folder names it
+            return
+        except PermissionError:
+            raise refuse(path, "a folder that cannot be listed") from None
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(Path(entry.path))
+                else:
+                    os.close(os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK))
+            except PermissionError:
+                raise refuse(entry.path, "it cannot be opened") from None
+            except OSError:  # gone since it was listed, a dangling link, ...: the reader names it
+                pass
+
+
 def check_export_dir(export_dir: str | os.PathLike[str]) -> None:
-    """``export_dir`` holds an export's ``config.json`` (read-only: checked before the folder is locked or written).
+    """``export_dir`` holds an export's ``config.json`` and can be read whole (:func:`check_readable`), read-only:
+    checked before the folder is locked or written.
 
     Raises:
         FileNotFoundError: no such folder, or a folder without ``config.json``; the message says what to pass.
+        PermissionError: a file or folder of the export this user cannot read (:func:`check_readable`).
+        ValueError: ``export_dir`` is on a symlink loop (named).
     """
+    check_readable(export_dir)
     if not (Path(export_dir) / "config.json").is_file():
         what = "is no such folder" if not Path(export_dir).exists() else "holds no config.json"
         raise FileNotFoundError(f"export_dir {export_dir} {what}: it is not an export written by medusa-train; pass "
@@ -50,15 +116,42 @@ def write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
+# how a DiskFullError of an export file ends (the export is written beside the previous one: folder_swap.py)
+FULL_WAYS_OUT = "free that much space there, or give the run an output_dir on a larger disk"
+_FORMAT_PT = {"format": "pt"}  # safetensors metadata: what transformers and vLLM expect of a PyTorch file
+
+
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    # metadata format=pt: what transformers and vLLM expect of a PyTorch safetensors file.
-    atomic_write(path, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    """``tensors`` as a safetensors file (metadata ``format: pt``).
+
+    Raises:
+        DiskFullError: no room for the file's bytes (its planned size named, as
+            :func:`~medusa_train.files.safetensors_stream.planned_size` counts them); ``path`` is left as it was.
+    """
+    try:
+        size = planned_size([TensorPlan(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], _FORMAT_PT)
+    except ValueError:  # a dtype the planner has no name for: the tensors' bytes alone
+        size = sum(v.numel() * v.element_size() for v in tensors.values())
+    with disk_full_named(path, size, f"{path.name} ({len(tensors)} tensors)", FULL_WAYS_OUT):
+        atomic_write(path, lambda p: save_file(tensors, str(p), metadata=_FORMAT_PT))
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes of the tensors' storages, each counted once (tied or shared weights are stored once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def write_torch(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """``torch.save`` of a plain name -> tensor dict (what FasterDecoding's loader ``torch.load``s); tensors that
-    share storage are stored once."""
-    atomic_write(path, lambda p: torch.save(tensors, p))
+    share storage are stored once.
+
+    Raises:
+        DiskFullError: no room for the file (the bytes named: its tensors' storages, a lower bound of the zip
+            file's size); ``path`` is left as it was.
+    """
+    what = f"{path.name} ({len(tensors)} tensors; at least their bytes)"
+    with disk_full_named(path, storage_bytes(tensors.values()), what, FULL_WAYS_OUT):
+        atomic_write(path, lambda p: torch.save(tensors, p))
 
 
 def sha256_files(paths: list[Path]) -> str:

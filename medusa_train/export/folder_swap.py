@@ -9,9 +9,10 @@ card, an evaluation), makes it durable, then swaps it in:
 - elsewhere the old folder is renamed to ``parent/.NAME.old-PID``, the new one renamed in, and the old one deleted.
   A process killed between these two renames leaves no folder at NAME: the next write renames the old one back.
 
-A write that fails at any point before the swap deletes its temporary folder and leaves the old folder as it was; a
-write killed before the swap leaves the temporary folder, which the next write deletes. The folder's lock
-(:data:`~medusa_train.runs.run_lock.EXPORT_LOCK`) is held throughout, so no two writes, and no write and a
+A write that fails at any point before the swap deletes its temporary folder and leaves the old folder as it was (a
+:class:`~medusa_train.runs.disk_space.DiskFullError` of a file of the new folder says so, after the file, the bytes it
+needs and the cause); a write killed before the swap leaves the temporary folder, which the next write deletes. The
+folder's lock (:data:`~medusa_train.runs.run_lock.EXPORT_LOCK`) is held throughout, so no two writes, and no write and a
 ``medusa-tune-tree`` run, overlap.
 
 Entries are carried over as hard links (copies where the file system refuses links): the old folder is never
@@ -31,6 +32,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 from medusa_train.files.atomic import fsync_dir
+from medusa_train.runs.disk_space import DiskFullError
 from medusa_train.runs.run_lock import EXPORT_LOCK, RunLock
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,9 @@ def replace_folder(target: str | os.PathLike[str], write: Callable[[Path], None]
     Raises:
         LockHeldError: another process holds the folder's lock (a ``medusa-tune-tree`` run or another write of
             it), named; nothing is written.
-        OSError: from ``write`` or the file system (e.g. ``ENOSPC``); the old folder is left as it was.
+        DiskFullError: a file of the new folder found no room (``write``'s own error, which names the file, the
+            bytes and the cause), followed by ``"; the previous {field} {target} is left as it was"``.
+        OSError: from ``write`` or the file system; the old folder is left as it was.
     """
     target = Path(target).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +73,11 @@ def replace_folder(target: str | os.PathLike[str], write: Callable[[Path], None]
         stage.mkdir()
         try:
             os.chmod(stage, os.stat(target).st_mode & 0o7777)  # the folder keeps its own permissions
-            write(stage)
+            try:
+                write(stage)
+            except DiskFullError as e:
+                raise DiskFullError(e.errno, f"{e.strerror}; the previous {field} {target} is left as it was "
+                                             "(the new one is written beside it and swapped in whole)") from e
             _sync_tree(stage)
             _carry_over(target, stage, {Path(p) for p in owned} | {Path(EXPORT_LOCK)}, Path())
             _sync_dirs(stage)

@@ -49,7 +49,6 @@ from medusa_train.models.catalog import (
     DrafterType,
     check_head_type,
     drafter_type,
-    drafter_types,
     expect_head_type,
     heads_from_spec,
 )
@@ -69,23 +68,39 @@ def read_export_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def heads_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The files :func:`load_heads` reads the heads' weights from: the weights file it picks (a ``state_dict``-layout
-    type's, e.g. Hydra's, else safetensors before ``.pt``) and ``token_map.safetensors`` when present, or a vLLM
-    folder's ``*.safetensors``.
+    """The files :func:`load_heads` reads the heads' weights from: the weights file of the type ``config.json``
+    names (``head_type``: a ``state_dict``-layout type's own, e.g. Hydra's; Medusa heads: safetensors before
+    ``.pt``) and ``token_map.safetensors`` when present, or a vLLM folder's ``*.safetensors``.
 
     Raises:
-        FileNotFoundError: the folder does not exist or holds no heads (as :func:`load_heads`).
+        FileNotFoundError: the folder does not exist or holds no heads (the type's weights file named, as
+            :func:`load_heads` names it).
+        ValueError: ``config.json`` is malformed or names a head type this reader does not know.
     """
     folder = _folder(path)
-    own = [folder / e.weights_file for e in drafter_types() if e.layout != MEDUSA_LAYOUT]
-    weights = next((f for f in own if f.is_file()), None) or _weights_file(folder)
+    config_path = folder / CONFIG_FILE
+    raw = read_json(config_path) if config_path.is_file() else {}
+    entry = drafter_type(check_head_type(export_head_type(raw), str(config_path)))
+    weights = _state_dict_weights(entry, folder) if entry.layout != MEDUSA_LAYOUT else _weights_file(folder)
     if weights is not None:
         token_map = folder / TOKEN_MAP_FILE
         return [weights, token_map] if token_map.is_file() else [weights]
     files = sorted(folder.glob("*.safetensors"))
-    if not files or read_json(folder / CONFIG_FILE).get("model_type") != VLLM_MODEL_TYPE:
+    if not files or raw.get("model_type") != VLLM_MODEL_TYPE:
         raise FileNotFoundError(f"no {WEIGHTS_FILE} or {LEGACY_WEIGHTS_FILE} in {folder}: is this an export folder?")
     return files
+
+
+def _state_dict_weights(entry: DrafterType, folder: Path) -> Path:
+    """The weights file of a ``state_dict``-layout export of type ``entry``.
+
+    Raises:
+        FileNotFoundError: it is missing (named, with the type config.json records).
+    """
+    weights = folder / entry.weights_file
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} not found: {folder}/config.json says head_type {entry.name!r}")
+    return weights
 
 
 def heads_checksum(path: str | os.PathLike[str]) -> str:
@@ -235,9 +250,7 @@ def _read_state_dict(
     spec = spec_from_config(entry, raw, str(folder))
     if base_model is not None:
         check_heads_match_base(spec, base_model)
-    weights = folder / entry.weights_file
-    if not weights.is_file():
-        raise FileNotFoundError(f"{weights} not found: {folder}/config.json says head_type {entry.name!r}")
+    weights = _state_dict_weights(entry, folder)
     state = read_tensors(weights)
     token_map = _read_token_map(folder, spec)
     with torch.device("meta"):

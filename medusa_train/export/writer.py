@@ -35,7 +35,9 @@ so no loader finds heads of another kind there.
 A type with its own engine files (``DrafterType.engine_writers``) gets them instead of ``vllm/`` when ``vllm=True``:
 EAGLE-3 drafters write ``speculators/`` (``config.json``, ``model.safetensors``), what vLLM serves with
 ``method: eagle3`` (:mod:`medusa_train.drafters.eagle3.speculators`, which refuses a tensor vLLM would not load, by
-name, before anything is written).
+name, before anything is written). Engines read those files themselves, not through our reader, so config.json
+records each one's sha256 (``engine_files_sha256``: ``{"speculators/model.safetensors": hex, ...}``), which is
+checked before they are served or converted.
 
 Heads holding NaN or Inf are refused before anything is written.
 
@@ -79,8 +81,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from medusa_train.export.configs import VLLM_TOKEN_MAP, export_config, vllm_config
-from medusa_train.export.files import write_json, write_safetensors, write_torch
+from medusa_train.export.configs import ENGINE_SHA256_KEY, VLLM_TOKEN_MAP, export_config, vllm_config
+from medusa_train.export.files import sha256_files, write_json, write_safetensors, write_torch
 from medusa_train.export.folder_swap import replace_folder
 from medusa_train.export.layouts import FASTERDECODING, VLLM, check_finite, fasterdecoding_limitation, split_heads
 from medusa_train.models.catalog import MEDUSA_LAYOUT, drafter_types, type_of
@@ -207,6 +209,7 @@ def save_export(
     stale_fasterdecoding = fd_reason is not None and (out / LEGACY_WEIGHTS_FILE).exists()
 
     def write(folder: Path) -> None:
+        record = config
         write_safetensors(folder / weights_file, tensors)
         if fd_reason is None:
             write_torch(folder / LEGACY_WEIGHTS_FILE, _fasterdecoding_state(heads, tensors, base_model))
@@ -214,10 +217,12 @@ def save_export(
             write_safetensors(folder / TOKEN_MAP_FILE, {"token_map": token_map})
         if write_engine is not None:
             write_engine(folder)
+            record = {**config, ENGINE_SHA256_KEY: {name: sha256_files([folder / name])
+                                                    for name in entry.engine_files if (folder / name).is_file()}}
         elif vllm:
             base_lm_head = None if base_model is None else base_model.get_output_embeddings().weight
             _write_vllm(heads, folder / VLLM_DIR, token_map, base_lm_head if spec.share_lm_head else None)
-        write_json(folder / CONFIG_FILE, config)
+        write_json(folder / CONFIG_FILE, record)
         if write_also is not None:
             write_also(folder)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 from pathlib import Path
@@ -11,6 +12,48 @@ CONF_DIR = PACKAGE_DIR / "conf"
 PROMPT_SETS_DIR = PACKAGE_DIR / "prompt_sets"  # prompt sets shipped with the package (each with its license)
 # The project root when running from a checkout (editable install or PYTHONPATH); None for a wheel install.
 REPO_ROOT = PACKAGE_DIR.parent if (PACKAGE_DIR.parent / "pyproject.toml").exists() else None
+
+
+def resolve_path(path: str | os.PathLike[str], field: str, error: type[ValueError] = ValueError) -> Path:
+    """``path`` made absolute with its symbolic links followed (:meth:`pathlib.Path.resolve`; it need not exist).
+
+    Args:
+        field: the setting that gave ``path`` (``output_dir``), for the message.
+        error: the ``ValueError`` subclass raised.
+
+    Raises:
+        ValueError: a symbolic link on the path leads back to itself (Python's own ``RuntimeError: Symlink loop`` or
+            ``OSError`` ELOOP otherwise): ``"{field} {path}: symlink loop ({link} -> ... -> {link}): ..."``.
+    """
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as e:  # RuntimeError before Python 3.13, OSError(ELOOP) from it on
+        if "Symlink loop" not in str(e) and getattr(e, "errno", None) != errno.ELOOP:
+            raise
+    raise error(f"{field} {path}: symlink loop ({_symlink_loop(Path(os.path.abspath(path)))}): a symbolic link on "
+                f"the path leads back to itself; fix or remove the link, or choose another {field}")
+
+
+def _symlink_loop(path: Path) -> str:
+    """The first link on ``path`` that cannot be followed, and the links it leads through (``a -> b -> a``)."""
+    prefix = Path(path.anchor)
+    for part in path.parts[1:]:
+        prefix = prefix / part
+        try:
+            os.stat(prefix)
+        except OSError as e:
+            if e.errno != errno.ELOOP or not prefix.is_symlink():
+                continue
+            chain, link, seen = [str(prefix)], prefix, {prefix}
+            while link.is_symlink():  # until a link comes round again (or the chain leaves links)
+                target = os.readlink(link)
+                chain.append(target)
+                link = Path(os.path.normpath(link.parent / target))
+                if link in seen:
+                    break
+                seen.add(link)
+            return " -> ".join(chain)
+    return str(path)
 
 
 def assets_dir() -> Path:

@@ -12,8 +12,9 @@ variable ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds a step number, ``N:RANK`` for on
 fault-injection drills only; every drill variable is in :mod:`medusa_train.runs.drills`).
 
 :class:`StopOnSignal` turns SIGTERM or SIGUSR1 (SLURM's preemption and its ``--signal`` warning, ``scancel``) into a
-sealed checkpoint at the end of the current optimizer step and an exit with :data:`PREEMPTED_EXIT_CODE`, which
-``launch/slurm.sbatch`` answers with a requeue; the requeued run resumes from that checkpoint.
+sealed checkpoint at the end of the current optimizer step and an exit with
+:data:`~medusa_train.runs.preemption.PREEMPTED_EXIT_CODE`, which ``launch/slurm.sbatch`` answers with a requeue; the
+requeued run resumes from that checkpoint (what a preemption does at the other stages: :mod:`medusa_train.runs.preemption`).
 """
 
 from __future__ import annotations
@@ -27,26 +28,24 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from medusa_train.runs.drills import EXIT_AFTER_STEP, EXIT_CODE, SIGNAL_AT_STEP, count_and_rank
+from medusa_train.runs.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Stopped
 from medusa_train.training import checkpoints
 from medusa_train.training.process_group import ranks_max
 from medusa_train.training.run_dir import RunPaths, discard_overwritten
 
 log = logging.getLogger(__name__)
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped on a signal, checkpoint sealed, run again to resume
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class Preempted(SystemExit):
-    """The run stopped on a signal after sealing a checkpoint: exit with :data:`PREEMPTED_EXIT_CODE` (no export)."""
+class Preempted(Stopped):
+    """The run stopped on a signal after sealing a checkpoint: exit with
+    :data:`~medusa_train.runs.preemption.PREEMPTED_EXIT_CODE` (no export)."""
 
     def __init__(self, step: int, signum: int) -> None:
-        super().__init__(PREEMPTED_EXIT_CODE)
-        self.step, self.signum = step, signum
+        super().__init__(signum)
+        self.step = step
 
     def __str__(self) -> str:
-        return (f"stopped on {signal.Signals(self.signum).name} after step {self.step}, checkpoint sealed; run the "
-                f"same command with resume=true to continue (exit code {PREEMPTED_EXIT_CODE})")
+        return (f"stopped on {self.signal_name} after step {self.step}, checkpoint sealed; run the same command with "
+                f"resume=true to continue (exit code {PREEMPTED_EXIT_CODE})")
 
 
 class SealCheckpoints(TrainerCallback):

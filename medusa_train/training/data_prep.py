@@ -242,6 +242,8 @@ def prepare_data(
         FileNotFoundError: a missing data file or package.
         VllmUnavailable / ServerError: the self-distillation engine is missing or unreachable (named), with every
             record written so far kept.
+        DistillStopped: SIGTERM or SIGUSR1 during self-distillation (exit code 75, as a preempted training run):
+            every record written is kept, the engine is stopped, and the rerun generates only the missing replies.
     """
     data.check_context(max_positions(getattr(model, "config", None)))  # before reading or generating anything
     conversations, load = source_conversations(data, seed)

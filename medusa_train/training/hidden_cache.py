@@ -53,12 +53,9 @@ import json
 import logging
 import os
 import re
-import signal
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,7 +74,7 @@ from medusa_train.data.collate import Collator
 from medusa_train.models.features import FINAL, check_feature_layers, count_layers, feature_layer, target_features
 from medusa_train.files.safetensors_stream import SafetensorsStream, TensorPlan, planned_size
 from medusa_train.training.base_placement import gathered
-from medusa_train.training.callbacks import PREEMPTED_EXIT_CODE, STOP_SIGNALS
+from medusa_train.runs.preemption import PREEMPTED_EXIT_CODE, Stopped, stop_on_signals
 from medusa_train.training.process_group import ranks_max
 from medusa_train.training.step import FrozenBase, feature_key
 
@@ -293,41 +290,19 @@ def remove_temp_files(folder: Path, split: str, rank: int, world_size: int) -> l
     return removed
 
 
-class CacheBuildStopped(SystemExit):
+class CacheBuildStopped(Stopped):
     """A stop signal (SIGTERM, SIGUSR1: a preemption) arrived while the cache was built: the block being written is
     discarded (its temporary file removed), every block sealed before it is kept, and the process exits with
-    :data:`~medusa_train.training.callbacks.PREEMPTED_EXIT_CODE` (75), as a training run stopped by a signal does."""
+    :data:`~medusa_train.runs.preemption.PREEMPTED_EXIT_CODE` (75), as a training run stopped by a signal does."""
 
     def __init__(self, signum: int, split: str) -> None:
-        super().__init__(PREEMPTED_EXIT_CODE)
-        self.signum, self.split = signum, split
+        super().__init__(signum)
+        self.split = split
 
     def __str__(self) -> str:
-        return (f"stopped on {signal.Signals(self.signum).name} while building the {self.split} blocks of the hidden "
-                f"cache; every sealed block is kept: run the same command with resume=true to continue (exit code "
+        return (f"stopped on {self.signal_name} while building the {self.split} blocks of the hidden cache; every "
+                f"sealed block is kept: run the same command with resume=true to continue (exit code "
                 f"{PREEMPTED_EXIT_CODE})")
-
-
-@contextmanager
-def _stop_on_signals(split: str) -> Iterator[None]:
-    """Within: SIGTERM and SIGUSR1 raise :class:`CacheBuildStopped` (so the ``finally`` of the write removes its
-    temporary file); the previous handlers are put back after. Nothing changes off the main thread, where Python
-    cannot set handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum: int, frame: Any) -> None:
-        log.warning("hidden cache: received %s; discarding the block being written, keeping the sealed ones",
-                    signal.Signals(signum).name)
-        raise CacheBuildStopped(signum, split)
-
-    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 # the ways out of a cache folder without room, in every message that says so
@@ -488,7 +463,8 @@ def build_hidden_cache(
     def run(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         return _base_forward(base, batch, layers, device, argmax_chunk_size)
 
-    with _stop_on_signals(split):  # a preemption: the block being written discarded, exit 75
+    with stop_on_signals(lambda signum: CacheBuildStopped(signum, split),  # the block being written discarded
+                         "hidden cache: received %s; discarding the block being written, keeping the sealed ones"):
         left = sum(planned_size(tensors) for _, tensors in todo)  # this rank's bytes still to write
         for n, (plan, tensors) in enumerate(todo, start=1):
             exit_if_drilled(EXIT_AT_CACHE_BLOCK, n, rank)

@@ -73,6 +73,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from medusa_train.files.atomic import atomic_write_text
+from medusa_train.files.paths import resolve_path
 from medusa_train.config.renames import renamed_config
 from medusa_train.training import checkpoints
 from medusa_train.runs.run_lock import LOCK_FILE
@@ -227,14 +228,14 @@ def check_location(output_dir: str | os.PathLike[str]) -> Path:
     """Rule 1 of the module docstring (read-only): ``output_dir`` can hold a run. Returns it, resolved.
 
     Raises:
-        OutputDirError: empty, a file (or under one), not writable, an existing folder with entries none of which
-            is one of :data:`RUN_ENTRIES` (the message lists some of them), or one holding ``checkpoints/`` or
-            ``export/`` without our run record (:func:`check_ours`).
+        OutputDirError: empty, a file (or under one), on a symlink loop (the links named), not writable, an existing
+            folder with entries none of which is one of :data:`RUN_ENTRIES` (the message lists some of them), or one
+            holding ``checkpoints/`` or ``export/`` without our run record (:func:`check_ours`).
     """
     text = os.fspath(output_dir)
     if not str(text).strip():
         raise OutputDirError("output_dir is empty: give the folder of this run, e.g. output_dir=runs/stories")
-    root = Path(text).resolve()
+    root = resolve_path(text, "output_dir", OutputDirError)
     if root.exists() and not root.is_dir():
         raise OutputDirError(f"output_dir {root} is a file, not a folder: choose a folder for the run")
     if root.is_dir():

@@ -611,3 +611,15 @@ def transformers_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def test_an_engines_restart_keeps_its_rows_and_a_changed_setting_does_not():
+    from inference.evaluation.provenance import decoder_identity, fingerprint
+
+    settings = {"draft_max": 3}
+    first = {"engine": "llama.cpp b1", "engine_log": "/tmp/llama-server-a.log", "engine_start_s": 3.66}
+    restarted = {**first, "engine_log": "/tmp/llama-server-b.log", "engine_start_s": 4.24}
+    assert fingerprint(decoder_identity(settings, first, None)) == fingerprint(decoder_identity(settings, restarted, None))
+    other_engine = {**first, "engine": "llama.cpp b2"}
+    assert fingerprint(decoder_identity(settings, first, None)) != fingerprint(decoder_identity(settings, other_engine, None))
+    assert fingerprint(decoder_identity(settings, first, None)) != fingerprint(decoder_identity({"draft_max": 4}, first, None))

@@ -207,3 +207,52 @@ def test_a_folder_that_is_not_an_export_is_refused_before_anything_is_written_in
     run = subprocess.run([sys.executable, "-m", "inference.cli.tune_tree", f"export_dir={missing}"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and f"export_dir {missing} is no such folder" in run.stderr and not missing.exists()
+
+
+def hydra_callbacks(config_name: str, overrides: list[str]):
+    """The composed config (Hydra's node included) and its ``hydra.callbacks``, instantiated as Hydra does."""
+    from hydra.utils import instantiate
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    return cfg, [instantiate(c) for c in cfg.hydra.callbacks.values()]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("topk=0", "topk must be >= 1, got 0"),
+    ("latency_sizes=[4]", "latency_sizes must hold at least two sizes >= 1, got [4]"),
+    ("dtype=float33", "dtype must be one of auto, float32, fp32, bfloat16, bf16, float16, fp16, got 'float33'"),
+    ("prompts.source=jsonl", "prompts.source=jsonl needs prompts.path"),
+    ("prompts.path=PROMPTS/missing.jsonl", "prompt file PROMPTS/missing.jsonl not found"),
+    ("prompts.source=mt_bnech", "unknown prompt source 'mt_bnech'"),
+    ("latency_from=PROMPTS/nowhere", "latency_from=PROMPTS/nowhere: PROMPTS/nowhere/latency_profile.json not found"),
+])
+def test_bad_settings_are_refused_before_hydra_makes_its_log_folder_in_the_export(tiny_export, capsys, override,
+                                                                                   message):
+    """Hydra's run folder is ``export/.tune_tree`` (its log, tune_tree.log): the callback checks every setting
+    (TuneTreeConfig.validate) before Hydra creates it, in one line with exit status 2."""
+    export, prompts = tiny_export
+    override, message = (text.replace("PROMPTS", str(prompts.parent)) for text in (override, message))
+    cfg, callbacks = hydra_callbacks("tune_tree", [f"export_dir={export}", override])
+    assert cfg.hydra.run.dir == f"{export}/.tune_tree"
+    with pytest.raises(SystemExit) as exit_:
+        for callback in callbacks:
+            callback.on_run_start(cfg)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("medusa-tune-tree: ") and err.count("\n") == 1, err
+    assert message in err
+    assert sorted(p.name for p in export.iterdir()) == ["config.json", "medusa_lm_head.pt",
+                                                        "medusa_lm_head.safetensors", "vllm"]  # no .tune_tree/
+
+
+@pytest.mark.slow  # a process: about 30 s on 2 shared cores
+def test_the_command_refuses_a_bad_setting_without_writing_into_the_export(tiny_export):
+    import subprocess
+    import sys
+
+    export, _ = tiny_export
+    run = subprocess.run([sys.executable, "-m", "inference.cli.tune_tree", f"export_dir={export}", "max_nodes=0"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr == "medusa-tune-tree: max_nodes must be >= 1 (the tree node budget), got 0\n"
+    assert not (export / ".tune_tree").exists()

@@ -1,6 +1,7 @@
 """An EAGLE-3 drafter's ``speculators/`` export: the config vLLM 0.32 reads, the tensors under the names its
-``Eagle3LlamaForCausalLM`` loads, and every tensor vLLM would not load refused by name before anything is written.
-(The real vLLM serving it: ``tests/inference/test_vllm_eagle3.py``.)"""
+``Eagle3LlamaForCausalLM`` loads, and every tensor vLLM would not load refused by name before anything is written; a
+``speculators/`` folder changed after the export (tensors, bytes, another weights file) refused by name before vLLM
+or llama.cpp's converter is reached. (The real vLLM serving it: ``tests/inference/test_vllm_eagle3.py``.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from medusa_train.models.catalog import drafter_type, new_spec
 from medusa_train.drafters.eagle3.drafter import Eagle3Drafter
@@ -135,3 +136,116 @@ def test_a_medusa_export_into_the_folder_drops_the_stale_speculators(tmp_path, t
     medusa = MedusaHeads(HeadsSpec(2, 1, 32, VOCAB))
     save_export(medusa, out, "org/tiny", base_model=target)
     assert not (out / "speculators").exists() and (out / "vllm" / "config.json").is_file()
+
+
+# ---- speculators/ changed after the export: refused before vLLM or llama.cpp reads it -------------------------------
+
+def _retensor(edit):
+    """A tampering of speculators/model.safetensors: its tensors rewritten through ``edit``."""
+    def tamper(folder):
+        path = folder / "model.safetensors"
+        save_file(edit(load_file(str(path))), str(path), metadata={"format": "pt"})
+    return tamper
+
+
+def _same_size(name, offset, new: bytes):
+    """A tampering that overwrites bytes of ``name`` in place: the file keeps its size."""
+    def tamper(folder):
+        path = folder / name
+        data = bytearray(path.read_bytes())
+        at = data.index(offset) if isinstance(offset, bytes) else offset
+        data[at:at + len(new)] = new
+        path.write_bytes(bytes(data))
+    return tamper
+
+
+def _weights_beside(folder):
+    save_file({"fc.weight": torch.zeros(2, 2)}, str(folder / "model-00002.safetensors"))
+
+
+TAMPERINGS = {
+    "reshaped": (_retensor(lambda s: {**s, "fc.weight": s["fc.weight"][:, :64].contiguous()}),
+                 r"speculators/model\.safetensors does not hold this export's EAGLE-3 drafter \(.*/config\.json\): "
+                 r"fc\.weight is \[32, 64\] float32, vLLM reads \[32, 96\] float32; vLLM and llama\.cpp read this "
+                 r"file as it is: re-export the drafter \(export_vllm=true\) to write speculators/ again"),
+    "dropped": (_retensor(lambda s: {k: v for k, v in s.items() if k != "norm.weight"}),
+                r"speculators/model\.safetensors does not hold .*: norm\.weight is missing \(vLLM reads \[32\] "
+                r"float32\);"),
+    "added": (_retensor(lambda s: {**s, "midlayer.extra.weight": torch.zeros(3)}),
+              r"speculators/model\.safetensors does not hold .*: midlayer\.extra\.weight \[3\] is not a tensor vLLM's "
+              r"Eagle3LlamaForCausalLM reads;"),
+    "bytes_edited": (_same_size("model.safetensors", -64, b"\x7f" * 16),
+                     r"speculators/model\.safetensors is not the file this export wrote: its sha256 differs from the "
+                     r"one .*/config\.json recorded \(engine_files_sha256\), so it was changed since \(edited or "
+                     r"damaged\); vLLM and llama\.cpp would read it as it is: re-export the drafter"),
+    "config_edited": (_same_size("config.json", b'"speculative_tokens": 3', b'"speculative_tokens": 9'),
+                      r"speculators/config\.json is not the file this export wrote: its sha256 differs"),
+    "weights_beside": (_weights_beside,
+                       r"speculators holds model-00002\.safetensors beside model\.safetensors: vLLM loads every "
+                       r"\*\.safetensors file there as the drafter's weights; remove them, or re-export the drafter"),
+}
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """vLLM's worker and llama.cpp's converter fail the test if anything reaches them."""
+    import medusa_train.drafters.eagle3.gguf as gguf
+    import medusa_train.engines.vllm_env as vllm_env
+
+    monkeypatch.setattr(vllm_env, "VllmWorker", lambda *a, **k: pytest.fail("vLLM started"))
+    monkeypatch.setattr(gguf, "converter_command", lambda: pytest.fail("llama.cpp's converter looked for"))
+    monkeypatch.setenv("MEDUSA_LLAMACPP_DIR", "/nonexistent/llamacpp")  # medusa-export-gguf's own check
+
+
+def serve_in_vllm(export, target):
+    """The vllm_eagle3 decoder's build (medusa-eval's and serve_vllm.py's path to vLLM) for the target ``target``."""
+    from types import SimpleNamespace
+
+    from inference.registry import BuildContext, build_decoder, decoder_settings
+    from medusa_train.config.schema import ModelConfig
+
+    ctx = BuildContext(model=SimpleNamespace(base=target), tokenizer=None, export_dir=str(export),
+                       model_config=ModelConfig(name_or_path="org/tiny"))
+    return build_decoder("vllm_eagle3", decoder_settings("vllm_eagle3", None), ctx)
+
+
+@pytest.mark.parametrize("tampering", sorted(TAMPERINGS))
+def test_a_tampered_speculators_folder_is_refused_by_name_before_vllm_or_llamacpp(tmp_path, target, no_engine,
+                                                                                 tampering):
+    """A reshaped, dropped or added tensor, an edit of the same size (weights or config) or another weights file
+    beside them: the vllm_eagle3 rows (the decoder's build), medusa-export-gguf and the llama.cpp conversion each
+    refuse the export naming the file and the fix, before any engine or converter is reached."""
+    from medusa_train.drafters.eagle3.gguf import export_eagle3_gguf
+    from tests.medusa_train.test_cli import export_gguf
+
+    out = save_export(drafter(target), tmp_path / "export", "org/tiny", base_model=target)
+    tamper, message = TAMPERINGS[tampering]
+    tamper(out / "speculators")
+    with pytest.raises(ValueError, match=r"^decoder\.vllm_eagle3: " + str(out) + "/" + message):
+        serve_in_vllm(out, target)
+    with pytest.raises(ValueError, match=r"^" + str(out) + "/" + message):
+        export_gguf(f"export_dir={out}")
+    with pytest.raises(ValueError, match=r"^" + str(out) + "/" + message):
+        export_eagle3_gguf(out, tmp_path)
+    assert not (out / "llamacpp").exists()
+
+
+def test_the_export_records_the_served_files_sha256_and_an_untampered_folder_is_served(tmp_path, target, no_engine,
+                                                                                       caplog):
+    import hashlib
+
+    out = save_export(drafter(target), tmp_path / "export", "org/tiny", base_model=target)
+    recorded = json.loads((out / "config.json").read_text())["engine_files_sha256"]
+    assert recorded == {name: hashlib.sha256(name.rsplit("/", 1)[1].encode() + b"\0" + (out / name).read_bytes())
+                        .hexdigest() for name in ("speculators/config.json", "speculators/model.safetensors")}
+    with pytest.raises(pytest.fail.Exception, match="vLLM started"):  # every check passed
+        serve_in_vllm(out, target)
+    config = json.loads((out / "config.json").read_text())
+    del config["engine_files_sha256"]  # an export written before the record: the tensors alone are checked
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(pytest.fail.Exception, match="vLLM started"):
+        serve_in_vllm(out, target)
+    assert "records no sha256 of speculators/ (engine_files_sha256; exported before it was recorded)" in caplog.text
+    _retensor(lambda s: {k: v for k, v in s.items() if k != "d2t"})(out / "speculators")
+    with pytest.raises(ValueError, match=r"d2t is missing \(vLLM reads \[40\] int64\)"):
+        serve_in_vllm(out, target)

@@ -11,9 +11,12 @@ import importlib
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -155,6 +158,84 @@ def test_a_disk_full_error_names_the_file_bytes_and_free_space_and_other_errors_
     with pytest.raises(PermissionError):
         with disk_full_named(path, 1234, "a block", "free some"):
             raise PermissionError(errno.EACCES, "denied")
+
+
+# ---- a preemption during self-distillation -------------------------------------------------------------------------
+
+def echo_engine(calls: list[int], on_call: dict[int, Callable[[], None]] | None = None):
+    """A self-distillation engine (GenerateFn) replying to each prompt with its last 3 ids and an end of turn;
+    ``on_call[n]`` runs as its n-th call begins (1-based)."""
+    def generate(prompts, max_new_tokens, stop_ids):
+        calls.append(len(prompts))
+        (on_call or {}).get(len(calls), lambda: None)()
+        return [(list(p[-3:]) + [min(stop_ids)], True) for p in prompts]
+    return generate
+
+
+def sigterm_from_a_thread() -> None:
+    """SIGTERM sent to this process by another thread (as SLURM or torchrun send it), then the engine "works" until
+    the handler, which runs on the main thread, stops it."""
+    threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    pytest.fail("SIGTERM did not stop the self-distillation")
+
+
+def test_sigterm_during_self_distillation_keeps_every_record_written_and_exits_75(tmp_path):
+    """The batch being generated when SIGTERM arrives is discarded, the batches written before are kept whole, the
+    process exits with 75 as a preempted training run does, the previous handler is put back, and the rerun
+    generates only the missing replies: the records then equal those of a run never stopped."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from medusa_train.data.self_distill import DistillStopped
+
+    model_dir, _ = write_tiny_inputs(tmp_path)
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+    conversations = distill_prompts(12)
+    whole = tmp_path / "whole" / "sd.jsonl"
+    self_distill(model, tok, conversations, 4, 4, whole, generate=echo_engine([]), show_progress=False)
+
+    out, calls = tmp_path / "stopped" / "sd.jsonl", []
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(DistillStopped) as stopped:  # batches of 4: the third is being generated
+        self_distill(model, tok, conversations, 4, 4, out, generate=echo_engine(calls, {3: sigterm_from_a_thread}),
+                     show_progress=False)
+    assert stopped.value.code == 75 and signal.getsignal(signal.SIGTERM) is handler
+    assert str(stopped.value) == (f"stopped on SIGTERM during self-distillation into {out}'s blocks; every record "
+                                  "written is kept (8 by this run): run the same command with resume=true to generate "
+                                  "only the missing replies (exit code 75)")
+    kept = read_records(block_path(out, 0))  # each checked against its checksum
+    assert len(kept) == 8 and block_path(out, 0).read_bytes().endswith(b"\n")
+
+    calls.clear()
+    stats = self_distill(model, tok, conversations, 4, 4, out, generate=echo_engine(calls), show_progress=False)
+    assert (stats.already_done, stats.generated, sum(calls)) == (8, 4, 4)
+    assert read_records(block_path(out, 0)) == read_records(block_path(whole, 0))
+
+
+def test_sigterm_while_a_batch_is_appended_finishes_its_records_then_stops(tmp_path, monkeypatch):
+    """A signal that arrives while a batch's records are written waits for them: the batch is kept whole and
+    counted, and the stop comes right after."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from medusa_train.data.self_distill import DistillStopped
+
+    model_dir, _ = write_tiny_inputs(tmp_path)
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+    original = self_distill_module._append
+
+    def append_then_signalled(path, records):
+        original(path, records[:1])
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, between the batch's records
+        original(path, records[1:])
+
+    monkeypatch.setattr(self_distill_module, "_append", append_then_signalled)
+    out, calls = tmp_path / "sd.jsonl", []
+    with pytest.raises(DistillStopped) as stopped:
+        self_distill(model, tok, distill_prompts(12), 4, 4, out, generate=echo_engine(calls), show_progress=False)
+    assert stopped.value.written == 4 and calls == [4]  # the first batch written whole; no second one asked for
+    assert len(read_records(block_path(out, 0))) == 4
 
 
 # ---- bad input at scale -------------------------------------------------------------------------------------------

@@ -64,17 +64,23 @@ def test_a_users_folder_with_checkpoints_or_an_export_is_refused_even_with_overw
     assert snapshot(project) == before  # every file as it was, nothing added (no lock, no train_config.yaml)
 
 
-def test_the_command_line_check_refuses_a_users_folder_before_hydra_writes_into_it(inputs, tmp_path):
-    """The same rule is what ``medusa-train``'s Hydra callback runs before Hydra makes ``${output_dir}/hydra``."""
+def test_the_command_line_check_refuses_a_users_folder_before_hydra_writes_into_it(inputs, tmp_path, capsys):
+    """The same rule is what ``medusa-train``'s Hydra callback runs before Hydra makes ``${output_dir}/hydra``: one
+    line on stderr, exit status 2."""
+    import re
+
     from medusa_train.cli.train import CheckOutputDir
 
     model_dir, data = inputs
     project = tmp_path / "project"
     (project / "export").mkdir(parents=True)
     (project / "export" / "model.onnx").write_bytes(b"onnx")
-    with pytest.raises(SystemExit, match=r"medusa-train: output_dir .*project holds export/ \(model.onnx\) but there "
-                                         "is no train_config.yaml"):
+    with pytest.raises(SystemExit) as exit_:
         CheckOutputDir().on_run_start(compose_train(tiny_overrides(model_dir, data, project, overwrite="true")))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert re.match(r"medusa-train: output_dir .*project holds export/ \(model.onnx\) but there is no "
+                    "train_config.yaml", err), err
     assert [p.name for p in project.iterdir()] == ["export"]
 
 

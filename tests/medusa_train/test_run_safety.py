@@ -437,14 +437,55 @@ def test_the_command_line_refuses_an_empty_or_foreign_output_dir_before_hydra_wr
     root_hydra = Path("/hydra").exists()
     overrides = [o for o in tiny_overrides(model_dir, data, tmp_path / "unused") if not o.startswith("output_dir=")]
     empty = cli([*overrides, "output_dir="], cwd=cwd)
-    assert empty.returncode == 1 and "medusa-train: output_dir is empty" in empty.stderr
+    assert empty.returncode == 2 and "medusa-train: output_dir is empty" in empty.stderr
     assert list(cwd.iterdir()) == [] and Path("/hydra").exists() == root_hydra  # nothing in . or in /hydra
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "notes.txt").write_text("mine")
     refused = cli(tiny_overrides(model_dir, data, theirs, overwrite="true"), cwd=cwd)
-    assert refused.returncode == 1 and "holds files that are not a medusa-train run (notes.txt)" in refused.stderr
+    assert refused.returncode == 2 and "holds files that are not a medusa-train run (notes.txt)" in refused.stderr
     assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
+
+
+def symlink_loop(folder: Path) -> Path:
+    """``folder/a -> b`` and ``folder/b -> a``: a path through ``a`` can never be resolved."""
+    folder.mkdir()
+    (folder / "a").symlink_to("b")
+    (folder / "b").symlink_to("a")
+    return folder / "a"
+
+
+def test_a_folder_in_a_symlink_loop_is_named_as_such_by_each_command_check(tmp_path):
+    """medusa-train's and medusa-eval's output_dir and the export_dir of tune-tree, generate and export-gguf: one
+    message naming the path, "symlink loop" and the links, never Python's RuntimeError or an OSError."""
+    from inference.evaluation.eval_folder import EvalDirError, check_eval_dir
+    from medusa_train.export.files import check_export_dir, check_readable
+    from medusa_train.training.run_dir import OutputDirError, check_location
+
+    loop = symlink_loop(tmp_path / "loop")
+    links = (rf"symlink loop \({loop} -> b -> a\): a symbolic link on the path leads back to itself; fix or remove the "
+             "link")
+    with pytest.raises(OutputDirError, match=rf"^output_dir {loop}/run: {links}, or choose another output_dir$"):
+        check_location(loop / "run")
+    with pytest.raises(EvalDirError, match=rf"^output_dir {loop}/eval: {links}, or choose another output_dir$"):
+        check_eval_dir(loop / "eval")
+    for check in (check_export_dir, check_readable):
+        with pytest.raises(ValueError, match=rf"^export_dir {loop}: {links}, or choose another export_dir$"):
+            check(loop)
+    assert sorted(p.name for p in loop.parent.iterdir()) == ["a", "b"]
+
+
+@pytest.mark.slow  # a medusa-train process
+def test_medusa_train_refuses_an_output_dir_in_a_symlink_loop_in_one_line_with_exit_2(inputs, tmp_path):
+    model_dir, data = inputs
+    loop = symlink_loop(tmp_path / "loop")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    run = cli(tiny_overrides(model_dir, data, loop / "run"), cwd=cwd)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr == (f"medusa-train: output_dir {loop}/run: symlink loop ({loop} -> b -> a): a symbolic link on "
+                          "the path leads back to itself; fix or remove the link, or choose another output_dir\n")
+    assert sorted(p.name for p in loop.parent.iterdir()) == ["a", "b"] and list(cwd.iterdir()) == []
 
 
 # ---- 6. too little data is refused before training, saying what was dropped ----------------------------------------

@@ -28,7 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from medusa_train.files.atomic import atomic_write
-from medusa_train.drafters.eagle3.speculators import CONFIG_FILE, SPECULATORS_DIR, SPECULATORS_MODEL_TYPE, WEIGHTS_FILE
+from medusa_train.drafters.eagle3.speculators import (
+    CONFIG_FILE,
+    SPECULATORS_DIR,
+    SPECULATORS_MODEL_TYPE,
+    WEIGHTS_FILE,
+    check_served_files,
+)
 from medusa_train.engines.llamacpp_env import BUILD_NUMBER, OUTTYPES, converter_command
 from medusa_train.export.files import read_json, sha256_files, write_json
 
@@ -60,11 +66,13 @@ def check_target_folder(target_model_dir: str | os.PathLike[str]) -> Path:
 
 
 def speculators_files(export_dir: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
-    """The export's ``speculators/`` folder and its config, checked for what llama.cpp's EAGLE-3 takes.
+    """The export's ``speculators/`` folder and its config, checked for what llama.cpp's EAGLE-3 takes, and against
+    the export's drafter (:func:`~medusa_train.drafters.eagle3.speculators.check_served_files`).
 
     Raises:
         FileNotFoundError: no ``speculators/`` (re-export with ``export_vllm=true``).
-        ValueError: not an EAGLE-3 speculators config, or not exactly three taps (the taps named).
+        ValueError: not an EAGLE-3 speculators config, not exactly three taps (the taps named), or files that are
+            not what the export wrote (tensors, other weights files, sha256; the file named).
     """
     folder = Path(export_dir) / SPECULATORS_DIR
     if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
@@ -80,6 +88,7 @@ def speculators_files(export_dir: str | os.PathLike[str]) -> tuple[Path, dict[st
     if len(taps) != EAGLE3_TAPS:
         raise ValueError(f"{folder / CONFIG_FILE}: eagle_aux_hidden_state_layer_ids {taps}: llama.cpp's EAGLE-3 "
                          f"reads exactly {EAGLE3_TAPS} target layers; train with three heads.feature_layers")
+    check_served_files(export_dir)
     return folder, config
 
 

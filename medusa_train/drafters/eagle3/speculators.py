@@ -27,19 +27,34 @@ dtype); :func:`speculators_writer` refuses, by name and before anything is writt
 (a renamed one: vLLM would fail or silently skip it) or of another shape or dtype. Served EAGLE-3 exports whose
 weights were skipped accept almost nothing, the failure most reported against speculators, vLLM and SpecForge.
 
+vLLM and llama.cpp read ``speculators/`` themselves (our decoder reads ``eagle3_drafter.safetensors``), so a folder
+changed after the export would be served as it is. :func:`check_served_files` runs before either reads it (vLLM rows,
+:func:`~medusa_train.drafters.eagle3.vllm.speculative_config`; the GGUF conversion,
+:func:`~medusa_train.drafters.eagle3.gguf.speculators_files`): ``model.safetensors``'s header must hold the tensors
+of the drafter the export's ``config.json`` describes (the same table, read without loading a weight), no other
+weights file may lie beside it (vLLM loads every ``*.safetensors`` there), and each file's sha256 must be the one the
+export recorded (``engine_files_sha256``), which catches an edit of the same size. Hashing costs one read of the
+files (about 1.4 s per GB on this machine's sha256; a 70B target's drafter is a few GB).
+
 Shapes: H hidden, V target vocabulary, V' draft vocabulary, d head_dim, I the MLP width.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from medusa_train.export.files import write_json, write_safetensors
+from medusa_train.export.files import read_json, sha256_files, write_json, write_safetensors
 from medusa_train.models.features import count_layers
+from medusa_train.files.safetensors_stream import DTYPE_NAMES
+
+log = logging.getLogger(__name__)
 
 SPECULATORS_DIR = "speculators"
 CONFIG_FILE = "config.json"
@@ -48,6 +63,7 @@ FILES = (f"{SPECULATORS_DIR}/{CONFIG_FILE}", f"{SPECULATORS_DIR}/{WEIGHTS_FILE}"
 SPECULATORS_MODEL_TYPE = "eagle3"
 # Every norm variant vLLM's Eagle3 reads, as our drafter computes (drafter.py); all written explicitly.
 NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # the header's dtype names (safe_open's get_dtype)
 # transformer_layer_config keys that describe no shape (transformers' defaults, vocabulary token ids).
 _DROPPED_LAYER_KEYS = ("transformers_version", "bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -80,28 +96,92 @@ def expected_tensors(spec: Any, dtype: torch.dtype) -> dict[str, tuple[tuple[int
     return table
 
 
-def check_tensors(tensors: dict[str, torch.Tensor], spec: Any, dtype: torch.dtype, source: str) -> None:
-    """Compare ``tensors`` with :func:`expected_tensors`.
-
-    Raises:
-        ValueError: naming every missing tensor (``d2t`` with a reduced draft vocabulary among them), every extra
-            one (a renamed tensor: vLLM would not load it under our name) and every shape or dtype that differs
-            (expected and found), with ``source``.
-    """
+def tensor_problems(found: dict[str, tuple[tuple[int, ...], torch.dtype]], spec: Any, dtype: torch.dtype
+                    ) -> list[str]:
+    """How ``found`` (name -> (shape, dtype)) differs from :func:`expected_tensors` of ``spec`` in ``dtype``: every
+    missing tensor (``d2t`` with a reduced draft vocabulary among them), every extra one (a renamed tensor: vLLM
+    would not load it under our name) and every shape or dtype that differs (expected and found); empty: none."""
     expected = expected_tensors(spec, dtype)
     problems = [f"{name} is missing (vLLM reads {list(shape)} {str(want).removeprefix('torch.')})"
-                for name, (shape, want) in expected.items() if name not in tensors]
-    problems += [f"{name} {list(tensors[name].shape)} is not a tensor vLLM's Eagle3LlamaForCausalLM reads"
-                 for name in tensors if name not in expected]
+                for name, (shape, want) in expected.items() if name not in found]
+    problems += [f"{name} {list(found[name][0])} is not a tensor vLLM's Eagle3LlamaForCausalLM reads"
+                 for name in found if name not in expected]
     for name, (shape, want) in expected.items():
-        t = tensors.get(name)
-        if t is not None and (tuple(t.shape) != shape or t.dtype != want):
-            problems.append(f"{name} is {list(t.shape)} {str(t.dtype).removeprefix('torch.')}, vLLM reads "
+        if name in found and found[name] != (shape, want):
+            got_shape, got_dtype = found[name]
+            problems.append(f"{name} is {list(got_shape)} {str(got_dtype).removeprefix('torch.')}, vLLM reads "
                             f"{list(shape)} {str(want).removeprefix('torch.')}")
+    return problems
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], spec: Any, dtype: torch.dtype, source: str) -> None:
+    """Compare ``tensors`` with :func:`expected_tensors` (:func:`tensor_problems`).
+
+    Raises:
+        ValueError: naming every problem, with ``source``.
+    """
+    problems = tensor_problems({k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}, spec, dtype)
     if problems:
         raise ValueError(f"{source}: the drafter's tensors do not match what vLLM loads: {'; '.join(problems)}. "
                          "Export a drafter built by medusa_train.drafters.eagle3.drafter.Eagle3Drafter from its own "
                          "spec")
+
+
+def check_served_files(export_dir: str | os.PathLike[str]) -> Path:
+    """Check that the export's ``speculators/`` is what the export wrote for its drafter, before an engine reads it
+    (see the module docstring); returns the folder.
+
+    Raises:
+        FileNotFoundError: ``speculators/model.safetensors`` missing (re-export with ``export_vllm=true``).
+        ValueError: the export's ``config.json`` is not an EAGLE-3 drafter's, or (each naming the file and the fix,
+            a re-export): ``model.safetensors`` is not a safetensors file, or holds tensors missing, extra or of
+            another shape or dtype than the drafter's (:func:`tensor_problems`, all named); another
+            ``*.safetensors`` file lies in the folder; a file's sha256 differs from the one recorded at export.
+            An export written before the sha256 was recorded gets a warning, and its tensors are still checked.
+    """
+    from medusa_train.models.catalog import drafter_type
+    from medusa_train.export.configs import ENGINE_SHA256_KEY, export_head_type, spec_from_config
+
+    export = Path(export_dir)
+    folder, weights = export / SPECULATORS_DIR, export / SPECULATORS_DIR / WEIGHTS_FILE
+    fix = f"re-export the drafter (export_vllm=true) to write {SPECULATORS_DIR}/ again"
+    raw = read_json(export / CONFIG_FILE)
+    entry = drafter_type(export_head_type(raw), str(export / CONFIG_FILE))
+    if entry.name != SPECULATORS_MODEL_TYPE:
+        raise ValueError(f"{export / CONFIG_FILE}: head_type {entry.name!r} ({entry.title} heads): {folder} holds an "
+                         "EAGLE-3 drafter only in an EAGLE-3 export")
+    spec = spec_from_config(entry, raw, str(export))
+    dtype = getattr(torch, str(raw.get("torch_dtype", "float32")), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{export / CONFIG_FILE}: torch_dtype {raw.get('torch_dtype')!r} is not a torch dtype")
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} not found: {fix}")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            found = {name: (tuple(f.get_slice(name).get_shape()), _DTYPES.get(f.get_slice(name).get_dtype()))
+                     for name in f.keys()}
+    except SafetensorError as e:
+        raise ValueError(f"{weights} is not a safetensors file vLLM can read ({e}): {fix}") from e
+    problems = tensor_problems(found, spec, dtype)
+    if problems:
+        raise ValueError(f"{weights} does not hold this export's EAGLE-3 drafter ({export / CONFIG_FILE}): "
+                         f"{'; '.join(problems)}; vLLM and llama.cpp read this file as it is: {fix}")
+    others = sorted(p.name for p in folder.glob("*.safetensors") if p.name != WEIGHTS_FILE)
+    if others:
+        raise ValueError(f"{folder} holds {', '.join(others)} beside {WEIGHTS_FILE}: vLLM loads every *.safetensors "
+                         f"file there as the drafter's weights; remove them, or {fix}")
+    recorded = raw.get(ENGINE_SHA256_KEY)
+    if not isinstance(recorded, dict):
+        log.warning("%s records no sha256 of %s/ (%s; exported before it was recorded): its tensors' names and shapes "
+                    "are checked, not its bytes; %s to record them", export / CONFIG_FILE, SPECULATORS_DIR,
+                    ENGINE_SHA256_KEY, fix)
+        return folder
+    for name in FILES:
+        if name in recorded and sha256_files([export / name]) != recorded[name]:
+            raise ValueError(f"{export / name} is not the file this export wrote: its sha256 differs from the one "
+                             f"{export / CONFIG_FILE} recorded ({ENGINE_SHA256_KEY}), so it was changed since (edited "
+                             f"or damaged); vLLM and llama.cpp would read it as it is: {fix}")
+    return folder
 
 
 def speculators_tensors(drafter: Any) -> dict[str, torch.Tensor]:
@@ -194,4 +274,5 @@ def speculators_writer(heads: Any, *, base_model_name_or_path: str, base_model: 
 
 
 __all__ = ["CONFIG_FILE", "FILES", "NORM_FLAGS", "SPECULATORS_DIR", "SPECULATORS_MODEL_TYPE", "WEIGHTS_FILE",
-           "check_tensors", "expected_tensors", "speculators_config", "speculators_tensors", "speculators_writer"]
+           "check_served_files", "check_tensors", "expected_tensors", "speculators_config", "speculators_tensors",
+           "speculators_writer", "tensor_problems"]

@@ -10,9 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-from medusa_train.config.bounds import MAX_COUNT, bound
 from medusa_train.models.catalog import EngineDecoder, drafter_type
-from medusa_train.drafters.eagle3.speculators import CONFIG_FILE, SPECULATORS_DIR, SPECULATORS_MODEL_TYPE
+from medusa_train.drafters.eagle3.speculators import (
+    CONFIG_FILE,
+    SPECULATORS_DIR,
+    SPECULATORS_MODEL_TYPE,
+    check_served_files,
+)
+from medusa_train.config.bounds import MAX_COUNT, bound
 from medusa_train.engines.settings import VllmSettings
 from medusa_train.engines.vllm_env import tuned_speculative_tokens
 from medusa_train.export.configs import export_head_type
@@ -39,7 +44,9 @@ def speculative_config(export_dir: str | os.PathLike[str], num_speculative_token
         FileNotFoundError: no export ``config.json``, or no ``speculators/config.json`` (re-export with
             ``export_vllm=true``).
         ValueError: the export's ``head_type`` is a drafter vLLM does not serve as ``eagle3`` (Medusa heads: use the
-            ``vllm_medusa`` decoder), ``speculators/config.json`` is not an EAGLE-3 speculators config, or
+            ``vllm_medusa`` decoder), ``speculators/config.json`` is not an EAGLE-3 speculators config,
+            ``speculators/`` is not what the export wrote for its drafter (tensors, other weights files, sha256:
+            :func:`~medusa_train.drafters.eagle3.speculators.check_served_files`, the file named), or
             ``num_speculative_tokens`` < 1. All before vLLM starts.
     """
     head_type = export_head_type(read_export_config(export_dir))
@@ -59,6 +66,7 @@ def speculative_config(export_dir: str | os.PathLike[str], num_speculative_token
         raise ValueError(f"{folder / CONFIG_FILE}: not an EAGLE-3 speculators config (speculators_model_type "
                          f"{config.get('speculators_model_type')!r}, speculative_tokens {default_k!r}); re-export the "
                          "drafter")
+    check_served_files(export_dir)
     k = num_speculative_tokens
     if k is None:
         k = (tuned_speculative_tokens(export_dir, VLLM_METHOD) if recorded else None) or default_k
