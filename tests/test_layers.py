@@ -7,6 +7,7 @@
   import none of them, and ``inference`` reaches them through the catalog only;
 - ``inference`` imports nothing from ``medusa_train``'s training, publish or data packages, directly or through any
   module it imports (transitively);
+- ``inference.proposers`` imports nothing of ``inference.decoders`` (the decoders drive the proposers);
 - training imports nothing from publish; only entry points (``medusa_train.cli``, ``inference.cli``, ``benchmarks``)
   and publish itself import publish;
 - no file cites a document outside the repository (a clone has none of them).
@@ -162,6 +163,15 @@ def test_inference_reaches_no_training_publish_or_data_transitively():
     offending = sorted(" -> ".join(path) for module, path in reached.items()
                        if any(module == f or module.startswith(f + ".") for f in forbidden))
     assert offending == [], "inference reaches training-side code:\n" + "\n".join(offending)
+
+
+def test_the_proposers_import_nothing_of_the_decoders():
+    """The decoders drive the proposers, never the other way round: a proposer reads the request
+    (:class:`inference.decode_config.DecodeConfig`) from below both, so the two packages form no loop."""
+    edges = import_graph(modules())
+    assert edges_between(edges, "inference.proposers", ("inference.decoders",)) == []
+    readers = edges_between(edges, "inference.proposers", ("inference.decode_config",))
+    assert "inference.proposers.draft_model -> inference.decode_config" in readers
 
 
 def test_only_entry_points_import_publish():
