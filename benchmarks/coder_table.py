@@ -6,6 +6,7 @@ Spec-Bench (``docs/coder-1.5b.md``).
     nohup python benchmarks/coder_table.py --cells ours:humaneval vllm:humaneval llamacpp:humaneval --commit \\
         > runs/coder/runner.log 2>&1 &
     python benchmarks/coder_table.py --render       # docs/coder-1.5b.md's table again, from the JSON
+    python benchmarks/coder_table.py --explain      # add the step costs of cells measured before, from runs/coder
 
 A cell is ``GROUP:SET``: one ``medusa-eval`` run (``OUT/GROUP-SET``, resumed after a kill) of the group's decoders
 on the prompt set, the target ``model=qwen2_5_coder_1_5b``, the draft ``draft=qwen2_5_coder_0_5b``, greedy, batch 1,
@@ -171,6 +172,42 @@ def rows_of(cell: str, group: str, prompts: str, summary: dict[str, Any]) -> lis
     return out
 
 
+PLAIN_OF = {"ours": "vanilla", "vllm": "vllm", "llamacpp": "llamacpp"}  # each engine's plain row
+
+
+def step_costs(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """Add to each speed row of one cell what its speedup is made of, from the run's ``results.jsonl``:
+    ``prefill_s`` (its prompts' prefill, seconds, summed), ``step_s`` (decoding seconds per step: a draft-and-verify
+    step, or a token for a plain row), ``step_cost`` (``step_s`` over its engine's plain row's, in the same run:
+    the step's price in plain tokens) and ``predicted_speedup`` (``tau / step_cost``: the decoding phase's speedup,
+    without the prefill). The steps are ``new_tokens / tau`` (the table's τ). A row whose plain row is not in the run
+    (vLLM's n-gram cell has its own plain vLLM row) is priced against that one."""
+    results = run_dir / "results.jsonl"
+    if not rows or is_fp32(rows[0]["cell"]) or not results.is_file():
+        return
+    totals: dict[str, list[float]] = {}
+    for line in results.read_text(encoding="utf-8").splitlines():
+        r = json.loads(line)
+        t = totals.setdefault(r["decoder"], [0.0, 0.0, 0])
+        t[0] += r["wall_time_s"]
+        t[1] += r.get("prefill_time_s") or 0.0
+        t[2] += r["new_tokens"]
+    taus = {r["decoder"]: r["tau"] for r in rows}
+
+    def step_s(name: str, tau: float) -> float:
+        wall, prefill, tokens = totals[name]
+        return (wall - prefill) / (tokens / tau)
+
+    for r in rows:
+        plain = PLAIN_OF[r["engine"]]
+        if r["decoder"] not in totals or plain not in totals:
+            continue
+        r["prefill_s"] = totals[r["decoder"]][1]
+        r["step_s"] = step_s(r["decoder"], r["tau"])
+        r["step_cost"] = r["step_s"] / step_s(plain, taus.get(plain, 1.0))
+        r["predicted_speedup"] = r["tau"] / r["step_cost"]
+
+
 def is_fp32(cell: str) -> bool:
     """Whether ``cell`` is an exactness cell (``fp32:SET``, ``DRAFTER-SIZE/fp32:SET``), not a speed one."""
     return cell.split(":")[0].split("/")[-1] == "fp32"
@@ -210,6 +247,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                          f"[{_f(r['speedup_low'])}, {_f(r['speedup_high'])}] | {_f(r['tau'])} | {_f(r['exact'])} | "
                          f"{_f(exact32.get((r['prompts'], r['decoder'], r['drafter'])))} | {cpu} ({load_text}) |")
         lines.append("")
+        priced = [r for r in mine if r.get("step_cost") is not None and r["decoder"] not in PLAIN_OF.values()]
+        if priced:
+            lines += [f"What each {prompts} speedup is made of (decoding only, from the same runs):", "",
+                      "| engine | decoder | τ | a step, ms | a step, in plain tokens | τ / that | measured speedup |",
+                      "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+            lines += [f"| {r['engine']} | {r['decoder']} | {_f(r['tau'])} | {_f(1000 * r['step_s'], '.0f')} | "
+                      f"{_f(r['step_cost'])} | {_f(r['predicted_speedup'])}x | {_f(r['speedup'])}x |" for r in priced]
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -256,7 +301,9 @@ def measure(group: str, prompts: str, args: argparse.Namespace) -> list[dict[str
     run([medusa_eval, f"output_dir={out}", *eval_overrides(group, prompts, args.humaneval, export)], log,
         {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", VLLM_KV_CACHE_GIB)})
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
-    return rows_of(cell, group, prompts, summary)
+    rows = rows_of(cell, group, prompts, summary)
+    step_costs(out, rows)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--humaneval", type=int, default=20, help="HumanEval problems (the first N)")
     parser.add_argument("--commit", action="store_true", help="commit the table's files after each cell")
     parser.add_argument("--render", action="store_true", help="only rewrite the Markdown tables from the JSON")
+    parser.add_argument("--explain", action="store_true",
+                        help="only add each row's step costs from its run in --out (cells measured before) and render")
     args = parser.parse_args(argv)
     try:
         cells = [parse_cell(c) for c in args.cells]
@@ -273,8 +322,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if args.humaneval < 1:
         parser.error(f"--humaneval {args.humaneval}: give a number of problems >= 1")
-    if args.render:
-        render(read_table())
+    if args.render or args.explain:
+        table = read_table()
+        if args.explain:
+            for cell in dict.fromkeys(r["cell"] for r in table):
+                group, prompts = cell.split(":")
+                run_dir = Path(args.out) / f"{group.replace('/', '-')}-{prompts}"
+                step_costs(run_dir, [r for r in table if r["cell"] == cell])
+            atomic_write_text(TABLE, json.dumps(table, indent=1, ensure_ascii=False) + "\n")
+        render(table)
         return 0
     for group, prompts in cells:
         cell = f"{group}:{prompts}"

@@ -126,3 +126,24 @@ def test_a_drafters_recipe_runs_with_the_targets_settings_and_its_replies_are_ke
         sorted(p.name for p in (Path(env["SCALE_OUT"]) / "replies-1").iterdir())))
     table.train("medusa", 1, args)
     assert calls[-1] == ["conversations.block000000.jsonl"]
+
+
+def test_each_row_is_priced_against_its_engines_plain_row_from_the_runs_results(table, tmp_path):
+    run = tmp_path / "llamacpp-humaneval"
+    run.mkdir()
+    lines = []
+    for prompt in ("a", "b"):  # per prompt: wall, prefill, new tokens
+        lines += [{"decoder": "llamacpp", "wall_time_s": 11.0, "prefill_time_s": 1.0, "new_tokens": 100},
+                  {"decoder": "llamacpp_draft", "wall_time_s": 22.0, "prefill_time_s": 2.0, "new_tokens": 100}]
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    rows = [{"cell": "llamacpp:humaneval", "engine": "llamacpp", "decoder": "llamacpp", "tau": 1.0},
+            {"cell": "llamacpp:humaneval", "engine": "llamacpp", "decoder": "llamacpp_draft", "tau": 4.0}]
+    table.step_costs(run, rows)
+    plain, draft = rows
+    assert plain["step_s"] == pytest.approx(0.1) and plain["step_cost"] == pytest.approx(1.0)
+    # 40 s of decoding over 200 / 4 = 50 steps: 0.8 s a step, 8 plain tokens; tau 4 over 8 predicts 0.5x
+    assert draft["step_s"] == pytest.approx(0.8) and draft["step_cost"] == pytest.approx(8.0)
+    assert draft["predicted_speedup"] == pytest.approx(0.5) and draft["prefill_s"] == pytest.approx(4.0)
+    fp32 = [{"cell": "fp32:humaneval", "engine": "ours", "decoder": "draft", "tau": 4.0}]
+    table.step_costs(run, fp32)  # exactness cells are not timed
+    assert "step_cost" not in fp32[0]

@@ -210,11 +210,12 @@ class LlamaServer:
         return parse_spec_counters(self._request("/metrics", None, 30.0))
 
     def complete(self, prompt_ids: Sequence[int], max_tokens: int, ignore_eos: bool = False,
-                 timeout: float = 3600.0) -> dict[str, Any]:
+                 timeout: float = 3600.0, n_probs: int = 0) -> dict[str, Any]:
         """One greedy reply to ``prompt_ids``: ``tokens`` (ids), ``wall_s`` (the request, seconds, measured here),
         ``timings`` (the server's: ``prompt_ms``, ``predicted_ms``, ``draft_n``, ``draft_n_accepted``, ...),
         ``stop_type`` (``eos``, ``limit``, ...) and ``spec`` (this request's counters, :func:`counter_difference`;
-        zeros for a plain server).
+        zeros for a plain server). ``n_probs`` > 0 adds ``probs``: llama.cpp's ``completion_probabilities``, for each
+        reply token its ``n_probs`` most likely tokens with their log-probabilities before sampling.
 
         Raises:
             LlamaCppError: the server failed or answered without token ids (its log's tail).
@@ -222,6 +223,8 @@ class LlamaServer:
         payload = {"prompt": [int(t) for t in prompt_ids], "n_predict": int(max_tokens), "temperature": 0.0,
                    "top_k": 1, "cache_prompt": False, "return_tokens": True, "ignore_eos": bool(ignore_eos),
                    "stream": False}
+        if n_probs:
+            payload["n_probs"] = int(n_probs)
         try:
             before = self.spec_counters() if self.speculative else None
             start = time.perf_counter()
@@ -236,6 +239,7 @@ class LlamaServer:
             raise LlamaCppError(f"llama-server answered without the reply's token ids: {str(answer)[:300]}")
         return {"tokens": tokens, "wall_s": wall, "timings": answer.get("timings") or {},
                 "stop_type": answer.get("stop_type"),
+                "probs": answer.get("completion_probabilities") if n_probs else None,
                 "spec": spec or {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                                  "accepted_per_pos": []}}
 
@@ -266,6 +270,12 @@ class LlamaServer:
             proc.wait(timeout=15)
         self._reaper.kill()
         self._reaper.wait()
+
+    def __enter__(self) -> "LlamaServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 __all__ = ["LlamaCppError", "LlamaServer", "counter_difference", "free_port", "parse_spec_counters"]
