@@ -40,10 +40,10 @@ from inference.decoders.vanilla import VanillaDecoder
 from inference.draft_loading import self_layer_draft
 from inference.evaluation.summary import decoder_metrics, markdown_table
 from medusa_train.cli.app import register_shared_schemas
-from medusa_train.config import ModelConfig, as_dataclass
+from medusa_train.config.schema import ModelConfig, as_dataclass
 from medusa_train.loading.base import load_base_model
-from medusa_train.paths import CONF_DIR
-from medusa_train.prompts import encode_prompt, load_prompts
+from medusa_train.files.paths import CONF_DIR
+from medusa_train.chat.prompts import encode_prompt, load_prompts
 
 DECODERS = ("vanilla", "draft", "lookahead", "hf_assisted", "hf_prompt_lookup")
 

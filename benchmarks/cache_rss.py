@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from medusa_train.config import TrainerConfig
+from medusa_train.config.schema import TrainerConfig
 
 
 def vm_kib(field: str) -> int:
@@ -47,10 +47,10 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     from hydra import compose, initialize_config_dir
 
     from medusa_train.cli.app import register_shared_schemas
-    from medusa_train.config import ModelConfig, as_dataclass
+    from medusa_train.config.schema import ModelConfig, as_dataclass
     from medusa_train.data import Collator, build_dataset, load_conversations
     from medusa_train.loading.base import load_base_model
-    from medusa_train.paths import CONF_DIR
+    from medusa_train.files.paths import CONF_DIR
     from medusa_train.training.hidden_cache import build_hidden_cache
     from medusa_train.training.step import FrozenBase
 

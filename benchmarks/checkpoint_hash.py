@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.training import checkpoints
 

@@ -59,9 +59,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from data_scaling import archive_replies, commit, cpu_model, git, restore_replies, run  # noqa: E402
 from inference.registry import REGISTRY, takes_draft  # noqa: E402
-from medusa_train.catalog import drafter_type  # noqa: E402
-from medusa_train.atomic import atomic_write_text  # noqa: E402
-from medusa_train.precision import cpu_flags  # noqa: E402
+from medusa_train.models.catalog import drafter_type  # noqa: E402
+from medusa_train.files.atomic import atomic_write_text  # noqa: E402
+from medusa_train.config.precision import cpu_flags  # noqa: E402
 
 TARGET, DRAFT = "qwen2_5_coder_1_5b", "qwen2_5_coder_0_5b"
 GROUPS = {

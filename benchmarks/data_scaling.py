@@ -46,16 +46,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from inference.evaluation.eval_config import EvaluateConfig  # noqa: E402
-from medusa_train.atomic import atomic_write, atomic_write_text  # noqa: E402
-from medusa_train.bounds import Bound  # noqa: E402
-from medusa_train.catalog import drafter_type  # noqa: E402
-from medusa_train.checksums import file_sha256  # noqa: E402
+from medusa_train.files.atomic import atomic_write, atomic_write_text  # noqa: E402
+from medusa_train.config.bounds import Bound  # noqa: E402
+from medusa_train.models.catalog import drafter_type  # noqa: E402
+from medusa_train.files.checksums import file_sha256  # noqa: E402
 from medusa_train.cli.flags import FlagParser, check_flags, schema_bound  # noqa: E402
-from medusa_train.config import HeadsConfig  # noqa: E402
+from medusa_train.config.schema import HeadsConfig  # noqa: E402
 from medusa_train.engines.llamacpp_env import llamacpp_available  # noqa: E402
 from medusa_train.engines.vllm_env import vllm_available  # noqa: E402
-from medusa_train.precision import cpu_flags  # noqa: E402
-from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET  # noqa: E402
+from medusa_train.config.precision import cpu_flags  # noqa: E402
+from medusa_train.chat.prompts import SHAREGPT_HELDOUT_OFFSET  # noqa: E402
 
 DRAFTERS = ("medusa", "hydra", "eagle3")  # the drafters launch/recipe_scale.sh trains
 QUICKSTART_CONVERSATIONS = 700
@@ -67,7 +67,7 @@ MAX_SIZE = SHAREGPT_HELDOUT_OFFSET // QUICKSTART_CONVERSATIONS
 CELL_BOUNDS = {"size": Bound(1, MAX_SIZE, hint=f"SIZE x {QUICKSTART_CONVERSATIONS} ShareGPT conversations stay "
                              f"below the held-out prompts at {SHAREGPT_HELDOUT_OFFSET:,}"),
                "vocab": schema_bound(HeadsConfig, "head_vocab_size"),
-               "ttt": schema_bound(HeadsConfig, "medusa_num_heads")}
+               "ttt": schema_bound(HeadsConfig, "num_heads")}
 TABLE = ROOT / "docs" / "data-scaling.json"
 DOC = ROOT / "docs" / "data-scaling.md"
 PLOT = ROOT / "docs" / "figures" / "data-scaling.png"

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from medusa_train.drafters.eagle3.drafter import Eagle3Drafter, Eagle3Spec
-from medusa_train.precision import cpu_isa
+from medusa_train.config.precision import cpu_isa
 from medusa_train.training.losses import head_targets, projected_head_loss
 from medusa_train.training.step import counted_positions
 

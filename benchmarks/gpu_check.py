@@ -29,7 +29,7 @@ EXACT_NEW_TOKENS = 40
 
 
 def write_json(path: Path, data: dict) -> None:
-    from medusa_train.atomic import atomic_write_text
+    from medusa_train.files.atomic import atomic_write_text
 
     atomic_write_text(Path(path), json.dumps(data, indent=1) + "\n")
 
@@ -56,8 +56,8 @@ def exact(device: str, dtypes: list[str], out: Path) -> bool:
 
     from inference.decoders import DecodeConfig, TreeDecoder, VanillaDecoder
     from medusa_train.tree.buffers import SMALL_TREE_15
-    from medusa_train.catalog import head_types
-    from medusa_train.precision import parse_dtype
+    from medusa_train.models.catalog import head_types
+    from medusa_train.config.precision import parse_dtype
     from tests.conftest import make_tiny_model
     from tests.inference.test_decoders import random_heads
 
@@ -94,8 +94,8 @@ def speed(config_path: Path, device: str, dtype_name: str, num_layers: int | Non
 
     from inference.decoders import DecodeConfig, TreeDecoder, VanillaDecoder
     from medusa_train.tree.buffers import SMALL_TREE_15
-    from medusa_train.model import MedusaModel, new_heads_for
-    from medusa_train.precision import parse_dtype
+    from medusa_train.models.speculative import SpeculativeModel, new_heads_for
+    from medusa_train.config.precision import parse_dtype
 
     dtype = parse_dtype(dtype_name)
     config = transformers.AutoConfig.from_pretrained(config_path)
@@ -104,7 +104,7 @@ def speed(config_path: Path, device: str, dtype_name: str, num_layers: int | Non
     torch.manual_seed(0)
     with torch.device(device):
         base = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
-    model = MedusaModel(base, new_heads_for(base, 3, dtype=dtype).to(device))
+    model = SpeculativeModel(base, new_heads_for(base, 3, dtype=dtype).to(device))
     decoders = {"vanilla": VanillaDecoder(base), "medusa": TreeDecoder(model, [list(p) for p in SMALL_TREE_15])}
     generator = torch.Generator().manual_seed(0)
     prompt_ids = [torch.randint(3, config.vocab_size, (64,), generator=generator).tolist() for _ in range(prompts + 1)]
@@ -163,7 +163,7 @@ def memory(device: str, inputs_dir: Path, out: Path) -> bool:
     make_tiny_tokenizer().save_pretrained(model_dir)
     overrides = [f"model.name_or_path={model_dir}", "model.format=hf", "model.tokenizer_path=null",
                  f"model.dtype={'bfloat16' if kind == 'cuda' else 'float32'}", "data=json",
-                 f"data.path={inputs_dir / 'conversations.jsonl'}", "data.eval_fraction=0.1", "heads.medusa_num_heads=3",
+                 f"data.path={inputs_dir / 'conversations.jsonl'}", "data.eval_fraction=0.1", "heads.num_heads=3",
                  "heads.target=labels", "trainer=ddp", "trainer.max_steps=2", "trainer.per_device_train_batch_size=8",
                  "trainer.save_steps=100", "trainer.disable_tqdm=true", "export_vllm=false",
                  f"max_length={256 if kind == 'cuda' else 64}", f"output_dir={run}", f"hydra.run.dir={run}/hydra"]

@@ -28,10 +28,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from medusa_train.cli.train import register_schemas
-from medusa_train.paths import CONF_DIR
+from medusa_train.files.paths import CONF_DIR
 from medusa_train.training.joint_loss import base_loss_sum
-from medusa_train.training.losses import IGNORE_INDEX, head_targets, medusa_head_loss
-from medusa_train.training.recipe import Medusa1Recipe, Medusa2Recipe, build_recipe
+from medusa_train.training.losses import IGNORE_INDEX, head_targets, heads_loss
+from medusa_train.training.recipe import FrozenBaseRecipe, JointRecipe, build_recipe
 from medusa_train.training.step import heads_on_batch
 
 from training_args import training_overrides, training_parser
@@ -43,7 +43,7 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def heads_steps(recipe: Medusa1Recipe):
+def heads_steps(recipe: FrozenBaseRecipe):
     """Medusa-1 on the hidden-state cache: (dense, packed) forward + backward of the heads on one batch."""
     heads, base, spec = recipe.trainer.model, recipe.frozen_base, recipe.loss_spec
     lm_weight = base.lm_head.weight if spec.share_lm_head else None
@@ -51,7 +51,7 @@ def heads_steps(recipe: Medusa1Recipe):
     def dense(batch):
         logits = heads(batch["hidden"], lm_weight)  # [K, B, T, V']
         base_logits = base.logits(batch["hidden"]) if spec.target == "soft" else None  # [B, T, V]
-        medusa_head_loss(logits, batch["labels"], target=spec.target, decay=spec.decay,
+        heads_loss(logits, batch["labels"], target=spec.target, decay=spec.decay,
                          base_argmax=batch["base_argmax"], base_logits=base_logits, token_map=spec.token_map,
                          vocab_size=spec.vocab_size).loss.backward()
 
@@ -61,7 +61,7 @@ def heads_steps(recipe: Medusa1Recipe):
     return dense, packed
 
 
-def joint_steps(recipe: Medusa2Recipe):
+def joint_steps(recipe: JointRecipe):
     """Medusa-2: (dense, packed) forward + backward of the joint model (base loss + heads' loss) on one batch."""
     trainer, spec, js = recipe.trainer, recipe.loss_spec, recipe.trainer.joint_spec
 
@@ -71,7 +71,7 @@ def joint_steps(recipe: Medusa2Recipe):
                             with_reference=js.base_loss == "kl")  # heads at every position: [K, B, T, V']
         base_sum, count = base_loss_sum(js.base_loss, out.logits, labels, out.reference_logits)
         logits = out.logits.detach()
-        heads_out = medusa_head_loss(out.head_logits, labels, target=spec.target, decay=spec.decay,
+        heads_out = heads_loss(out.head_logits, labels, target=spec.target, decay=spec.decay,
                                      base_argmax=logits.argmax(-1), base_logits=logits, token_map=spec.token_map,
                                      vocab_size=spec.vocab_size, normalizer=count.clamp_min(1))
         (base_sum / count.clamp_min(1) + trainer.medusa_weight() * heads_out.loss).backward()
@@ -89,7 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.batches < 1:
         parser.error(f"--batches must be >= 1, got {args.batches}")
-    joint = any(o in ("heads=medusa2", "heads.mode=medusa2") for o in args.override)
+    joint = any(o in ("heads=medusa2", "heads.mode=joint") for o in args.override)
     # --override last: a user's override wins over these (Medusa-2 reads token ids: no hidden-state cache)
     overrides = [f"hidden_cache={str(not joint).lower()}", f"output_dir={args.output_dir / 'run'}",
                  *training_overrides(args)]
@@ -99,7 +99,7 @@ def main() -> None:
     recipe.setup()
     spec = recipe.loss_spec
     model = recipe.trainer.model
-    joint = isinstance(recipe, Medusa2Recipe)
+    joint = isinstance(recipe, JointRecipe)
     dense, packed = joint_steps(recipe) if joint else heads_steps(recipe)
 
     times = {"dense": [], "packed": []}

@@ -59,11 +59,11 @@ from inference.tuning.search import greedy_tree
 from medusa_train.export import load_heads
 from medusa_train.export.tree_files import read_tree_files
 from medusa_train.loading.cpu_kernels import apply_cpu_kernels
-from medusa_train.loading.medusa import check_export_base, load_medusa, model_config_for_export
+from medusa_train.loading.export import check_export_base, load_export, model_config_for_export
 from medusa_train.loading.runtime import decide_runtime
-from medusa_train.model import MedusaModel
-from medusa_train.paths import CONF_DIR, REPO_ROOT
-from medusa_train.prompts import encode_prompt, load_prompts
+from medusa_train.models.speculative import SpeculativeModel
+from medusa_train.files.paths import CONF_DIR, REPO_ROOT
+from medusa_train.chat.prompts import encode_prompt, load_prompts
 from medusa_train.training.recipe import build_recipe
 
 STORIES_HELDOUT = REPO_ROOT / "data" / "stories260k_heldout.jsonl"
@@ -146,14 +146,15 @@ def main() -> None:
         tune(exports["hydra"], args, latency_from=shared)
 
     # one base model, both heads (the exports must record the same base)
-    model, tokenizer, config = load_medusa(str(exports["medusa1"]), dtype=args.dtype, head_type="medusa")
+    model, tokenizer, config = load_export(str(exports["medusa1"]), dtype=args.dtype, head_type="medusa")
     check_export_base(exports["hydra"], model_config_for_export(config), "--hydra")
     weight = model.lm_head.weight
     # the kernels medusa-eval and medusa-tune-tree decode on (cpu_kernels=auto), shared by all three decoders
     _, kernels = decide_runtime(str(weight.dtype).removeprefix("torch."), weight.device, "auto")
     apply_cpu_kernels(model.base, kernels)
     hydra_heads, _ = load_heads(exports["hydra"], base_model=model.base, head_type="hydra")
-    models = {"medusa1": model, "hydra": MedusaModel(model.base, hydra_heads.to(weight.device, weight.dtype).eval())}
+    hydra = SpeculativeModel(model.base, hydra_heads.to(weight.device, weight.dtype).eval())
+    models = {"medusa1": model, "hydra": hydra}
     trees = {name: resolve_medusa_choices(None, str(exports[name]), m.heads.spec.num_heads, args.topk)
              for name, m in models.items()}
     decoders = {"vanilla": VanillaDecoder(model.base, tokenizer=tokenizer)}

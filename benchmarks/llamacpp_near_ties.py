@@ -70,9 +70,9 @@ def divergences(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def prompt_ids(run: dict[str, Any]) -> dict[str, list[int]]:
     """The first-turn prompt ids ``medusa-eval`` decoded, by prompt id."""
     from inference.evaluation.runner import conversation_messages
-    from medusa_train.config import ModelConfig
+    from medusa_train.config.schema import ModelConfig
     from medusa_train.loading.base import load_tokenizer_and_config
-    from medusa_train.prompts import encode_prompt, load_prompts
+    from medusa_train.chat.prompts import encode_prompt, load_prompts
 
     config = run["config"]
     tokenizer, _ = load_tokenizer_and_config(ModelConfig(**config["model"]))
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {d['prompt_id']} | {d['decoder']} | {d['index']} | {d['plain_token']} | {d['other_token']} | "
               f"{show(d['batched'])} | {show(d['one_token'])} |")
     if args.output:
-        from medusa_train.atomic import atomic_write_text
+        from medusa_train.files.atomic import atomic_write_text
 
         atomic_write_text(args.output, json.dumps(record, indent=1) + "\n")
     return 0

@@ -48,8 +48,8 @@ def child(args: argparse.Namespace) -> dict:
     """One step in this process; returns the figures (bytes)."""
     import torch
 
-    from medusa_train.catalog import heads_from_spec, new_spec
-    from medusa_train.features import FINAL
+    from medusa_train.models.catalog import heads_from_spec, new_spec
+    from medusa_train.models.features import FINAL
     from medusa_train.training.step import FrozenBase, LossSpec, feature_key, heads_on_batch
 
     torch.manual_seed(0)
@@ -68,7 +68,7 @@ def child(args: argparse.Namespace) -> dict:
     with torch.no_grad():
         for p in heads.parameters():
             p.normal_(0, 0.02)
-    from medusa_train.catalog import type_of
+    from medusa_train.models.catalog import type_of
 
     names = type_of(heads).feature_names(spec)
     input_ids = torch.randint(0, V, (1, T))

@@ -27,10 +27,10 @@ import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
 from inference.decoders.choices import resolve_medusa_choices
-from inference.decoders.medusa import default_medusa_choices
+from inference.decoders.tree import default_medusa_choices
 from medusa_train.data import build_dataset, load_conversations
-from medusa_train.loading.medusa import load_medusa
-from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, sharegpt_prompts
+from medusa_train.loading.export import load_export
+from medusa_train.chat.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, sharegpt_prompts
 
 
 @torch.inference_mode()
@@ -77,7 +77,7 @@ def main() -> None:
     models, decoders = {}, {}
     tokenizer = None
     for name, export in (("medusa1", args.medusa1), ("medusa2", args.medusa2)):
-        model, tokenizer, _ = load_medusa(export, dtype=args.dtype)
+        model, tokenizer, _ = load_export(export, dtype=args.dtype)
         models[name] = model
         own = resolve_medusa_choices(None, export, model.heads.spec.num_heads, args.topk)
         same = default_medusa_choices(model.heads.spec.num_heads, args.topk)

@@ -25,12 +25,12 @@ import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
 from inference.decoders.choices import resolve_medusa_choices
-from inference.decoders.medusa import default_medusa_choices
+from inference.decoders.tree import default_medusa_choices
 from inference.tuning.replay import replayed_accept_length
 from inference.tuning.search import expected_accept_length
 from medusa_train.export.tree_files import read_tree_files
 from medusa_train.loading.runtime import load_for_inference
-from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, load_prompts, sharegpt_prompts
+from medusa_train.chat.prompts import SHAREGPT_HELDOUT_OFFSET, encode_prompt, load_prompts, sharegpt_prompts
 from medusa_train.tree.buffers import chain_choices
 
 

@@ -28,10 +28,10 @@ import argparse
 import json
 import sys
 
-from medusa_train.bounds import MAX_COUNT, Bound
+from medusa_train.config.bounds import MAX_COUNT, Bound
 from medusa_train.cli.flags import FlagParser, check_flags, refuse, schema_bound
-from medusa_train.config import DataConfig, HeadsConfig, TrainConfig, TrainerConfig
-from medusa_train.paths import CONF_DIR
+from medusa_train.config.schema import DataConfig, HeadsConfig, TrainConfig, TrainerConfig
+from medusa_train.files.paths import CONF_DIR
 from medusa_train.planning import (
     GIB,
     PlanSettings,
@@ -57,13 +57,13 @@ BOUNDS = {
     "host_gib": Bound(0, low_open=True, cap=MAX_GIB, hint="RAM of one host in GiB; leave the flag out not to check it"),
     "batch": schema_bound(TrainerConfig, "per_device_train_batch_size"),
     "loss_chunk_size": schema_bound(TrainerConfig, "loss_chunk_size"),
-    "num_heads": schema_bound(HeadsConfig, "medusa_num_heads"),
+    "num_heads": schema_bound(HeadsConfig, "num_heads"),
     "head_vocab_size": schema_bound(HeadsConfig, "head_vocab_size"),
     "tokens": Bound(1, cap=MAX_CACHE_TOKENS, hint="tokens the hidden cache stores"),
     "max_num_seqs": schema_bound(DataConfig, "generation_batch_size"),
 }
 # the config fields the planner's errors name -> the flag that sets each here
-FIELDS = {"heads.head_vocab_size": "--head-vocab-size", "heads.medusa_num_heads": "--num-heads",
+FIELDS = {"heads.head_vocab_size": "--head-vocab-size", "heads.num_heads": "--num-heads",
           "trainer.per_device_train_batch_size": "--batch", "trainer.loss_chunk_size": "--loss-chunk-size",
           "data.generation_batch_size": "--max-num-seqs", "model.dtype": "--dtype"}
 
@@ -84,7 +84,7 @@ def build_parser() -> FlagParser:
     p.add_argument("--batch", type=int, default=None, help="per_device_train_batch_size (default: the preset's)")
     p.add_argument("--loss-chunk-size", type=int, default=None, help="default: the preset's")
     p.add_argument("--dtype", default=None, help="the base's dtype (default: the config's torch_dtype)")
-    p.add_argument("--num-heads", type=int, default=None, help="heads.medusa_num_heads (default: the preset's)")
+    p.add_argument("--num-heads", type=int, default=None, help="heads.num_heads (default: the preset's)")
     p.add_argument("--share-lm-head", action="store_true", help="heads.share_lm_head=true")
     p.add_argument("--head-vocab-size", type=int, default=None, help="heads.head_vocab_size (default: the preset's)")
     p.add_argument("--tokens", type=int, default=None, help="tokens in the hidden cache (for its disk bytes)")
@@ -105,7 +105,7 @@ def parse(argv: list[str] | None = None) -> tuple[FlagParser, argparse.Namespace
     if args.gpus_per_host is not None and args.gpus_per_host > args.gpus:
         p.error(f"--gpus-per-host {args.gpus_per_host} is more than --gpus {args.gpus}: give at most --gpus")
     if args.recipe == "medusa2" and args.heads != "medusa":
-        p.error(f"--recipe medusa2 trains Medusa heads (heads.mode=medusa2), not --heads {args.heads}: give "
+        p.error(f"--recipe medusa2 trains Medusa heads (heads.mode=joint), not --heads {args.heads}: give "
                 "--heads medusa, or leave --recipe out")
     if args.dtype is not None:
         try:

@@ -45,8 +45,8 @@ def model_config(name: str, dtype: str) -> Any:
     from hydra import compose, initialize_config_dir
 
     from medusa_train.cli.app import register_shared_schemas
-    from medusa_train.config import ModelConfig, as_dataclass
-    from medusa_train.paths import CONF_DIR
+    from medusa_train.config.schema import ModelConfig, as_dataclass
+    from medusa_train.files.paths import CONF_DIR
 
     register_shared_schemas()  # model/ files extend schema/model/base and use the ${medusa.*} resolvers
     with initialize_config_dir(str(CONF_DIR / "model"), version_base="1.3"):
@@ -58,7 +58,7 @@ def first_turns(tokenizer: Any, count: int, max_prompt_tokens: int) -> list[Any]
     """The first ``count`` ShareGPT conversations whose first turn renders to at most ``max_prompt_tokens``."""
     from medusa_train.data import load_conversations
     from medusa_train.data.self_distill import distill_prompt
-    from medusa_train.prompts import encode_prompt
+    from medusa_train.chat.prompts import encode_prompt
 
     conversations, _ = load_conversations("sharegpt", None, count * 6, 0, require_assistant=False)
     kept = []
@@ -72,7 +72,7 @@ def first_turns(tokenizer: Any, count: int, max_prompt_tokens: int) -> list[Any]
 
 
 def run(engine: str, dtype: str, args: argparse.Namespace, prompts: list[Any], tmp: Path) -> dict[str, Any]:
-    from medusa_train.config import DataConfig
+    from medusa_train.config.schema import DataConfig
     from medusa_train.data import self_distill
     from medusa_train.data.distill_engines import distill_engine, request_size
     from medusa_train.data.self_distill import read_records, written_blocks

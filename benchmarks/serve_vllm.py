@@ -94,15 +94,15 @@ def drafter_config(export: Path, k: int | None, tuned: bool = True) -> tuple[str
     """``(row name, vLLM's speculative_config)`` of the export's drafter with ``k`` drafted tokens (None: the
     recorded length, :data:`~medusa_train.engines.vllm_env.SPECULATIVE_FILE`, unless ``tuned`` is False, else the
     export's default): ``vllm_<method>`` and the config of the vLLM method its drafter type is served as
-    (:attr:`~medusa_train.catalog.DrafterType.vllm_method`; ``vllm_eagle3`` and ``speculators/`` for EAGLE-3,
+    (:attr:`~medusa_train.models.catalog.DrafterType.vllm_method`; ``vllm_eagle3`` and ``speculators/`` for EAGLE-3,
     ``vllm_medusa`` and ``vllm/`` for Medusa heads).
 
     Raises:
-        FileNotFoundError, ValueError: as the type's :attr:`~medusa_train.catalog.DrafterType.vllm_config` (no such
+        FileNotFoundError, ValueError: as the type's :attr:`~medusa_train.models.catalog.DrafterType.vllm_config` (no such
             folder, a ``k`` the drafter cannot draft), or a type vLLM does not serve (its reason), before any engine
             starts.
     """
-    from medusa_train.catalog import drafter_type
+    from medusa_train.models.catalog import drafter_type
     from medusa_train.export.configs import export_head_type
     from medusa_train.export.reader import read_export_config
 
@@ -115,7 +115,7 @@ def drafter_config(export: Path, k: int | None, tuned: bool = True) -> tuple[str
 
 def prompt_ids(tokenizer: Any, path: str | None, num_prompts: int) -> list[list[int]]:
     """First user turns of MT-Bench (or ``path``) rendered with our chat template, as token ids."""
-    from medusa_train.prompts import encode_prompt, load_prompts
+    from medusa_train.chat.prompts import encode_prompt, load_prompts
 
     prompts = load_prompts("jsonl" if path else "mt_bench", path=path, num_prompts=num_prompts)
     return [encode_prompt(tokenizer, p.first_turn_messages()) for p in prompts]
@@ -128,7 +128,7 @@ def engine_inputs(export: Path) -> tuple[str, Any, tuple[int, ...]]:
     from inference.decoders.chat import eos_ids
     from medusa_train.export import read_export_config
     from medusa_train.loading.base import engine_model_path
-    from medusa_train.loading.medusa import export_base_config
+    from medusa_train.loading.export import export_base_config
 
     path = engine_model_path(export_base_config(export, read_export_config(export)))
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -205,8 +205,8 @@ def record(export: Path, summary: dict[str, Any]) -> dict[str, Any]:
     lock): the length chosen at the smallest batch measured (:func:`choose_k`), what vLLM's decoders then default to,
     with the measurement it came from."""
     from medusa_train.engines.vllm_env import SPECULATIVE_FILE
-    from medusa_train.atomic import atomic_write_text
-    from medusa_train.run_lock import EXPORT_LOCK, RunLock
+    from medusa_train.files.atomic import atomic_write_text
+    from medusa_train.runs.run_lock import EXPORT_LOCK, RunLock
 
     batch = min(summary["batches"], key=int)
     method = next(iter(summary["speculative_configs"].values()))["method"]
@@ -245,11 +245,11 @@ def table(summary: dict[str, Any]) -> str:
 
 
 def resolve_dtype(name: str) -> str:
-    """``auto`` as our decoders resolve it on this machine (``medusa_train.precision.choose_dtype``), else ``name``:
+    """``auto`` as our decoders resolve it on this machine (``medusa_train.config.precision.choose_dtype``), else ``name``:
     vLLM's own ``auto`` would take the checkpoint's dtype, whatever the hardware."""
     import torch
 
-    from medusa_train.precision import choose_dtype
+    from medusa_train.config.precision import choose_dtype
 
     choice = choose_dtype(name, "cuda" if torch.cuda.is_available() else "cpu")
     print(choice.describe(), flush=True)

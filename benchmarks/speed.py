@@ -8,7 +8,7 @@ base model is loaded once and the variants take turns in every measurement, so d
    ``--sizes``; fastest of ``--repeats``. Also each variant's t(1) relative to the unpacked t(1) of its dtype.
 2. **vanilla**: plain greedy decoding (:class:`~inference.decoders.vanilla.VanillaDecoder`) of
    ``--vanilla-tokens`` tokens after a chat prompt, tokens/s (median of ``--repeats``).
-3. **decoder overhead**: Medusa steps (:func:`inference.decoders.medusa.tree_step`, greedy, the tree
+3. **decoder overhead**: Medusa steps (:func:`inference.decoders.tree.tree_step`, greedy, the tree
    ``--tree``) against the bare base forward (backbone + lm_head, mask prepared beforehand) over the same N node
    tokens at the same cache length, pass by pass: overhead = median(step - bare), as a share of median(bare).
    Candidates, mask, verification, compaction, the heads and the host transfer are what the step adds. Heads: an
@@ -37,20 +37,20 @@ from hydra import compose, initialize_config_dir
 
 from inference.decoders.base import DecodeConfig
 from inference.decoders.choices import resolve_medusa_choices
-from inference.decoders.medusa import make_verifier, tree_step, medusa_tree
+from inference.decoders.tree import make_verifier, tree_step, medusa_tree
 from inference.decoders.vanilla import VanillaDecoder
 from inference.tuning.latency import PassTimer
-from medusa_train.catalog import tree_drafter
+from medusa_train.models.catalog import tree_drafter
 from medusa_train.cli.app import register_shared_schemas
-from medusa_train.config import ModelConfig, as_dataclass
-from medusa_train.features import FINAL
+from medusa_train.config.schema import ModelConfig, as_dataclass
+from medusa_train.models.features import FINAL
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.cpu_kernels import PackedKernels, apply_cpu_kernels, choose_cpu_kernels
-from medusa_train.loading.medusa import load_medusa
-from medusa_train.model import MedusaModel, new_heads_for
-from medusa_train.paths import CONF_DIR
-from medusa_train.precision import cpu_isa
-from medusa_train.prompts import encode_prompt
+from medusa_train.loading.export import load_export
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
+from medusa_train.files.paths import CONF_DIR
+from medusa_train.config.precision import cpu_isa
+from medusa_train.chat.prompts import encode_prompt
 from medusa_train.tree.kv_cache import preallocated_cache
 from medusa_train.tree.masks import additive_mask
 
@@ -58,23 +58,23 @@ DEFAULT_TREE = [[0], [1], [0, 0], [2], [0, 1]]  # 5 nodes (6 tokens a pass with 
 PROMPT = "Write a short story about a robot who learns to paint, in three paragraphs."
 
 
-def load_variant(args: argparse.Namespace, dtype: str, kernels: str) -> tuple[MedusaModel, Any, PackedKernels]:
+def load_variant(args: argparse.Namespace, dtype: str, kernels: str) -> tuple[SpeculativeModel, Any, PackedKernels]:
     """Base model (+ heads) in ``dtype`` on ``kernels``: the export's, or ``--model``'s with fresh heads; and what
     the conversion did (fp32 packed: the one-row kernel it measured faster)."""
     if args.export:
-        model, tokenizer, _ = load_medusa(args.export, dtype=dtype, device="cpu")
+        model, tokenizer, _ = load_export(args.export, dtype=dtype, device="cpu")
     else:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
             node = compose(f"model/{args.model}", overrides=[f"model.dtype={dtype}", "model.device=cpu"]).model
         base, tokenizer = load_base_model(as_dataclass(ModelConfig, node))
         token_map = torch.arange(args.head_vocab) if args.head_vocab else None
         heads = new_heads_for(base, args.heads, token_map=token_map, dtype=base.dtype).eval().requires_grad_(False)
-        model = MedusaModel(base, heads)
+        model = SpeculativeModel(base, heads)
     applied = apply_cpu_kernels(model.base, choose_cpu_kernels(kernels, "cpu", model.base.dtype))
     return model, tokenizer, applied
 
 
-def pass_ratios(variants: dict[str, MedusaModel], sizes: list[int], context: int, repeats: int) -> dict[str, Any]:
+def pass_ratios(variants: dict[str, SpeculativeModel], sizes: list[int], context: int, repeats: int) -> dict[str, Any]:
     timers = {name: PassTimer(m.base, sizes, context) for name, m in variants.items()}
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes} for name in variants}
     for r in range(2 + repeats):
@@ -86,7 +86,7 @@ def pass_ratios(variants: dict[str, MedusaModel], sizes: list[int], context: int
     return {name: {n: min(ts) * 1000 for n, ts in by_n.items()} for name, by_n in times.items()}
 
 
-def vanilla_speed(variants: dict[str, MedusaModel], ids: list[int], tokens: int, repeats: int) -> dict[str, float]:
+def vanilla_speed(variants: dict[str, SpeculativeModel], ids: list[int], tokens: int, repeats: int) -> dict[str, float]:
     decoders = {name: VanillaDecoder(m) for name, m in variants.items()}
     request = DecodeConfig(max_new_tokens=tokens)
     for d in decoders.values():
@@ -102,7 +102,7 @@ class OverheadProbe:
     """Medusa steps of one model on one prompt, each paired with a bare forward over the same node tokens."""
 
     @torch.no_grad()
-    def __init__(self, model: MedusaModel, tree_choices: list[list[int]], topk: int, ids: list[int], steps: int):
+    def __init__(self, model: SpeculativeModel, tree_choices: list[list[int]], topk: int, ids: list[int], steps: int):
         self.model = model
         device = model.lm_head.weight.device
         self.tree = medusa_tree(tree_choices, model.heads.spec.num_heads, topk, device=device)
@@ -149,7 +149,7 @@ class OverheadProbe:
                 "accepted_per_step": self.accepted / len(self.step_s)}
 
 
-def decoder_overhead(variants: dict[str, MedusaModel], tree: list[list[int]], topk: int, ids: list[int],
+def decoder_overhead(variants: dict[str, SpeculativeModel], tree: list[list[int]], topk: int, ids: list[int],
                      steps: int) -> dict[str, dict[str, float]]:
     probes = {name: OverheadProbe(m, tree, topk, ids, steps + 2) for name, m in variants.items()}
     for probe in probes.values():  # warm-up, not counted
@@ -189,7 +189,7 @@ def main() -> None:
     if min(args.sizes) < 1 or 1 not in args.sizes:
         parser.error("--sizes must include 1 (the ratios are to t(1)) and be >= 1")
 
-    variants: dict[str, MedusaModel] = {}
+    variants: dict[str, SpeculativeModel] = {}
     applied: dict[str, PackedKernels] = {}
     tokenizer = None
     for dtype in args.dtypes:

@@ -21,7 +21,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from medusa_train.cli.train import register_schemas
-from medusa_train.paths import CONF_DIR
+from medusa_train.files.paths import CONF_DIR
 from medusa_train.training.recipe import build_recipe
 
 from training_args import training_overrides, training_parser

@@ -35,12 +35,12 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def model_config(preset: str) -> Any:
-    """The ``model/`` preset ``preset`` as a :class:`~medusa_train.config.ModelConfig` (resolvers run: an uninstalled
+    """The ``model/`` preset ``preset`` as a :class:`~medusa_train.config.schema.ModelConfig` (resolvers run: an uninstalled
     model fails here with its install command)."""
     from hydra import compose, initialize_config_dir
 
-    from medusa_train.config import ModelConfig, as_dataclass
-    from medusa_train.paths import CONF_DIR
+    from medusa_train.config.schema import ModelConfig, as_dataclass
+    from medusa_train.files.paths import CONF_DIR
     from medusa_train.cli.app import register_shared_schemas
 
     register_shared_schemas()
@@ -67,7 +67,7 @@ def ours(preset: str, draft: str | None, dtype: str, context: int, sizes: list[i
 
 def llamacpp(preset: str, draft: str | None, context: int, sizes: list[int], repeats: int, threads: int) -> dict:
     """t(k) of the target's GGUF in ``llama-bench``, and the draft GGUF's t(1)."""
-    from inference.engines.llamacpp_server import REPACK
+    from medusa_train.engines.llamacpp_env import REPACK
     from medusa_train.engines.llamacpp_env import llamacpp_binary
     from medusa_train.loading.conversion_cache import gguf_location
 
@@ -92,8 +92,8 @@ def llamacpp(preset: str, draft: str | None, context: int, sizes: list[int], rep
 
 def main(argv: list[str] | None = None) -> int:
     from data_scaling import cpu_model, git
-    from medusa_train.atomic import atomic_write_text
-    from medusa_train.precision import cpu_flags
+    from medusa_train.files.atomic import atomic_write_text
+    from medusa_train.config.precision import cpu_flags
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2_5_coder_1_5b", help="the target's model/ preset")

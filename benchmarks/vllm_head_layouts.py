@@ -52,7 +52,7 @@ def continuation_hidden(model: Any, tokenizer: Any, num_prompts: int, max_new_to
     from inference.decoders.base import DecodeConfig
     from inference.decoders.chat import eos_ids
     from inference.decoders.vanilla import VanillaDecoder
-    from medusa_train.prompts import encode_prompt, load_prompts
+    from medusa_train.chat.prompts import encode_prompt, load_prompts
 
     base = model.base
     decoder = VanillaDecoder(base, tokenizer=tokenizer)
@@ -92,14 +92,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from medusa_train.engines.vllm_env import VllmWorker, vllm_python
     from medusa_train.export import read_export_config
     from medusa_train.loading.base import engine_model_path
-    from medusa_train.loading.medusa import export_base_config, load_medusa
+    from medusa_train.loading.export import export_base_config, load_export
 
     vllm_python()
     export = Path(args.export)
     config = read_export_config(export)
     if not config.get("head_vocab_size"):
         raise SystemExit(f"{export} has no reduced head vocabulary (head_vocab_size): every fill is the same")
-    model, tokenizer, _ = load_medusa(str(export), dtype=args.dtype)
+    model, tokenizer, _ = load_export(str(export), dtype=args.dtype)
     hidden = continuation_hidden(model, tokenizer, args.num_prompts, args.max_new_tokens)
     lm_head = model.base.get_output_embeddings().weight.detach()
     with torch.inference_mode():

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_train.bounds import MAX_COUNT, bound, check_bounds
+from medusa_train.config.bounds import MAX_COUNT, bound, check_bounds
 from medusa_train.loading.cpu_kernels import PackedLinear
 
 DRAFT_KINDS = ("self_layers", "model")
@@ -210,7 +210,7 @@ def load_draft(cfg: Any, target: PreTrainedModel, target_tokenizer: Any = None) 
         ValueError: a bad field, or a draft with another vocabulary.
         FileNotFoundError: the draft's checkpoint is missing.
     """
-    from medusa_train.config import ModelConfig, as_dataclass
+    from medusa_train.config.schema import ModelConfig, as_dataclass
     from medusa_train.loading.base import load_base_model
 
     draft_cfg = as_dataclass(DraftConfig, cfg)

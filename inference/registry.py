@@ -2,28 +2,35 @@
 
 Adding a decoder is one :class:`DecoderEntry` in :data:`REGISTRY`: its settings are checked (unknown keys, bad values,
 missing required settings) by :func:`decoder_settings` before any model is loaded, and :func:`build_decoder` turns
-them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model.
+them into a :class:`~inference.decoders.base.Decoder` over the already loaded target model. A drafter type's engine
+decoders (``vllm_medusa``, ``vllm_eagle3``, ``llamacpp_eagle3``) are its own: declared with their settings in its folder
+(:attr:`~medusa_train.models.catalog.DrafterType.engine_decoders`) and registered here by :func:`sync_drafter_decoders`, built
+by the engine's builder; this module names no drafter type.
 
-Names: ``vanilla``, ``medusa``, ``composite``, ``draft``, ``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the
-real engines ``vllm`` / ``vllm_medusa`` / ``vllm_eagle3`` / ``vllm_draft`` / ``vllm_ngram`` and ``llamacpp`` /
-``llamacpp_eagle3`` / ``llamacpp_draft`` / ``llamacpp_ngram``. The vLLM decoders run
-in vLLM's own environment (``bash launch/install_vllm.sh``), the llama.cpp ones in its ``llama-server`` (``bash
-launch/install_llamacpp.sh``), and only when listed in ``decoders``: they are left out of the default list.
+Names: ``vanilla``, ``tree`` (``medusa``: its old name, :mod:`medusa_train.config.renames`), ``composite``, ``draft``,
+``lookahead``, ``hf_assisted``, ``hf_prompt_lookup``, and the real engines ``vllm`` / ``vllm_medusa`` / ``vllm_eagle3``
+/ ``vllm_draft`` / ``vllm_ngram`` and ``llamacpp`` / ``llamacpp_eagle3`` / ``llamacpp_draft`` / ``llamacpp_ngram``. The
+vLLM decoders run in vLLM's own environment (``bash launch/install_vllm.sh``), the llama.cpp ones in its
+``llama-server`` (``bash launch/install_llamacpp.sh``), and only when listed in ``decoders``: they are left out of the
+default list.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from inference.decoders.base import DecodeConfig, Decoder
-from inference.decoders.medusa import ACCEPTANCE, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, check_acceptance
+from inference.decoders.tree import ACCEPTANCE, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, check_acceptance
 from inference.draft_loading import DraftConfig
-from inference.engines.llamacpp_server import REPACK as LLAMACPP_REPACK
-from medusa_train.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
+from medusa_train.config.bounds import MAX_COUNT, bound, check_bounds
+from medusa_train.models.catalog import drafter_types
+from medusa_train.engines.settings import LlamaCppSettings, VllmSettings
+from medusa_train.config.renames import decoder_alias
 from medusa_train.tree.buffers import TOPK
 from medusa_train.tree.composite import LOOKUP_LENGTH, MAX_MATCHING_NGRAM_SIZE
 
@@ -37,7 +44,7 @@ class BuildContext:
     """What builders get besides their settings: the loaded target model and where it came from.
 
     Attributes:
-        model: the :class:`~medusa_train.model.MedusaModel` (``.base`` is the target ``*ForCausalLM``).
+        model: the :class:`~medusa_train.models.speculative.SpeculativeModel` (``.base`` is the target ``*ForCausalLM``).
         tokenizer: the target's tokenizer.
         export_dir: the export folder (tuned tree files live there).
         dtype, device: the run's dtype and device overrides (None: the model config's); a second model (a draft)
@@ -45,7 +52,7 @@ class BuildContext:
         kernels: the target's linear kernels (:class:`~medusa_train.loading.cpu_kernels.KernelChoice`); a second
             model is converted the same way, so drafting runs on the kernels verification runs on. None: as loaded.
         drafts: drafts built so far, by settings, so that decoders sharing a draft load it once.
-        model_config: the target's resolved ``model/`` config (:class:`~medusa_train.config.ModelConfig`), for
+        model_config: the target's resolved ``model/`` config (:class:`~medusa_train.config.schema.ModelConfig`), for
             engines that load the target themselves (vLLM); None where the caller has none.
     """
 
@@ -87,9 +94,10 @@ class VanillaSettings:
 
 
 @dataclass
-class MedusaSettings:
-    """Tree decoding with the export's draft heads (:class:`~inference.decoders.medusa.TreeDecoder`): Medusa heads,
-    or Hydra heads drafting level by level (the export's ``head_type``; the run record names it).
+class TreeSettings:
+    """Tree decoding with the export's drafter (:class:`~inference.decoders.tree.TreeDecoder`), whatever its type
+    (the export's ``head_type``; the run record names it): Medusa heads, Hydra heads drafting level by level, an
+    EAGLE-3 drafter.
 
     Attributes:
         acceptance: ``greedy``, ``typical`` or ``speculative`` (typical and speculative are greedy at temperature 0).
@@ -99,7 +107,7 @@ class MedusaSettings:
             ``medusa_choices.json`` when present, else Medusa's default tree cut to the heads and ``topk``.
         dynamic_tree: an EAGLE-2 dynamic tree grown every step by drafters that grow one (EAGLE-3):
             ``{depth, topk, total}`` (:class:`medusa_train.tree.dynamic.DynamicTree`), e.g.
-            ``decoder.medusa.dynamic_tree={depth:5,topk:8,total:48}``; ``medusa_choices`` and ``topk`` are then
+            ``decoder.tree.dynamic_tree={depth:5,topk:8,total:48}``; ``medusa_choices`` and ``topk`` are then
             unused. None: for such drafters the export's ``dynamic_tree.json`` (``medusa-tune-tree``) when present
             and ``medusa_choices`` is not set, else the static tree above (the run record's ``tree_source`` says
             which).
@@ -121,11 +129,11 @@ class MedusaSettings:
 
 
 @dataclass
-class CompositeSettings(MedusaSettings):
-    """The composite tree decoder (:class:`~inference.decoders.medusa.TreeDecoder` with ``composite``): every step's
+class CompositeSettings(TreeSettings):
+    """The composite tree decoder (:class:`~inference.decoders.tree.TreeDecoder` with ``composite``): every step's
     tree merges the export's heads' candidates with prompt lookup's drafts of the prompt and the reply so far, within
     a node budget, verified in one pass (:mod:`inference.proposers.composite`). The fields of
-    :class:`MedusaSettings` (the heads' tree: ``medusa_choices`` None takes ``composite_tree.json``'s, the heads'
+    :class:`TreeSettings` (the heads' tree: ``medusa_choices`` None takes ``composite_tree.json``'s, the heads'
     best tree of the whole budget), and the budget split; each None takes the export's ``composite_tree.json``
     (``medusa-tune-tree``), else the default:
 
@@ -216,117 +224,6 @@ class HfPromptLookupSettings:
 
 
 @dataclass
-class VllmSettings:
-    """Plain decoding in vLLM (:class:`~inference.decoders.vllm.VllmDecoder`), in vLLM's own environment: the same
-    prompt ids, dtype, ``max_new_tokens`` and EOS ids as our decoders; the engine starts once per run.
-
-    Attributes:
-        max_model_len: tokens per sequence the engine reserves (prompt + reply must fit).
-        enforce_eager: skip vLLM's ``torch.compile``: the engine starts in about 45 s instead of 2-3 min on a
-            2-core CPU (decoding speed there measured in docs/vllm.md).
-        gpu_memory_utilization: share of GPU memory vLLM may take (CUDA only; None: vLLM's default, 0.9).
-    """
-
-    max_model_len: int = field(default=4096, metadata=bound(1, cap=MAX_TOKENS))
-    enforce_eager: bool = False
-    gpu_memory_utilization: Optional[float] = field(default=None, metadata=bound(0, 1, low_open=True))
-
-    def validate(self) -> None:
-        return None
-
-
-@dataclass
-class VllmMedusaSettings(VllmSettings):
-    """vLLM's Medusa speculator with the export's ``vllm/`` heads (:class:`~inference.decoders.vllm.VllmDecoder`):
-    each head's top-1 token drafted as one chain (no tree), verified by the target in one pass. The fields of
-    :class:`VllmSettings`, and:
-
-    Attributes:
-        num_speculative_tokens: drafted tokens per step, 1..K (the first heads); None: the length measured fastest
-            (the export's ``vllm_speculative.json``, ``benchmarks/serve_vllm.py --record``), else all K heads.
-        method: vLLM's speculative method this decoder serves (the catalog's
-            :attr:`~medusa_train.catalog.DrafterType.vllm_method`; its type gives the ``speculative_config``).
-    """
-
-    num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
-    method: ClassVar[str] = "medusa"
-
-
-@dataclass
-class VllmEagle3Settings(VllmSettings):
-    """vLLM's EAGLE-3 speculator with the export's ``speculators/`` drafter
-    (:class:`~inference.decoders.vllm.VllmDecoder`, ``method: eagle3``): a chain of K drafted tokens per step, each
-    drafted from the drafter's own output feature, verified by the target in one pass; τ from vLLM's spec-decode
-    counters. The fields of :class:`VllmSettings`, and:
-
-    Attributes:
-        num_speculative_tokens: drafted tokens per step (K >= 1); None: the length measured fastest on this machine
-            (the export's ``vllm_speculative.json``, ``benchmarks/serve_vllm.py --record``), else the export's
-            ``speculative_tokens`` (the drafter's training-time-test steps).
-        method: vLLM's speculative method this decoder serves (as :attr:`VllmMedusaSettings.method`).
-    """
-
-    num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
-    method: ClassVar[str] = "eagle3"
-
-
-@dataclass
-class LlamaCppSettings:
-    """Plain decoding in llama.cpp (:class:`~inference.decoders.llamacpp.LlamaCppDecoder`): ``llama-server`` built by
-    ``bash launch/install_llamacpp.sh``, on the target's GGUF as stored, greedy, the same prompt ids,
-    ``max_new_tokens`` and compute threads as our decoders; the server starts once per run.
-
-    Attributes:
-        ctx_size: context tokens the server reserves (prompt + reply + drafted chain must fit).
-        target_gguf: the target's GGUF; None: the model config's (``format: gguf``: ``name_or_path/gguf_file``).
-        repack: llama.cpp's weight repacking for the CPU's wide instructions (``--repack``); off by default
-            (:data:`inference.engines.llamacpp_server.REPACK`: it segfaults at start on the AMX Xeon here); ``true``
-            where it runs.
-    """
-
-    ctx_size: int = field(default=4096, metadata=bound(1, cap=MAX_TOKENS))
-    target_gguf: Optional[str] = None
-    repack: bool = LLAMACPP_REPACK
-
-    def validate(self) -> None:
-        return None
-
-
-@dataclass
-class LlamaCppEagle3Settings(LlamaCppSettings):
-    """llama.cpp's EAGLE-3 speculative decoding with the export's drafter (``--spec-type draft-eagle3``;
-    :class:`~inference.decoders.llamacpp.LlamaCppDecoder`): a chain of at most ``draft_max`` drafted tokens per step,
-    verified by the target in one pass; acceptance from the server's counters. The fields of
-    :class:`LlamaCppSettings`, and:
-
-    Attributes:
-        draft_max: the longest drafted chain (``--spec-draft-n-max``); None: the export's ``speculative_tokens``
-            (the drafter's training-time-test steps).
-        draft_p_min: stop drafting where the drafter's top-1 probability is below this (``--spec-draft-p-min``);
-            None: llama.cpp's default.
-        drafter_gguf: the drafter's GGUF; None: the export's ``llamacpp/eagle3_drafter.gguf``, converted from its
-            ``speculators/`` by llama.cpp's converter when missing or older than them
-            (the type's :attr:`~medusa_train.catalog.DrafterType.llamacpp_gguf`,
-            :func:`medusa_train.drafters.eagle3.gguf.export_eagle3_gguf`, also ``medusa-export-gguf``).
-        outtype: the converted drafter's weight type (``f32``, ``f16``, ``bf16``, ``q8_0``).
-        method: the speculative method of the drafter llama.cpp loads (``--spec-type draft-eagle3``), by vLLM's name
-            (:attr:`~medusa_train.catalog.DrafterType.vllm_method`): llama.cpp converts the files vLLM serves it from.
-    """
-
-    draft_max: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
-    draft_p_min: Optional[float] = field(default=None, metadata=bound(0, 1))
-    drafter_gguf: Optional[str] = None
-    outtype: str = "f32"
-    method: ClassVar[str] = "eagle3"
-
-    def validate(self) -> None:
-        from medusa_train.engines.llamacpp_env import OUTTYPES
-
-        if self.outtype not in OUTTYPES:
-            raise ValueError(f"outtype={self.outtype!r}: choose one of {', '.join(OUTTYPES)}")
-
-
-@dataclass
 class VllmDraftSettings(VllmSettings):
     """vLLM's draft-model speculation (``speculative_config={"method": "draft_model", "model": DRAFT, ...}``;
     :class:`~inference.decoders.vllm.VllmDecoder`): a separate draft model with the target's tokenizer proposes a
@@ -413,8 +310,8 @@ def _greedy_only(name: str) -> Callable[[Any, DecodeConfig], None]:
     return check
 
 
-def _check_tree_request(name: str) -> Callable[[MedusaSettings, DecodeConfig], None]:
-    def check(settings: MedusaSettings, request: DecodeConfig) -> None:
+def _check_tree_request(name: str) -> Callable[[TreeSettings, DecodeConfig], None]:
+    def check(settings: TreeSettings, request: DecodeConfig) -> None:
         check_acceptance(settings.acceptance, request, f"decoder.{name}.acceptance")
     return check
 
@@ -457,31 +354,38 @@ def _build_vanilla(settings: VanillaSettings, ctx: BuildContext) -> BuiltDecoder
                                        record_top2_gaps=settings.record_top2_gaps))
 
 
-def _build_medusa(settings: MedusaSettings, ctx: BuildContext) -> BuiltDecoder:
+def _build_tree(settings: TreeSettings, ctx: BuildContext, name: str = "tree") -> BuiltDecoder:
     from inference.decoders.choices import resolve_dynamic_tree
-    from inference.decoders.medusa import TreeDecoder
+    from inference.decoders.tree import TreeDecoder
     from medusa_train.export.tree_files import DYNAMIC_TREE_FILE, read_tree_files
 
     shape, source = resolve_dynamic_tree(settings.dynamic_tree, settings.medusa_choices, ctx.export_dir, ctx.model,
-                                         "decoder.medusa.dynamic_tree")
+                                         f"decoder.{name}.dynamic_tree")
     if shape is not None:
         if settings.dynamic_tree is None:
             _check_tuned_for(read_tree_files(ctx.export_dir).get("latency_profile"), ctx, DYNAMIC_TREE_FILE)
         decoder = TreeDecoder(ctx.model, None, acceptance=settings.acceptance, dynamic_tree=shape,
                               posterior_threshold=settings.posterior_threshold,
                               posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer)
+        decoder.name = name
         return BuiltDecoder(decoder, {"head_type": ctx.model.head_type, "tree_source": source,
                                       "dynamic_tree": decoder.dynamic_tree.as_dict(),
                                       "tree_nodes": decoder.dynamic_tree.num_nodes})
-    choices, source = _static_tree(settings, ctx, settings.medusa_choices, "decoder.medusa.medusa_choices")
+    choices, source = _static_tree(settings, ctx, settings.medusa_choices, f"decoder.{name}.medusa_choices")
     decoder = TreeDecoder(ctx.model, choices, topk=settings.topk, acceptance=settings.acceptance,
                           posterior_threshold=settings.posterior_threshold,
                           posterior_alpha=settings.posterior_alpha, tokenizer=ctx.tokenizer)
+    decoder.name = name
     return BuiltDecoder(decoder, {"head_type": ctx.model.head_type, "medusa_choices": [list(p) for p in choices],
                                   "tree_source": source, "tree_nodes": len(choices) + 1})
 
 
-def _static_tree(settings: MedusaSettings, ctx: BuildContext, choices: Any, key: str) -> tuple[list, str]:
+def _build_old_tree(settings: TreeSettings, ctx: BuildContext) -> BuiltDecoder:
+    """``tree`` under its old name, ``medusa``: its rows keep that name."""
+    return _build_tree(settings, ctx, "medusa")
+
+
+def _static_tree(settings: TreeSettings, ctx: BuildContext, choices: Any, key: str) -> tuple[list, str]:
     """The static tree a tree decoder takes and where it came from: ``choices`` (the setting ``key``), else the
     export's ``medusa_choices.json`` (warned when tuned on other latency), else Medusa's default tree."""
     from inference.decoders.choices import resolve_medusa_choices
@@ -499,7 +403,7 @@ def _static_tree(settings: MedusaSettings, ctx: BuildContext, choices: Any, key:
 
 def _build_composite(settings: CompositeSettings, ctx: BuildContext) -> BuiltDecoder:
     from inference.decoders.choices import resolve_composite
-    from inference.decoders.medusa import TreeDecoder
+    from inference.decoders.tree import TreeDecoder
     from medusa_train.tree.dynamic import dynamic_tree
     from medusa_train.tree.buffers import validate_medusa_choices
     from medusa_train.export.tree_files import COMPOSITE_FILE, read_tree_files
@@ -554,7 +458,7 @@ def _draft(settings: DraftConfig, ctx: BuildContext, name: str) -> tuple[Any, An
         ValueError: a self-layers draft as deep as the target (``decoder.<name>.num_layers`` and the target's layer
             count named), or the draft's own errors.
     """
-    from medusa_train.config import ModelConfig, as_dataclass
+    from medusa_train.config.schema import ModelConfig, as_dataclass
     from inference.draft_loading import load_draft
 
     if settings.kind == "self_layers":
@@ -625,7 +529,7 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
     import torch
 
     from inference.decoders.vllm import VllmDecoder
-    from medusa_train.catalog import vllm_drafter_type
+    from medusa_train.models.catalog import vllm_drafter_type
     from medusa_train.engines.vllm_env import SPECULATIVE_FILE, VllmWorker, tuned_speculative_tokens
     from medusa_train.export.configs import dtype_name
     from medusa_train.loading.base import engine_model_path
@@ -666,10 +570,6 @@ def _build_vllm(settings: VllmSettings, ctx: BuildContext, name: str = "vllm") -
     return BuiltDecoder(VllmDecoder(worker, name, settings.max_model_len), info)
 
 
-def _build_vllm_medusa(settings: VllmMedusaSettings, ctx: BuildContext) -> BuiltDecoder:
-    return _build_vllm(settings, ctx, "vllm_medusa")
-
-
 def _build_vllm_draft(settings: VllmDraftSettings, ctx: BuildContext) -> BuiltDecoder:
     return _build_vllm(settings, ctx, "vllm_draft")
 
@@ -680,15 +580,11 @@ def _build_vllm_ngram(settings: VllmNgramSettings, ctx: BuildContext) -> BuiltDe
 
 def _draft_model_config(model: Any, ctx: BuildContext) -> Any:
     """The ``model/`` config of an engine decoder's separate draft model, with the run's dtype and device."""
-    from medusa_train.config import ModelConfig, as_dataclass
+    from medusa_train.config.schema import ModelConfig, as_dataclass
 
     cfg = as_dataclass(ModelConfig, model)  # None was refused by the request check (_needs_draft_model)
     overrides = {k: v for k, v in (("dtype", ctx.dtype), ("device", ctx.device)) if v is not None}
     return dataclasses.replace(cfg, **overrides)
-
-
-def _build_vllm_eagle3(settings: VllmEagle3Settings, ctx: BuildContext) -> BuiltDecoder:
-    return _build_vllm(settings, ctx, "vllm_eagle3")
 
 
 def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "llamacpp") -> BuiltDecoder:
@@ -696,7 +592,7 @@ def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "
 
     from inference.decoders.llamacpp import LlamaCppDecoder
     from inference.engines.llamacpp_server import LlamaServer
-    from medusa_train.catalog import vllm_drafter_type
+    from medusa_train.models.catalog import vllm_drafter_type
     from medusa_train.loading.base import engine_model_path
 
     if ctx.model_config is None:
@@ -723,6 +619,7 @@ def _build_llamacpp(settings: LlamaCppSettings, ctx: BuildContext, name: str = "
             draft = settings.drafter_gguf
         else:
             draft = str(entry.llamacpp_gguf(ctx.export_dir, engine_model_path(ctx.model_config), settings.outtype))
+        spec_type = settings.spec_type
         info = {"drafter_gguf": draft, "draft_max": draft_max, "draft_max_source":
                 f"decoder.{name}.draft_max" if settings.draft_max is not None else "the export's speculative_tokens",
                 "draft_p_min": settings.draft_p_min,
@@ -776,10 +673,6 @@ def _gguf_file(model_config: Any, key: str) -> str:
     return str(folder / name)
 
 
-def _build_llamacpp_eagle3(settings: LlamaCppEagle3Settings, ctx: BuildContext) -> BuiltDecoder:
-    return _build_llamacpp(settings, ctx, "llamacpp_eagle3")
-
-
 def _build_llamacpp_draft(settings: LlamaCppDraftSettings, ctx: BuildContext) -> BuiltDecoder:
     return _build_llamacpp(settings, ctx, "llamacpp_draft")
 
@@ -798,7 +691,7 @@ class DecoderEntry:
     Attributes:
         name: the decoder's name in configs, results and summaries.
         settings: a dataclass with defaults, numeric ranges declared in its fields' metadata
-            (:func:`medusa_train.bounds.bound`), and a ``validate()`` for the rest that raises ``ValueError`` naming
+            (:func:`medusa_train.config.bounds.bound`), and a ``validate()`` for the rest that raises ``ValueError`` naming
             the field.
         build: ``(settings, BuildContext) -> BuiltDecoder``; called once the target model is loaded.
         summary: one line for listings.
@@ -849,9 +742,11 @@ def register_decoder(entry: DecoderEntry) -> None:
 
 for _entry in (
     DecoderEntry("vanilla", VanillaSettings, _build_vanilla, "plain decoding, one target pass per token"),
-    DecoderEntry("medusa", MedusaSettings, _build_medusa,
-                 "the export's heads (Medusa or Hydra) draft a tree, one target pass verifies it",
-                 _check_tree_request("medusa"), uses_heads=True),
+    DecoderEntry("tree", TreeSettings, _build_tree,
+                 "the export's drafter (any type) drafts a tree, one target pass verifies it",
+                 _check_tree_request("tree"), uses_heads=True),
+    DecoderEntry("medusa", TreeSettings, _build_old_tree, "tree under its old name (medusa_train.config.renames)",
+                 _check_tree_request("medusa"), uses_heads=True, default=False),
     DecoderEntry("composite", CompositeSettings, _build_composite,
                  "the export's heads' candidates and prompt lookup's in one tree, one target pass verifies it",
                  _check_tree_request("composite"), uses_heads=True),
@@ -864,18 +759,9 @@ for _entry in (
                  "transformers generate(prompt_lookup_num_tokens=K) (greedy)", _greedy_only("hf_prompt_lookup")),
     DecoderEntry("vllm", VllmSettings, _build_vllm, "plain decoding in vLLM (its own environment)",
                  _check_vllm_request, default=False, engine="vllm"),
-    DecoderEntry("vllm_medusa", VllmMedusaSettings, _build_vllm_medusa,
-                 "vLLM's Medusa speculator with the export's vllm/ heads (a chain of top-1 drafts)",
-                 _check_vllm_request, uses_heads=True, default=False, engine="vllm", baseline="vllm"),
-    DecoderEntry("vllm_eagle3", VllmEagle3Settings, _build_vllm_eagle3,
-                 "vLLM's EAGLE-3 speculator with the export's speculators/ drafter (a chain of K drafts)",
-                 _check_vllm_request, uses_heads=True, default=False, engine="vllm", baseline="vllm"),
     DecoderEntry("llamacpp", LlamaCppSettings, _build_llamacpp,
                  "plain decoding in llama.cpp's llama-server on the target's GGUF (launch/install_llamacpp.sh)",
                  _check_llamacpp_request, default=False, engine="llamacpp"),
-    DecoderEntry("llamacpp_eagle3", LlamaCppEagle3Settings, _build_llamacpp_eagle3,
-                 "llama.cpp's EAGLE-3 speculative decoding with the export's drafter as a GGUF (a chain of drafts)",
-                 _check_llamacpp_request, uses_heads=True, default=False, engine="llamacpp", baseline="llamacpp"),
     DecoderEntry("vllm_draft", VllmDraftSettings, _build_vllm_draft,
                  "vLLM's draft-model speculation with a separate draft model (a chain of K drafts)",
                  _needs_draft_model(_check_vllm_request, "vllm_draft"), default=False, engine="vllm", baseline="vllm"),
@@ -892,15 +778,43 @@ for _entry in (
 ):
     register_decoder(_entry)
 
+# the engines' builders and request checks, for the decoders the drafter catalog's types declare
+_ENGINE_PARTS = {"vllm": (_build_vllm, _check_vllm_request), "llamacpp": (_build_llamacpp, _check_llamacpp_request)}
+_FROM_CATALOG: list[str] = []  # the names sync_drafter_decoders registered
+
+
+def sync_drafter_decoders() -> None:
+    """Register the decoders the drafter catalog's types declare (:attr:`~medusa_train.models.catalog.DrafterType.
+    engine_decoders`: ``vllm_medusa``, ``vllm_eagle3``, ``llamacpp_eagle3``, ...) as the catalog holds them now,
+    after the registry's own; each runs in its engine, uses the export's drafter and is measured against the engine's
+    plain decoder. Called by every function here that lists or checks names."""
+    declared = [d for entry in drafter_types() for d in entry.engine_decoders]
+    if [d.name for d in declared] == _FROM_CATALOG:
+        return
+    for name in _FROM_CATALOG:
+        REGISTRY.pop(name, None)
+    _FROM_CATALOG.clear()
+    for decoder in declared:
+        build, check = _ENGINE_PARTS[decoder.engine]
+        register_decoder(DecoderEntry(decoder.name, decoder.settings, functools.partial(build, name=decoder.name),
+                                      decoder.summary, check, uses_heads=True, default=False, engine=decoder.engine,
+                                      baseline=decoder.engine))
+        _FROM_CATALOG.append(decoder.name)
+
+
+sync_drafter_decoders()
+
 
 def decoder_names() -> tuple[str, ...]:
     """The registered decoder names, in registration order."""
+    sync_drafter_decoders()
     return tuple(REGISTRY)
 
 
 def default_decoder_names() -> tuple[str, ...]:
     """The decoders medusa-eval runs when ``decoders`` is not given: every registered one but the vLLM and
     llama.cpp engines."""
+    sync_drafter_decoders()
     return tuple(name for name, entry in REGISTRY.items() if entry.default)
 
 
@@ -911,6 +825,7 @@ def register_decoder_schemas() -> None:
     call it before composing; importing this module stores nothing."""
     from hydra.core.config_store import ConfigStore
 
+    sync_drafter_decoders()
     cs = ConfigStore.instance()
     for name, entry in REGISTRY.items():
         cs.store(group="schema/decoder", name=name, node=entry.settings)
@@ -923,9 +838,12 @@ def check_decoder_names(names: Sequence[str]) -> list[str]:
     Raises:
         ValueError: an empty list, an unknown name (the valid ones listed) or a name given twice.
     """
+    sync_drafter_decoders()
     names = list(names)
     if not names:
         raise ValueError(f"decoders is empty: pick some of {', '.join(REGISTRY)}")
+    for name in names:
+        decoder_alias(name)  # an old name runs as before, warned (medusa_train.config.renames)
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise ValueError(f"unknown decoder name(s) {unknown}; valid: {', '.join(REGISTRY)}")
@@ -937,7 +855,7 @@ def check_decoder_names(names: Sequence[str]) -> list[str]:
 
 def decoder_settings(name: str, raw: Any = None) -> Any:
     """The validated settings dataclass of decoder ``name`` from ``raw`` (a mapping, an OmegaConf node, an instance,
-    or None for the defaults): the numeric ranges its fields declare (:func:`medusa_train.bounds.check_bounds`),
+    or None for the defaults): the numeric ranges its fields declare (:func:`medusa_train.config.bounds.check_bounds`),
     then its ``validate()``.
 
     Raises:
@@ -995,7 +913,7 @@ def with_run_draft(name: str, raw: Any, draft: Any) -> dict[str, Any]:
     """
     from omegaconf import OmegaConf
 
-    from medusa_train.config import ModelConfig, as_dataclass
+    from medusa_train.config.schema import ModelConfig, as_dataclass
 
     run_draft = as_dataclass(DraftConfig, draft)
     if OmegaConf.is_config(raw):
@@ -1083,15 +1001,13 @@ __all__ = [
     "HfAssistedSettings",
     "HfPromptLookupSettings",
     "LlamaCppDraftSettings",
-    "LlamaCppEagle3Settings",
     "LlamaCppNgramSettings",
     "LlamaCppSettings",
     "LookaheadSettings",
-    "MedusaSettings",
+    "TreeSettings",
     "REGISTRY",
     "VanillaSettings",
     "VllmDraftSettings",
-    "VllmMedusaSettings",
     "VllmNgramSettings",
     "VllmSettings",
     "baseline_of",

@@ -81,7 +81,7 @@ step inputs 120 "$py" benchmarks/gpu_check.py inputs "$out/inputs" || { "$py" be
 # --- 4-5. training steps on the device -------------------------------------------------------------------------------
 train=(model.name_or_path="$out/inputs/tiny_llama" model.format=hf model.tokenizer_path=null model.dtype=float32
        data=json data.path="$out/inputs/conversations.jsonl" data.eval_fraction=0.1 max_length=64 export_vllm=false
-       heads.medusa_num_heads=2 heads.target=labels trainer=ddp trainer.max_steps=4 trainer.warmup_ratio=0.0
+       heads.num_heads=2 heads.target=labels trainer=ddp trainer.max_steps=4 trainer.warmup_ratio=0.0
        trainer.per_device_train_batch_size=4 trainer.logging_steps=1 trainer.save_steps=4 trainer.disable_tqdm=true
        trainer.learning_rate=1e-2)
 eagle3=(heads=eagle3 'heads.feature_layers=[0,1,2]' heads.head_vocab_size=64)

@@ -5,7 +5,7 @@
 # ($MEDUSA_CACHE, default ~/.cache/medusa-train), checks its sha256, and converts it once into the HF folder its
 # model/ preset loads; a second run is a no-op. Needs the venv (bash launch/install.sh; MEDUSA_VENV=DIR picks another).
 # Options after the group: --verify (hash the assembled files again), --no-convert (GGUFs only).
-# The logic and the model table: medusa_train/loading/install_models.py, chunked_gguf.py, chunked_models.py.
+# The logic and the model table: medusa_train/cli/install_models.py, chunked_gguf.py, chunked_models.py.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
 venv="${MEDUSA_VENV:-$root/.venv}"
@@ -13,4 +13,4 @@ if [[ ! -x "$venv/bin/python" ]]; then
   echo "[install_models] no venv at $venv: run bash launch/install.sh first (MEDUSA_VENV=DIR points at another)" >&2
   exit 2
 fi
-exec "$venv/bin/python" -m medusa_train.loading.install_models "$@"
+exec "$venv/bin/python" -m medusa_train.cli.install_models "$@"

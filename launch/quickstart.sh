@@ -81,8 +81,8 @@ if [[ "$drafter" != eagle3 ]]; then
   medusa-eval export_dir="$out/export" output_dir="$out/eval" "${evaluate[@]}"
 fi
 if [[ "$drafter" != medusa ]]; then
-  # our tree decoder (medusa) runs the EAGLE-3 drafter over its tuned dynamic tree; vLLM with it: vllm_eagle3
-  decoders=vanilla,medusa
+  # our tree decoder (tree) runs the EAGLE-3 drafter over its tuned dynamic tree; vLLM with it: vllm_eagle3
+  decoders=vanilla,tree
   [[ "$vllm_ready" == true ]] && decoders+=,vllm,vllm_eagle3
   echo "== eagle3 3/3 medusa-eval: MT-Bench first turns, one per category: $decoders"
   medusa-eval export_dir="$out/eagle3/export" output_dir="$out/eagle3/eval" "${evaluate[@]}" "decoders=[$decoders]"

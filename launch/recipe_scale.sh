@@ -33,7 +33,7 @@ case "$drafter" in
 esac
 [[ "$size" =~ ^[1-9][0-9]*$ ]] || { echo "SIZE=$size: give a positive integer (the multiple of the quickstart's 700 conversations). $usage" >&2; exit 2; }
 # SIZE x 700 ShareGPT conversations must stay below the held-out prompts the tuner and medusa-eval read (they start at
-# conversation 16,000: SHAREGPT_HELDOUT_OFFSET in medusa_train/prompts.py), so SIZE <= 16000 / 700 = 22 (MAX_SIZE in
+# conversation 16,000: SHAREGPT_HELDOUT_OFFSET in medusa_train/chat/prompts.py), so SIZE <= 16000 / 700 = 22 (MAX_SIZE in
 # benchmarks/data_scaling.py); compared as text first, so no size overflows bash's 64-bit arithmetic
 max_size=22
 if ! { [[ ${#size} -le ${#max_size} ]] && (( size <= max_size )); }; then
@@ -47,7 +47,7 @@ epochs="${SCALE_EPOCHS:-$(( size < 4 ? 5 : size < 16 ? 3 : 2 ))}"
 ttt="${SCALE_TTT_STEPS:-}"
 if [[ -n "$ttt" ]]; then
   [[ "$drafter" == eagle3 ]] || { echo "SCALE_TTT_STEPS=$ttt: only EAGLE-3 has training-time-test steps (DRAFTER=eagle3)" >&2; exit 2; }
-  heads+=(heads.medusa_num_heads="$ttt")
+  heads+=(heads.num_heads="$ttt")
 fi
 conversations=$(( 700 * size ))
 model_preset="${SCALE_MODEL:-smollm2_135m}" model_dtype="${SCALE_MODEL_DTYPE:-float32}"

@@ -15,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 VOCAB = 97
 HIDDEN = 32
 
-# The CPU kinds this project's machines come in, by the flags that decide dtype=auto (medusa_train.precision).
+# The CPU kinds this project's machines come in, by the flags that decide dtype=auto (medusa_train.config.precision).
 AVX2_ONLY = frozenset({"fpu", "sse2", "avx", "avx2", "fma"})
 ZEN4 = AVX2_ONLY | {"avx512f", "avx512_bf16"}
 SAPPHIRE_RAPIDS = AVX2_ONLY | {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
@@ -29,7 +29,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    from medusa_train.precision import CPU_FLAGS_ENV
+    from medusa_train.config.precision import CPU_FLAGS_ENV
 
     kind = config.getoption("--cpu")
     if kind != "native":
@@ -37,7 +37,7 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    from medusa_train.precision import CPU_FLAGS_ENV, choose_dtype, cpu_isa
+    from medusa_train.config.precision import CPU_FLAGS_ENV, choose_dtype, cpu_isa
 
     faked = f" (faked: --cpu={config.getoption('--cpu')})" if CPU_FLAGS_ENV in os.environ else ""
     return (f"cpu flags{faked}: {', '.join(cpu_isa()['flags']) or 'none of note'}; "

@@ -54,7 +54,7 @@ def test_the_script_refuses_a_bad_cell_in_one_line_with_exit_2_before_any_run(sc
 
 
 def test_the_largest_size_keeps_the_training_data_below_the_held_out_prompts_in_both_scripts(scaling):
-    from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET
+    from medusa_train.chat.prompts import SHAREGPT_HELDOUT_OFFSET
 
     assert scaling.MAX_SIZE == 22 and 22 * 700 < SHAREGPT_HELDOUT_OFFSET <= 23 * 700
     shell = (REPO_ROOT / "launch" / "recipe_scale.sh").read_text()

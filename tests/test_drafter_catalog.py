@@ -12,15 +12,15 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch import nn
 
-from medusa_train.catalog import drafter_type, drafter_types, head_types, type_of
-from medusa_train.heads_base import HeadsSpec
-from medusa_train.paths import CONF_DIR, PACKAGE_DIR
+from medusa_train.models.catalog import drafter_type, drafter_types, head_types, type_of
+from medusa_train.models.heads_base import HeadsSpec
+from medusa_train.files.paths import CONF_DIR, PACKAGE_DIR
 from tests.medusa_train.test_training import CrashAtStep, assert_same_heads, compose_train, tiny_overrides
 from tests.medusa_train.test_training import write_tiny_inputs
 
 ROOT = PACKAGE_DIR.parent
 # The places that may name a drafter type: the catalog and each type's own folder.
-OWN_MODULES = {"medusa_train/catalog.py"}
+OWN_MODULES = {"medusa_train/models/catalog.py"}
 OWN_FOLDER = "medusa_train/drafters/"
 # Lines outside those places allowed to match anyway, each with its reason: none.
 ALLOWED: dict[str, str] = {}
@@ -75,7 +75,7 @@ def test_the_dispatch_patterns_catch_what_they_are_for():
               'case "hydra":', 'entry = drafter_type("eagle3")', "isinstance(drafter, Eagle3TreeDrafter)",
               "issubclass(cls, Eagle3Spec)", "type(heads) is not MedusaHeads", 'load_heads(f, head_type="eagle3")']
     fine = ["entry = drafter_type(spec.head_type)", 'head_type: str = "medusa",', 'run_dir / "hydra"',
-            'method: ClassVar[str] = "eagle3"', 'DecoderEntry("medusa", MedusaSettings, _build_medusa,',
+            'method: ClassVar[str] = "eagle3"', 'DecoderEntry("medusa", TreeSettings, _build_medusa,',
             'if config.get("model_type") != VLLM_MODEL_TYPE:', "isinstance(drafter, DynamicTreeDrafter)",
             'if name == "medusa1":']
     patterns = registered_dispatch()
@@ -90,21 +90,40 @@ def test_every_drafter_folder_is_a_catalog_entry_with_real_imports():
         folder = f"medusa_train.drafters.{entry.name}."
         assert entry.module_cls.__module__.startswith(folder) and entry.tree_drafter.__module__.startswith(folder)
         assert callable(entry.logits) and isinstance(entry.tree_drafter, type)
-        for part in (*entry.engine_writers.values(), entry.vllm_config, entry.llamacpp_gguf):
+        for part in (*entry.engine_writers.values(), entry.vllm_config, entry.llamacpp_gguf, entry.options,
+                     *(d.settings for d in entry.engine_decoders)):
             assert part is None or (callable(part) and part.__module__.startswith(folder)), (entry.name, part)
+
+
+def test_the_shared_schema_and_the_decoder_registry_hold_nothing_of_a_drafter_type():
+    """A type's options and its engine decoders are its folder's: the shared heads schema has none of them as its
+    own fields (they come from the catalog, :func:`medusa_train.config.schema.heads_schema`), and the registry declares no
+    settings class of a type (they come from the catalog, :func:`inference.registry.sync_drafter_decoders`)."""
+    import dataclasses
+
+    from inference import registry
+    from medusa_train.config.schema import HeadsConfig, heads_schema
+
+    options = {name for entry in drafter_types() for name in entry.option_names}
+    assert options and not options & {f.name for f in dataclasses.fields(HeadsConfig)}
+    assert options <= {f.name for f in dataclasses.fields(heads_schema())}
+    declared = {d.name: d.settings for entry in drafter_types() for d in entry.engine_decoders}
+    assert {"vllm_medusa", "vllm_eagle3", "llamacpp_eagle3"} <= set(declared)
+    assert all(registry.REGISTRY[name].settings is settings for name, settings in declared.items())
+    assert not [c for c in vars(registry).values() if isinstance(c, type) and c in declared.values()]
 
 
 def test_the_built_in_types_declare_themselves():
     assert head_types()[:2] == ("medusa", "hydra")
     medusa, hydra = drafter_type("medusa"), drafter_type("hydra")
     assert medusa.engine_problem("vllm") is None and medusa.joint and not medusa.reads_path
-    assert "Medusa heads only" in hydra.engine_problem("vllm") and hydra.reads_path and hydra.options == ("combine",)
+    assert "Medusa heads only" in hydra.engine_problem("vllm") and hydra.reads_path and hydra.option_names == ("combine",)
     with pytest.raises(ValueError, match=r"heads.head_type: head_type 'eagle' is not one this medusa-train knows"):
         drafter_type("eagle", "heads.head_type")
 
 
 def test_only_a_heads_module_is_a_drafter_not_a_model_that_exposes_its_spec():
-    from medusa_train.catalog import is_drafter
+    from medusa_train.models.catalog import is_drafter
     from medusa_train.drafters.medusa.heads import MedusaHeads
 
     heads = MedusaHeads(HeadsSpec(2, 1, 8, 11))
@@ -123,7 +142,7 @@ def layer_options(head_type: str, num_layers: int) -> dict[str, list[int]]:
     """Explicit target layers for a type that reads some (``feature_layers`` among its options; the tiny models are
     too shallow for vLLM's default EAGLE-3 taps), else nothing."""
     return {"feature_layers": [0, num_layers // 2, num_layers]} if "feature_layers" in drafter_type(
-        head_type).options else {}
+        head_type).option_names else {}
 
 
 def layer_overrides(head_type: str, num_layers: int) -> list[str]:
@@ -133,7 +152,7 @@ def layer_overrides(head_type: str, num_layers: int) -> list[str]:
 
 def random_drafter(head_type: str, base: nn.Module, seed: int = 0) -> nn.Module:
     """Random heads of ``head_type`` for ``base`` (every parameter N(0, 0.3^2)), fp32."""
-    from medusa_train.model import new_heads_for
+    from medusa_train.models.speculative import new_heads_for
     from tests.medusa_train.test_export import randomized
 
     options = layer_options(head_type, base.config.num_hidden_layers)
@@ -143,7 +162,7 @@ def random_drafter(head_type: str, base: nn.Module, seed: int = 0) -> nn.Module:
 @pytest.mark.parametrize("head_type", head_types())
 def test_every_type_round_trips_through_its_export_with_identical_logits(head_type, tmp_path):
     from medusa_train.export import load_heads, save_export
-    from medusa_train.model import MedusaModel
+    from medusa_train.models.speculative import SpeculativeModel
     from tests.conftest import make_tiny_model
 
     base = make_tiny_model("llama")
@@ -153,7 +172,7 @@ def test_every_type_round_trips_through_its_export_with_identical_logits(head_ty
     assert type(loaded) is type(heads) and loaded.spec == heads.spec and config.get("head_type", "medusa") == head_type
     hidden = {name: torch.randn(2, 5, base.config.hidden_size) for name in type_of(heads).feature_names(heads.spec)}
     path = torch.randint(0, base.config.vocab_size, (2, 5, 3)) if drafter_type(head_type).reads_path else None
-    before, after = MedusaModel(base, heads), MedusaModel(base, loaded)
+    before, after = SpeculativeModel(base, heads), SpeculativeModel(base, loaded)
     torch.testing.assert_close(after.head_logits(hidden, path), before.head_logits(hidden, path), rtol=0, atol=0)
 
 
@@ -182,8 +201,8 @@ def test_every_types_tuner_replay_gives_the_decoders_counts(head_type, tmp_path)
     records is the tree decoder's count of tokens and passes on the same prompts, where the heads accept more than
     one token a pass."""
     from inference.decoders.base import DecodeConfig
-    from inference.decoders.medusa import MedusaDecoder
-    from medusa_train.loading.medusa import load_medusa
+    from inference.decoders.tree import TreeDecoder
+    from medusa_train.loading.export import load_export
     from medusa_train.training.recipe import build_recipe
     from inference.tuning.accuracy import measure_head_accuracy
     from inference.tuning.replay import replay_counts
@@ -194,9 +213,9 @@ def test_every_types_tuner_replay_gives_the_decoders_counts(head_type, tmp_path)
                                           # vLLM's default EAGLE-3 taps; layers 0, 2, 4 (the last layer's input)
                                           "trainer.max_steps=60", "export_vllm=false", "trainer.disable_tqdm=true"])
     summary = build_recipe(cfg).run()
-    model, tokenizer, _ = load_medusa(summary["export_dir"], dtype="float32", head_type=head_type)
+    model, tokenizer, _ = load_export(summary["export_dir"], dtype="float32", head_type=head_type)
     tree = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
-    decoder = MedusaDecoder(model, tree, topk=4)
+    decoder = TreeDecoder(model, tree, topk=4)
     prompts = [tokenizer(t)["input_ids"] for t in ("Once upon a time, there was a little girl named Lily.",
                                                    "The cat was sad.", "Tom had a big red ball.")]
     tokens = passes = 0

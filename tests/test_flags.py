@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from medusa_train.cli.flags import flag_of, numeric_flags
-from medusa_train.paths import assets_dir
+from medusa_train.files.paths import assets_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBES = {int: (0, -1, -3, 10**12), float: (0.0, -1.0, 1e12, math.nan, math.inf)}

@@ -7,6 +7,7 @@
   import none of them, and ``inference`` reaches them through the catalog only;
 - ``inference`` imports nothing from ``medusa_train``'s training, publish or data packages, directly or through any
   module it imports (transitively);
+- ``inference.proposers`` imports nothing of ``inference.decoders`` (the decoders drive the proposers);
 - training imports nothing from publish; only entry points (``medusa_train.cli``, ``inference.cli``, ``benchmarks``)
   and publish itself import publish;
 - no file cites a document outside the repository (a clone has none of them).
@@ -114,8 +115,9 @@ def test_medusa_train_imports_nothing_of_inference():
 
 # What the drafter folders (medusa_train.drafters.<name>) build on: the catalog loads them by name (BUILTIN_MODULES),
 # and these floors import none of them, so that a folder can hold its export writer and serving mapping.
-BELOW_THE_DRAFTERS = ("medusa_train.catalog", "medusa_train.heads_base", "medusa_train.tree", "medusa_train.features",
-                      "medusa_train.model", "medusa_train.export", "medusa_train.engines")
+BELOW_THE_DRAFTERS = ("medusa_train.models.catalog", "medusa_train.models.heads_base", "medusa_train.tree",
+                      "medusa_train.models.features", "medusa_train.models.speculative", "medusa_train.export",
+                      "medusa_train.engines")
 
 
 def test_nothing_below_the_drafter_folders_and_nothing_of_inference_imports_one():
@@ -161,6 +163,15 @@ def test_inference_reaches_no_training_publish_or_data_transitively():
     offending = sorted(" -> ".join(path) for module, path in reached.items()
                        if any(module == f or module.startswith(f + ".") for f in forbidden))
     assert offending == [], "inference reaches training-side code:\n" + "\n".join(offending)
+
+
+def test_the_proposers_import_nothing_of_the_decoders():
+    """The decoders drive the proposers, never the other way round: a proposer reads the request
+    (:class:`inference.decode_config.DecodeConfig`) from below both, so the two packages form no loop."""
+    edges = import_graph(modules())
+    assert edges_between(edges, "inference.proposers", ("inference.decoders",)) == []
+    readers = edges_between(edges, "inference.proposers", ("inference.decode_config",))
+    assert "inference.proposers.draft_model -> inference.decode_config" in readers
 
 
 def test_only_entry_points_import_publish():

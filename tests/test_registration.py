@@ -33,7 +33,7 @@ def nodes(repo, prefix=""):
             yield f"{prefix}{key}", value
 
 def ours():
-    from medusa_train.resolvers import RESOLVER_NAMES
+    from medusa_train.cli.resolvers import RESOLVER_NAMES
     schemas = sorted(path for path, node in nodes(ConfigStore.instance().repo)
                      if path.split("/")[0] == "schema" or path.endswith("_schema.yaml")
                      or getattr(OmegaConf.get_type(node.node), "__module__", "").split(".")[0]

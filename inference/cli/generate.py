@@ -3,7 +3,7 @@
 The reply is streamed to stdout as it is decided; then one line gives the new tokens, the wall time, tokens per
 second, the mean accepted tokens (τ, see :mod:`inference.decoders.base`) and the stop reason. Settings:
 :class:`GenerateConfig` (``conf/generate.yaml``) and, per decoder, ``conf/decoder/<name>.yaml`` (the same files
-``medusa-eval`` reads), e.g. ``decoder.medusa.acceptance=speculative``.
+``medusa-eval`` reads), e.g. ``decoder.tree.acceptance=speculative``.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from inference.registry import (
     decoder_settings,
     register_decoder_schemas,
 )
-from medusa_train.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
+from medusa_train.config.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
 from medusa_train.cli.app import hydra_app, register_shared_schemas
-from medusa_train.config import as_dataclass, check_device
+from medusa_train.config.schema import as_dataclass, check_device
 from medusa_train.export.files import check_readable
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.loading.runtime import load_for_inference
-from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
+from medusa_train.config.precision import DEFAULT_DTYPE, check_dtype_name
 from medusa_train.tree.sampling import SAMPLING_DEFAULTS
 
 
@@ -46,11 +46,11 @@ class GenerateConfig:
         export_dir: the export folder (heads, ``config.json``, optionally ``medusa_choices.json``).
         prompt: the user message (the tokenizer's chat template is applied when it has one).
         system: an optional system message.
-        decoder_name: the decoder to run (``medusa``; ``composite``: the heads' and prompt lookup's drafts in one
+        decoder_name: the decoder to run (``tree``; ``composite``: the heads' and prompt lookup's drafts in one
             tree; or ``vanilla`` for the plain-decoding baseline).
         decoder: settings per decoder name (``conf/decoder/<name>.yaml``).
         max_new_tokens: most tokens in the reply.
-        temperature: 0 for greedy; > 0 samples (Medusa: with ``decoder.medusa.acceptance`` speculative or typical).
+        temperature: 0 for greedy; > 0 samples (tree: with ``decoder.tree.acceptance`` speculative or typical).
         top_p, top_k: sampling filters (1.0 / 0: off).
         seed: sampling seed (None: random).
         stop_strings: the reply ends at the first of these.
@@ -64,7 +64,7 @@ class GenerateConfig:
     export_dir: str = MISSING
     prompt: str = MISSING
     system: Optional[str] = None
-    decoder_name: str = "medusa"
+    decoder_name: str = "tree"
     decoder: dict[str, Any] = field(default_factory=dict)
     max_new_tokens: int = field(default=SAMPLING_DEFAULTS.max_new_tokens, metadata=bound(1, cap=MAX_TOKENS))
     temperature: float = field(default=SAMPLING_DEFAULTS.temperature, metadata=bound(0, hint="0: greedy"))

@@ -1,6 +1,6 @@
 """``medusa-tune-tree export_dir=DIR``: choose ``medusa_choices`` for these heads on this hardware.
 
-The run holds the export folder's lock (:data:`~medusa_train.run_lock.EXPORT_LOCK`) from before the model loads to
+The run holds the export folder's lock (:data:`~medusa_train.runs.run_lock.EXPORT_LOCK`) from before the model loads to
 the last file written: a second tuning of the folder, or an export into it, is refused while it runs (their timings
 would interleave, and the last writer's tree would win).
 """
@@ -15,8 +15,8 @@ from omegaconf import DictConfig
 
 from inference.tuning.tune_tree_config import register_tune_tree_schema
 from medusa_train.cli.app import hydra_app, register_shared_schemas
-from medusa_train.config import as_dataclass
-from medusa_train.run_lock import EXPORT_LOCK, RunLock
+from medusa_train.config.schema import as_dataclass
+from medusa_train.runs.run_lock import EXPORT_LOCK, RunLock
 
 if TYPE_CHECKING:
     from inference.tuning.tune_tree_config import TuneTreeConfig
@@ -45,7 +45,7 @@ def run(cfg: DictConfig) -> dict:
 def _run(tc: TuneTreeConfig) -> dict:
     from medusa_train.loading.runtime import load_for_inference
     from inference.tuning.timed import describe_choice
-    from medusa_train.prompts import load_prompts
+    from medusa_train.chat.prompts import load_prompts
     from inference.tuning.tune import tune_tree
 
     # the prompts first: a malformed prompt file is named before the model loads
@@ -108,7 +108,7 @@ def print_dynamic_tree(dynamic: dict, export_dir: str) -> None:
     print_timed_choice(dynamic, "dynamic tree", [("depth", "depth"), ("topk", "topk"), ("total", "total")],
                        lambda d: f"depth {d['depth']}, topk {d['topk']}, total {d['total']}",
                        f"{export_dir}/dynamic_tree.json: the decoder's default for this drafter "
-                       "(decoder.medusa.dynamic_tree or medusa_choices overrides it)")
+                       "(decoder.tree.dynamic_tree or medusa_choices overrides it)")
 
 
 def print_composite_tree(composite: dict, export_dir: str) -> None:

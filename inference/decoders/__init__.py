@@ -1,8 +1,7 @@
 """Decoders behind one interface (:class:`~inference.decoders.base.Decoder`): plain decoding and tree decoding.
 
 - :class:`VanillaDecoder`: one target forward pass per token (the baseline).
-- :class:`TreeDecoder`: a tree drafter (Medusa or Hydra heads) drafts a tree, one target pass verifies it
-  (``MedusaDecoder``: its deprecated name).
+- :class:`TreeDecoder`: a tree drafter (any type of the drafter catalog) drafts a tree, one target pass verifies it.
 - :func:`generate`: a chat reply through any decoder (chat template, EOS ids, text).
 """
 
@@ -16,14 +15,13 @@ from inference.decoders.base import (
     aggregate_mean_accepted_tokens,
 )
 from inference.decoders.chat import generate
-from inference.decoders.medusa import MedusaDecoder, TreeDecoder, default_medusa_choices, tree_step
+from inference.decoders.tree import TreeDecoder, default_medusa_choices, tree_step
 from inference.decoders.vanilla import VanillaDecoder, vanilla_step
 
 __all__ = [
     "DecodeConfig",
     "DecodeResult",
     "Decoder",
-    "MedusaDecoder",
     "TokenStreamer",
     "TreeDecoder",
     "VanillaDecoder",

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from inference.decoders.base import DecodeConfig, DecodeResult, Decoder
-from medusa_train.chat import check_text, encode, render, resolve_chat_template
+from medusa_train.chat.templates import check_text, encode, render, resolve_chat_template
 
 Message = dict[str, str]
 

@@ -11,7 +11,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from medusa_train.export.tree_files import COMPOSITE_FILE, DYNAMIC_TREE_FILE, read_tree_files
-from medusa_train.text_files import read_text
+from medusa_train.files.text_files import read_text
 from medusa_train.tree.buffers import default_medusa_choices
 
 
@@ -55,7 +55,7 @@ def resolve_dynamic_tree(setting: Any, medusa_choices: Any, export_dir: str, mod
                          setting_name: str = "dynamic_tree") -> tuple[Any, str | None]:
     """The dynamic tree to decode over, and where it came from: the ``dynamic_tree`` setting when given; else, when
     no static tree is set (``medusa_choices`` None) and ``model``'s drafter grows dynamic trees
-    (:func:`~medusa_train.catalog.grows_dynamic_trees`), the export's tuned ``dynamic_tree.json``
+    (:func:`~medusa_train.models.catalog.grows_dynamic_trees`), the export's tuned ``dynamic_tree.json``
     (``medusa-tune-tree``) unless it records the static tree as faster beyond the noise (``chosen.static_faster``,
     :func:`inference.tuning.dynamic.prefer_faster_kind`); else None (the static tree).
 
@@ -63,8 +63,8 @@ def resolve_dynamic_tree(setting: Any, medusa_choices: Any, export_dir: str, mod
         setting: ``dynamic_tree`` as given (``{depth, topk, total}``, a triple, or None).
         medusa_choices: the static tree as given (None: not set).
         export_dir: the export folder.
-        model: the :class:`~medusa_train.model.MedusaModel` that will decode.
-        setting_name: the setting's name in ``source`` (e.g. ``decoder.medusa.dynamic_tree``).
+        model: the :class:`~medusa_train.models.speculative.SpeculativeModel` that will decode.
+        setting_name: the setting's name in ``source`` (e.g. ``decoder.tree.dynamic_tree``).
 
     Returns:
         ``(shape, source)``: ``shape`` the setting as given or ``{"depth", "topk", "total"}`` from the file, None for
@@ -73,7 +73,7 @@ def resolve_dynamic_tree(setting: Any, medusa_choices: Any, export_dir: str, mod
     Raises:
         ValueError: ``dynamic_tree.json`` that is not UTF-8 JSON of its shape (the file and field named).
     """
-    from medusa_train.catalog import grows_dynamic_trees
+    from medusa_train.models.catalog import grows_dynamic_trees
 
     if setting is not None:
         return setting, setting_name

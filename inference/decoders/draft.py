@@ -40,7 +40,7 @@ from inference.decoders.base import (
     make_generator,
     prompt_tensor,
 )
-from inference.decoders.medusa import tree_attention_mask
+from inference.decoders.tree import tree_attention_mask
 from inference.decoders.stopping import StopCondition
 from inference.decoders.streaming import StreamFeed
 from inference.draft_loading import check_draft_compatible, check_draft_length, check_schedule
@@ -51,7 +51,7 @@ from inference.proposers.draft_model import (
     last_logits,
     takes_logits_to_keep,
 )
-from medusa_train.generation import max_positions
+from medusa_train.models.generation import max_positions
 from medusa_train.tree.acceptance import chain_speculative_sample, greedy_accept
 from medusa_train.tree.kv_cache import crop, keep_positions
 from medusa_train.tree.sampling import logits_to_probs
@@ -274,7 +274,8 @@ class DraftDecoder:
     """Speculative decoding with a draft model (see the module docstring).
 
     Args:
-        model: the target ``*ForCausalLM`` (a :class:`~medusa_train.model.MedusaModel` is accepted: its base is used).
+        model: the target ``*ForCausalLM`` (a :class:`~medusa_train.models.speculative.SpeculativeModel` is accepted: its base is
+            used).
         draft: a ``*ForCausalLM`` with the target's vocabulary: a smaller sibling, or the target's own first layers
             (:func:`inference.draft_loading.self_layer_draft`).
         num_draft_tokens: K >= 1, tokens drafted per step (the first K with ``schedule="heuristic"``).

@@ -45,7 +45,7 @@ from transformers.generation.streamers import BaseStreamer
 from inference.decoders.base import DecodeConfig, DecodeResult, check_context, prompt_tensor
 from inference.decoders.stopping import MAX_NEW_TOKENS, StopCondition
 from inference.draft_loading import check_draft_compatible, check_draft_length, check_schedule
-from medusa_train.generation import max_positions
+from medusa_train.models.generation import max_positions
 
 # our schedule -> transformers' num_assistant_tokens_schedule ("heuristic_transient": reset for every call, as ours)
 _HF_SCHEDULES = {"constant": "constant", "heuristic": "heuristic_transient"}

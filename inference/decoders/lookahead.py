@@ -58,7 +58,8 @@ class LookaheadDecoder:
     """Lookahead decoding, greedy (see the module docstring).
 
     Args:
-        model: the target ``*ForCausalLM`` (a :class:`~medusa_train.model.MedusaModel` is accepted: its base is used).
+        model: the target ``*ForCausalLM`` (a :class:`~medusa_train.models.speculative.SpeculativeModel` is accepted: its base is
+            used).
         window: W >= 1, positions ahead per Jacobi iteration.
         ngram: N >= 2, n-gram size (N - 1 window levels; N - 1 tokens verified per candidate).
         guesses: G >= 1, candidates verified per step (and continuations kept per pool key).

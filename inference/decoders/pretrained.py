@@ -1,4 +1,4 @@
-"""A :class:`~inference.decoders.medusa.TreeDecoder` from a published export (Hub id) or a local export folder.
+"""A :class:`~inference.decoders.tree.TreeDecoder` from a published export (Hub id) or a local export folder.
 
 What ``TreeDecoder.from_pretrained`` runs: the heads and tree downloaded (:func:`medusa_train.loading.hub.
 download_export`), the base model loaded as the export records it.
@@ -14,7 +14,7 @@ from inference.decoders.choices import resolve_dynamic_tree, resolve_medusa_choi
 from medusa_train.export.tree_files import CHOICES_FILE
 from medusa_train.export.writer import weights_files
 from medusa_train.loading.hub import FASTERDECODING_WEIGHTS, decoder_files, download_export
-from medusa_train.loading.medusa import load_medusa
+from medusa_train.loading.export import load_export
 from medusa_train.tree.buffers import TOPK
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ def pretrained_decoder_kwargs(
 
     Downloads the heads (``config.json``, weights, token map, ``medusa_choices.json``, ``dynamic_tree.json``: not
     ``vllm/`` nor ``eval/``), then loads the base model named by the export (its recorded ``model/`` config, else
-    ``base_model_name_or_path``, from the Hub when it is an id) with :func:`~medusa_train.loading.medusa.load_medusa`.
+    ``base_model_name_or_path``, from the Hub when it is an id) with :func:`~medusa_train.loading.export.load_export`.
 
     Args:
         repo_or_dir: Hub id or local export folder.
@@ -49,7 +49,7 @@ def pretrained_decoder_kwargs(
         decoder_kwargs: further ``TreeDecoder`` arguments (``topk``, ``acceptance``, ``medusa_choices``, ...).
 
     Returns:
-        ``{"model": MedusaModel, "tokenizer": ..., "medusa_choices": [[int]], **decoder_kwargs}``; the tree is the
+        ``{"model": SpeculativeModel, "tokenizer": ..., "medusa_choices": [[int]], **decoder_kwargs}``; the tree is the
         export's ``medusa_choices.json``, else the decoder's default tree (a warning); for drafters that grow an
         EAGLE-2 dynamic tree, ``dynamic_tree`` is the export's ``dynamic_tree.json`` unless ``dynamic_tree`` or
         ``medusa_choices`` is given (:func:`~inference.decoders.choices.resolve_dynamic_tree`).
@@ -64,7 +64,7 @@ def pretrained_decoder_kwargs(
     if not any((folder / name).is_file() for name in weights_files()):
         folder = download_export(repo_or_dir, revision, allow_patterns=decoder_files() + [FASTERDECODING_WEIGHTS],
                                  cache_dir=cache_dir, endpoint=endpoint)
-    medusa_model, tokenizer, _ = load_medusa(str(folder), model=model, dtype=dtype, device=device,
+    medusa_model, tokenizer, _ = load_export(str(folder), model=model, dtype=dtype, device=device,
                                              trust_remote_code=trust_remote_code)
     shape, source = resolve_dynamic_tree(decoder_kwargs.get("dynamic_tree"), decoder_kwargs.get("medusa_choices"),
                                          str(folder), medusa_model)

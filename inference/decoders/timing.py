@@ -1,6 +1,6 @@
 """Drafting and verification time of tree decoding, summed over the steps of one decode.
 
-A step's **drafting** time is its tree drafter's ``draft`` call (:mod:`medusa_train.tree.drafting`); its
+A step's **drafting** time is its tree drafter's ``draft`` call (:mod:`medusa_train.models.tree_drafter`); its
 **verification** time runs from the end of drafting to the end of the step: the tree pass, the acceptance rule, cache
 compaction, the drafter's ``accept`` and the step's bookkeeping. Together they are the decode's time after the
 prefill. On CUDA the marks are events, read once at the end, so timing adds no host synchronisation to a step.
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from medusa_train.tree.buffers import TreeBuffers
-from medusa_train.tree.drafting import TreeDrafter
+from medusa_train.models.tree_drafter import TreeDrafter
 
 
 class StepTimes:

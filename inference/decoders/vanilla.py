@@ -22,7 +22,7 @@ from inference.decoders.base import (
     make_generator,
 )
 from inference.decoders.batching import Replies, left_pad, prefill_mask, sliding_window
-from medusa_train.generation import max_positions
+from medusa_train.models.generation import max_positions
 from medusa_train.tree.kv_cache import request_cache, select_rows
 from medusa_train.tree.masks import additive_mask, positions
 
@@ -87,7 +87,7 @@ class VanillaDecoder:
     (:func:`medusa_train.tree.kv_cache.request_cache`; transformers' ``DynamicCache`` for sliding-window models).
 
     Args:
-        model: a ``*ForCausalLM`` (a :class:`~medusa_train.model.MedusaModel` is accepted: its base model is used).
+        model: a ``*ForCausalLM`` (a :class:`~medusa_train.models.speculative.SpeculativeModel` is accepted: its base model is used).
         tokenizer: optional; needed for ``stop_strings`` and to fill :attr:`DecodeResult.text`.
         record_top2_gaps: fill :attr:`DecodeResult.top2_gaps` in :meth:`generate` (one prompt): each step's logits
             are kept (a reference, no copy) and their top-2 gaps computed after the clock stops, so the timing is

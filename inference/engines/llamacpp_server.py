@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from medusa_train.engines.llamacpp_env import llamacpp_binary
+from medusa_train.engines.llamacpp_env import REPACK, llamacpp_binary
 from medusa_train.engines.openai_client import ServerError, _call
 from medusa_train.engines.vllm_env import start_reaper
 
@@ -86,9 +86,6 @@ def counter_difference(after: dict[str, Any], before: dict[str, Any]) -> dict[st
                                                       pad(before["accepted_per_pos"]))]}
 
 
-# llama.cpp's weight repacking for wide CPU instructions (on in llama.cpp by default) is off: build 11434 segfaults at
-# start with it on the Intel Xeon with AMX this project's machines include (SmolLM2's Q4_1 GGUF, 2026-12-04).
-REPACK = False
 
 
 class LlamaServer:
@@ -106,14 +103,16 @@ class LlamaServer:
         threads: compute threads of the target and of the drafter (``-t``, ``-tb``, ``-td``, ``-tbd``).
         ctx_size: context tokens (prompt + reply + drafts).
         pause_when_idle: stop the server between requests (see the module docstring).
-        repack: llama.cpp's weight repacking (``--repack`` / ``--no-repack``; default :data:`REPACK`).
+        repack: llama.cpp's weight repacking (``--repack`` / ``--no-repack``; default
+            :data:`~medusa_train.engines.llamacpp_env.REPACK`).
         start_timeout: seconds to wait for the server to load both models.
         log_path: where its output goes (default: a temporary file, named in errors).
-        spec_type: llama.cpp's ``--spec-type`` (``draft-eagle3``, ``draft-simple``, ``ngram-simple``, ...); None:
-            ``draft-eagle3`` with a ``draft_gguf``, else plain decoding.
+        spec_type: llama.cpp's ``--spec-type`` (``draft-eagle3``, ``draft-simple``, ``ngram-simple``, ...; with a
+            ``draft_gguf``, the drafter's kind, named by whoever gives it); None: plain decoding.
         spec_options: further arguments of that type (e.g. ``["--spec-ngram-simple-size-n", "3"]``).
 
     Raises:
+        ValueError: a ``draft_gguf`` without its ``spec_type``.
         LlamaCppUnavailable: llama.cpp is not installed.
         LlamaCppError: the server exited or did not answer ``/health`` within ``start_timeout`` (its log's tail).
     """
@@ -127,7 +126,7 @@ class LlamaServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if spec_type is None and draft_gguf is not None:
-            spec_type = "draft-eagle3"
+            raise ValueError(f"a drafter GGUF ({draft_gguf}) needs its spec_type (llama.cpp's --spec-type)")
         self.speculative = spec_type is not None
         self.pause_when_idle = pause_when_idle
         self._paused = False

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from medusa_train.export.configs import dtype_name
-from medusa_train.paths import REPO_ROOT
+from medusa_train.files.paths import REPO_ROOT
 
 
 def _version(package: str) -> str | None:
@@ -45,7 +45,8 @@ def describe_environment(model: Any) -> dict[str, Any]:
     """The run's environment for the record.
 
     Args:
-        model: the target model (a ``MedusaModel`` or ``*ForCausalLM``); its first parameter gives device and dtype.
+        model: the target model (a ``SpeculativeModel`` or ``*ForCausalLM``); its first parameter gives device and
+            dtype.
 
     Returns:
         ``{"device", "dtype", "torch_threads", "platform", "python", "versions": {...}, "git_commit"}``.

@@ -20,13 +20,13 @@ from inference.registry import (
     takes_draft,
     with_run_draft,
 )
-from medusa_train.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
-from medusa_train.config import check_device
+from medusa_train.config.bounds import MAX_COUNT, MAX_SEED, MAX_TOKENS, bound, check_bounds
+from medusa_train.config.schema import check_device
 from medusa_train.export.files import check_readable
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
 from medusa_train.loading.runtime import target_config
-from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
-from medusa_train.prompts import PROMPT_SOURCES
+from medusa_train.config.precision import DEFAULT_DTYPE, check_dtype_name
+from medusa_train.chat.prompts import PROMPT_SOURCES
 from medusa_train.tree.sampling import SAMPLING_DEFAULTS
 
 # Keys that leave every measured row valid: a rerun in the same folder with other values here resumes the results
@@ -71,7 +71,7 @@ class EvaluateConfig:
         model: optional ``model/`` config overriding the base model recorded in the export; the target itself when
             there is no ``export_dir``.
         dtype: ``auto`` (bf16 where the hardware multiplies bf16 natively, fp32 elsewhere; see
-            :mod:`medusa_train.precision`), a dtype name, or None for the model config's; every decoder runs in it.
+            :mod:`medusa_train.config.precision`), a dtype name, or None for the model config's; every decoder runs in it.
         device: overrides the model config's device (None: the model config's).
         cpu_kernels: ``auto`` (pre-packed oneDNN linear layers on a CPU), ``packed`` or ``none``; the base model is
             converted once, so every decoder runs on the same kernels (:mod:`medusa_train.loading.cpu_kernels`).

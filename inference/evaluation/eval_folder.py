@@ -7,8 +7,8 @@ run at a time.
   before its first row), or has the keys every earlier run wrote (``config``, ``environment``, ``decoders``). What
   Hydra writes into the folder before the run starts (``.hydra/``, the job's ``.log``) and the lock file of a killed
   run do not make it someone else's.
-- :func:`hold_eval_dir`: the folder's lock (:data:`~medusa_train.run_lock.EVAL_LOCK`, see
-  :class:`~medusa_train.run_lock.RunLock`), held for the run's whole life: a second run into the folder is refused,
+- :func:`hold_eval_dir`: the folder's lock (:data:`~medusa_train.runs.run_lock.EVAL_LOCK`, see
+  :class:`~medusa_train.runs.run_lock.RunLock`), held for the run's whole life: a second run into the folder is refused,
   naming the first (two runs would append every row twice).
 
 A sweep (``medusa-eval -m``) writes each job into its own numbered folder, each checked and held as one run.
@@ -21,8 +21,8 @@ import os
 from collections.abc import Collection
 from pathlib import Path
 
-from medusa_train.paths import resolve_path
-from medusa_train.run_lock import EVAL_LOCK, RunLock
+from medusa_train.files.paths import resolve_path
+from medusa_train.runs.run_lock import EVAL_LOCK, RunLock
 
 TOOL = "medusa-eval"
 TOOL_KEY = "tool"

@@ -67,20 +67,20 @@ from inference.registry import (
     takes_draft,
     with_run_draft,
 )
-from medusa_train.atomic import atomic_write_text
-from medusa_train.config import as_dataclass
+from medusa_train.files.atomic import atomic_write_text
+from medusa_train.config.schema import as_dataclass
 from medusa_train.export.files import write_json
 from medusa_train.export.reader import heads_checksum
 from medusa_train.export.tree_files import read_tree_files
-from medusa_train.generation import max_positions
-from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, export_base_config, model_config_for_export
+from medusa_train.models.generation import max_positions
+from medusa_train.loading.export import ORIGINAL_BASE_KEY, export_base_config, model_config_for_export
 from medusa_train.loading.runtime import (
     InferenceRuntime,
     load_for_inference,
     load_target_for_inference,
     target_config,
 )
-from medusa_train.prompts import PROMPT_SOURCES, Prompt, encode_prompt, load_prompts
+from medusa_train.chat.prompts import PROMPT_SOURCES, Prompt, encode_prompt, load_prompts
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def load_eval_prompts(ec: EvaluateConfig) -> list[Prompt]:
     ``categories`` asked for, then the first ``per_category`` of each category, then the first ``num_prompts``.
 
     Raises:
-        FileNotFoundError / ValueError: as :func:`medusa_train.prompts.load_prompts` (a malformed line's number); a
+        FileNotFoundError / ValueError: as :func:`medusa_train.chat.prompts.load_prompts` (a malformed line's number); a
             category in ``categories`` that the set does not hold (the set's categories listed).
     """
     source, path = (ec.prompts, None) if ec.prompts in PROMPT_SOURCES else ("jsonl", ec.prompts)

@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from inference.evaluation.eval_config import BASELINE
 from inference.evaluation.summary import OVERALL
 from inference.registry import decoder_names
-from medusa_train.atomic import atomic_write
+from medusa_train.files.atomic import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from typing import Any
 from medusa_train.export import read_export_config
 from medusa_train.export.reader import heads_checksum
 from medusa_train.loading.base import resolve_device
-from medusa_train.loading.medusa import export_base_config
+from medusa_train.loading.export import export_base_config
 from medusa_train.loading.runtime import target_config
-from medusa_train.precision import choose_dtype
+from medusa_train.config.precision import choose_dtype
 
 MEASURED_WITH = "measured_with"  # the run.json entry and the row field
 
@@ -42,7 +42,7 @@ def run_identity(export_dir: str | None, model: Any = None, dtype: str | None = 
 
     Args:
         export_dir: the export folder; None: a run of the target ``model`` alone.
-        model, dtype, device: the run's overrides (as :func:`~medusa_train.loading.medusa.load_medusa` takes them).
+        model, dtype, device: the run's overrides (as :func:`~medusa_train.loading.export.load_export` takes them).
         heads_sha256: the heads' checksum when already computed (:func:`~medusa_train.export.reader.heads_checksum`).
 
     Raises:

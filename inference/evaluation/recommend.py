@@ -32,7 +32,7 @@ class Candidate:
     """One decoder with its settings in one run, as measured there.
 
     Attributes:
-        label: how tables name it (``medusa``, or ``medusa (decoder.medusa.topk=3)`` in a sweep).
+        label: how tables name it (``medusa``, or ``medusa (decoder.tree.topk=3)`` in a sweep).
         decoder: the decoder's name.
         settings: its settings (``decoder.<name>`` of the run's config, plus a sweep job's overrides).
         turns: ``{(prompt_id, turn): (new tokens, wall seconds, baseline's new tokens, baseline's wall seconds)}``.

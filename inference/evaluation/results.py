@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from inference.decoders.base import DecodeResult
-from medusa_train.atomic import atomic_write
+from medusa_train.files.atomic import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from inference.decoders.base import DecodeConfig, Decoder
 from inference.evaluation.eval_config import BASELINE
 from inference.evaluation.results import ResultsLog, make_row
-from medusa_train.prompts import Prompt, encode_prompt
+from medusa_train.chat.prompts import Prompt, encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def evaluate_prompts(
 
     Args:
         decoders: name -> decoder, the baseline first (the order in which they take turns).
-        tokenizer: renders the conversation with its chat template (:func:`medusa_train.prompts.encode_prompt`).
+        tokenizer: renders the conversation with its chat template (:func:`medusa_train.chat.prompts.encode_prompt`).
         prompts: the prompt set (unique ids).
         request: the generation request (``eos_token_ids`` filled in by the caller).
         results: the run's results log; new rows are appended to it one by one.

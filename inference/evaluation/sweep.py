@@ -30,7 +30,7 @@ from inference.evaluation.eval_config import BASELINE
 from inference.evaluation.eval_folder import RUN_FILE, is_our_run
 from inference.evaluation.recommend import Candidate, candidates_from_rows, recommend, recommendation_markdown
 from inference.evaluation.results import RESULTS_FILE, read_rows
-from medusa_train.atomic import atomic_write_text
+from medusa_train.files.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 

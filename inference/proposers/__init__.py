@@ -5,9 +5,9 @@
 - :func:`empty_proposal`: nothing drafted; the step decodes one token as plain decoding does.
 
 Tree decoding's drafters fill a whole candidate tree instead (the protocol
-:class:`medusa_train.tree.drafting.TreeDrafter`: started per request, then draft and accept per step). Each drafter
+:class:`medusa_train.models.tree_drafter.TreeDrafter`: started per request, then draft and accept per step). Each drafter
 type's tree drafter lives in its folder
-(:mod:`medusa_train.drafters`) and its catalog entry builds it (:func:`medusa_train.catalog.tree_drafter`);
+(:mod:`medusa_train.drafters`) and its catalog entry builds it (:func:`medusa_train.models.catalog.tree_drafter`);
 :mod:`inference.proposers.composite` merges any of them with prompt lookup's drafts
 (:mod:`inference.proposers.prompt_lookup`) in one tree per step.
 """

@@ -1,6 +1,6 @@
 """One candidate tree from two drafters: a tree drafter's candidates and prompt lookup's, verified in one pass.
 
-A learned tree drafter (Medusa, Hydra or EAGLE-3 heads, :mod:`medusa_train.tree.drafting`) and prompt lookup
+A learned tree drafter (Medusa, Hydra or EAGLE-3 heads, :mod:`medusa_train.models.tree_drafter`) and prompt lookup
 (:mod:`inference.proposers.prompt_lookup`) win different prompts: lookup where the reply copies the context
 (translation, extraction, summarization), the heads where it does not. A tree pass over a few more tokens costs little
 more than over fewer on a memory-bound target, so :class:`CompositeTreeDrafter` puts both proposals in one tree and
@@ -43,7 +43,7 @@ from torch import Tensor
 from inference.proposers.prompt_lookup import NgramIndex
 from medusa_train.tree.buffers import Path, TreeBuffers
 from medusa_train.tree.composite import MAX_MATCHING_NGRAM_SIZE, CompositeTree
-from medusa_train.tree.drafting import TreeDrafter
+from medusa_train.models.tree_drafter import TreeDrafter
 from medusa_train.tree.dynamic import DynamicTree, tree_of_paths
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ class CompositeTreeDrafter:
     docstring); it grows a tree per step (``draft_dynamic``), which the tree decoder verifies as a dynamic tree.
 
     Args:
-        inner: the model's tree drafter (:func:`~medusa_train.catalog.tree_drafter`); it is started,
+        inner: the model's tree drafter (:func:`~medusa_train.models.catalog.tree_drafter`); it is started,
             told every accepted path and every row selection, as the decoder would tell it.
         max_matching_ngram_size: the longest n-gram the lookup matches (``CompositeTree.max_matching_ngram_size``).
     """
@@ -172,7 +172,7 @@ class CompositeTreeDrafter:
         """This step's merged tree and its tokens.
 
         Args:
-            root: long ``[B]``, as :meth:`~medusa_train.tree.drafting.TreeDrafter.draft`.
+            root: long ``[B]``, as :meth:`~medusa_train.models.tree_drafter.TreeDrafter.draft`.
             shape: the budget split and the drafter's tree.
 
         Returns:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from inference.decoders.base import DecodeConfig
+from inference.decode_config import DecodeConfig
 from inference.draft_loading import check_draft_length, check_schedule
 from inference.proposers.base import Proposal, empty_proposal
 from medusa_train.tree.kv_cache import crop

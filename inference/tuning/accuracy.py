@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from medusa_train.generation import greedy_generate, length_batches
-from medusa_train.heads_base import to_head_vocab
-from medusa_train.model import MedusaModel
+from medusa_train.models.generation import greedy_generate, length_batches
+from medusa_train.models.heads_base import to_head_vocab
+from medusa_train.models.speculative import SpeculativeModel
 from medusa_train.tree.buffers import TOPK
 
 
@@ -71,7 +71,7 @@ def count_rank_hits(ranks: torch.Tensor, valid: torch.Tensor, topk: int) -> tupl
 
 @torch.no_grad()
 def measure_head_accuracy(
-    model: MedusaModel,
+    model: SpeculativeModel,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int = 128,
     topk: int = TOPK,
@@ -83,7 +83,7 @@ def measure_head_accuracy(
     """``acc[k][i]`` on the base model's own greedy continuations of ``prompts``.
 
     Each prompt is continued greedily by the base model (HF ``generate``, ``batch_size`` prompts of similar length at
-    a time, left-padded: :func:`medusa_train.generation.greedy_generate`), then one teacher-forced pass over prompt +
+    a time, left-padded: :func:`medusa_train.models.generation.greedy_generate`), then one teacher-forced pass over prompt +
     continuation, one prompt at a time and unpadded, gives every head's logits at every continuation position t (from
     the last prompt token on).
 

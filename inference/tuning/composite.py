@@ -83,7 +83,7 @@ def tune_composite(model: Any, prompts: Sequence[Sequence[int]], acc: Sequence[S
     """The composite tree's split for ``model`` on this hardware, as ``composite_tree.json`` records it.
 
     Args:
-        model: a :class:`~medusa_train.model.MedusaModel` in the dtype and on the kernels that will decode.
+        model: a :class:`~medusa_train.models.speculative.SpeculativeModel` in the dtype and on the kernels that will decode.
         prompts: the timed tuning prompts (token-id lists); none: the reference is kept undecoded.
         acc: the heads' accuracy table (``head_accuracy.json``'s ``acc``), for each budget's best heads' tree.
         reference, splits: :func:`composite_shortlist`'s.
@@ -97,7 +97,7 @@ def tune_composite(model: Any, prompts: Sequence[Sequence[int]], acc: Sequence[S
         :func:`~inference.tuning.dynamic.tune_dynamic_tree` records it (``reference``, ``timed`` rows,
         ``timed_prompts``, ``timed_new_tokens``, ``margin``).
     """
-    from inference.decoders.medusa import TreeDecoder
+    from inference.decoders.tree import TreeDecoder
     from inference.tuning.search import greedy_tree
     from inference.tuning.timed import choose, describe_choice, time_decoders
 

@@ -73,9 +73,9 @@ def time_dynamic_trees(model: Any, prompts: Sequence[Sequence[int]], shapes: Seq
 
     Raises:
         ValueError: no prompts or shapes; a shape the model's drafter cannot grow
-            (:class:`~inference.decoders.medusa.TreeDecoder`).
+            (:class:`~inference.decoders.tree.TreeDecoder`).
     """
-    from inference.decoders.medusa import TreeDecoder
+    from inference.decoders.tree import TreeDecoder
     from inference.tuning.timed import time_decoders
 
     return time_decoders({shape: TreeDecoder(model, None, dynamic_tree=shape) for shape in shapes}, prompts,
@@ -87,8 +87,8 @@ def tune_dynamic_tree(model: Any, prompts: Sequence[Sequence[int]], reference: D
     """The dynamic tree's shape for ``model`` on this hardware, as ``dynamic_tree.json`` records it.
 
     Args:
-        model: a :class:`~medusa_train.model.MedusaModel` whose drafter grows dynamic trees, in the dtype and on the
-            kernels that will decode.
+        model: a :class:`~medusa_train.models.speculative.SpeculativeModel` whose drafter grows dynamic trees, in the dtype and
+            on the kernels that will decode.
         prompts: the timed tuning prompts (token-id lists); none: the reference is kept undecoded.
         reference, shapes: :func:`dynamic_shortlist`'s.
         max_new_tokens: tokens per timed reply.

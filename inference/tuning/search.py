@@ -39,7 +39,7 @@ def check_accuracy_table(acc: Sequence[Sequence[float]], num_heads: int | None =
         raise ValueError("head accuracy table is empty: measure it with medusa-tune-tree first")
     if num_heads is not None and len(table) != num_heads:
         raise ValueError(
-            f"head accuracy table has {len(table)} heads but the export has medusa_num_heads={num_heads}: "
+            f"head accuracy table has {len(table)} heads but the export has {num_heads} heads: "
             "re-measure head_accuracy.json for these heads"
         )
     width = len(table[0])

@@ -17,7 +17,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any, TypeVar
 
 from inference.decoders.base import DecodeConfig
-from inference.decoders.medusa import TreeDecoder
+from inference.decoders.tree import TreeDecoder
 from inference.evaluation.intervals import bounds_text, ratio_interval
 from medusa_train.tree.buffers import TOPK
 
@@ -57,7 +57,7 @@ def time_trees(model: Any, prompts: Sequence[Sequence[int]], trees: dict[int, li
     """Decode every prompt greedily with every tree (:func:`time_decoders`).
 
     Args:
-        model: a :class:`~medusa_train.model.MedusaModel` in the dtype and on the kernels that will decode.
+        model: a :class:`~medusa_train.models.speculative.SpeculativeModel` in the dtype and on the kernels that will decode.
         prompts: token-id lists (non-empty).
         trees: ``{n: medusa_choices}``, n the tokens a pass (nodes + the root).
         max_new_tokens: tokens per reply; no EOS, so every tree decodes the same number of tokens.
@@ -66,7 +66,7 @@ def time_trees(model: Any, prompts: Sequence[Sequence[int]], trees: dict[int, li
         :func:`time_decoders`' table, by n.
 
     Raises:
-        ValueError: no prompts, no trees, or an invalid tree (from :class:`~inference.decoders.medusa.TreeDecoder`).
+        ValueError: no prompts, no trees, or an invalid tree (from :class:`~inference.decoders.tree.TreeDecoder`).
     """
     if not prompts or not trees:
         raise ValueError("time_trees needs at least one prompt and one tree")
@@ -83,7 +83,7 @@ def time_decoders(decoders: dict[K, Any], prompts: Sequence[Sequence[int]], max_
     reply each), and total each one's decoding passes.
 
     Args:
-        decoders: ``{key: decoder}`` (e.g. :class:`~inference.decoders.medusa.TreeDecoder` over one tree each).
+        decoders: ``{key: decoder}`` (e.g. :class:`~inference.decoders.tree.TreeDecoder` over one tree each).
         prompts: token-id lists (non-empty).
         max_new_tokens: tokens per reply; no EOS, so every decoder decodes the same number of tokens.
 

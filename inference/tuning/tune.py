@@ -13,7 +13,7 @@ from inference.tuning.latency import check_profile_runtime, measure_verification
 from inference.tuning.search import best_tree_for_latency, check_accuracy_table, expected_accept_length, greedy_tree
 from inference.tuning.timed import choose, describe_choice, shortlist, time_trees
 from inference.tuning.tune_tree_config import TuneTreeConfig
-from medusa_train.catalog import grows_dynamic_trees
+from medusa_train.models.catalog import grows_dynamic_trees
 from medusa_train.export.files import write_json
 from medusa_train.export.tree_files import (
     ACCURACY_FILE,
@@ -23,21 +23,21 @@ from medusa_train.export.tree_files import (
     LATENCY_FILE,
     read_latency_profile,
 )
-from medusa_train.generation import max_positions, pad_token_id_of
-from medusa_train.model import MedusaModel
-from medusa_train.prompts import Prompt, encode_prompt
+from medusa_train.models.generation import max_positions, pad_token_id_of
+from medusa_train.models.speculative import SpeculativeModel
+from medusa_train.chat.prompts import Prompt, encode_prompt
 
 log = logging.getLogger(__name__)
 
-def tune_tree(model: MedusaModel, tokenizer: Any, prompts: list[Prompt], cfg: TuneTreeConfig,
+def tune_tree(model: SpeculativeModel, tokenizer: Any, prompts: list[Prompt], cfg: TuneTreeConfig,
               runtime: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure, search, and write ``medusa_choices.json``, ``head_accuracy.json``, ``latency_profile.json``,
     ``composite_tree.json`` (unless ``composite=false``), and for
-    drafters that grow an EAGLE-2 dynamic tree (:func:`~medusa_train.catalog.grows_dynamic_trees`)
+    drafters that grow an EAGLE-2 dynamic tree (:func:`~medusa_train.models.catalog.grows_dynamic_trees`)
     ``dynamic_tree.json``: its shape chosen by decoding (:mod:`inference.tuning.dynamic`; no accuracy table
     needed).
 
-    The caller holds ``cfg.export_dir``'s lock (:data:`~medusa_train.run_lock.EXPORT_LOCK`), as ``medusa-tune-tree``
+    The caller holds ``cfg.export_dir``'s lock (:data:`~medusa_train.runs.run_lock.EXPORT_LOCK`), as ``medusa-tune-tree``
     does from before the model loads: nothing else writes the folder, or times trees on it, meanwhile.
 
     ``runtime``: how the model was loaded (:meth:`~medusa_train.loading.runtime.InferenceRuntime.record`: the dtype

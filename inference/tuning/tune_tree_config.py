@@ -10,19 +10,19 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from inference.tuning.latency import DEFAULT_SIZES
-from medusa_train.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
-from medusa_train.config import check_device
+from medusa_train.config.bounds import MAX_COUNT, MAX_TOKENS, bound, check_bounds
+from medusa_train.config.schema import check_device
 from medusa_train.export.files import check_export_dir
 from medusa_train.export.tree_files import read_latency_profile
 from medusa_train.loading.cpu_kernels import DEFAULT_CPU_KERNELS, check_cpu_kernels
-from medusa_train.precision import DEFAULT_DTYPE, check_dtype_name
-from medusa_train.prompts import check_prompt_set
+from medusa_train.config.precision import DEFAULT_DTYPE, check_dtype_name
+from medusa_train.chat.prompts import check_prompt_set
 from medusa_train.tree.buffers import TOPK
 
 
 @dataclass
 class PromptSetConfig:
-    """A prompt set (see :func:`medusa_train.prompts.load_prompts`)."""
+    """A prompt set (see :func:`medusa_train.chat.prompts.load_prompts`)."""
 
     source: str = "sharegpt"
     path: Optional[str] = None
@@ -202,7 +202,7 @@ def check_settings(cfg: Any) -> TuneTreeConfig:
     Raises:
         ValueError / FileNotFoundError / PermissionError: as :meth:`TuneTreeConfig.validate`.
     """
-    from medusa_train.config import as_dataclass
+    from medusa_train.config.schema import as_dataclass
 
     return as_dataclass(TuneTreeConfig, cfg)
 

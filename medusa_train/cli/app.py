@@ -25,9 +25,10 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from medusa_train.config import register_configs
-from medusa_train.paths import CONF_DIR
-from medusa_train.resolvers import register_resolvers
+from medusa_train.config.schema import register_configs
+from medusa_train.files.paths import CONF_DIR
+from medusa_train.config.renames import renamed_overrides
+from medusa_train.cli.resolvers import register_resolvers
 
 
 HYDRA_NODE = "hydra"  # the Hydra framework's own node of a composed config (not the Hydra drafter)
@@ -182,6 +183,7 @@ def hydra_app(config_name: str, example: str, register_schemas: Callable[[], Non
 
         @functools.wraps(task)
         def main() -> Any:
+            sys.argv[1:] = renamed_overrides(sys.argv[1:])  # old names keep working, warned (medusa_train.config.renames)
             register_schemas()
             cfg = _composed(config_name, sys.argv[1:])
             missing = None if cfg is None else _missing_outside_hydra(cfg)

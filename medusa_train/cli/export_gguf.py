@@ -60,13 +60,13 @@ def run(cfg: DictConfig) -> str:
         FileNotFoundError: ``export_dir`` is no such folder or no export, or has no ``speculators/``.
         LlamaCppUnavailable: llama.cpp not installed (checked after the settings and the export).
     """
-    from medusa_train.config import as_dataclass
+    from medusa_train.config.schema import as_dataclass
     from medusa_train.drafters.eagle3.gguf import export_eagle3_gguf, speculators_files
     from medusa_train.engines.llamacpp_env import converter_command
     from medusa_train.export.files import check_export_dir
     from medusa_train.export.reader import read_export_config
     from medusa_train.loading.base import engine_model_path
-    from medusa_train.loading.medusa import export_base_config
+    from medusa_train.loading.export import export_base_config
 
     ec: ExportGgufConfig = as_dataclass(ExportGgufConfig, cfg)  # outtype checked first (validate)
     check_export_dir(ec.export_dir)

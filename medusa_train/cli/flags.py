@@ -1,7 +1,7 @@
 """Command-line flags of the argparse scripts (``benchmarks/``): a refusal is one line naming the flag as typed and
 the fix, exit status 2, no traceback, before any work.
 
-A script builds a :class:`FlagParser`, states each numeric flag's range once as a :class:`~medusa_train.bounds.Bound`
+A script builds a :class:`FlagParser`, states each numeric flag's range once as a :class:`~medusa_train.config.bounds.Bound`
 (a flag that sets a config field takes that field's bound: :func:`schema_bound`), and calls :func:`check_flags`
 after parsing; errors raised later by the library in terms of config fields are turned into the flags that set them
 by :func:`as_flags`. ``tests/test_flags.py`` walks every numeric flag of every such script the way
@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import NoReturn
 
-from medusa_train.bounds import Bound, field_bound
+from medusa_train.config.bounds import Bound, field_bound
 
 
 def one_line(text: str) -> str:
@@ -33,7 +33,7 @@ class FlagParser(argparse.ArgumentParser):
 
 
 def schema_bound(schema: type, name: str) -> Bound:
-    """The :class:`~medusa_train.bounds.Bound` the config dataclass ``schema`` declares for field ``name``.
+    """The :class:`~medusa_train.config.bounds.Bound` the config dataclass ``schema`` declares for field ``name``.
 
     Raises:
         KeyError: the field has none (a flag mirroring it must not go unchecked).

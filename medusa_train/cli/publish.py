@@ -6,7 +6,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from medusa_train.cli.app import hydra_app, register_shared_schemas
-from medusa_train.config import as_dataclass
+from medusa_train.config.schema import as_dataclass
 from medusa_train.publish.publish_config import PublishConfig, register_publish_schema
 
 

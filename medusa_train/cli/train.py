@@ -63,7 +63,7 @@ def _main(cfg: DictConfig) -> None:
         logging.getLogger().setLevel(logging.WARNING)
     from hydra.core.hydra_config import HydraConfig
 
-    from medusa_train.auto_trainer import log_choice
+    from medusa_train.config.auto_trainer import log_choice
 
     log_choice(HydraConfig.get().runtime.choices.get("trainer"))
     train(cfg)

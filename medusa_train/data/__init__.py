@@ -3,8 +3,8 @@ and regenerate replies with the base model (self-distillation). Sources and lice
 
 from __future__ import annotations
 
-from medusa_train.chat import PLAIN_CHAT_TEMPLATE, resolve_chat_template
-from medusa_train.conversations import (
+from medusa_train.chat.templates import PLAIN_CHAT_TEMPLATE, resolve_chat_template
+from medusa_train.chat.conversations import (
     ROLE_MAP,
     SOURCES,
     Conversation,
@@ -25,7 +25,7 @@ from medusa_train.data.tokenize import (
     end_of_turn_ids,
     tokenize_conversation,
 )
-from medusa_train.json_stream import JsonRecordStream
+from medusa_train.files.json_stream import JsonRecordStream
 
 __all__ = [
     "IGNORE_INDEX",

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from medusa_train.data.tokenize import IGNORE_INDEX
-from medusa_train.generation import pad_token_id_of
+from medusa_train.models.generation import pad_token_id_of
 
 
 @dataclass

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from medusa_train.chat import resolve_chat_template
-from medusa_train.conversations import Conversation
+from medusa_train.chat.templates import resolve_chat_template
+from medusa_train.chat.conversations import Conversation
 from medusa_train.data.split import split_indices
 from medusa_train.data.tokenized_cache import cache_key, tokenized_once
 from medusa_train.data.tokenize import (

@@ -1,7 +1,7 @@
 """Where self-distillation's replies come from (``data.self_distill_engine``): a
 :data:`~medusa_train.data.self_distill.GenerateFn` per engine, all fed our chat template's prompt ids.
 
-- ``hf``: ``generate`` on the training model (:func:`medusa_train.generation.greedy_generate`), left-padded batches.
+- ``hf``: ``generate`` on the training model (:func:`medusa_train.models.generation.greedy_generate`), left-padded batches.
 - ``vllm``: vLLM in its own environment (:class:`medusa_train.engines.vllm_env.VllmWorker`), started here and stopped
   when self-distillation ends, which runs before the training base loads (the engines have the GPUs to themselves:
   ``data.self_distill_gpu_memory_utilization``). On a CPU one engine per rank; on GPUs one engine per group of
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from medusa_train.config import DataConfig, ModelConfig
+from medusa_train.config.schema import DataConfig, ModelConfig
 from medusa_train.data.self_distill import GenerateFn
-from medusa_train.precision import AUTO, choose_dtype
+from medusa_train.config.precision import AUTO, choose_dtype
 
 log = logging.getLogger(__name__)
 

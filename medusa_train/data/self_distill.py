@@ -7,7 +7,7 @@ actually says. For each conversation the first user turn (with the system turn, 
 the model; the records written are ShareGPT-like and :func:`load_conversations` ("json") reads them back.
 
 Work is split into blocks of :data:`BLOCK_CONVERSATIONS` conversations (fixed, not derived from the world size:
-:mod:`medusa_train.blocks`), block ``b`` written to :func:`block_path` ``{stem}.block{b:06d}{suffix}`` by rank
+:mod:`medusa_train.runs.blocks`), block ``b`` written to :func:`block_path` ``{stem}.block{b:06d}{suffix}`` by rank
 ``b % world_size``; each record is keyed by its prompt's hash (:func:`record_id`), so a run resumed on any number of
 ranks, or with a longer or reordered list, reuses every reply it has. Records are appended and flushed per batch.
 Replies in the files of earlier versions (``output_path`` itself, ``{stem}.rank{r}-of-{w}{suffix}``) are copied into
@@ -16,7 +16,7 @@ throughput of unsorted batches on CPU). The replies come from HF ``generate`` on
 engine through ``generate`` (:mod:`medusa_train.data.distill_engines`: vLLM, an OpenAI-compatible server): same
 prompts (our chat template's ids), same records, same resume.
 
-A preemption (SIGTERM, SIGUSR1: :mod:`medusa_train.preemption`) while replies are generated discards the batch being
+A preemption (SIGTERM, SIGUSR1: :mod:`medusa_train.runs.preemption`) while replies are generated discards the batch being
 generated, keeps every record written (a batch being appended is finished first) and exits with 75
 (:class:`DistillStopped`), as a training run stopped by a signal does; the rerun generates only the missing replies.
 """
@@ -36,16 +36,16 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from medusa_train.blocks import block_rows, check_block_size, check_rank, rank_blocks
-from medusa_train.chat import encode, render, resolve_chat_template
-from medusa_train.conversations import Conversation
+from medusa_train.runs.blocks import block_rows, check_block_size, check_rank, rank_blocks
+from medusa_train.chat.templates import encode, render, resolve_chat_template
+from medusa_train.chat.conversations import Conversation
 from medusa_train.data.tokenize import end_of_turn_ids
-from medusa_train.disk_space import disk_full_named
-from medusa_train.drills import EXIT_AT_DISTILL_BATCH, exit_if_drilled
-from medusa_train.generation import greedy_generate, length_batches, pad_token_id_of
-from medusa_train.json_stream import jsonl_lines
-from medusa_train.preemption import PREEMPTED_EXIT_CODE, Stopped, stop_on_signals
-from medusa_train.text_files import not_utf8, read_text
+from medusa_train.runs.disk_space import disk_full_named
+from medusa_train.runs.drills import EXIT_AT_DISTILL_BATCH, exit_if_drilled
+from medusa_train.models.generation import greedy_generate, length_batches, pad_token_id_of
+from medusa_train.files.json_stream import jsonl_lines
+from medusa_train.runs.preemption import PREEMPTED_EXIT_CODE, Stopped, stop_on_signals
+from medusa_train.files.text_files import not_utf8, read_text
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class SelfDistillStats:
 class DistillStopped(Stopped):
     """A stop signal (SIGTERM, SIGUSR1: a preemption) arrived while replies were generated: the batch being
     generated is discarded, every record written is kept (``written`` of them by this call), and the process exits
-    with :data:`~medusa_train.preemption.PREEMPTED_EXIT_CODE` (75)."""
+    with :data:`~medusa_train.runs.preemption.PREEMPTED_EXIT_CODE` (75)."""
 
     def __init__(self, signum: int, output_path: str | Path, written: int) -> None:
         super().__init__(signum)

@@ -19,8 +19,8 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
-from medusa_train.chat import encode, prompt_messages, render, resolve_chat_template
-from medusa_train.conversations import Conversation
+from medusa_train.chat.templates import encode, prompt_messages, render, resolve_chat_template
+from medusa_train.chat.conversations import Conversation
 
 IGNORE_INDEX = -100
 
@@ -137,7 +137,7 @@ def tokenize_conversation(
             raise TemplateNotPrefixStableError(
                 f"the chat template is not prefix-stable at message {i}: rendering messages[:{i}] with the "
                 "generation prompt must extend the rendering of the turns before and be extended by the reply; "
-                "set a prefix-stable chat_template (for example medusa_train.chat.PLAIN_CHAT_TEMPLATE)"
+                "set a prefix-stable chat_template (for example medusa_train.chat.templates.PLAIN_CHAT_TEMPLATE)"
             )
         header_ids = encode(tokenizer, header_text)
         full_ids = encode(tokenizer, full_text)

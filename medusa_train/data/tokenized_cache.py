@@ -21,13 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from medusa_train.atomic import fsync_dir
+from medusa_train.files.folders import publish_folder
 
 if TYPE_CHECKING:
     import datasets
@@ -58,22 +56,13 @@ def cache_key(tokenizer: Any, template: str, end_ids: set[int], max_length: int,
 
 def publish(build: Callable[[Path], None], folder: Path) -> None:
     """``build(tmp)`` writes a ``save_to_disk`` folder into a temporary sibling of ``folder``, renamed into place
-    whole; when another process published ``folder`` first, this copy is dropped (both are the same content)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        build(tmp)
-        try:
-            os.rename(tmp, folder)
-        except OSError:  # another node's writer was first (the target exists and is not empty)
-            if not (folder / COMPLETE).is_file():
-                raise
-            log.info("tokenized: %s was written by another process; keeping it", folder)
-        else:
-            fsync_dir(folder.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    whole (:func:`~medusa_train.files.folders.publish_folder`); when another process published ``folder`` first,
+    this copy is dropped (both are the same content).
+
+    Raises:
+        OSError: the rename failed and ``folder`` holds no finished dataset (no :data:`COMPLETE` file).
+    """
+    publish_folder(folder, build, published=lambda found: (found / COMPLETE).is_file())
 
 
 def tokenized_once(folder: Path, build: Callable[[Path], None], *, local_main: bool,

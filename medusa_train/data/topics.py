@@ -4,7 +4,7 @@ evaluation problem (which training must never see).
 - :func:`looks_like_code`: the first user turn shows code or asks for it (a fenced block, a definition, an import,
   a programming language named). On ShareGPT's file 3,157 of the first 16,000 usable conversations do (20%).
 - :func:`holds_problem`: whether a conversation holds one of an evaluation set's function signatures
-  (:func:`medusa_train.prompts.problem_signatures`: ``def has_close_elements(`` ...); such a conversation is left out
+  (:func:`medusa_train.chat.prompts.problem_signatures`: ``def has_close_elements(`` ...); such a conversation is left out
   of training, so a drafter is never evaluated on a problem it was trained on.
 """
 

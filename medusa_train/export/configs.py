@@ -13,25 +13,27 @@ vLLM's (``vllm/transformers_utils/configs/medusa.py``, vLLM 0.32): ``model_type 
 (``writer.py`` explains), so ``truncated_vocab_size`` is always V and a reduced head vocabulary is recorded for our
 own reader only: ``medusa_train_head_vocab_size`` here and the ``medusa_train.token_map`` tensor (vLLM ignores both).
 
-Drafter types with the ``state_dict`` layout (:mod:`medusa_train.catalog`; Hydra heads) have no engine
+Drafter types with the ``state_dict`` layout (:mod:`medusa_train.models.catalog`; Hydra heads) have no engine
 layout here. Their config.json says ``head_type`` and names the spec's own fields by the type's ``config_keys``
 (``hydra_num_heads`` / ``hydra_num_layers`` / ``hydra_combine``), never ``medusa_num_heads``, so that FasterDecoding's
-and TGI's Medusa loaders do not take the folder for theirs. A config.json without ``head_type`` holds Medusa heads
+and TGI's Medusa loaders do not take the folder for theirs; a reader checks each such key's JSON type against the
+spec field it records (:func:`field_types`), whatever the type. A config.json without ``head_type`` holds Medusa heads
 (every export written before Hydra heads existed).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
+import types
+import typing
 from typing import Any
 
 import torch
 
 from medusa_train.version import __version__
 from medusa_train.export.layouts import FASTERDECODING
-from medusa_train.catalog import MEDUSA_LAYOUT, DrafterType, type_of
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.catalog import MEDUSA_LAYOUT, DrafterType, drafter_types, type_of
+from medusa_train.models.heads_base import HeadsSpec
 
 # vllm/: vLLM's MedusaConfig (the name of vLLM's format, not of a drafter type), and the reduced head vocabulary of
 # heads written with full-vocabulary projections (ignored by vLLM).
@@ -73,7 +75,7 @@ def export_config(
     extra_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Our ``config.json``: the heads' own fields under their type's names
-    (:attr:`~medusa_train.catalog.DrafterType.config_keys`; Medusa: FasterDecoding's ``medusa_num_heads``,
+    (:attr:`~medusa_train.models.catalog.DrafterType.config_keys`; Medusa: FasterDecoding's ``medusa_num_heads``,
     ``medusa_num_layers``), ``head_type`` for every type but Medusa (FasterDecoding's layout has no such key), then the
     sizes and provenance.
 
@@ -136,14 +138,42 @@ def vllm_config(spec: HeadsSpec, dtype: torch.dtype) -> dict[str, Any]:
 
 
 # config.json fields every reader of ours relies on, and their JSON types (checked when present; bool is not an int).
+# A drafter type's own keys (DrafterType.config_keys) are checked against its spec's field types (json_kinds).
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "medusa_num_heads": (int,), "medusa_num_layers": (int,), "hidden_size": (int,), "vocab_size": (int,),
+    "hidden_size": (int,), "vocab_size": (int,),
     "head_vocab_size": (int, type(None)), "version": (int,), "share_lm_head": (bool,),
     "base_model_name_or_path": (str,), "original_base_model_name_or_path": (str,), "torch_dtype": (str,),
     "medusa_train_version": (str,), "base_model_class": (str,), "base_model_type": (str,), HEAD_TYPE_KEY: (str,),
-    "medusa_train_model": (dict,), "hydra_num_heads": (int,), "hydra_num_layers": (int,), "hydra_combine": (str,),
+    "medusa_train_model": (dict,),
 }
-_JSON_TYPE = {int: "an integer", bool: "true or false", str: "a string", dict: "an object", type(None): "null"}
+_JSON_TYPE = {int: "an integer", bool: "true or false", str: "a string", dict: "an object", type(None): "null",
+              float: "a number", list: "a list"}
+
+
+def json_kinds(annotation: Any) -> tuple[type, ...] | None:
+    """The JSON value types (as Python types ``json`` reads them) a spec field of type ``annotation`` is written as:
+    ``int`` -> ``(int,)``, ``float`` -> ``(int, float)``, ``tuple[int, ...]`` or ``list`` -> ``(list,)``,
+    ``Optional[X]`` adds ``NoneType``; None for a type that is not checked."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        parts = [json_kinds(a) for a in args]
+        return None if any(p is None for p in parts) else tuple(k for p in parts for k in p)
+    if annotation is type(None):
+        return (type(None),)
+    if annotation is float:
+        return (int, float)
+    if annotation in (int, bool, str, dict):
+        return (annotation,)
+    if annotation in (tuple, list) or origin in (tuple, list):
+        return (list,)
+    return None
+
+
+def field_types() -> dict[str, tuple[type, ...]]:
+    """Every ``config.json`` key whose type a reader checks: the shared ones and each registered type's own."""
+    own = {key: kinds for entry in drafter_types() for key, annotation in entry.config_types().items()
+           if (kinds := json_kinds(annotation)) is not None}
+    return {**_FIELD_TYPES, **own}
 
 
 def check_field_types(config: dict[str, Any], source: str) -> None:
@@ -152,7 +182,7 @@ def check_field_types(config: dict[str, Any], source: str) -> None:
     Raises:
         ValueError: ``{source}/config.json: {field} must be ..., got ...`` for the first wrong one.
     """
-    for key, kinds in _FIELD_TYPES.items():
+    for key, kinds in field_types().items():
         if key not in config:
             continue
         value = config[key]
@@ -228,21 +258,19 @@ def spec_from_medusa_config(
 
 def spec_from_config(entry: DrafterType, config: dict[str, Any], source: str) -> Any:
     """The spec of a ``state_dict``-layout export of type ``entry`` (Hydra heads, ...) from its ``config.json``: the
-    type's own fields (:attr:`~medusa_train.catalog.DrafterType.config_keys`) and the common sizes.
+    type's own fields (:attr:`~medusa_train.models.catalog.DrafterType.config_keys`) and the common sizes.
 
     Raises:
         ValueError: a field missing or of the wrong type (named), or an invalid value.
     """
-    own = {key: next(f.type for f in dataclasses.fields(entry.spec_cls) if f.name == name)
-           for name, key in entry.config_keys.items()}
-    kinds = {key: {"int": int, "str": str, "bool": bool, "float": float}.get(str(kind), object)
-             for key, kind in own.items()}
-    fields = {**kinds, **_COMMON_FIELDS}
+    kinds = {key: json_kinds(annotation) or (object,) for key, annotation in entry.config_types().items()}
+    fields = {**kinds, **{key: (kind,) for key, kind in _COMMON_FIELDS.items()}}
     missing = [k for k in fields if k not in config]
     if missing:
         raise ValueError(f"{source}/config.json (head_type {entry.name}) is missing {missing}")
     wrong = [f"{k}={config[k]!r}" for k, kind in fields.items()
-             if not isinstance(config[k], kind) or (kind is int and isinstance(config[k], bool))]
+             if kind != (object,) and (not isinstance(config[k], kind)
+                                       or (bool not in kind and isinstance(config[k], bool)))]
     head_vocab_size = config.get("head_vocab_size")
     if head_vocab_size is not None and not isinstance(head_vocab_size, int):
         wrong.append(f"head_vocab_size={head_vocab_size!r}")

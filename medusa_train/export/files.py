@@ -1,10 +1,10 @@
 """File helpers for exports: JSON, safetensors and torch files written through the one durable atomic write
-(:func:`medusa_train.atomic.atomic_write`, which also gives each file the default mode), tensor/JSON reads whose
+(:func:`medusa_train.files.atomic.atomic_write`, which also gives each file the default mode), tensor/JSON reads whose
 errors name the file, checksums.
 
 A tensor file that does not fit (a full disk, a quota, the file-size limit) fails with a
-:class:`~medusa_train.disk_space.DiskFullError` naming the file, the bytes it needs, the bytes free and the cause
-(:func:`~medusa_train.disk_space.disk_full_named`), not safetensors' ``File too large`` or torch's ``unexpected
+:class:`~medusa_train.runs.disk_space.DiskFullError` naming the file, the bytes it needs, the bytes free and the cause
+(:func:`~medusa_train.runs.disk_space.disk_full_named`), not safetensors' ``File too large`` or torch's ``unexpected
 pos``; the file's temporary sibling is removed.
 """
 
@@ -23,11 +23,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from medusa_train.atomic import atomic_write, atomic_write_text, default_mode
-from medusa_train.disk_space import disk_full_named
-from medusa_train.paths import resolve_path
-from medusa_train.safetensors_stream import TensorPlan, planned_size
-from medusa_train.text_files import read_text
+from medusa_train.files.atomic import atomic_write, atomic_write_text, default_mode
+from medusa_train.runs.disk_space import disk_full_named
+from medusa_train.files.paths import resolve_path
+from medusa_train.files.safetensors_stream import TensorPlan, planned_size
+from medusa_train.files.text_files import read_text
 
 # Errors a damaged file raises in safetensors / torch.load; re-raised as ValueError naming the file.
 _CORRUPT = (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError, UnicodeDecodeError)
@@ -43,7 +43,7 @@ def check_readable(folder: str | os.PathLike[str] | None, field: str = "export_d
     Raises:
         PermissionError: ``"{field}={folder}: {path} has no read permission for this user ({what}); ..."``, naming
             the first file or folder that cannot be read and the fix (``chmod -R a+rX``).
-        ValueError: ``folder`` is on a symlink loop (:func:`~medusa_train.paths.resolve_path`, the links named).
+        ValueError: ``folder`` is on a symlink loop (:func:`~medusa_train.files.paths.resolve_path`, the links named).
     """
     if folder is None:
         return
@@ -126,7 +126,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
     Raises:
         DiskFullError: no room for the file's bytes (its planned size named, as
-            :func:`~medusa_train.safetensors_stream.planned_size` counts them); ``path`` is left as it was.
+            :func:`~medusa_train.files.safetensors_stream.planned_size` counts them); ``path`` is left as it was.
     """
     try:
         size = planned_size([TensorPlan(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], _FORMAT_PT)

@@ -2,7 +2,7 @@
 
 :func:`replace_folder` writes ``parent/.NAME.tmp-PID`` (same file system as the folder), carries over into it the
 entries of the old folder that the writer does not own (what other commands wrote there later: a tuned tree, a model
-card, an evaluation), makes it durable, then swaps it in:
+card, an evaluation), makes it durable, then swaps it in (:func:`medusa_train.files.folders.swap_in`):
 
 - with ``renameat2(RENAME_EXCHANGE)`` (Linux 3.15+ on ext4, xfs, btrfs, tmpfs, ...) the two folders trade places in
   one step, and the old one, now at the temporary name, is deleted;
@@ -10,9 +10,9 @@ card, an evaluation), makes it durable, then swaps it in:
   A process killed between these two renames leaves no folder at NAME: the next write renames the old one back.
 
 A write that fails at any point before the swap deletes its temporary folder and leaves the old folder as it was (a
-:class:`~medusa_train.disk_space.DiskFullError` of a file of the new folder says so, after the file, the bytes it
+:class:`~medusa_train.runs.disk_space.DiskFullError` of a file of the new folder says so, after the file, the bytes it
 needs and the cause); a write killed before the swap leaves the temporary folder, which the next write deletes. The
-folder's lock (:data:`~medusa_train.run_lock.EXPORT_LOCK`) is held throughout, so no two writes, and no write and a
+folder's lock (:data:`~medusa_train.runs.run_lock.EXPORT_LOCK`) is held throughout, so no two writes, and no write and a
 ``medusa-tune-tree`` run, overlap.
 
 Entries are carried over as hard links (copies where the file system refuses links): the old folder is never
@@ -23,22 +23,18 @@ change from one folder into the other.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import os
 import shutil
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from medusa_train.atomic import fsync_dir
-from medusa_train.disk_space import DiskFullError
-from medusa_train.run_lock import EXPORT_LOCK, RunLock
+from medusa_train.files.atomic import fsync_dir
+from medusa_train.files.folders import swap_in
+from medusa_train.runs.disk_space import DiskFullError
+from medusa_train.runs.run_lock import EXPORT_LOCK, RunLock
 
 log = logging.getLogger(__name__)
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
 
 
 def replace_folder(target: str | os.PathLike[str], write: Callable[[Path], None], owned: Collection[str],
@@ -81,7 +77,7 @@ def replace_folder(target: str | os.PathLike[str], write: Callable[[Path], None]
             _sync_tree(stage)
             _carry_over(target, stage, {Path(p) for p in owned} | {Path(EXPORT_LOCK)}, Path())
             _sync_dirs(stage)
-            _swap(target, stage)
+            swap_in(target, stage)
         finally:
             shutil.rmtree(stage, ignore_errors=True)  # the new folder on failure, the old one after an exchange
     finally:
@@ -155,32 +151,6 @@ def _sync_tree(folder: Path) -> None:
 def _sync_dirs(folder: Path) -> None:
     for root, _, _ in os.walk(folder):
         fsync_dir(Path(root))
-
-
-def _swap(target: Path, stage: Path) -> None:
-    """Put ``stage`` at ``target``; the old folder ends up at ``stage``'s name (exchange) or is deleted."""
-    if not _exchange(stage, target):
-        aside = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.rename(target, aside)
-        os.rename(stage, target)
-        shutil.rmtree(aside, ignore_errors=True)
-    fsync_dir(target.parent)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically with ``renameat2(RENAME_EXCHANGE)``; False where the system cannot."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):  # not glibc 2.28+ (or not Linux)
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    renameat2.restype = ctypes.c_int
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
 
 
 __all__ = ["replace_folder"]

@@ -44,7 +44,7 @@ from medusa_train.export.writer import (
     WEIGHTS_FILE,
 )
 from medusa_train.export.tree_files import read_tree_files
-from medusa_train.catalog import (
+from medusa_train.models.catalog import (
     MEDUSA_LAYOUT,
     DrafterType,
     check_head_type,
@@ -52,8 +52,8 @@ from medusa_train.catalog import (
     expect_head_type,
     heads_from_spec,
 )
-from medusa_train.heads_base import HeadsSpec
-from medusa_train.model import DraftHeads, base_sizes, check_heads_match_base
+from medusa_train.models.heads_base import HeadsSpec
+from medusa_train.models.speculative import DraftHeads, base_sizes, check_heads_match_base
 
 
 def read_export_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -164,7 +164,7 @@ def load_heads(
       ``truncated_vocab_size < vocab_size``, projections of V rows cut to the token map); ours records a reduced
       head vocabulary as ``medusa_train_head_vocab_size`` + ``medusa_train.token_map`` beside V-row projections. ``original_lm_head``
       loads as ``share_lm_head=True``; its stored lm_head is checked against ``base_model``'s when one is given.
-    - other drafter types (``state_dict`` layout, :mod:`medusa_train.catalog`): ``config.json`` with their
+    - other drafter types (``state_dict`` layout, :mod:`medusa_train.models.catalog`): ``config.json`` with their
       ``head_type`` and the type's weights file (Hydra: ``hydra_heads.safetensors``) (+ the token map).
 
     Args:

@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from medusa_train.text_files import read_text
+from medusa_train.files.text_files import read_text
 
 CHOICES_FILE = "medusa_choices.json"
 ACCURACY_FILE = "head_accuracy.json"

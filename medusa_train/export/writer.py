@@ -24,7 +24,7 @@ its GitHub head leaves a missing one randomly initialised. The ``.safetensors`` 
 base lm_head once as ``lm_heads.0.weight`` with ``original_lm_head: true``. Both are why ``share_lm_head`` needs
 ``base_model``.
 
-Drafter types with the ``state_dict`` layout (:mod:`medusa_train.catalog`; Hydra heads) have no engine
+Drafter types with the ``state_dict`` layout (:mod:`medusa_train.models.catalog`; Hydra heads) have no engine
 layout here: their folder holds ``config.json`` (``head_type``, see :mod:`~medusa_train.export.configs`), the type's
 ``weights_file`` (the module's own parameter names; Hydra: ``hydra_heads.safetensors`` with
 ``heads.{k}.residual.weight``, ``heads.{k}.layers.{l}.weight|bias``, ``lm_head_weight [K, V', H]``) and
@@ -85,8 +85,8 @@ from medusa_train.export.configs import ENGINE_SHA256_KEY, VLLM_TOKEN_MAP, expor
 from medusa_train.export.files import sha256_files, write_json, write_safetensors, write_torch
 from medusa_train.export.folder_swap import replace_folder
 from medusa_train.export.layouts import FASTERDECODING, VLLM, check_finite, fasterdecoding_limitation, split_heads
-from medusa_train.catalog import MEDUSA_LAYOUT, drafter_types, type_of
-from medusa_train.model import DraftHeads, check_heads_match_base
+from medusa_train.models.catalog import MEDUSA_LAYOUT, drafter_types, type_of
+from medusa_train.models.speculative import DraftHeads, check_heads_match_base
 
 log = logging.getLogger(__name__)
 

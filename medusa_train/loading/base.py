@@ -12,18 +12,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from medusa_train.config import ModelConfig
+from medusa_train.config.schema import ModelConfig
+from medusa_train.files.folders import publish_folder
 from medusa_train.loading.conversion_cache import conversion_sources, converted_dir, gguf_location, llama2c_tokenizer
-from medusa_train.precision import choose_dtype, parse_dtype
+from medusa_train.config.precision import choose_dtype, parse_dtype
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +48,14 @@ def detect_format(cfg: ModelConfig) -> str:
 
 
 def _save_atomically(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
-    """Write an HF folder into a temporary sibling and rename it into place, so a killed run leaves no half folder."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not target.exists():  # a concurrent rank may have won the rename race; anything else is a real error
-            raise
+    """Write an HF folder under a temporary name and rename it into place (:func:`publish_folder`), so a killed run
+    leaves no half folder; a concurrent rank that published it first keeps its copy."""
+
+    def write(stage: Path) -> None:
+        model.save_pretrained(stage)
+        tokenizer.save_pretrained(stage)
+
+    publish_folder(target, write)
 
 
 def _load_gguf(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -184,7 +179,7 @@ def load_base_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokeni
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode on ``cfg.device`` in ``cfg.dtype`` (``auto`` resolved by
-        :func:`medusa_train.precision.choose_dtype`); the tokenizer with its
+        :func:`medusa_train.config.precision.choose_dtype`); the tokenizer with its
         chat template, and a pad token (EOS when the tokenizer has none).
 
     Raises:

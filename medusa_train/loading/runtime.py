@@ -1,7 +1,7 @@
 """Load an export for inference with the dtype and kernels decided, printed and recorded in one place.
 
 Every command that decodes (``medusa-eval``, ``medusa-tune-tree``, ``medusa-generate``) and the benchmarks load
-through :func:`load_for_inference`: it resolves ``dtype`` (:func:`medusa_train.precision.choose_dtype`) and
+through :func:`load_for_inference`: it resolves ``dtype`` (:func:`medusa_train.config.precision.choose_dtype`) and
 ``cpu_kernels`` (:func:`medusa_train.loading.cpu_kernels.choose_cpu_kernels`) for the device, refusing bad
 combinations before any weight is read, loads base and heads, converts the base's linear layers once (so every
 decoder built on it shares the kernels), prints the two decisions and returns them as :class:`InferenceRuntime` for
@@ -19,7 +19,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from medusa_train.config import ModelConfig, as_dataclass
+from medusa_train.config.schema import ModelConfig, as_dataclass
 from medusa_train.export import read_export_config
 from medusa_train.loading.base import load_base_model, resolve_device
 from medusa_train.loading.cpu_kernels import (
@@ -30,9 +30,9 @@ from medusa_train.loading.cpu_kernels import (
     check_cpu_kernels,
     choose_cpu_kernels,
 )
-from medusa_train.loading.medusa import export_base_config, load_medusa
-from medusa_train.model import MedusaModel
-from medusa_train.precision import DEFAULT_DTYPE, DtypeChoice, choose_dtype
+from medusa_train.loading.export import export_base_config, load_export
+from medusa_train.models.speculative import SpeculativeModel
+from medusa_train.config.precision import DEFAULT_DTYPE, DtypeChoice, choose_dtype
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def load_for_inference(
     cpu_kernels: str | None = DEFAULT_CPU_KERNELS,
     echo: Callable[[str], Any] | None = print,
     trust_remote_code: bool = False,
-) -> tuple[MedusaModel, PreTrainedTokenizerBase, dict[str, Any], InferenceRuntime]:
+) -> tuple[SpeculativeModel, PreTrainedTokenizerBase, dict[str, Any], InferenceRuntime]:
     """Heads and base of ``export_dir`` in the decided dtype, on the decided kernels.
 
     Args:
@@ -84,11 +84,11 @@ def load_for_inference(
         device: overrides the model config's ``device``.
         cpu_kernels: ``auto``, ``packed`` or ``none`` (None: ``auto``).
         echo: where the two decisions are printed (None: nowhere).
-        trust_remote_code: run the base model's own code (see :func:`~medusa_train.loading.medusa.load_medusa`;
+        trust_remote_code: run the base model's own code (see :func:`~medusa_train.loading.export.load_export`;
             never turned on by the export's config.json).
 
     Returns:
-        ``(MedusaModel, tokenizer, export_config, InferenceRuntime)``.
+        ``(SpeculativeModel, tokenizer, export_config, InferenceRuntime)``.
 
     Raises:
         FileNotFoundError: no export there.
@@ -97,7 +97,7 @@ def load_for_inference(
     """
     cfg = export_base_config(export_dir, read_export_config(export_dir), model, dtype, device, trust_remote_code)
     dtype_choice, kernel_choice = decide_runtime(cfg.dtype, resolve_device(cfg.device), cpu_kernels)
-    medusa, tokenizer, export_config = load_medusa(export_dir, model=model, dtype=dtype_choice.name, device=device,
+    medusa, tokenizer, export_config = load_export(export_dir, model=model, dtype=dtype_choice.name, device=device,
                                                    trust_remote_code=trust_remote_code)
     runtime = InferenceRuntime(dtype_choice, kernel_choice, apply_cpu_kernels(medusa.base, kernel_choice))
     if echo is not None:
@@ -107,7 +107,7 @@ def load_for_inference(
 
 class TargetOnly:
     """A target model without a drafter, for runs whose decoders use none (plain decoding, a draft model, prompt
-    lookup, Lookahead, the engines): what those decoders read of a :class:`~medusa_train.model.MedusaModel`.
+    lookup, Lookahead, the engines): what those decoders read of a :class:`~medusa_train.models.speculative.SpeculativeModel`.
 
     Attributes:
         base: the ``*ForCausalLM``.

@@ -3,7 +3,7 @@
 
 :func:`target_sizes` reads what the memory plan needs of the target (exact parameter counts of the whole model, its
 largest decoder layer, embeddings, lm_head, and the attention shape the KV cache follows); :func:`heads_sizes` builds
-the drafter of ``heads.*`` through the project's own classes (:mod:`medusa_train.catalog`) on ``meta`` and
+the drafter of ``heads.*`` through the project's own classes (:mod:`medusa_train.models.catalog`) on ``meta`` and
 counts its parameters. Counts are ``numel`` sums, exact; bytes follow from a dtype chosen by the caller (a meta
 tensor's own dtype is whatever the config said, not what the run loads).
 """
@@ -198,7 +198,7 @@ class HeadsSizes:
             one pass saves per token.
         passes: how often one training step runs those maps per token (an EAGLE-3 drafter's K unrolled steps; 1
             for heads that read the target's features once).
-        features: the target features it reads (:mod:`medusa_train.features` names).
+        features: the target features it reads (:mod:`medusa_train.models.features` names).
         reads_path: it reads the base's input embeddings of the path tokens.
         num_heads: K.
     """
@@ -215,13 +215,13 @@ class HeadsSizes:
 
 
 def meta_heads(heads_cfg: Any, target_config: Any, sizes: TargetSizes) -> tuple[nn.Module, Any]:
-    """The drafter ``heads_cfg`` (``heads.*``, :class:`~medusa_train.config.HeadShape`) describes for the target,
+    """The drafter ``heads_cfg`` (``heads.*``, :class:`~medusa_train.config.schema.HeadShape`) describes for the target,
     built on meta through its registered class; returns ``(module, spec)``.
 
     Raises:
         ValueError: settings the drafter refuses (from its spec, naming the field).
     """
-    from medusa_train.catalog import heads_from_spec, spec_for_config
+    from medusa_train.models.catalog import heads_from_spec, spec_for_config
 
     spec = spec_for_config(heads_cfg, target_config, sizes.hidden_size, sizes.vocab_size)
     with torch.device("meta"):
@@ -231,7 +231,7 @@ def meta_heads(heads_cfg: Any, target_config: Any, sizes: TargetSizes) -> tuple[
 
 def heads_sizes(heads_cfg: Any, target_config: Any, sizes: TargetSizes) -> HeadsSizes:
     """:class:`HeadsSizes` of the drafter of ``heads_cfg`` (see :func:`meta_heads`)."""
-    from medusa_train.catalog import type_of
+    from medusa_train.models.catalog import type_of
 
     module, spec = meta_heads(heads_cfg, target_config, sizes)
     entry = type_of(spec)

@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from medusa_train.config.schema import FROZEN_BASE, JOINT
 from medusa_train.planning.meta import HeadsSizes, TargetSizes, heads_sizes, target_sizes
 from medusa_train.planning.settings import PlanSettings
 from medusa_train.planning.stages import cache_build_stage, export_stage, self_distill_stage, training_stage
@@ -34,7 +35,7 @@ def plan_from_sizes(target: TargetSizes, heads: HeadsSizes, s: PlanSettings,
     stages = []
     if s.self_distill:
         stages.append(self_distill_stage(target, s))
-    if s.hidden_cache and s.recipe == "medusa1":
+    if s.hidden_cache and s.recipe == FROZEN_BASE:
         stages.append(cache_build_stage(target, heads, s))
     stages += [training_stage(target, heads, s), export_stage(heads, s)]
     return MemoryPlan(stages=tuple(stages), gpus=s.gpus, gpus_per_host=s.per_host, gpu_capacity=s.gpu_bytes,
@@ -110,7 +111,7 @@ def find_fix(target_config: Any, heads_cfg: Any, s: PlanSettings) -> Fix | None:
     presets = [s.zero_stage, *(z for z in FIX_PRESETS if z > s.zero_stage)]
     batches = _halvings(s.batch, 1)
     chunks = _halvings(s.loss_chunk_size, 256) if s.loss_chunk_size else [0, 2048]  # off: turning it on is a fix
-    checkpointing = [s.gradient_checkpointing] + ([True] if s.recipe == "medusa2" and not s.gradient_checkpointing
+    checkpointing = [s.gradient_checkpointing] + ([True] if s.recipe == JOINT and not s.gradient_checkpointing
                                                   else [])
 
     def attempt(gpus: int, zero: int, share: bool, batch: int, chunk: int, ckpt: bool) -> Fix:

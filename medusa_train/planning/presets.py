@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from medusa_train.config import HeadsConfig, TrainerConfig, as_dataclass
-from medusa_train.paths import CONF_DIR
+from medusa_train.config.schema import HeadsConfig, TrainerConfig, as_dataclass
+from medusa_train.files.paths import CONF_DIR
 
 
 def group_file(group: str, name: str) -> Any:

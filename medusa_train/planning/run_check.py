@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from medusa_train.config import TrainConfig
+from medusa_train.config.schema import TrainConfig
 from medusa_train.planning.settings import PlanSettings, settings_from_config
 from medusa_train.planning.terms import GIB, MemoryPlan
 
@@ -113,7 +113,7 @@ class RunPlan:
 def plan_run(cfg: TrainConfig, world_size: int) -> RunPlan | str:
     """The run's :class:`RunPlan`, or the reason it cannot be made before loading (the base's config unknown)."""
     from medusa_train.planning.plan import build_plan
-    from medusa_train.precision import choose_dtype
+    from medusa_train.config.precision import choose_dtype
 
     target_config, reason = target_config_of(cfg)
     if target_config is None:

@@ -1,5 +1,5 @@
 """What a memory plan is computed for besides the models: the machine, the run's sizes and its trainer preset
-(:class:`PlanSettings`), read from a :class:`~medusa_train.config.TrainConfig` by :func:`settings_from_config` or
+(:class:`PlanSettings`), read from a :class:`~medusa_train.config.schema.TrainConfig` by :func:`settings_from_config` or
 given by ``benchmarks/memory_plan.py``'s flags."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from medusa_train.config import TrainConfig
-from medusa_train.precision import choose_precision, parse_dtype
+from medusa_train.config.schema import FROZEN_BASE, HEADS_MODES, JOINT, TrainConfig
+from medusa_train.config.precision import choose_precision, parse_dtype
 
 # trainer.strategy / trainer presets -> the ZeRO stage the plan divides by (0: every rank holds everything)
 PRESET_STAGES = {"single": 0, "ddp": 0, "deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3}
@@ -43,7 +43,7 @@ class PlanSettings:
             ``zero_optimization.stage``).
         loss_chunk_size: rows projected onto the vocabulary at once by the loss (``trainer.loss_chunk_size``;
             0: off, every row at once).
-        recipe: ``medusa1`` (frozen base) or ``medusa2`` (joint, ``heads.mode``).
+        recipe: ``heads.mode``: ``frozen_base`` or ``joint`` (:data:`~medusa_train.config.schema.HEADS_MODES`).
         hidden_cache: train from the hidden-state cache (``hidden_cache``): the cache is built first and the
             training stage keeps only the lm_head and embeddings of the base.
         base_placement: ``replicated``, ``zero3`` or ``auto`` (``base_placement``: a frozen base's placement while
@@ -60,7 +60,7 @@ class PlanSettings:
             rest in the backward pass (``trainer.extra.gradient_checkpointing``).
         soft_targets: the heads learn the base's distribution (``heads.target=soft``): Medusa-2 then holds the
             base's logits at every position, whatever ``loss_chunk_size``.
-        head_vocab_size etc. are the heads config's (:class:`~medusa_train.config.HeadShape`), given beside these.
+        head_vocab_size etc. are the heads config's (:class:`~medusa_train.config.schema.HeadShape`), given beside these.
     """
 
     gpus: int
@@ -73,7 +73,7 @@ class PlanSettings:
     precision: str = "bf16"
     zero_stage: int = 0
     loss_chunk_size: int = 2048
-    recipe: str = "medusa1"
+    recipe: str = FROZEN_BASE
     hidden_cache: bool = True
     base_placement: str = "auto"
     self_distill: bool = False
@@ -95,8 +95,8 @@ class PlanSettings:
             raise ValueError(f"memory plan: zero_stage must be 0-3, got {self.zero_stage}")
         if self.device_kind not in ("cuda", "cpu"):
             raise ValueError(f"memory plan: device_kind must be cuda or cpu, got {self.device_kind!r}")
-        if self.recipe not in ("medusa1", "medusa2"):
-            raise ValueError(f"memory plan: recipe must be medusa1 or medusa2, got {self.recipe!r}")
+        if self.recipe not in HEADS_MODES:
+            raise ValueError(f"memory plan: recipe must be one of {HEADS_MODES} (heads.mode), got {self.recipe!r}")
         dtype_bytes(self.base_dtype, "model.dtype")
         dtype_bytes(self.precision, "trainer.precision")
 
@@ -107,7 +107,7 @@ class PlanSettings:
 
 
 def zero_stage_of(trainer: Any) -> int:
-    """The ZeRO stage of a :class:`~medusa_train.config.TrainerConfig`: 0 for ``single``/``ddp``, else the
+    """The ZeRO stage of a :class:`~medusa_train.config.schema.TrainerConfig`: 0 for ``single``/``ddp``, else the
     DeepSpeed config's ``zero_optimization.stage`` (the file read, nothing else)."""
     if trainer.strategy != "deepspeed":
         return 0
@@ -127,7 +127,7 @@ def settings_from_config(cfg: TrainConfig, gpus: int, gpu_bytes: int, gpus_per_h
     distill = cfg.data.self_distill and cfg.data.distill_engine == "vllm"
     finetune = cfg.heads.finetune
     lora_r = cfg.heads.lora.r if finetune == "lora" else (None if finetune == "full" else 0)
-    hidden_cache = cfg.hidden_cache or (cfg.heads.mode == "medusa2" and cfg.heads.stage1_hidden_cache)
+    hidden_cache = cfg.hidden_cache or (cfg.heads.mode == JOINT and cfg.heads.stage1_hidden_cache)
     return PlanSettings(
         gpus=gpus, gpu_bytes=gpu_bytes, gpus_per_host=gpus_per_host, host_bytes=host_bytes, seq=cfg.max_length,
         batch=cfg.trainer.per_device_train_batch_size, base_dtype=base_dtype or cfg.model.dtype,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from medusa_train.config.schema import JOINT
 from medusa_train.planning.meta import HeadsSizes, TargetSizes
 from medusa_train.planning.settings import PlanSettings, dtype_bytes
 from medusa_train.planning.terms import GIB, Stage, Term, term
@@ -254,7 +255,7 @@ def training_stage(target: TargetSizes, heads: HeadsSizes, s: PlanSettings) -> S
     n_feat = len(heads.features)
     gpu = [*trainable_state(heads.params, heads.largest_param, s, "heads"), *heads_step(target, heads, s)]
     choices = {}
-    if s.recipe == "medusa2":
+    if s.recipe == JOINT:
         gpu += base_weights(target, s, "zero3" if s.gpus > 1 else "replicated")
         if s.lora_r is None:
             gpu += trainable_state(target.params, target.largest_gathered, s, "base")

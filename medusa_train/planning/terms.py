@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from medusa_train.disk_space import GIB  # bytes in a GiB (torch.cuda's total_memory is usually quoted in GiB)
+from medusa_train.runs.disk_space import GIB  # bytes in a GiB (torch.cuda's total_memory is usually quoted in GiB)
 
 
 def gib(n_bytes: int | float) -> float:

@@ -22,7 +22,7 @@ from huggingface_hub import EvalResult, ModelCardData
 from medusa_train.export.base_model import BASE_DIR
 from medusa_train.export.layouts import fasterdecoding_limitation, tgi_limitation
 from medusa_train.export.writer import LEGACY_WEIGHTS_FILE, TOKEN_MAP_FILE
-from medusa_train.loading.medusa import ORIGINAL_BASE_KEY
+from medusa_train.loading.export import ORIGINAL_BASE_KEY
 from medusa_train.publish.folder import ExportContents
 from medusa_train.loading.hub import is_hub_id
 from medusa_train.publish.hub import LicenseInfo
@@ -70,7 +70,8 @@ def card_metadata(contents: ExportContents, repo_id: str | None, license_info: L
 
 
 def _eval_results(summary: dict[str, Any] | None) -> list[EvalResult]:
-    medusa = (summary or {}).get("decoders", {}).get("medusa")
+    decoders = (summary or {}).get("decoders", {})
+    medusa = decoders.get("tree", decoders.get("medusa"))  # the tree decoder's row, under its old name before
     if not isinstance(medusa, dict):
         return []
     prompts = summary.get("prompts")
@@ -301,8 +302,8 @@ def _usage(contents: ExportContents, repo: str) -> str:
     text = ("## Usage\n\n### medusa-train\n\n"
             "```python\n"
             "from inference.decoders.base import DecodeConfig\n"
-            "from inference.decoders.medusa import TreeDecoder\n"
-            "from medusa_train.prompts import encode_prompt\n\n"
+            "from inference.decoders.tree import TreeDecoder\n"
+            "from medusa_train.chat.prompts import encode_prompt\n\n"
             f'decoder = TreeDecoder.from_pretrained("{repo}")  # the heads and tree from here, the base model '
             "from base_model_name_or_path\n"
             'prompt = encode_prompt(decoder.tokenizer, [{"role": "user", "content": "Why is the sky blue?"}])\n'

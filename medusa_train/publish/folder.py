@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from medusa_train.export import BASE_DIR, load_heads, read_export_config
-from medusa_train.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, titles
+from medusa_train.models.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, titles
 from medusa_train.export.configs import export_head_type
 from medusa_train.export.reader import check_fasterdecoding_copy
 from medusa_train.export.writer import (
@@ -43,8 +43,8 @@ from medusa_train.export.writer import (
     VLLM_WEIGHTS_FILE,
     WEIGHTS_FILE,
 )
-from medusa_train.heads_base import HeadsSpec
-from medusa_train.loading.medusa import EXPORT_MODEL_KEY, ORIGINAL_BASE_KEY
+from medusa_train.models.heads_base import HeadsSpec
+from medusa_train.loading.export import EXPORT_MODEL_KEY, ORIGINAL_BASE_KEY
 from medusa_train.publish.local_paths import published_base, scrub, scrub_text
 from medusa_train.export.tree_files import ACCURACY_FILE, CHOICES_FILE, TREE_FILES, read_tree_files
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from medusa_train.config import LoggerConfig, TrainerConfig
-from medusa_train.paths import CONF_DIR, cache_dir
-from medusa_train.precision import choose_precision
+from medusa_train.config.schema import LoggerConfig, TrainerConfig
+from medusa_train.files.paths import CONF_DIR, cache_dir
+from medusa_train.config.precision import choose_precision
 from medusa_train.training.process_group import start_cpu_group, timeout_seconds
 
 

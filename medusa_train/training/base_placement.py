@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from medusa_train.config import TrainConfig
+from medusa_train.config.schema import FROZEN_BASE, JOINT, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +62,11 @@ def lockstep_problem(cfg: TrainConfig, trainer_zero3: bool) -> str | None:
         return ("data.self_distill_engine=hf generates with the training base, a different number of prompts on "
                 "each rank, which a partitioned base cannot do: use data.self_distill_engine=vllm or server (they "
                 "run before the base loads), or base_placement=replicated")
-    if cfg.heads.mode == "medusa1" and not cfg.hidden_cache:
+    if cfg.heads.mode == FROZEN_BASE and not cfg.hidden_cache:
         return ("a frozen base partitioned by ZeRO-3 runs its forwards once, into the hidden cache (the accuracy "
                 "table runs on the main process only): set hidden_cache=true, or base_placement=replicated")
-    if cfg.heads.mode == "medusa2" and not trainer_zero3:
-        return ("heads.mode=medusa2 trains the base, so its ZeRO-3 partitioning is the trainer's: use "
+    if cfg.heads.mode == JOINT and not trainer_zero3:
+        return (f"heads.mode={JOINT} trains the base, so its ZeRO-3 partitioning is the trainer's: use "
                 "trainer=deepspeed_zero3, or base_placement=replicated")
     return None
 

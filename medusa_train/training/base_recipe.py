@@ -1,6 +1,6 @@
 """The steps both training flows share (:class:`BaseRecipe`), used by
-:class:`~medusa_train.training.medusa1_recipe.Medusa1Recipe` and
-:class:`~medusa_train.training.medusa2_recipe.Medusa2Recipe`; a recipe runs ``setup`` -> ``train`` -> ``save`` ->
+:class:`~medusa_train.training.frozen_base_recipe.FrozenBaseRecipe` and
+:class:`~medusa_train.training.joint_recipe.JointRecipe`; a recipe runs ``setup`` -> ``train`` -> ``save`` ->
 ``cleanup`` (torchtune's recipe interface).
 
 Everything that can be checked without a model is checked first, on every rank, reading only: config values, the
@@ -8,7 +8,7 @@ launcher's world size against the trainer strategy, DeepSpeed batch sizes, the d
 the run cannot honour (:mod:`~medusa_train.training.base_placement`), ``output_dir`` itself
 (not empty, not a file, not someone else's folder) and whether it holds another run, or a run that ``resume=true``
 cannot continue with this config (:mod:`~medusa_train.training.run_dir`). Then the main process takes the folder's
-lock (:mod:`~medusa_train.training.run_lock`), the process group starts (through ``TrainingArguments``), the base
+lock (:mod:`~medusa_train.runs.run_lock`), the process group starts (through ``TrainingArguments``), the base
 model loads (converted once, main process first; replicated on every rank, or partitioned by ZeRO-3 as
 ``base_placement`` resolves) and the data is prepared (self-distillation sharded over ranks: by vLLM or a server
 before the base loads, so that the engines have the GPUs to themselves, its checks run on the base built on the
@@ -37,20 +37,20 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, TrainerCallback, TrainingArguments, set_seed
 
-from medusa_train.config import ModelConfig, TrainConfig, as_dataclass
+from medusa_train.config.schema import FROZEN_BASE, JOINT, ModelConfig, TrainConfig, as_dataclass, train_schema
 from medusa_train.export import save_base_model, save_export
 from medusa_train.export.files import write_json
-from medusa_train.catalog import drafter_type, heads_from_spec, is_drafter, spec_for_config, type_of
+from medusa_train.models.catalog import drafter_type, heads_from_spec, is_drafter, spec_for_config, type_of
 from medusa_train.loading.base import (
     base_weight_bytes,
     engine_model_path,
     load_base_model,
     load_tokenizer_and_config,
 )
-from medusa_train.loading.medusa import export_extra_config
-from medusa_train.heads_base import build_token_map
-from medusa_train.precision import choose_dtype, choose_precision
-from medusa_train.model import DraftHeads, base_sizes, check_supported, new_heads_for
+from medusa_train.loading.export import export_extra_config
+from medusa_train.models.heads_base import build_token_map
+from medusa_train.config.precision import choose_dtype, choose_precision
+from medusa_train.models.speculative import DraftHeads, base_sizes, check_supported, new_heads_for
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import (
     DistEnv,
@@ -75,7 +75,7 @@ from medusa_train.training.base_placement import (
     start_zero3_engine,
     zero3_inference_config,
 )
-from medusa_train.disk_space import require_free
+from medusa_train.runs.disk_space import require_free
 from medusa_train.training.callbacks import (
     DiscardOverwritten,
     Preempted,
@@ -83,7 +83,7 @@ from medusa_train.training.callbacks import (
     exit_callback_from_env,
     signal_callback_from_env,
 )
-from medusa_train.drills import check_drills
+from medusa_train.runs.drills import check_drills
 from medusa_train.training.data_prep import PreparedData, check_data_source, check_enough_data, prepare_data
 from medusa_train.training.head_accuracy import head_accuracy
 from medusa_train.training.metrics import format_table
@@ -97,9 +97,9 @@ from medusa_train.training.run_dir import (
     prepare_output_dir,
     settle_overwritten,
 )
-from medusa_train.training.run_lock import RunLock, check_token
+from medusa_train.runs.run_lock import RunLock, check_token
 from medusa_train.training.step import FrozenBase, LossSpec
-from medusa_train.training.trainer import MedusaTrainer, TrainingStopped, nonfinite_names
+from medusa_train.training.trainer import DrafterTrainer, TrainingStopped, nonfinite_names
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +116,13 @@ def resolve_config(cfg: TrainConfig | DictConfig | dict[str, Any]) -> tuple[Trai
         node = OmegaConf.structured(cfg)
     else:
         given = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
-        node = OmegaConf.merge(OmegaConf.structured(TrainConfig), given)
+        node = OmegaConf.merge(OmegaConf.structured(train_schema()), given)
     resolved = OmegaConf.to_container(node, resolve=True)
     resolved.pop("hydra", None)
     return as_dataclass(TrainConfig, resolved), resolved
 
 
-def gather_trainable_state(trainer: MedusaTrainer, keep: bool = True) -> dict[str, torch.Tensor]:
+def gather_trainable_state(trainer: DrafterTrainer, keep: bool = True) -> dict[str, torch.Tensor]:
     """Full fp32 trained weights (parameters that require grad: the heads, and Medusa-2's adapters or base) and the
     heads' persistent buffers (their state_dict's), on the CPU; names as in ``trainer.model``.
 
@@ -181,7 +181,7 @@ class BaseRecipe:
         self.extra_callbacks = list(callbacks)
         self.env = DistEnv.from_environ()
         self.paths = RunPaths(Path(self.cfg.output_dir).resolve())
-        self.trainer: MedusaTrainer | None = None
+        self.trainer: DrafterTrainer | None = None
         self.summary: dict[str, Any] = {}
         self.lock: RunLock | None = None
 
@@ -288,7 +288,7 @@ class BaseRecipe:
             self.tokenizer = tokenizer
             if not first:
                 data = self.prepare(args, base, tokenizer)
-        check_enough_data(data, cfg.heads.medusa_num_heads, cfg.trainer, self.env.world_size)
+        check_enough_data(data, cfg.heads.num_heads, cfg.trainer, self.env.world_size)
         self.data = data
         return data
 
@@ -337,7 +337,7 @@ class BaseRecipe:
         trainer_ds = getattr(args, "hf_deepspeed_config", None)
         if self.placement != ZERO3:
             return zero3_hidden_from_transformers(args)
-        if self.cfg.heads.mode == "medusa2":
+        if self.cfg.heads.mode == JOINT:
             start_deepspeed_comm()  # the Trainer's engine starts later; the partitioned load needs the world size
             return contextlib.nullcontext()
         self.base_ds_config = zero3_inference_config(choose_dtype(self.cfg.model.dtype, self.device).dtype)
@@ -359,7 +359,7 @@ class BaseRecipe:
         held, total = partition_numel(base)
         log.info("base placement zero3: rank %d holds %d of the base's %d parameters", self.env.rank, held, total)
         self.summary["base_partition"] = {"rank": self.env.rank, "held": held, "total": total}
-        if self.cfg.heads.mode == "medusa1":
+        if self.cfg.heads.mode == FROZEN_BASE:
             self.base_engine = start_zero3_engine(base, self.base_ds_config)
             replicate_output_and_input_embeddings(base)
 
@@ -380,7 +380,7 @@ class BaseRecipe:
                 counts += torch.bincount(ids[ids >= 0], minlength=vocab_size)
             token_map = build_token_map(counts, hc.head_vocab_size)
         with gathered(self.base.get_output_embeddings().weight):  # Medusa-2 under ZeRO-3: the heads copy it whole
-            return new_heads_for(self.base, hc.medusa_num_heads, hc.medusa_num_layers, hc.share_lm_head, token_map,
+            return new_heads_for(self.base, hc.num_heads, hc.num_layers, hc.share_lm_head, token_map,
                                  head_type=hc.head_type, **drafter_type(hc.head_type).spec_options(hc))
 
     def loss_spec_for(self, heads: DraftHeads) -> LossSpec:
@@ -420,7 +420,7 @@ class BaseRecipe:
                      "free space there or choose another output_dir", prefix="output_dir: ")
 
     def trainer_kwargs(self, args: TrainingArguments, train_set: Any, eval_set: Any) -> dict[str, Any]:
-        """The :class:`MedusaTrainer` arguments both flows give: datasets, collator, callbacks
+        """The :class:`DrafterTrainer` arguments both flows give: datasets, collator, callbacks
         (:class:`~medusa_train.training.callbacks.DiscardOverwritten` with ``overwrite=true``,
         :class:`~medusa_train.training.callbacks.StopOnSignal`, the caller's, then the drills' ``ExitAfterStep`` and
         ``SignalAtStep`` when their variables ask for them), loss settings, rotation."""
@@ -504,7 +504,7 @@ class BaseRecipe:
 
     def training_record(self) -> dict[str, Any]:
         """The ``training`` entry of the export's config (a flow adds its settings); ``precision`` the mixed
-        precision trained in (:meth:`~medusa_train.precision.PrecisionChoice.record`: asked for, used, why);
+        precision trained in (:meth:`~medusa_train.config.precision.PrecisionChoice.record`: asked for, used, why);
         ``memory`` holds the memory plan's peak per device and, on CUDA, ``torch.cuda.max_memory_allocated`` after
         training (bytes; None where not planned or not measured); ``data`` the data's counts
         (:meth:`PreparedData.record`: labelled tokens, skips); ``train_runtime_s`` the Trainer's seconds in this

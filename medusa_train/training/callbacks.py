@@ -2,19 +2,19 @@
 
 :class:`SealCheckpoints` makes the HF Trainer's ``checkpoint-N`` folders atomic: in ``on_save`` (fired on every rank
 right after the Trainer wrote the checkpoint) it waits for every rank, marks the checkpoint complete with the sha256 of
-each file and rotates old checkpoints (:mod:`medusa_train.training.checkpoints`). ``MedusaTrainer`` installs it as the
+each file and rotates old checkpoints (:mod:`medusa_train.training.checkpoints`). ``DrafterTrainer`` installs it as the
 first callback. :class:`DiscardOverwritten` then deletes the run that ``overwrite=true`` set aside, once the first
 checkpoint of the new run is sealed (:mod:`medusa_train.training.run_dir`).
 
 :class:`ExitAfterStep` stops the process abruptly (``os._exit``: no cleanup, no final save) once a given optimizer step
 has finished, to test that a killed run resumes to the same heads. ``medusa-train`` adds it when the environment
 variable ``MEDUSA_TRAIN_EXIT_AFTER_STEP`` holds a step number, ``N:RANK`` for one rank alone (tests and
-fault-injection drills only; every drill variable is in :mod:`medusa_train.drills`).
+fault-injection drills only; every drill variable is in :mod:`medusa_train.runs.drills`).
 
 :class:`StopOnSignal` turns SIGTERM or SIGUSR1 (SLURM's preemption and its ``--signal`` warning, ``scancel``) into a
 sealed checkpoint at the end of the current optimizer step and an exit with
-:data:`~medusa_train.preemption.PREEMPTED_EXIT_CODE`, which ``launch/slurm.sbatch`` answers with a requeue; the
-requeued run resumes from that checkpoint (what a preemption does at the other stages: :mod:`medusa_train.preemption`).
+:data:`~medusa_train.runs.preemption.PREEMPTED_EXIT_CODE`, which ``launch/slurm.sbatch`` answers with a requeue; the
+requeued run resumes from that checkpoint (what a preemption does at the other stages: :mod:`medusa_train.runs.preemption`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from medusa_train.drills import EXIT_AFTER_STEP, EXIT_CODE, SIGNAL_AT_STEP, count_and_rank
-from medusa_train.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Stopped
+from medusa_train.runs.drills import EXIT_AFTER_STEP, EXIT_CODE, SIGNAL_AT_STEP, count_and_rank
+from medusa_train.runs.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Stopped
 from medusa_train.training import checkpoints
 from medusa_train.training.process_group import ranks_max
 from medusa_train.training.run_dir import RunPaths, discard_overwritten
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 class Preempted(Stopped):
     """The run stopped on a signal after sealing a checkpoint: exit with
-    :data:`~medusa_train.preemption.PREEMPTED_EXIT_CODE` (no export)."""
+    :data:`~medusa_train.runs.preemption.PREEMPTED_EXIT_CODE` (no export)."""
 
     def __init__(self, step: int, signum: int) -> None:
         super().__init__(signum)

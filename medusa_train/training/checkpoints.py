@@ -3,7 +3,7 @@
 The Trainer writes a checkpoint as many files (weights, optimizer and scheduler states, RNG states, DeepSpeed shards
 from every rank, ``trainer_state.json``); a run killed in the middle leaves a folder that looks like a checkpoint but
 is not one. Here a checkpoint counts only once it holds :data:`COMPLETE_MARKER`, written by the main process after
-every rank finished saving (a barrier), atomically (:func:`medusa_train.atomic.atomic_write`), listing each file
+every rank finished saving (a barrier), atomically (:func:`medusa_train.files.atomic.atomic_write`), listing each file
 with its size and sha256. A folder counts as complete while its marker is present and its files keep the recorded
 sizes (cheap, on every rank); before a resume the main process also checks the sha256 of the newest checkpoints
 (:func:`remove_incomplete` with ``verify_latest``), so that a file damaged in place (same size) is caught, that
@@ -24,8 +24,8 @@ import re
 import shutil
 from pathlib import Path
 
-from medusa_train.atomic import atomic_write_text
-from medusa_train.checksums import files_sha256
+from medusa_train.files.atomic import atomic_write_text
+from medusa_train.files.checksums import files_sha256
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from medusa_train.generation import max_positions
-from medusa_train.config import DataConfig, ModelConfig, TrainerConfig
+from medusa_train.models.generation import max_positions
+from medusa_train.config.schema import DataConfig, ModelConfig, TrainerConfig
 from medusa_train.data import (
     BuildStats,
     Conversation,
@@ -35,18 +35,18 @@ from medusa_train.data import (
     resolve_data_path,
     self_distill,
 )
-from medusa_train.conversations import normalize_record
+from medusa_train.chat.conversations import normalize_record
 from medusa_train.data.distill_engines import distill_engine, engine_placement_here, request_size
 from medusa_train.data.self_distill import distill_prompt, prompt_key, read_records, record_id, written_blocks
 from medusa_train.data.topics import holds_problem, looks_like_code
 from medusa_train.data.tokenize import IGNORE_INDEX
-from medusa_train.paths import cache_dir
-from medusa_train.prompts import SHAREGPT_HELDOUT_OFFSET, problem_signatures
+from medusa_train.files.paths import cache_dir
+from medusa_train.chat.prompts import SHAREGPT_HELDOUT_OFFSET, problem_signatures
 
 log = logging.getLogger(__name__)
 
 DISTILLED_FILE = "conversations.jsonl"
-TOKENIZED_DIR = "tokenized"  # under medusa_train.paths.cache_dir(), beside the converted models
+TOKENIZED_DIR = "tokenized"  # under medusa_train.files.paths.cache_dir(), beside the converted models
 
 
 @dataclass

@@ -2,19 +2,19 @@
 
 With the base frozen (Medusa-1), its features and greedy tokens never change, so they can be computed once.
 :func:`build_hidden_cache` splits a tokenized dataset into blocks of :data:`BLOCK_ROWS` rows (fixed, not derived from
-the world size: :mod:`medusa_train.blocks`) dealt to ranks round-robin. Each block is one safetensors file
+the world size: :mod:`medusa_train.runs.blocks`) dealt to ranks round-robin. Each block is one safetensors file
 ``{split}-block-{b:06d}.safetensors`` holding its rows' target features ``[T_i, H]`` each (base dtype; exactly the
-ones the drafter reads, named as in :mod:`medusa_train.features`: the last hidden state :data:`FINAL` is stored, and
+ones the drafter reads, named as in :mod:`medusa_train.models.features`: the last hidden state :data:`FINAL` is stored, and
 batched, as ``hidden``, a layer's under its name, e.g. ``layer3``) and base argmax tokens ``[T_i]``, next to its seal
 ``{split}-block-{b:06d}.json``: the features' names, the block's rows, a fingerprint of the data and the base
 model's weights (:func:`base_weights_digest`: not its path, so a cache follows a moved checkout, and a base retrained
 or requantized in place is not mistaken for the old one), and the file's size and sha256.
 
-Memory: rows go to disk as each base forward pass makes them (:class:`~medusa_train.safetensors_stream.
+Memory: rows go to disk as each base forward pass makes them (:class:`~medusa_train.files.safetensors_stream.
 SafetensorsStream`: the header is known from the rows' lengths before the base runs, so tensors are appended one
 batch at a time and the sha256 is computed over the bytes as they go out). The builder holds one batch's features,
 whatever the data size; a file is written to a temporary sibling and renamed into place
-(:func:`medusa_train.atomic.atomic_write`), and its seal is written after it (a rebuilt block's old seal is removed
+(:func:`medusa_train.files.atomic.atomic_write`), and its seal is written after it (a rebuilt block's old seal is removed
 first), so a half-written block is never taken for a whole one.
 
 Resume: a block whose seal matches (version, data fingerprint, rows, features) and whose file still has the sealed
@@ -65,16 +65,16 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from medusa_train.atomic import atomic_write, atomic_write_text, temp_files
-from medusa_train.blocks import block_count, block_rows, check_block_size, check_rank
-from medusa_train.checksums import files_sha256
-from medusa_train.disk_space import DiskSpaceError, disk_full_named, require_free
-from medusa_train.drills import EXIT_AT_CACHE_BLOCK, exit_if_drilled
+from medusa_train.files.atomic import atomic_write, atomic_write_text, temp_files
+from medusa_train.runs.blocks import block_count, block_rows, check_block_size, check_rank
+from medusa_train.files.checksums import files_sha256
+from medusa_train.runs.disk_space import DiskSpaceError, disk_full_named, require_free
+from medusa_train.runs.drills import EXIT_AT_CACHE_BLOCK, exit_if_drilled
 from medusa_train.data.collate import Collator
-from medusa_train.features import FINAL, check_feature_layers, count_layers, feature_layer, target_features
-from medusa_train.safetensors_stream import SafetensorsStream, TensorPlan, planned_size
+from medusa_train.models.features import FINAL, check_feature_layers, count_layers, feature_layer, target_features
+from medusa_train.files.safetensors_stream import SafetensorsStream, TensorPlan, planned_size
 from medusa_train.training.base_placement import gathered
-from medusa_train.preemption import PREEMPTED_EXIT_CODE, Stopped, stop_on_signals
+from medusa_train.runs.preemption import PREEMPTED_EXIT_CODE, Stopped, stop_on_signals
 from medusa_train.training.process_group import ranks_max
 from medusa_train.training.step import FrozenBase, feature_key
 
@@ -216,7 +216,7 @@ SHA_MISMATCH = ShardProblem("damaged: its sha256 differs from the one sealed whe
 def _verify_blocks(folder: Path, names: Sequence[str]) -> dict[str, ShardProblem]:
     """The blocks among ``names`` (sealed, of their sealed size) whose file's sha256 differs from their seal's, each
     with :data:`SHA_MISMATCH`. Each file is read once, sequentially, and hashed as it is read
-    (:func:`~medusa_train.checksums.files_sha256`: several files in parallel threads); the pages read stay in the
+    (:func:`~medusa_train.files.checksums.files_sha256`: several files in parallel threads); the pages read stay in the
     page cache for the training's first reads where memory holds them. Logs the bytes and the time taken."""
     if not names:
         return {}
@@ -293,7 +293,7 @@ def remove_temp_files(folder: Path, split: str, rank: int, world_size: int) -> l
 class CacheBuildStopped(Stopped):
     """A stop signal (SIGTERM, SIGUSR1: a preemption) arrived while the cache was built: the block being written is
     discarded (its temporary file removed), every block sealed before it is kept, and the process exits with
-    :data:`~medusa_train.preemption.PREEMPTED_EXIT_CODE` (75), as a training run stopped by a signal does."""
+    :data:`~medusa_train.runs.preemption.PREEMPTED_EXIT_CODE` (75), as a training run stopped by a signal does."""
 
     def __init__(self, signum: int, split: str) -> None:
         super().__init__(signum)
@@ -380,7 +380,7 @@ def build_hidden_cache(
         batch_size: rows per base forward pass (B).
         rank, world_size: this process's share.
         device: where the base runs.
-        features: the target features to store (:mod:`medusa_train.features` names; the drafter's); a block
+        features: the target features to store (:mod:`medusa_train.models.features` names; the drafter's); a block
             written for other features is rebuilt.
         block_size: rows per block file (the same for every world size; readers must be given the same).
         verify: also check each of this rank's sealed blocks against its seal's sha256 before reusing it (reads each

@@ -6,13 +6,13 @@ train on its hidden states, with a larger learning rate for the heads and a warm
 (self-distillation: on data the model wrote itself the base loss is the KL divergence to the original model).
 
 :func:`prepare_base` turns the loaded base into what the optimizer trains: peft LoRA adapters (``lora``), every
-weight (``full``) or nothing (``frozen``). :class:`JointMedusaModel` runs the backbone once per batch and returns the
+weight (``full``) or nothing (``frozen``). :class:`JointModel` runs the backbone once per batch and returns the
 base logits and the head logits of the same hidden states; with ``with_reference`` it also returns the original
 model's logits, computed by the same module with its adapters disabled (``PeftModel.disable_adapter``) under
 ``no_grad``: no second copy of the base is held. Full fine-tuning has no such switch, so KL with ``finetune=full`` is
 refused by the config (it would need a frozen copy, doubling the base's memory).
 
-Everything runs inside :meth:`JointMedusaModel.forward`, so DeepSpeed ZeRO-3's parameter-gathering hooks see every
+Everything runs inside :meth:`JointModel.forward`, so DeepSpeed ZeRO-3's parameter-gathering hooks see every
 call (backbone, lm_head, heads). The base's chunked loss reads the lm_head's weight outside its module: where ZeRO-3
 partitions it, it is gathered for that loss's forward and backward passes
 (:func:`~medusa_train.training.base_placement.gathered`).
@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_train.catalog import ProjectFn
-from medusa_train.config import HeadsConfig
-from medusa_train.features import FINAL, target_features
-from medusa_train.model import DraftHeads
+from medusa_train.models.catalog import ProjectFn
+from medusa_train.config.schema import HeadsConfig
+from medusa_train.models.features import FINAL, target_features
+from medusa_train.models.speculative import DraftHeads
 from medusa_train.training.base_placement import gathered, is_partitioned
 from medusa_train.training.chunked_loss import chunked_argmax
 from medusa_train.training.joint_loss import base_loss_sum, chunked_base_loss_sum
@@ -160,7 +160,7 @@ def load_trainable_state(model: nn.Module, state: Mapping[str, torch.Tensor], so
 
 @dataclass(frozen=True)
 class BaseLossRequest:
-    """The base's loss computed inside :meth:`JointMedusaModel.forward`, ``chunk_size`` positions at a time, in place
+    """The base's loss computed inside :meth:`JointModel.forward`, ``chunk_size`` positions at a time, in place
     of its logits (:func:`~medusa_train.training.joint_loss.chunked_base_loss_sum`).
 
     Attributes:
@@ -178,13 +178,13 @@ class BaseLossRequest:
 
 @dataclass
 class JointOutput:
-    """One :meth:`JointMedusaModel.forward`.
+    """One :meth:`JointModel.forward`.
 
     Attributes:
         logits: ``[B, T, V]`` base logits (with gradient when the base trains), in the lm_head's dtype; None when
             the base's loss was computed in chunks (never held whole).
         head_logits: ``[K, B, T, V']`` head logits of the same hidden states, or ``[K, M, V']`` at the M
-            ``positions`` given to :meth:`JointMedusaModel.forward`; None with ``head_loss_for``.
+            ``positions`` given to :meth:`JointModel.forward`; None with ``head_loss_for``.
         reference_logits: ``[B, T, V]`` logits of the original model (adapters disabled, no gradient), or None.
         head_loss: what the heads' ``project_fn`` returned (with ``head_loss_for``: the chunked heads' loss), else
             None.
@@ -199,7 +199,7 @@ class JointOutput:
     base_loss: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-class JointMedusaModel(nn.Module):
+class JointModel(nn.Module):
     """The trainable base (``PeftModel`` or ``*ForCausalLM``) and heads of a ``joint`` type (Medusa heads), as one
     ``nn.Module``.
 
@@ -218,7 +218,7 @@ class JointMedusaModel(nn.Module):
         self.heads = heads
 
     @property
-    def spec(self):  # the heads' HeadsSpec, as on MedusaHeads (MedusaTrainer reads model.spec)
+    def spec(self):  # the heads' HeadsSpec, as on MedusaHeads (DrafterTrainer reads model.spec)
         return self.heads.spec
 
     def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict[str, Any] | None = None,

@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.nn.functional as F
 
-from medusa_train.config import BASE_LOSSES, LOSS_RAMPS
+from medusa_train.config.schema import BASE_LOSSES, LOSS_RAMPS
 from medusa_train.training.chunked_loss import chunked_linear_ce, linear_teacher
 from medusa_train.training.losses import IGNORE_INDEX
 

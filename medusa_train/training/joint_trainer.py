@@ -1,6 +1,6 @@
-"""The HF Trainer for Medusa-2: the Trainer's model is :class:`~medusa_train.training.joint.JointMedusaModel`.
+"""The HF Trainer for Medusa-2: the Trainer's model is :class:`~medusa_train.training.joint.JointModel`.
 
-What changes from :class:`~medusa_train.training.trainer.MedusaTrainer` (whose metrics, normalisation over ranks and
+What changes from :class:`~medusa_train.training.trainer.DrafterTrainer` (whose metrics, normalisation over ranks and
 accumulation steps, atomic checkpoints and rotation are kept):
 
 - ``compute_loss``: ``L_base / N + lambda_0 * s(t) * sum_k decay^k L_k / N`` (Medusa paper, arXiv:2401.10774,
@@ -20,7 +20,7 @@ accumulation steps, atomic checkpoints and rotation are kept):
 - ``save_model``: checkpoints hold the trainable weights only (:data:`TRAINABLE_FILE`, the stock
   ``model.safetensors``: adapters or the full base, and the heads); the frozen weights come back from the base model.
   The stock Trainer resumes from that file, loading it non-strictly, which
-  :meth:`~medusa_train.training.joint.JointMedusaModel.load_state_dict` turns into "every trainable weight, nothing
+  :meth:`~medusa_train.training.joint.JointModel.load_state_dict` turns into "every trainable weight, nothing
   else". Under DeepSpeed the engine's own checkpoint (written by the Trainer beside it) is what resumes.
 """
 
@@ -35,12 +35,12 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.utils import SAFE_WEIGHTS_NAME
 
-from medusa_train.config import JointSettings
+from medusa_train.config.schema import JointSettings
 from medusa_train.training.joint import BaseLossRequest, trainable_state
 from medusa_train.training.joint_loss import base_loss_sum, next_token_positions, ramp
 from medusa_train.training.losses import head_targets
 from medusa_train.training.step import BaseDistributions, HeadTargets, chunks, counted_positions
-from medusa_train.training.trainer import MedusaTrainer
+from medusa_train.training.trainer import DrafterTrainer
 
 # The Trainer's own weights file, so that its resume finds it; here it holds the trainable weights only.
 TRAINABLE_FILE = SAFE_WEIGHTS_NAME
@@ -50,7 +50,7 @@ __all__ = ["TRAINABLE_FILE", "JointSpec", "JointTrainer"]
 
 @dataclass(frozen=True)
 class JointSpec:
-    """Medusa-2 loss and optimizer settings, as :class:`~medusa_train.config.JointSettings` gives them (its
+    """Medusa-2 loss and optimizer settings, as :class:`~medusa_train.config.schema.JointSettings` gives them (its
     defaults are the only ones), with the base loss resolved.
 
     Attributes:
@@ -77,12 +77,12 @@ class JointSpec:
                    heads_lr_multiplier=settings.heads_lr_multiplier)
 
 
-class JointTrainer(MedusaTrainer):
-    """``MedusaTrainer`` for a :class:`~medusa_train.training.joint.JointMedusaModel` (Medusa-2).
+class JointTrainer(DrafterTrainer):
+    """``DrafterTrainer`` for a :class:`~medusa_train.training.joint.JointModel` (Medusa-2).
 
     Args:
         joint_spec: base loss, lambda_0, ramp and learning-rate multiplier.
-        **kwargs: :class:`MedusaTrainer` arguments (``model`` = the joint module, ``loss_spec`` for the heads,
+        **kwargs: :class:`DrafterTrainer` arguments (``model`` = the joint module, ``loss_spec`` for the heads,
             ``frozen_base`` is None).
     """
 
@@ -163,7 +163,7 @@ class JointTrainer(MedusaTrainer):
         return {f"{prefix}base_loss": round(float(sums[0] / sums[1]), 6)}
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Per-head metrics (MedusaTrainer), plus ``base_loss`` and ``medusa_weight`` on training logs."""
+        """Per-head metrics (DrafterTrainer), plus ``base_loss`` and ``medusa_weight`` on training logs."""
         if "loss" in logs:
             logs = {**logs, **self._base_summary("train"), "medusa_weight": round(self.medusa_weight(), 6)}
         super().log(logs, start_time)
@@ -200,10 +200,10 @@ class JointTrainer(MedusaTrainer):
     # ---- checkpoints ---------------------------------------------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Every rank: refuse non-finite trainable weights (as :class:`MedusaTrainer`), then write the trainable weights
-        into ``output_dir/``:data:`TRAINABLE_FILE` on the main process. Under DeepSpeed they come from the engine's
-        gathered 16-bit state (collective); ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save`` gives none,
-        and the engine checkpoint alone holds them (written here, as the stock Trainer does)."""
+        """Every rank: refuse non-finite trainable weights (as :class:`DrafterTrainer`), then write the trainable
+        weights into ``output_dir/``:data:`TRAINABLE_FILE` on the main process. Under DeepSpeed they come from the
+        engine's gathered 16-bit state (collective); ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save`` gives
+        none, and the engine checkpoint alone holds them (written here, as the stock Trainer does)."""
         self._check_finite_weights(self.model)
         output_dir = output_dir or self.args.output_dir
         gathered = None

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from medusa_train.heads_base import to_head_vocab
+from medusa_train.models.heads_base import to_head_vocab
 from medusa_train.training.chunked_loss import TeacherFn, chunked_linear_ce
 
 IGNORE_INDEX = -100
@@ -97,7 +97,7 @@ def head_targets(
     return targets.masked_fill_(~valid_mask(labels, num_heads), IGNORE_INDEX)
 
 
-def medusa_head_loss(
+def heads_loss(
     head_logits: torch.Tensor,
     labels: torch.Tensor,
     *,
@@ -167,7 +167,7 @@ def packed_head_loss(
     vocab_size: int | None = None,
     base_next: torch.Tensor | None = None,
 ) -> HeadLossOutput:
-    """:func:`medusa_head_loss` for logits computed only at the positions some head counts.
+    """:func:`heads_loss` for logits computed only at the positions some head counts.
 
     A batch of chat rows is mostly padding and prompt tokens that no head is trained on; projecting only the
     counted positions onto the head vocabulary (the bulk of the heads' compute) gives the same loss, gradient and
@@ -178,7 +178,7 @@ def packed_head_loss(
         targets: ``[K, M]`` long base ids from :func:`head_targets` at the same positions (-100: not counted).
         decay: head k's loss weight is ``decay ** k``.
         normalizer: the labelled tokens to divide by (of the batch, or of the optimizer step across ranks).
-        token_map, vocab_size: as :func:`medusa_head_loss`.
+        token_map, vocab_size: as :func:`heads_loss`.
         base_next: ``soft`` targets: ``[R, V']`` base logits (restricted to the head vocabulary) for the R counted
             rows, in the order of ``(targets != -100).nonzero()`` (head-major): row (k, m) holds the base's logits
             at position ``t_m + k + 1``, its distribution for the token at ``t_m + k + 2``. None: hard targets.

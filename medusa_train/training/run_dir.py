@@ -31,7 +31,7 @@ The rules, in the order a run meets them (all before anything in the folder is w
    ``overwrite=true`` (it is never written into, nor deleted);
 2. :func:`check_output_dir`: a folder holding a run's checkpoints or export needs ``resume=true`` (same run: only
    the keys in :data:`RESUME_MAY_CHANGE` may differ) or ``overwrite=true``;
-3. the main process takes the folder's lock (:class:`~medusa_train.training.run_lock.RunLock`), settles what a
+3. the main process takes the folder's lock (:class:`~medusa_train.runs.run_lock.RunLock`), settles what a
    killed overwrite left (:func:`settle_overwritten`, below) and checks rule 2 again under it;
 4. :func:`prepare_output_dir`, once the model and the data are ready: set an overwritten run aside (never deleted
    here), drop incomplete or damaged checkpoints, write ``train_config.yaml``.
@@ -72,10 +72,11 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from medusa_train.atomic import atomic_write_text
-from medusa_train.paths import resolve_path
+from medusa_train.files.atomic import atomic_write_text
+from medusa_train.files.paths import resolve_path
+from medusa_train.config.renames import renamed_config
 from medusa_train.training import checkpoints
-from medusa_train.training.run_lock import LOCK_FILE
+from medusa_train.runs.run_lock import LOCK_FILE
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,8 @@ def _shown(keys: list[str], saved: dict[str, Any], current: dict[str, Any]) -> s
 
 def run_record(root: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The resolved config recorded in ``root/train_config.yaml`` when it is a run record of ours (a YAML mapping
-    holding every key of :data:`RECORD_KEYS`), else None (no such file, unreadable, not YAML, or another tool's)."""
+    holding every key of :data:`RECORD_KEYS`), under today's names (:func:`~medusa_train.config.renames.renamed_config`),
+    else None (no such file, unreadable, not YAML, or another tool's)."""
     path = Path(root) / RUN_CONFIG
     if not path.is_file():
         return None
@@ -189,7 +191,7 @@ def run_record(root: str | os.PathLike[str]) -> dict[str, Any] | None:
         return None
     if not isinstance(saved, dict) or not all(key in saved for key in RECORD_KEYS):
         return None
-    return saved
+    return renamed_config(saved)  # a run recorded under old names resumes as it is
 
 
 def _found(root: Path, name: str) -> str:

@@ -2,7 +2,7 @@
 first train alone on the frozen base (Medusa-1), then base and heads train together starting from those heads, so
 that the randomly-initialised heads' large early gradients never reach the base model.
 
-Stage 1 is an ordinary Medusa-1 run in ``${output_dir}/stage1`` (its own checkpoints, resume and export), derived
+Stage 1 is an ordinary frozen-base run in ``${output_dir}/stage1`` (its own checkpoints, resume and export), derived
 from the Medusa-2 config by :func:`stage1_config`; the joint stage then reads ``${output_dir}/stage1/export``.
 """
 
@@ -12,13 +12,15 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from medusa_train.config.schema import FROZEN_BASE
+
 STAGE1_DIR = "stage1"
 
 
 def stage1_config(resolved: dict[str, Any], output_dir: Path, self_distill_dir: Path) -> dict[str, Any]:
-    """The Medusa-1 config of stage 1, from the resolved Medusa-2 config.
+    """The frozen-base config of stage 1, from the resolved joint config.
 
-    Changes: ``heads.mode=medusa1`` (stage and init settings cleared), ``hidden_cache`` from
+    Changes: ``heads.mode=frozen_base`` (stage and init settings cleared), ``hidden_cache`` from
     ``heads.stage1_hidden_cache``, ``trainer.num_train_epochs=heads.stage1_epochs`` (``max_steps`` off),
     ``trainer.learning_rate`` times ``heads.heads_lr_multiplier`` (the heads' rate of the joint stage),
     ``output_dir`` = ``output_dir``, self-distilled data shared with the joint stage (``self_distill_dir``), no vLLM
@@ -31,7 +33,7 @@ def stage1_config(resolved: dict[str, Any], output_dir: Path, self_distill_dir: 
     cfg["trainer"]["num_train_epochs"] = heads["stage1_epochs"]
     cfg["trainer"]["max_steps"] = -1
     cfg["trainer"]["learning_rate"] = cfg["trainer"]["learning_rate"] * heads["heads_lr_multiplier"]
-    heads.update(mode="medusa1", stage1_epochs=0.0, init_from=None)
+    heads.update(mode=FROZEN_BASE, stage1_epochs=0.0, init_from=None)
     cfg["data"]["self_distill_dir"] = cfg["data"].get("self_distill_dir") or str(self_distill_dir)
     cfg.update(output_dir=str(output_dir), export=True, export_vllm=False, push_to_hub=False)
     return cfg

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_train.config import TrainerConfig
-from medusa_train.catalog import ProjectFn, TargetInputs, drafter_type, shifted_path_tokens
-from medusa_train.features import FINAL, feature_layer, target_features
+from medusa_train.config.schema import TrainerConfig
+from medusa_train.models.catalog import ProjectFn, TargetInputs, drafter_type, shifted_path_tokens
+from medusa_train.models.features import FINAL, feature_layer, target_features
 from medusa_train.training.chunked_loss import TeacherFn, chunked_argmax, linear_teacher, rows_teacher
 from medusa_train.training.losses import (
     IGNORE_INDEX,
@@ -48,7 +48,7 @@ class FrozenBase:
         backbone: ``base.base_model`` (its ``last_hidden_state`` is after the final norm), or None when training from
             the hidden-state cache.
         lm_head: ``base.get_output_embeddings()``, weight ``[V, H]``; base logits are ``lm_head(hidden)`` (the model
-            wrapper refuses architectures where they are not, see ``medusa_train.model.check_supported``).
+            wrapper refuses architectures where they are not, see ``medusa_train.models.speculative.check_supported``).
         embed: ``base.get_input_embeddings()`` (Hydra heads read the path tokens through it), or None.
     """
 
@@ -86,7 +86,7 @@ class FrozenBase:
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """``input_ids [B, T]`` long -> the named target features (:mod:`medusa_train.features`) ``[B, T, H]`` each,
+        """``input_ids [B, T]`` long -> the named target features (:mod:`medusa_train.models.features`) ``[B, T, H]`` each,
         :data:`FINAL` always, in the base dtype (one backbone pass).
 
         Raises:
@@ -162,13 +162,13 @@ class LossSpec:
         vocab_size: V of the base model.
         num_heads: K.
         token_map: ``[V']`` long reduced head vocabulary, or None.
-        head_type: the heads' registered type (:mod:`medusa_train.catalog`: what they read and how their
+        head_type: the heads' registered type (:mod:`medusa_train.models.catalog`: what they read and how their
             logits are computed).
         features: the target features the heads read (``DrafterType.feature_names(spec)``): from the batch (the
             hidden cache's keys, :func:`feature_key`) or computed by the base.
         loss_chunk_size: rows (one head at one position) projected onto the vocabulary at once
             (``trainer.loss_chunk_size``; :mod:`medusa_train.training.chunked_loss`); 0: all at once, the head logits
-            ``[K, M, V']`` held (types without :attr:`~medusa_train.catalog.DrafterType.projected` always).
+            ``[K, M, V']`` held (types without :attr:`~medusa_train.models.catalog.DrafterType.projected` always).
     """
 
     target: str
@@ -195,18 +195,18 @@ def heads_on_batch(
     (:func:`~medusa_train.training.losses.packed_head_loss`): padding and prompt tokens, often half of a chat batch,
     never reach the vocabulary projection. ``soft`` targets project the base's hidden states only at the positions
     whose distributions are targets, onto the head vocabulary only. With ``spec.loss_chunk_size`` (and a type with
-    :attr:`~medusa_train.catalog.DrafterType.projected`) the heads hand their features and projection to
+    :attr:`~medusa_train.models.catalog.DrafterType.projected`) the heads hand their features and projection to
     :meth:`HeadTargets.project_fn` inside their forward, which projects ``loss_chunk_size`` rows at a time.
 
     Args:
         heads: heads of ``spec.head_type`` or their DDP/DeepSpeed wrapper, called through the type's
-            :attr:`~medusa_train.catalog.DrafterType.logits`.
+            :attr:`~medusa_train.models.catalog.DrafterType.logits`.
         base: the frozen base.
         batch: ``labels [B, T]`` and either ``input_ids [B, T]`` (+ ``attention_mask``) or the cached features
             ``spec.features`` (``hidden [B, T, H]``, ``layer<i> [B, T, H]``, :func:`feature_key`; + ``base_argmax
             [B, T]``; heads that read the path need ``input_ids [B, T]`` too, the path tokens).
         spec: loss settings.
-        normalizer: see :func:`~medusa_train.training.losses.medusa_head_loss`.
+        normalizer: see :func:`~medusa_train.training.losses.heads_loss`.
 
     Returns:
         The loss and the per-head metric sums at the M counted positions.
@@ -244,7 +244,7 @@ def heads_on_batch(
 
 def chunks(spec: LossSpec) -> bool:
     """Whether the heads' loss projects in chunks: ``spec.loss_chunk_size > 0`` and the type exposes its features
-    and projection (:attr:`~medusa_train.catalog.DrafterType.projected`)."""
+    and projection (:attr:`~medusa_train.models.catalog.DrafterType.projected`)."""
     return spec.loss_chunk_size > 0 and drafter_type(spec.head_type).projected is not None
 
 
@@ -257,7 +257,7 @@ class HeadTargets:
             (:func:`~medusa_train.training.losses.head_targets`; -100: not counted).
         b, t: ``[M]`` long, the positions' batch rows and time steps.
         spec: loss settings.
-        normalizer: the labelled tokens to divide by (see :func:`~medusa_train.training.losses.medusa_head_loss`).
+        normalizer: the labelled tokens to divide by (see :func:`~medusa_train.training.losses.heads_loss`).
         dists: the base's distributions (read only for ``soft`` targets: the base's distribution for token
             t + k + 2 is its logits at t + k + 1).
     """
@@ -284,7 +284,7 @@ class HeadTargets:
                                 token_map=spec.token_map, vocab_size=spec.vocab_size, base_next=base_next)
 
     def project_fn(self) -> ProjectFn:
-        """The same loss as a :data:`~medusa_train.catalog.ProjectFn`: ``(features [K, M, H], weight
+        """The same loss as a :data:`~medusa_train.models.catalog.ProjectFn`: ``(features [K, M, H], weight
         [V', H] or [K, V', H]) -> HeadLossOutput``, projecting ``spec.loss_chunk_size`` rows at a time
         (:func:`~medusa_train.training.losses.projected_head_loss`)."""
         spec = self.spec

@@ -3,7 +3,7 @@
 The Trainer's model is the heads alone (:class:`~medusa_train.drafters.medusa.heads.MedusaHeads` or
 :class:`~medusa_train.drafters.hydra.heads.HydraHeads`): the optimizer, DDP, DeepSpeed
 ZeRO sharding and checkpoints only ever see head parameters, and the frozen base (kept beside the Trainer, in
-:class:`~medusa_train.training.step.FrozenBase`) runs under ``no_grad`` in :meth:`MedusaTrainer.compute_loss`, or
+:class:`~medusa_train.training.step.FrozenBase`) runs under ``no_grad`` in :meth:`DrafterTrainer.compute_loss`, or
 not at all when batches come from the hidden-state cache. What changes from the stock Trainer:
 
 - ``compute_loss``: the Medusa loss (:mod:`medusa_train.training.losses`), normalised by the labelled tokens of the
@@ -55,7 +55,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return getattr(param, "ds_tensor", param)
 
 
-class MedusaTrainer(Trainer):
+class DrafterTrainer(Trainer):
     """``Trainer`` whose ``model`` is the heads; the frozen base and the loss settings are given beside it.
 
     Args:

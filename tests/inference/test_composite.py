@@ -15,7 +15,7 @@ from inference.decoders import DecodeConfig, TreeDecoder
 from inference.proposers.composite import CompositeShape, merge, priority_order
 from inference.proposers.prompt_lookup import NgramIndex
 from inference.registry import decoder_settings
-from medusa_train.catalog import head_types
+from medusa_train.models.catalog import head_types
 from medusa_train.tree.buffers import build_tree_buffers
 from medusa_train.tree.composite import CompositeTree, composite_tree
 from tests.conftest import make_tiny_model

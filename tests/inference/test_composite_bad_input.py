@@ -9,11 +9,11 @@ import json
 import pytest
 
 from inference.decoders import DecodeConfig, TreeDecoder
-import inference.decoders.medusa as medusa_module
+import inference.decoders.tree as medusa_module
 from medusa_train.drafters.medusa.vllm import speculative_config
 from medusa_train.engines.vllm_env import tuned_speculative_tokens
 from medusa_train.export import save_export
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.tree.composite import composite_tree
 from tests.conftest import VOCAB, make_tiny_model

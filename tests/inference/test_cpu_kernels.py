@@ -12,11 +12,11 @@ from inference.decoders.base import DecodeConfig
 from inference.decoders.draft import DraftDecoder
 from inference.decoders.hf_peers import HfAssistedDecoder, HfPromptLookupDecoder
 from inference.decoders.lookahead import LookaheadDecoder
-from inference.decoders.medusa import TreeDecoder
+from inference.decoders.tree import TreeDecoder
 from inference.decoders.vanilla import VanillaDecoder
 from inference.draft_loading import self_layer_draft
 from medusa_train.loading.cpu_kernels import PackedLinear, onednn_available, pack_linear_layers
-from medusa_train.model import MedusaModel, new_heads_for
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
 from tests.conftest import BF16, make_tiny_model
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -24,13 +24,13 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 PROMPTS = ([1, 5, 9, 33, 20], [1, 70], [1, 44, 12, 90, 3, 3, 61, 8, 17])
 
 
-def packed_medusa(family: str, dtype: torch.dtype) -> MedusaModel:
+def packed_medusa(family: str, dtype: torch.dtype) -> SpeculativeModel:
     base = make_tiny_model(family, initializer_range=0.3).to(dtype).requires_grad_(False)
     heads = new_heads_for(base, num_heads=2, dtype=dtype)
     with torch.no_grad():
         heads.block_weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
     pack_linear_layers(base)
-    return MedusaModel(base, heads.requires_grad_(False))
+    return SpeculativeModel(base, heads.requires_grad_(False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
@@ -58,9 +58,9 @@ def test_every_decoder_equals_plain_greedy_on_the_same_packed_kernels(family, dt
 def test_medusa_eval_packs_the_model_once_for_every_decoder(tmp_path, monkeypatch):
     import medusa_train.loading.runtime as runtime
     from inference.evaluation.eval_run import evaluate
-    from medusa_train.config import ModelConfig
+    from medusa_train.config.schema import ModelConfig
     from medusa_train.export import save_export
-    from medusa_train.loading.medusa import export_extra_config
+    from medusa_train.loading.export import export_extra_config
     from tests.conftest import make_tiny_tokenizer
     from tests.inference.test_evaluate import QUESTIONS, TREE, config
 

@@ -20,10 +20,10 @@ from inference.decoders import (
     generate,
 )
 from inference.decoders.chat import chat_prompt_ids, eos_ids
-from inference.decoders.medusa import tree_attention_mask
-from medusa_train.catalog import drafter_type, head_types
-from medusa_train.features import count_layers
-from medusa_train.model import MedusaModel, new_heads_for
+from inference.decoders.tree import tree_attention_mask
+from medusa_train.models.catalog import drafter_type, head_types
+from medusa_train.models.features import count_layers
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
 from medusa_train.tree.buffers import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
 from tests.conftest import FAMILIES, chi_square, make_tiny_model
 
@@ -34,24 +34,24 @@ SMALL_TREE = [list(p) for p in SMALL_TREE_15]  # depth 3, 16 nodes, ranks < 6
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def random_medusa(base: torch.nn.Module, num_heads: int = 3, seed: int = 0) -> MedusaModel:
+def random_medusa(base: torch.nn.Module, num_heads: int = 3, seed: int = 0) -> SpeculativeModel:
     """Heads with random residual blocks: they disagree with the base often, so many drafts are rejected."""
     heads = new_heads_for(base, num_heads)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         heads.block_weight.copy_(torch.randn(heads.block_weight.shape, generator=generator) * 0.3)
-    return MedusaModel(base, heads)
+    return SpeculativeModel(base, heads)
 
 
 def count_backbone_calls(model: torch.nn.Module) -> list[int]:
     """A list that grows by one per backbone forward pass (a forward hook; nothing is patched)."""
     calls: list[int] = []
-    backbone = model.backbone if isinstance(model, MedusaModel) else model.base_model
+    backbone = model.backbone if isinstance(model, SpeculativeModel) else model.base_model
     backbone.register_forward_hook(lambda *args: calls.append(1))
     return calls
 
 
-class LookupHeadsMedusa(MedusaModel):
+class LookupHeadsMedusa(SpeculativeModel):
     """Test-only Medusa model whose heads are perfect: head k at position t predicts ``sequence[t + k + 2]``.
 
     The position is recovered from the hidden state itself: the nearest of the hidden states the base model computes
@@ -176,7 +176,7 @@ class HostReads:
 
 
 def test_a_medusa_step_reads_the_host_once_and_the_cache_is_checked_once_per_request(monkeypatch):
-    import inference.decoders.medusa as medusa
+    import inference.decoders.tree as medusa
     import medusa_train.tree.kv_cache as kv_cache
 
     base = make_tiny_model("llama")
@@ -358,11 +358,11 @@ def test_unsupported_attention_layouts_are_refused_at_construction():
         num_key_value_heads=2, head_dim=8, final_logit_softcapping=None, sliding_window=8)
     base = transformers.AutoModelForCausalLM.from_config(hybrid, attn_implementation="eager").eval()
     with pytest.raises(NotImplementedError, match="sliding_attention"):
-        TreeDecoder(MedusaModel(base, new_heads_for(base, 2)), [[0]])
+        TreeDecoder(SpeculativeModel(base, new_heads_for(base, 2)), [[0]])
     llama = make_tiny_model("llama")
     llama.config._attn_implementation = "flash_attention_2"  # a config value, as a flash-attention load sets it
     with pytest.raises(NotImplementedError, match="flash_attention_2"):
-        TreeDecoder(MedusaModel(llama, new_heads_for(llama, 2)), [[0]])
+        TreeDecoder(SpeculativeModel(llama, new_heads_for(llama, 2)), [[0]])
 
 
 def test_sliding_window_model_within_its_window():
@@ -421,11 +421,12 @@ def test_batched_speculative_sampling_is_reproducible():
 
 # --- other acceptance rules -----------------------------------------------------------------------------------------
 
-def random_heads(head_type: str, base: torch.nn.Module, num_heads: int = 3, seed: int = 0, **options) -> MedusaModel:
+def random_heads(head_type: str, base: torch.nn.Module, num_heads: int = 3, seed: int = 0,
+                 **options) -> SpeculativeModel:
     """Random heads of any registered drafter type on ``base`` (every rule of the decoder serves every type): every
     parameter but the projections (copied from the base lm_head) perturbed by N(0, 0.3^2), so they disagree with the
     base often and many drafts are rejected. ``options``: the type's own (Hydra's ``combine``)."""
-    if "feature_layers" in drafter_type(head_type).options and "feature_layers" not in options \
+    if "feature_layers" in drafter_type(head_type).option_names and "feature_layers" not in options \
             and count_layers(base.config) < 7:  # too shallow for vLLM's default taps: the input of every layer
         options["feature_layers"] = tuple(range(3))
     heads = new_heads_for(base, num_heads, head_type=head_type, **options)
@@ -434,7 +435,7 @@ def random_heads(head_type: str, base: torch.nn.Module, num_heads: int = 3, seed
         for name, p in heads.named_parameters():
             if name != "lm_head_weight":
                 p.add_(torch.randn(p.shape, generator=generator) * 0.3)
-    return MedusaModel(base, heads)
+    return SpeculativeModel(base, heads)
 
 
 @pytest.mark.parametrize("head_type", head_types())  # every type in the drafter catalog
@@ -537,8 +538,8 @@ def test_chat_generate_fills_eos_and_text():
 
 def test_a_shallow_tree_reads_only_its_heads():
     base = make_tiny_model("llama")
-    decoder = TreeDecoder(MedusaModel(base, new_heads_for(base, num_heads=4)), [[0], [1], [0, 0]], topk=2)
+    decoder = TreeDecoder(SpeculativeModel(base, new_heads_for(base, num_heads=4)), [[0], [1], [0, 0]], topk=2)
     assert decoder.tree.num_heads == 2 and decoder.tree.max_depth == 2
     with pytest.raises(ValueError, match="exceeds num_heads=4"):
-        TreeDecoder(MedusaModel(base, new_heads_for(base, num_heads=4)), [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0],
+        TreeDecoder(SpeculativeModel(base, new_heads_for(base, num_heads=4)), [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0],
                                                                              [0, 0, 0, 0, 0]], topk=2)

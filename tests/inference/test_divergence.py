@@ -82,10 +82,10 @@ def test_divergences_are_near_ties_when_vanillas_gap_is_within_the_noise():
 def test_a_bf16_eval_explains_every_divergence(tmp_path, monkeypatch):
     from inference.evaluation.eval_run import evaluate
     from tests.inference.test_evaluate import QUESTIONS, TREE, config
-    from medusa_train.config import ModelConfig
+    from medusa_train.config.schema import ModelConfig
     from medusa_train.export import save_export
-    from medusa_train.loading.medusa import export_extra_config
-    from medusa_train.model import new_heads_for
+    from medusa_train.loading.export import export_extra_config
+    from medusa_train.models.speculative import new_heads_for
     from tests.conftest import make_tiny_tokenizer
 
     base = make_tiny_model("llama", initializer_range=0.3)
@@ -117,7 +117,7 @@ def test_a_bf16_eval_explains_every_divergence(tmp_path, monkeypatch):
     # each divergence is judged against vanilla's gap at token 3.
     from dataclasses import replace
 
-    from inference.decoders.medusa import TreeDecoder
+    from inference.decoders.tree import TreeDecoder
 
     original = TreeDecoder.generate
 

@@ -16,8 +16,8 @@ from inference.draft_loading import DraftConfig, check_draft_compatible, load_dr
 from inference.proposers import AuxBranch, DraftModelProposer, Proposal, Proposer, empty_proposal
 from inference.registry import register_decoder_schemas
 from medusa_train.cli.app import register_shared_schemas
-from medusa_train.config import ModelConfig
-from medusa_train.paths import CONF_DIR, assets_dir
+from medusa_train.config.schema import ModelConfig
+from medusa_train.files.paths import CONF_DIR, assets_dir
 from tests.conftest import chi_square, make_tiny_model, make_tiny_tokenizer
 
 register_shared_schemas()  # draft/ files hold model/ configs: the shared schemas and resolvers

@@ -9,8 +9,8 @@ import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
 from medusa_train.drafters.eagle3.proposer import Eagle3TreeDrafter
-from medusa_train.features import layer_feature
-from medusa_train.model import MedusaModel
+from medusa_train.models.features import layer_feature
+from medusa_train.models.speculative import SpeculativeModel
 from medusa_train.tree.buffers import SMALL_TREE_15, chain_choices
 from medusa_train.tree.dynamic import DynamicTree, dynamic_tree
 from tests.conftest import FAMILIES, VOCAB, make_tiny_model
@@ -22,13 +22,13 @@ DYNAMIC = (4, 3, 12)  # depth, topk, total
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def random_eagle3(base: torch.nn.Module, num_steps: int = 4, seed: int = 0) -> MedusaModel:
+def random_eagle3(base: torch.nn.Module, num_steps: int = 4, seed: int = 0) -> SpeculativeModel:
     """A random EAGLE-3 drafter (``random_heads``: the taps (0, 1, 2) of a two-layer target, vLLM's defaults on a
     deeper one)."""
     return random_heads("eagle3", base, num_steps, seed)
 
 
-def decoders(model: MedusaModel, acceptance: str = "greedy") -> dict[str, TreeDecoder]:
+def decoders(model: SpeculativeModel, acceptance: str = "greedy") -> dict[str, TreeDecoder]:
     return {"static": TreeDecoder(model, SMALL_TREE, topk=10, acceptance=acceptance),
             "dynamic": TreeDecoder(model, None, acceptance=acceptance, dynamic_tree=DYNAMIC)}
 
@@ -67,7 +67,7 @@ class Recorder:
         self.drafter.select(keep)
 
 
-def reference_chain(model: MedusaModel, sequence: list[int], last: int, depth: int) -> list[int]:
+def reference_chain(model: SpeculativeModel, sequence: list[int], last: int, depth: int) -> list[int]:
     """The drafter's top-1 chain after committed positions ``0..last`` of ``sequence`` (``sequence[last + 1]`` the
     root), by ``Eagle3Drafter.forward`` over the whole sequence, causal and without a cache: position p reads the
     fused target feature at p (the drafter's own output at drafted positions) and the embedding of token p + 1."""
@@ -181,7 +181,7 @@ def test_dynamic_tree_settings_are_checked_by_field():
 
 # --- a drafter that is always right on the true path ----------------------------------------------------------------
 
-def make_oracle(model: MedusaModel, sequences: list[list[int]]) -> None:
+def make_oracle(model: SpeculativeModel, sequences: list[list[int]]) -> None:
     """Patch the drafter's logits: at position p (a row's own, 0 at its first real token) it predicts the row's true
     token p + 2 when the token it reads (recovered from its embedding) is the true token p + 1, else a wrong token.
     The row is recovered from the batch index while the batch holds every row (the tests below finish together)."""
@@ -224,10 +224,10 @@ def test_an_always_right_drafter_accepts_the_whole_depth_every_step(kind):
 
 
 def test_decoder_setting_dynamic_tree_is_checked_before_any_model_loads():
-    from inference.registry import MedusaSettings
+    from inference.registry import TreeSettings
 
-    MedusaSettings(dynamic_tree={"depth": 5, "topk": 8, "total": 48}).validate()
+    TreeSettings(dynamic_tree={"depth": 5, "topk": 8, "total": 48}).validate()
     with pytest.raises(ValueError, match=r"dynamic_tree.total=100 exceeds"):
-        MedusaSettings(dynamic_tree={"depth": 2, "topk": 3, "total": 100}).validate()
+        TreeSettings(dynamic_tree={"depth": 2, "topk": 3, "total": 100}).validate()
     with pytest.raises(ValueError, match=r"dynamic_tree must have the keys depth, topk and total"):
-        MedusaSettings(dynamic_tree={"depth": 2, "topk": 3}).validate()
+        TreeSettings(dynamic_tree={"depth": 2, "topk": 3}).validate()

@@ -13,8 +13,8 @@ from hydra import compose, initialize_config_dir
 
 from inference.cli.evaluate import register_schemas
 from inference.evaluation.eval_folder import EvalDirError, check_eval_dir
-from medusa_train.paths import CONF_DIR
-from medusa_train.run_lock import EVAL_LOCK, LockHeldError
+from medusa_train.files.paths import CONF_DIR
+from medusa_train.runs.run_lock import EVAL_LOCK, LockHeldError
 from tests.inference.test_tune_lock import start_holder
 
 register_schemas()
@@ -123,10 +123,10 @@ def test_our_runs_and_what_hydra_wrote_are_accepted(tmp_path):
 
 def fake_run(folder: Path) -> None:
     folder.mkdir(parents=True)
-    (folder / "run.json").write_text(json.dumps({"tool": "medusa-eval", "overrides": ["decoder.medusa.topk=2"]}))
+    (folder / "run.json").write_text(json.dumps({"tool": "medusa-eval", "overrides": ["decoder.tree.topk=2"]}))
     row = {"tokens_per_second": 2.0, "speedup": 1.5, "mean_accepted_tokens": 1.7, "exact_match_vs_greedy": 1.0,
            "new_tokens": 10}
-    (folder / "summary.json").write_text(json.dumps({"decoders": {"vanilla": row, "medusa": row}, "prompts": 1}))
+    (folder / "summary.json").write_text(json.dumps({"decoders": {"vanilla": row, "tree": row}, "prompts": 1}))
 
 
 def test_a_sweep_writes_its_table_only_into_a_sweep_folder_of_its_own(tmp_path):
@@ -149,7 +149,7 @@ def test_a_sweep_writes_its_table_only_into_a_sweep_folder_of_its_own(tmp_path):
     assert (mine / "sweep.md").read_text() == "my table\n" and not (mine / "sweep.jsonl").exists()
     new = tmp_path / "new"
     sweep(new)
-    assert "| 0 | medusa | 1.50x |" in (new / "sweep.md").read_text()
+    assert "| 0 | tree | 1.50x |" in (new / "sweep.md").read_text()
     fake_run(new / "1")  # a rerun of the sweep into its own folder replaces its table
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(new)}}})
     callback = SweepTableCallback()

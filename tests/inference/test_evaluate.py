@@ -12,18 +12,18 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from inference.cli.evaluate import register_schemas
-from inference.decoders.medusa import TreeDecoder
+from inference.decoders.tree import TreeDecoder
 from inference.decoders.vanilla import VanillaDecoder
 from inference.evaluation.eval_run import evaluate
 from inference.evaluation.results import read_rows
 from inference.evaluation.sweep import concerns, find_runs, sweep_candidates, sweep_markdown, write_sweep
 from inference.registry import REGISTRY, decoder_settings, default_decoder_names
-from medusa_train.config import ModelConfig
+from medusa_train.config.schema import ModelConfig
 from medusa_train.export import save_export
-from medusa_train.loading.medusa import export_extra_config
-from medusa_train.model import new_heads_for
-from medusa_train.paths import CONF_DIR
-from medusa_train.prompts import encode_prompt
+from medusa_train.loading.export import export_extra_config
+from medusa_train.models.speculative import new_heads_for
+from medusa_train.files.paths import CONF_DIR
+from medusa_train.chat.prompts import encode_prompt
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 register_schemas()  # what conf/evaluate.yaml composes from
@@ -74,7 +74,7 @@ def prompts(tmp_path) -> Path:
 def config(export: Path, prompts: Path, out: Path, *extra: str):
     # float32 unless a test asks otherwise: dtype=auto would be bf16 on some CPUs and fp32 on others
     dtype = [] if any(e.startswith("dtype=") for e in extra) else ["dtype=float32"]
-    overrides = [f"export_dir={export}", f"prompts={prompts}", f"output_dir={out}", "decoders=[vanilla,medusa]",
+    overrides = [f"export_dir={export}", f"prompts={prompts}", f"output_dir={out}", "decoders=[vanilla,tree]",
                  "max_new_tokens=10", "progress=false", "warmup=0", "plots=false", "threads=1", *dtype, *extra]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return compose("evaluate", overrides=overrides)
@@ -84,7 +84,7 @@ class CallCounter:
     """Counts ``generate`` calls per decoder class, optionally raising on the n-th call of one (a killed run)."""
 
     def __init__(self, monkeypatch, fail_class=None, fail_on: int = 0) -> None:
-        self.calls = {"vanilla": 0, "medusa": 0}
+        self.calls = {"vanilla": 0, "tree": 0}
         for cls in (VanillaDecoder, TreeDecoder):
             original = cls.generate
 
@@ -101,9 +101,9 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
     out = tmp_path / "run"
     summary = evaluate(config(export, prompts, out, "warmup=1", "plots=true"))
     rows = read_rows(out / "results.jsonl")
-    # 3 prompts x 2 turns x 2 decoders, interleaved: each prompt turn runs vanilla then medusa
+    # 3 prompts x 2 turns x 2 decoders, interleaved: each prompt turn runs vanilla then tree
     assert [(r["prompt_id"], r["turn"], r["decoder"]) for r in rows] == [
-        (str(q["question_id"]), t, d) for q in QUESTIONS for t in (1, 2) for d in ("vanilla", "medusa")]
+        (str(q["question_id"]), t, d) for q in QUESTIONS for t in (1, 2) for d in ("vanilla", "tree")]
     assert json.loads((out / "summary.json").read_text()) == summary
     # summarize()'s fields, then how the run chose its dtype and kernels, why replies left vanilla's (none here) and
     # what to deploy
@@ -111,7 +111,7 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
                             "cpu_kernels", "divergences", "recommendation", "load_average"}
     assert all(len(summary["load_average"][k]) == 3 for k in ("before", "after"))
     assert summary["prompts"] == 3 and summary["max_new_tokens"] == 10 and summary["dtype"] == "float32"
-    assert list(summary["decoders"]) == ["vanilla", "medusa"]
+    assert list(summary["decoders"]) == ["vanilla", "tree"]
     tps = {}
     for name, metrics in summary["decoders"].items():
         mine = [r for r in rows if r["decoder"] == name]
@@ -131,7 +131,7 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
         assert interval["turns"] == 6 and interval["estimate"] == pytest.approx(metrics["speedup"])
         assert interval["low"] <= metrics["speedup"] <= interval["high"]
         assert interval["separated"] == (interval["low"] > 1 or interval["high"] < 1)
-    vanilla, medusa = summary["decoders"]["vanilla"], summary["decoders"]["medusa"]
+    vanilla, tree = summary["decoders"]["vanilla"], summary["decoders"]["tree"]
     assert vanilla["speedup_interval"]["low"] == vanilla["speedup_interval"]["high"] == 1.0
     chosen = summary["recommendation"]["overall"]  # the faster of the two, the other its runner-up
     fastest = max(tps, key=tps.get)
@@ -141,9 +141,9 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
     assert f"deploy **{fastest}**" in (out / "summary.md").read_text()
     assert vanilla["mean_accepted_tokens"] == 1.0 and vanilla["speedup"] == 1.0
     # greedy Medusa is lossless: the same tokens as vanilla on every prompt turn
-    assert vanilla["exact_match_vs_greedy"] == 1.0 and medusa["exact_match_vs_greedy"] == 1.0
-    assert medusa["new_tokens"] == vanilla["new_tokens"]
-    assert medusa["mean_accepted_tokens"] > 1.0  # some drafts accepted: fewer passes than tokens
+    assert vanilla["exact_match_vs_greedy"] == 1.0 and tree["exact_match_vs_greedy"] == 1.0
+    assert tree["new_tokens"] == vanilla["new_tokens"]
+    assert tree["mean_accepted_tokens"] > 1.0  # some drafts accepted: fewer passes than tokens
 
     # turn 2 follows vanilla's own first answer, the same prompt for both decoders
     tokenizer = make_tiny_tokenizer()
@@ -156,14 +156,14 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
         assert [r["prompt_tokens"] for r in second] == [len(encode_prompt(tokenizer, messages))] * 2
 
     md = (out / "summary.md").read_text()
-    assert "## overall" in md and "## math" in md and "## writing" in md and "| medusa |" in md
+    assert "## overall" in md and "## math" in md and "## writing" in md and "| tree |" in md
     details = json.loads((out / "summary_details.json").read_text())
     assert details["by_category"]["overall"] == summary["decoders"]
-    math_rows = [r for r in rows if r["category"] == "math" and r["decoder"] == "medusa"]
-    assert details["by_category"]["math"]["medusa"]["new_tokens"] == sum(r["new_tokens"] for r in math_rows)
+    math_rows = [r for r in rows if r["category"] == "math" and r["decoder"] == "tree"]
+    assert details["by_category"]["math"]["tree"]["new_tokens"] == sum(r["new_tokens"] for r in math_rows)
     histogram = details["accepted_length_histogram"]
     assert histogram["vanilla"] == {"1": sum(r["forward_passes"] for r in rows if r["decoder"] == "vanilla")}
-    assert sum(int(k) * v for k, v in histogram["medusa"].items()) == medusa["new_tokens"] - 6
+    assert sum(int(k) * v for k, v in histogram["tree"].items()) == tree["new_tokens"] - 6
     for png in ("speedup_by_category.png", "accepted_lengths.png", "head_accuracy.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -171,14 +171,14 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
     env = run["environment"]
     assert env["dtype"] == "float32" and env["device"].startswith("cpu") and env["torch_threads"] == 1
     assert env["versions"]["torch"] == torch.__version__ and env["versions"]["transformers"]
-    assert run["config"]["max_new_tokens"] == 10 and run["config"]["decoder"]["medusa"]["topk"] == 10
-    assert run["decoders"]["medusa"]["medusa_choices"] == TREE
-    assert run["decoders"]["medusa"]["tree_source"] == "export medusa_choices.json"
+    assert run["config"]["max_new_tokens"] == 10 and run["config"]["decoder"]["tree"]["topk"] == 10
+    assert run["decoders"]["tree"]["medusa_choices"] == TREE
+    assert run["decoders"]["tree"]["tree_source"] == "export medusa_choices.json"
 
 
 def test_every_decoder_runs_and_the_lossless_ones_match_vanilla(export, prompts, tmp_path):
     out = tmp_path / "all"
-    cfg = config(export, prompts, out, "decoders=[medusa,composite,draft,lookahead,hf_assisted,hf_prompt_lookup]",
+    cfg = config(export, prompts, out, "decoders=[tree,composite,draft,lookahead,hf_assisted,hf_prompt_lookup]",
                  "num_prompts=2", "decoder.draft.num_layers=1", "decoder.hf_assisted.num_layers=1")
     summary = evaluate(cfg)
     assert list(summary["decoders"]) == list(default_decoder_names())  # vanilla added first, then the order asked for
@@ -227,10 +227,10 @@ def test_interrupted_run_resumes_without_redoing_rows(export, prompts, tmp_path,
     killed = CallCounter(monkeypatch, fail_class=TreeDecoder, fail_on=3)
     with pytest.raises(KeyboardInterrupt):
         evaluate(cfg)
-    assert killed.calls == {"vanilla": 3, "medusa": 3}
+    assert killed.calls == {"vanilla": 3, "tree": 3}
     before = read_rows(out / "results.jsonl")
     assert [(r["prompt_id"], r["turn"], r["decoder"]) for r in before] == [
-        ("81", 1, "vanilla"), ("81", 1, "medusa"), ("81", 2, "vanilla"), ("81", 2, "medusa"), ("82", 1, "vanilla")]
+        ("81", 1, "vanilla"), ("81", 1, "tree"), ("81", 2, "vanilla"), ("81", 2, "tree"), ("82", 1, "vanilla")]
     # the process died while writing the next row: a cut last line is dropped and that row measured again
     with open(out / "results.jsonl", "a") as f:
         f.write('{"prompt_id": "82", "turn": 1, "decoder": "med')
@@ -238,17 +238,17 @@ def test_interrupted_run_resumes_without_redoing_rows(export, prompts, tmp_path,
     monkeypatch.undo()
     resumed = CallCounter(monkeypatch)
     evaluate(config(export, prompts, out, "warmup=1"))  # warm-up is not a result setting
-    # 12 rows in all, 5 kept: vanilla 6 - 3 + 1 warm-up, medusa 6 - 2 + 1 warm-up
-    assert resumed.calls == {"vanilla": 4, "medusa": 5}
+    # 12 rows in all, 5 kept: vanilla 6 - 3 + 1 warm-up, tree 6 - 2 + 1 warm-up
+    assert resumed.calls == {"vanilla": 4, "tree": 5}
     after = read_rows(out / "results.jsonl")
     assert len(after) == 12 and after[:5] == before
     assert len({(r["prompt_id"], r["turn"], r["decoder"]) for r in after}) == 12
-    assert json.loads((out / "summary.json").read_text())["decoders"]["medusa"]["exact_match_vs_greedy"] == 1.0
+    assert json.loads((out / "summary.json").read_text())["decoders"]["tree"]["exact_match_vs_greedy"] == 1.0
 
     monkeypatch.undo()
     finished = CallCounter(monkeypatch)
     evaluate(cfg)
-    assert finished.calls == {"vanilla": 0, "medusa": 0}  # nothing left to do, no warm-up either
+    assert finished.calls == {"vanilla": 0, "tree": 0}  # nothing left to do, no warm-up either
     assert read_rows(out / "results.jsonl") == after
 
 
@@ -260,7 +260,7 @@ def test_more_prompts_extend_a_run_other_settings_are_refused(export, prompts, t
     counter = CallCounter(monkeypatch)
     summary = evaluate(config(export, prompts, out, "num_prompts=2"))
     # kept: prompt 81 turn 1; measured: 81 turn 2, 82 turns 1 and 2, by both decoders
-    assert counter.calls == {"vanilla": 3, "medusa": 3}
+    assert counter.calls == {"vanilla": 3, "tree": 3}
     rows = read_rows(out / "results.jsonl")
     assert rows[:2] == first and len(rows) == 8 and summary["prompts"] == 2
     vanilla_rows = [r for r in rows if r["decoder"] == "vanilla"]
@@ -268,12 +268,12 @@ def test_more_prompts_extend_a_run_other_settings_are_refused(export, prompts, t
 
     with pytest.raises(ValueError, match=r"max_new_tokens: 10 -> 8.*overwrite=true"):
         evaluate(config(tmp_path / "nowhere", prompts, out, "max_new_tokens=8"))
-    with pytest.raises(ValueError, match=r"decoders: \['vanilla', 'medusa'\] -> \['vanilla', 'lookahead'\]"):
+    with pytest.raises(ValueError, match=r"decoders: \['vanilla', 'tree'\] -> \['vanilla', 'lookahead'\]"):
         evaluate(config(tmp_path / "nowhere", prompts, out, "decoders=[vanilla,lookahead]"))
     monkeypatch.undo()
     counter = CallCounter(monkeypatch)
     evaluate(config(export, prompts, out, "num_prompts=1", "max_turns=1", "max_new_tokens=8", "overwrite=true"))
-    assert counter.calls == {"vanilla": 1, "medusa": 1}
+    assert counter.calls == {"vanilla": 1, "tree": 1}
     rows = read_rows(out / "results.jsonl")
     assert len(rows) == 2 and all(r["new_tokens"] == 8 for r in rows)
 
@@ -287,7 +287,7 @@ def test_more_prompts_extend_a_run_other_settings_are_refused(export, prompts, t
 def test_prompt_subsets(prompts, tmp_path, extra, ids):
     from inference.evaluation.eval_config import EvaluateConfig
     from inference.evaluation.eval_run import load_eval_prompts
-    from medusa_train.config import as_dataclass
+    from medusa_train.config.schema import as_dataclass
 
     ec = as_dataclass(EvaluateConfig, config(tmp_path, prompts, tmp_path, *extra))
     assert [p.id for p in load_eval_prompts(ec)] == ids
@@ -303,8 +303,8 @@ def test_malformed_prompt_file_names_its_line_before_loading(prompts, tmp_path):
 
 
 @pytest.mark.parametrize("decoders, match", [
-    ("[vanilla,bogus]", r"unknown decoder name\(s\) \['bogus'\]; valid: vanilla, medusa"),
-    ("[medusa,medusa]", r"lists \['medusa'\] more than once"),
+    ("[vanilla,bogus]", r"unknown decoder name\(s\) \['bogus'\]; valid: vanilla, tree"),
+    ("[tree,tree]", r"lists \['tree'\] more than once"),
 ])
 def test_bad_decoder_names_are_refused_before_loading(prompts, tmp_path, decoders, match):
     with pytest.raises(ValueError, match=match):
@@ -313,17 +313,17 @@ def test_bad_decoder_names_are_refused_before_loading(prompts, tmp_path, decoder
 
 
 def test_bad_decoder_setting_names_the_decoder(prompts, tmp_path):
-    with pytest.raises(ValueError, match=r"decoder\.medusa: acceptance must be one of"):
-        evaluate(config(tmp_path / "no_export", prompts, tmp_path / "out", "decoder.medusa.acceptance=best"))
-    with pytest.raises(ValueError, match=r"decoder\.medusa: .*bogus"):
-        decoder_settings("medusa", {"bogus": 1})
+    with pytest.raises(ValueError, match=r"decoder\.tree: acceptance must be one of"):
+        evaluate(config(tmp_path / "no_export", prompts, tmp_path / "out", "decoder.tree.acceptance=best"))
+    with pytest.raises(ValueError, match=r"decoder\.tree: .*bogus"):
+        decoder_settings("tree", {"bogus": 1})
 
 
 @pytest.mark.parametrize("extra, match", [
     (["decoder.draft.kind=model"], r"decoder\.draft: .*needs draft\.model"),
     (["temperature=0.7"], r"decoder 'lookahead' decodes greedily only"),
-    (["temperature=0.7", "decoders=[medusa]", "decoder.medusa.acceptance=greedy"],
-     r"decoder\.medusa\.acceptance=greedy needs temperature=0"),
+    (["temperature=0.7", "decoders=[tree]", "decoder.tree.acceptance=greedy"],
+     r"decoder\.tree\.acceptance=greedy needs temperature=0"),
 ])
 def test_decoders_that_cannot_run_are_named_before_loading(prompts, tmp_path, extra, match):
     with pytest.raises(ValueError, match=match):
@@ -343,8 +343,9 @@ def test_decoder_yaml_files_hold_the_schema_defaults(tmp_path):
         cfg = compose("evaluate", overrides=["export_dir=x", f"output_dir={tmp_path}"])
     assert sorted(cfg.decoder) == sorted(REGISTRY) and list(cfg.decoders) == list(default_decoder_names())
     assert sorted(set(REGISTRY) - set(cfg.decoders)) == ["llamacpp", "llamacpp_draft", "llamacpp_eagle3",
-                                                         "llamacpp_ngram", "vllm", "vllm_draft", "vllm_eagle3",
-                                                         "vllm_medusa", "vllm_ngram"]  # run only when listed
+                                                         "llamacpp_ngram", "medusa", "vllm", "vllm_draft",
+                                                         "vllm_eagle3", "vllm_medusa", "vllm_ngram"]  # when listed
+    # medusa: tree's old name (medusa_train.config.renames)
     for name, entry in REGISTRY.items():
         assert OmegaConf.to_object(cfg.decoder[name]) == entry.settings(), name
     from inference.evaluation.eval_config import EvaluateConfig
@@ -359,30 +360,30 @@ def test_sweep_combines_runs_into_one_table(export, prompts, tmp_path):
     for topk in (2, 4):
         out = tmp_path / "sweep" / str(topk // 2 - 1)
         summaries[topk] = evaluate(config(export, prompts, out, "num_prompts=1", "max_turns=1",
-                                          f"decoder.medusa.topk={topk}"),
-                                   overrides=["max_turns=1", f"decoder.medusa.topk={topk}"])
+                                          f"decoder.tree.topk={topk}"),
+                                   overrides=["max_turns=1", f"decoder.tree.topk={topk}"])
     runs = find_runs([tmp_path / "sweep"])
     assert [r.name for r in runs] == ["0", "1"]
     path, rows = write_sweep(tmp_path / "sweep", runs)
-    assert [(r["decoder"], r["overrides"]["decoder.medusa.topk"]) for r in rows] == [("medusa", "2"), ("medusa", "4")]
+    assert [(r["decoder"], r["overrides"]["decoder.tree.topk"]) for r in rows] == [("tree", "2"), ("tree", "4")]
     for row, topk in zip(rows, (2, 4)):
-        medusa = summaries[topk]["decoders"]["medusa"]
-        assert row["speedup"] == medusa["speedup"] and row["mean_accepted_tokens"] == medusa["mean_accepted_tokens"]
+        tree = summaries[topk]["decoders"]["tree"]
+        assert row["speedup"] == tree["speedup"] and row["mean_accepted_tokens"] == tree["mean_accepted_tokens"]
         assert row["baseline_tokens_per_second"] == summaries[topk]["decoders"]["vanilla"]["tokens_per_second"]
     table = path.read_text()
     assert table.startswith(sweep_markdown(rows)) and "## Recommendation" in table
     assert "Shared overrides: `max_turns=1`" in table
-    assert "| run | decoder.medusa.topk | decoder |" in table
+    assert "| run | decoder.tree.topk | decoder |" in table
     assert len([line for line in table.splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]) == 2
     assert len((tmp_path / "sweep" / "sweep.jsonl").read_text().splitlines()) == 2
-    assert [(c.label, c.settings.get("decoder.medusa.topk")) for c in sweep_candidates(runs)] == [
-        ("vanilla", None), ("medusa (decoder.medusa.topk=2)", "2"), ("medusa (decoder.medusa.topk=4)", "4")]
+    assert [(c.label, c.settings.get("decoder.tree.topk")) for c in sweep_candidates(runs)] == [
+        ("vanilla", None), ("tree (decoder.tree.topk=2)", "2"), ("tree (decoder.tree.topk=4)", "4")]
 
 
 @pytest.mark.parametrize("key,decoder,expected", [
     ("decoder.llamacpp_eagle3.draft_max", "llamacpp", False),  # another decoder's own setting
     ("decoder.llamacpp_eagle3.draft_max", "llamacpp_eagle3", True),
-    ("dtype", "llamacpp", True), ("decoder", "medusa", True), ("export_dir", "vanilla", True)])
+    ("dtype", "llamacpp", True), ("decoder", "tree", True), ("export_dir", "vanilla", True)])
 def test_a_sweep_labels_a_decoder_only_with_the_overrides_that_can_change_it(key, decoder, expected):
     assert concerns(key, decoder) is expected
 
@@ -393,15 +394,15 @@ def test_hydra_multirun_writes_one_table(export, prompts, tmp_path, monkeypatch)
 
     out = tmp_path / "multirun"
     monkeypatch.setattr(sys, "argv", [
-        "medusa-eval", "-m", f"export_dir={export}", f"prompts={prompts}", f"output_dir={out}", "decoders=[medusa]",
+        "medusa-eval", "-m", f"export_dir={export}", f"prompts={prompts}", f"output_dir={out}", "decoders=[tree]",
         "max_new_tokens=6", "num_prompts=1", "max_turns=1", "progress=false", "warmup=0", "plots=false", "threads=1",
-        "dtype=float32", "decoder.medusa.topk=2,3", "hydra/job_logging=none", "hydra/hydra_logging=none"])
+        "dtype=float32", "decoder.tree.topk=2,3", "hydra/job_logging=none", "hydra/hydra_logging=none"])
     main()
     rows = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
-    assert [(r["decoder"], r["overrides"]["decoder.medusa.topk"]) for r in rows] == [("medusa", "2"), ("medusa", "3")]
+    assert [(r["decoder"], r["overrides"]["decoder.tree.topk"]) for r in rows] == [("tree", "2"), ("tree", "3")]
     for job in ("0", "1"):
         summary = json.loads((out / job / "summary.json").read_text())
-        assert list(summary["decoders"]) == ["vanilla", "medusa"]  # the baseline joins a sweep of one decoder
+        assert list(summary["decoders"]) == ["vanilla", "tree"]  # the baseline joins a sweep of one decoder
         assert json.loads((out / job / "run.json").read_text())["command"].startswith("medusa-eval ")
 
 
@@ -434,7 +435,7 @@ def copy_export(export: Path, to: Path) -> Path:
 
 def test_a_new_tree_or_new_heads_remeasure_only_the_medusa_rows(export, prompts, tmp_path, monkeypatch):
     """medusa-tune-tree rewrote medusa_choices.json (or training rewrote the heads) after a run: a rerun in the same
-    folder measures medusa again with what it now decodes with, keeps vanilla's rows, and keeps the old rows aside."""
+    folder measures tree again with what it now decodes with, keeps vanilla's rows, and keeps the old rows aside."""
     from medusa_train.export import load_heads
 
     mine = copy_export(export, tmp_path / "export")
@@ -442,32 +443,32 @@ def test_a_new_tree_or_new_heads_remeasure_only_the_medusa_rows(export, prompts,
     evaluate(config(mine, prompts, out, "num_prompts=2"))
     first = read_rows(out / "results.jsonl")
     run = json.loads((out / "run.json").read_text())
-    recorded = run["measured_with"]["decoders"]["medusa"]
+    recorded = run["measured_with"]["decoders"]["tree"]
     assert recorded["medusa_choices"] == TREE and len(recorded["heads_sha256"]) == 64
     assert run["measured_with"]["run"]["base_model"]["name_or_path"] == str(export.parent / "base")
     assert run["measured_with"]["run"]["base_model"]["dtype"] == "float32"
-    assert {r["measured_with"] for r in first if r["decoder"] == "medusa"} == {
-        run["measured_with"]["fingerprints"]["medusa"]}
+    assert {r["measured_with"] for r in first if r["decoder"] == "tree"} == {
+        run["measured_with"]["fingerprints"]["tree"]}
 
     new_tree = [[0], [1], [0, 0]]
     (mine / "medusa_choices.json").write_text(json.dumps(new_tree))
     counter = CallCounter(monkeypatch)
     summary = evaluate(config(mine, prompts, out, "num_prompts=2"))
-    assert counter.calls == {"vanilla": 0, "medusa": 4}  # 2 prompts x 2 turns, medusa only
+    assert counter.calls == {"vanilla": 0, "tree": 4}  # 2 prompts x 2 turns, tree only
     rows = read_rows(out / "results.jsonl")
     assert [r for r in rows if r["decoder"] == "vanilla"] == [r for r in first if r["decoder"] == "vanilla"]
     run = json.loads((out / "run.json").read_text())
-    assert run["measured_with"]["decoders"]["medusa"]["medusa_choices"] == new_tree
-    assert run["decoders"]["medusa"]["medusa_choices"] == new_tree
-    assert "medusa_choices" in run["remeasured"]["medusa"]
+    assert run["measured_with"]["decoders"]["tree"]["medusa_choices"] == new_tree
+    assert run["decoders"]["tree"]["medusa_choices"] == new_tree
+    assert "medusa_choices" in run["remeasured"]["tree"]
     superseded = read_rows(out / "results_superseded.jsonl")
     assert len(superseded) == 4 and all("medusa_choices: [[0], [0, 0], [1], [0, 1]] -> [[0], [1], [0, 0]]"
                                         in r["superseded_because"] for r in superseded)
-    new_medusa = [r for r in rows if r["decoder"] == "medusa"]
+    new_medusa = [r for r in rows if r["decoder"] == "tree"]
     tau = sum(sum(r["accepted_lengths"]) for r in new_medusa) / sum(r["forward_passes"] for r in new_medusa)
-    assert summary["decoders"]["medusa"]["mean_accepted_tokens"] == pytest.approx(tau)
+    assert summary["decoders"]["tree"]["mean_accepted_tokens"] == pytest.approx(tau)
 
-    # new heads, same tree: the checksum changed, medusa is measured again
+    # new heads, same tree: the checksum changed, tree is measured again
     heads, _ = load_heads(mine)
     with torch.no_grad():
         heads.block_weight.mul_(0.5)
@@ -477,19 +478,19 @@ def test_a_new_tree_or_new_heads_remeasure_only_the_medusa_rows(export, prompts,
     monkeypatch.undo()
     counter = CallCounter(monkeypatch)
     evaluate(config(mine, prompts, out, "num_prompts=2"))
-    assert counter.calls == {"vanilla": 0, "medusa": 4}
-    assert "heads_sha256" in json.loads((out / "run.json").read_text())["remeasured"]["medusa"]
+    assert counter.calls == {"vanilla": 0, "tree": 4}
+    assert "heads_sha256" in json.loads((out / "run.json").read_text())["remeasured"]["tree"]
     assert len(read_rows(out / "results_superseded.jsonl")) == 8
 
-    # a medusa setting: only medusa again; nothing changed: nothing measured
+    # a tree setting: only tree again; nothing changed: nothing measured
     monkeypatch.undo()
     counter = CallCounter(monkeypatch)
-    evaluate(config(mine, prompts, out, "num_prompts=2", "decoder.medusa.topk=4"))
-    assert counter.calls == {"vanilla": 0, "medusa": 4}
+    evaluate(config(mine, prompts, out, "num_prompts=2", "decoder.tree.topk=4"))
+    assert counter.calls == {"vanilla": 0, "tree": 4}
     monkeypatch.undo()
     counter = CallCounter(monkeypatch)
-    evaluate(config(mine, prompts, out, "num_prompts=2", "decoder.medusa.topk=4"))
-    assert counter.calls == {"vanilla": 0, "medusa": 0}
+    evaluate(config(mine, prompts, out, "num_prompts=2", "decoder.tree.topk=4"))
+    assert counter.calls == {"vanilla": 0, "tree": 0}
 
 
 def test_another_base_model_or_an_unrecorded_run_is_refused_before_loading(export, prompts, tmp_path, monkeypatch):
@@ -527,7 +528,7 @@ def test_a_self_layers_draft_as_deep_as_the_target_is_named_before_decoding(expo
     for name in ("draft", "hf_assisted"):
         assert (f"decoder.{name}.num_layers=8: a self_layers draft keeps fewer layers than the target, which has 2; "
                 f"set decoder.{name}.num_layers to at most 1") in message
-    assert counter.calls == {"vanilla": 0, "medusa": 0} and not (out / "results.jsonl").exists()
+    assert counter.calls == {"vanilla": 0, "tree": 0} and not (out / "results.jsonl").exists()
 
 
 def test_medusa_eval_where_no_prompt_fits_fails_instead_of_writing_an_empty_table(export, tmp_path):
@@ -594,16 +595,16 @@ def test_the_medusa_decoder_runs_hydra_exports_and_every_tree_decoder_reports_it
     (hydra / "medusa_choices.json").write_text(json.dumps(TREE))
     out = tmp_path / "run"
     summary = evaluate(config(hydra, prompts, out))
-    assert summary["decoders"]["medusa"]["exact_match_vs_greedy"] == 1.0
-    assert json.loads((out / "run.json").read_text())["decoders"]["medusa"]["head_type"] == "hydra"
+    assert summary["decoders"]["tree"]["exact_match_vs_greedy"] == 1.0
+    assert json.loads((out / "run.json").read_text())["decoders"]["tree"]["head_type"] == "hydra"
     rows = read_rows(out / "results.jsonl")
     assert all((r["draft_time_s"] is None) == (r["decoder"] == "vanilla") for r in rows)
     times = json.loads((out / "summary_details.json").read_text())["step_times"]
-    assert list(times) == ["medusa"]
-    passes = sum(r["forward_passes"] for r in rows if r["decoder"] == "medusa")
-    draft = sum(r["draft_time_s"] for r in rows if r["decoder"] == "medusa")
-    assert times["medusa"]["draft_ms_per_step"] == pytest.approx(1000 * draft / passes)
-    assert "| medusa |" in (out / "summary.md").read_text().split("## drafting and verification")[1]
+    assert list(times) == ["tree"]
+    passes = sum(r["forward_passes"] for r in rows if r["decoder"] == "tree")
+    draft = sum(r["draft_time_s"] for r in rows if r["decoder"] == "tree")
+    assert times["tree"]["draft_ms_per_step"] == pytest.approx(1000 * draft / passes)
+    assert "| tree |" in (out / "summary.md").read_text().split("## drafting and verification")[1]
 
 
 def transformers_model(folder: Path):

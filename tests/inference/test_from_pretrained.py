@@ -5,12 +5,12 @@ import json
 import torch
 
 from inference.decoders import DecodeConfig
-from inference.decoders.medusa import TreeDecoder
+from inference.decoders.tree import TreeDecoder
 from inference.decoders.vanilla import VanillaDecoder
-from medusa_train.config import ModelConfig
+from medusa_train.config.schema import ModelConfig
 from medusa_train.export import save_export
-from medusa_train.loading.medusa import export_extra_config
-from medusa_train.model import new_heads_for
+from medusa_train.loading.export import export_extra_config
+from medusa_train.models.speculative import new_heads_for
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 

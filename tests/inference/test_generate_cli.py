@@ -13,12 +13,12 @@ from hydra import compose, initialize_config_dir
 from inference.cli.generate import GenerateConfig, register_schemas, run
 from inference.decoders import DecodeConfig, VanillaDecoder, default_medusa_choices
 from inference.decoders.choices import resolve_medusa_choices
-from medusa_train.config import ModelConfig, as_dataclass
+from medusa_train.config.schema import ModelConfig, as_dataclass
 from medusa_train.export import save_export
 from medusa_train.loading.base import load_base_model
-from medusa_train.loading.medusa import export_extra_config
-from medusa_train.model import new_heads_for
-from medusa_train.paths import CONF_DIR, assets_dir
+from medusa_train.loading.export import export_extra_config
+from medusa_train.models.speculative import new_heads_for
+from medusa_train.files.paths import CONF_DIR, assets_dir
 
 register_schemas()  # what conf/generate.yaml composes from
 
@@ -56,7 +56,7 @@ def test_generate_streams_the_greedy_reply_and_its_stats(stories_export):
     export, base, tokenizer = stories_export
     out = io.StringIO()
     result = run(_compose(f"export_dir={export}", "prompt=Once upon a time", "max_new_tokens=40",
-                          "decoder.medusa.medusa_choices=[[0],[0,0],[1],[0,0,0]]"), out=out)
+                          "decoder.tree.medusa_choices=[[0],[0,0],[1],[0,0,0]]"), out=out)
     prompt = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "Once upon a time"}],
                                                      add_generation_prompt=True, tokenize=False),
                        add_special_tokens=False).input_ids
@@ -65,7 +65,7 @@ def test_generate_streams_the_greedy_reply_and_its_stats(stories_export):
     assert result.tokens == expected
     reply, stats = out.getvalue().rstrip("\n").rsplit("\n", 1)
     assert reply == tokenizer.decode(expected, skip_special_tokens=True) == result.text
-    assert stats.startswith(f"[medusa] {len(expected)} tokens in ")
+    assert stats.startswith(f"[tree] {len(expected)} tokens in ")
     assert f"mean accepted tokens {result.mean_accepted_tokens:.2f}, {result.forward_passes} decoding passes" in stats
 
 
@@ -83,8 +83,8 @@ def test_tree_comes_from_the_setting_then_the_export_then_the_default(stories_ex
 
 
 @pytest.mark.parametrize("overrides,error,match", [
-    (["temperature=0.7", "decoder.medusa.acceptance=greedy"], ValueError, "acceptance=greedy"),
-    (["decoder.medusa.acceptance=lucky"], ValueError, "acceptance must be one of"),
+    (["temperature=0.7", "decoder.tree.acceptance=greedy"], ValueError, "acceptance=greedy"),
+    (["decoder.tree.acceptance=lucky"], ValueError, "acceptance must be one of"),
     (["decoder_name=beam"], ValueError, "unknown decoder name"),
     (["top_p=1.5"], ValueError, "top_p"),
     (["max_new_tokens=0"], ValueError, "max_new_tokens"),
@@ -109,7 +109,7 @@ def test_model_group_override_composes():
 def test_sampling_with_speculative_acceptance_is_reproducible(stories_export):
     export, _, _ = stories_export
     overrides = (f"export_dir={export}", "prompt=Once upon a time", "max_new_tokens=24", "temperature=0.8",
-                 "decoder.medusa.acceptance=speculative", "decoder.medusa.medusa_choices=[[0],[1],[0,0]]", "seed=3")
+                 "decoder.tree.acceptance=speculative", "decoder.tree.medusa_choices=[[0],[1],[0,0]]", "seed=3")
     first = run(_compose(*overrides), out=io.StringIO())
     assert run(_compose(*overrides), out=io.StringIO()).tokens == first.tokens
     assert len(first.tokens) == 24 or first.stop_reason == "eos"

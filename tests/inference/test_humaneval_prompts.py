@@ -12,7 +12,7 @@ import pytest
 
 from inference.evaluation.eval_config import EvaluateConfig
 from inference.evaluation.eval_run import load_eval_prompts
-from medusa_train.prompts import HUMANEVAL_CATEGORY, HUMANEVAL_TURN, humaneval_prompts, load_prompts
+from medusa_train.chat.prompts import HUMANEVAL_CATEGORY, HUMANEVAL_TURN, humaneval_prompts, load_prompts
 
 PROBLEMS = [{"task_id": f"HumanEval/{i}", "prompt": f'def f{i}(x):\n    """Return x + {i}."""\n',
              "entry_point": f"f{i}", "canonical_solution": "    return x\n", "test": "assert True"} for i in range(5)]

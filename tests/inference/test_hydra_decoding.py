@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
-from medusa_train.catalog import tree_drafter
+from medusa_train.models.catalog import tree_drafter
 from medusa_train.drafters.hydra.proposer import HydraTreeDrafter
 from medusa_train.drafters.medusa.proposer import MedusaTreeDrafter
-from medusa_train.features import FINAL
-from medusa_train.model import MedusaModel, new_heads_for
+from medusa_train.models.features import FINAL
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
 from medusa_train.tree.buffers import MC_SIM_7B_63, SMALL_TREE_15, build_tree_buffers, chain_choices
-from medusa_train.tree.drafting import tree_levels
+from medusa_train.models.tree_drafter import tree_levels
 from tests.conftest import VOCAB, chi_square, make_tiny_model
 from tests.inference.test_decoders import PROMPTS, check_counts, greedy, random_heads
 
@@ -23,12 +23,12 @@ SMALL_TREE = [list(p) for p in SMALL_TREE_15]  # depth 3, 16 nodes, ranks < 6
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def random_hydra(base: torch.nn.Module, num_heads: int = 3, seed: int = 0, combine: str = "concat") -> MedusaModel:
+def random_hydra(base: torch.nn.Module, num_heads: int = 3, seed: int = 0, combine: str = "concat") -> SpeculativeModel:
     """Hydra heads with random blocks: they disagree with the base often, so many drafts are rejected."""
     return random_heads("hydra", base, num_heads, seed, combine=combine)
 
 
-class PathLookupHydra(MedusaModel):
+class PathLookupHydra(SpeculativeModel):
     """Test-only Hydra model whose heads are perfect on the true path and wrong off it: head k at position t
     predicts ``sequence[t + k + 2]`` when the path it is given is ``sequence[t + 1 .. t + k + 1]``, else a token that
     is certainly wrong. The position is recovered from the hidden state (nearest of the base's hidden states over
@@ -96,8 +96,8 @@ def test_each_level_reads_the_path_of_the_node_it_expands():
 
 def test_tree_drafter_follows_the_head_type():
     base = make_tiny_model("llama")
-    assert isinstance(tree_drafter(MedusaModel(base, new_heads_for(base, 2))), MedusaTreeDrafter)
-    assert isinstance(tree_drafter(MedusaModel(base, new_heads_for(base, 2, head_type="hydra"))), HydraTreeDrafter)
+    assert isinstance(tree_drafter(SpeculativeModel(base, new_heads_for(base, 2))), MedusaTreeDrafter)
+    assert isinstance(tree_drafter(SpeculativeModel(base, new_heads_for(base, 2, head_type="hydra"))), HydraTreeDrafter)
 
 
 # --- greedy = plain greedy --------------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def test_perfect_path_heads_accept_the_whole_depth_every_step(choices, num_heads
 
 def test_draft_and_verification_time_are_reported_for_tree_decoding():
     base = make_tiny_model("llama")
-    for model in (random_hydra(base), MedusaModel(base, new_heads_for(base, 3))):
+    for model in (random_hydra(base), SpeculativeModel(base, new_heads_for(base, 3))):
         result = TreeDecoder(model, SMALL_TREE, topk=10).generate(PROMPTS[0], DecodeConfig(max_new_tokens=20))
         assert result.draft_time_s > 0 and result.verify_time_s > 0
         assert result.prefill_time_s + result.draft_time_s + result.verify_time_s <= result.wall_time_s

@@ -19,21 +19,16 @@ import torch
 from inference.decoders import DecodeConfig
 from inference.decoders.llamacpp import LlamaCppDecoder, cut_at_eos, pass_lengths
 from inference.engines.llamacpp_server import counter_difference, parse_spec_counters
-from inference.registry import (
-    BuildContext,
-    LlamaCppEagle3Settings,
-    LlamaCppSettings,
-    build_decoder,
-    check_request,
-    decoder_settings,
-)
-from medusa_train.config import ModelConfig
-from medusa_train.catalog import new_spec
+from inference.registry import BuildContext, build_decoder, check_request, decoder_settings
+from medusa_train.config.schema import ModelConfig
+from medusa_train.models.catalog import new_spec
 from medusa_train.drafters.eagle3.drafter import Eagle3Drafter
 from medusa_train.export import save_export
 from medusa_train.drafters.eagle3.gguf import drafter_gguf_path, export_eagle3_gguf, speculators_files
+from medusa_train.drafters.eagle3.llamacpp import LlamaCppEagle3Settings
+from medusa_train.engines.settings import LlamaCppSettings
 from medusa_train.engines.llamacpp_env import LlamaCppUnavailable, llamacpp_available
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from tests.conftest import VOCAB, make_tiny_model
 from tests.inference.test_vllm import smollm2  # noqa: F401 - fixture
@@ -262,7 +257,8 @@ def test_the_server_starts_answers_pauses_and_stops(monkeypatch, tmp_path):
     target, drafter = tmp_path / "target.gguf", tmp_path / "drafter.gguf"
     target.write_text("ok")
     drafter.write_text("ok")
-    with closing(LlamaServer(target, drafter, draft_max=2, threads=2, pause_when_idle=True)) as llama:
+    with closing(LlamaServer(target, drafter, draft_max=2, threads=2, pause_when_idle=True,
+                             spec_type="draft-eagle3")) as llama:
         assert llama.info["version"] == "b11434 (abc1234)"
         assert llama.command[llama.command.index("--spec-type") + 1] == "draft-eagle3"
         assert [llama.command[llama.command.index(f) + 1] for f in ("-t", "-tb", "-td", "-tbd")] == ["2"] * 4
@@ -299,7 +295,7 @@ def test_llamacpp_drafts_with_our_converted_drafter_and_keeps_plain_replies(smol
     server drafts with it (draft tokens counted, chains of at most K = 3), its greedy replies equal plain
     llama.cpp's, and the pass lengths rebuilt from its counters add up to each reply."""
     from medusa_train.loading.base import engine_model_path, load_base_model
-    from medusa_train.prompts import encode_prompt, load_prompts
+    from medusa_train.chat.prompts import encode_prompt, load_prompts
     from inference.engines.llamacpp_server import LlamaServer
 
     model, tokenizer = load_base_model(smollm2)
@@ -308,7 +304,8 @@ def test_llamacpp_drafts_with_our_converted_drafter_and_keeps_plain_replies(smol
     target = f"{smollm2.name_or_path}/{smollm2.gguf_file}"
     prompts = [encode_prompt(tokenizer, p.first_turn_messages()) for p in load_prompts("mt_bench", num_prompts=2)]
     with closing(LlamaServer(target, threads=2)) as plain, \
-            closing(LlamaServer(target, drafter, draft_max=3, threads=2, pause_when_idle=True)) as eagle3:
+            closing(LlamaServer(target, drafter, draft_max=3, threads=2, pause_when_idle=True,
+                                spec_type="draft-eagle3")) as eagle3:
         for ids in prompts:
             reference = plain.complete(ids, 24, ignore_eos=True)
             served = eagle3.complete(ids, 24, ignore_eos=True)
@@ -332,7 +329,7 @@ def test_medusa_eval_runs_the_llamacpp_rows(smollm2, tmp_path):
     from inference.evaluation.eval_run import evaluate
     from inference.evaluation.results import read_rows
     from medusa_train.loading.base import load_base_model
-    from medusa_train.paths import CONF_DIR
+    from medusa_train.files.paths import CONF_DIR
 
     register_schemas()
     model, _ = load_base_model(smollm2)

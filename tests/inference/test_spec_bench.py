@@ -12,9 +12,9 @@ from inference.cli.evaluate import register_schemas
 from inference.evaluation.eval_config import EvaluateConfig
 from inference.evaluation.eval_run import load_eval_prompts
 from inference.evaluation.summary import leaderboard_markdown
-from medusa_train.config import as_dataclass
-from medusa_train.paths import CONF_DIR
-from medusa_train.prompts import SPEC_BENCH_FILE
+from medusa_train.config.schema import as_dataclass
+from medusa_train.files.paths import CONF_DIR
+from medusa_train.chat.prompts import SPEC_BENCH_FILE
 
 register_schemas()
 

@@ -11,8 +11,8 @@ from inference.decoders import DecodeConfig, TreeDecoder, VanillaDecoder
 from inference.tuning.accuracy import measure_head_accuracy
 from inference.tuning.replay import replay_counts
 from medusa_train.cli.train import register_schemas
-from medusa_train.loading.medusa import load_medusa
-from medusa_train.paths import CONF_DIR
+from medusa_train.loading.export import load_export
+from medusa_train.files.paths import CONF_DIR
 from medusa_train.training.recipe import build_recipe
 from medusa_train.tree.buffers import chain_choices
 
@@ -27,7 +27,7 @@ def test_trained_stories260k_heads_decode_exactly_greedy_and_accept_more(tmp_pat
         cfg = compose("train", overrides=[f"output_dir={tmp_path / 'run'}", "trainer.max_steps=60", "export_vllm=false",
                                           "trainer.disable_tqdm=true"])
     summary = build_recipe(cfg).run()
-    model, tokenizer, _ = load_medusa(summary["export_dir"])
+    model, tokenizer, _ = load_export(summary["export_dir"])
     vanilla = VanillaDecoder(model.base)
     tree = chain_choices(model.heads.spec.num_heads) + [[1], [0, 1]]
     medusa = TreeDecoder(model, tree, topk=4)
@@ -61,7 +61,7 @@ def test_trained_stories260k_hydra_heads_decode_exactly_greedy_and_the_replay_gi
         cfg = compose("train", overrides=[f"output_dir={tmp_path / 'run'}", "heads=hydra", "trainer.max_steps=60",
                                           "export_vllm=false", "trainer.disable_tqdm=true"])
     summary = build_recipe(cfg).run()
-    model, tokenizer, config = load_medusa(summary["export_dir"], head_type="hydra")
+    model, tokenizer, config = load_export(summary["export_dir"], head_type="hydra")
     assert config["head_type"] == "hydra"
     vanilla = VanillaDecoder(model.base)
     tree = chain_choices(model.heads.spec.num_heads) + [[1], [0, 1], [1, 0], [0, 0, 1]]

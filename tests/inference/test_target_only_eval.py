@@ -35,8 +35,8 @@ from inference.registry import (
     takes_draft,
     with_run_draft,
 )
-from medusa_train.config import ModelConfig
-from medusa_train.paths import CONF_DIR
+from medusa_train.config.schema import ModelConfig
+from medusa_train.files.paths import CONF_DIR
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,9 +105,9 @@ def test_refusals_come_before_any_model_loads(qwen_pair, prompts, tmp_path, monk
     base = [f"prompts={prompts}", f"output_dir={tmp_path / 'out'}"]
     with pytest.raises(ValueError, match=r"export_dir: give export_dir=DIR .* or the target alone with model="):
         evaluate(eval_config(*base, "decoders=[vanilla]"))
-    with pytest.raises(ValueError, match=r"decoders \['medusa', 'composite'\] decode with a trained drafter, and no "
+    with pytest.raises(ValueError, match=r"decoders \['tree', 'composite'\] decode with a trained drafter, and no "
                                          r"export_dir is given: .*decoders=\[vanilla,draft\]"):
-        evaluate(eval_config(*base, *model_cfg, "decoders=[vanilla,medusa,composite,draft]"))
+        evaluate(eval_config(*base, *model_cfg, "decoders=[vanilla,tree,composite,draft]"))
     with pytest.raises(ValueError, match=r"decoder.llamacpp_draft.model: llamacpp_draft drafts with a separate model "
                                          r"and none is given: pass draft=<draft preset>"):
         check_request("llamacpp_draft", LlamaCppDraftSettings(), DecodeConfig(max_new_tokens=4))

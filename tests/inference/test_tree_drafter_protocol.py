@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from inference.decoders import DecodeConfig, MedusaDecoder, TreeDecoder
-import inference.decoders.medusa as medusa
-from medusa_train.features import FINAL
+from inference.decoders import DecodeConfig, TreeDecoder
+import inference.decoders.tree as medusa
+from medusa_train.models.features import FINAL
 from medusa_train.tree.buffers import TreeBuffers
-from medusa_train.tree.drafting import TreeDrafter
+from medusa_train.models.tree_drafter import TreeDrafter
 from tests.conftest import make_tiny_model
 from tests.inference.test_decoders import PROMPTS, SMALL_TREE, check_counts, greedy, random_medusa
 
@@ -168,5 +168,5 @@ def test_a_stateful_drafter_decodes_exactly_greedy(family):
     assert sum(r.mean_accepted_tokens for r in alone) / len(alone) > 2.0
 
 
-def test_the_old_name_of_the_tree_decoder_still_imports():
-    assert MedusaDecoder is TreeDecoder and TreeDecoder.name == "medusa"  # the registry's decoder name is unchanged
+def test_the_tree_decoder_is_named_for_the_registry():
+    assert TreeDecoder.name == "tree"  # the registry's decoder name

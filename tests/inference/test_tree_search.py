@@ -98,7 +98,7 @@ def test_bad_tables(table, match):
 
 
 def test_table_for_other_heads_and_bad_budget():
-    with pytest.raises(ValueError, match="medusa_num_heads=3"):
+    with pytest.raises(ValueError, match="the export has 3 heads"):
         check_accuracy_table(TABLE, num_heads=3)
     with pytest.raises(ValueError, match="budget"):
         greedy_tree(TABLE, 0)
@@ -205,13 +205,13 @@ def test_the_shortlist_times_the_predicted_best_and_the_measured_sizes_near_it()
 
 def test_timed_trees_count_what_the_decoder_decodes():
     from inference.decoders.base import DecodeConfig
-    from inference.decoders.medusa import TreeDecoder
-    from medusa_train.model import MedusaModel, new_heads_for
+    from inference.decoders.tree import TreeDecoder
+    from medusa_train.models.speculative import SpeculativeModel, new_heads_for
     from inference.tuning.timed import fastest, time_trees
     from tests.conftest import make_tiny_model
 
     base = make_tiny_model("llama")
-    model = MedusaModel(base, new_heads_for(base, num_heads=2)).eval()
+    model = SpeculativeModel(base, new_heads_for(base, num_heads=2)).eval()
     prompts = [[1, 5, 9, 3], [7, 7, 2]]
     trees = {2: [[0]], 4: [[0], [1], [0, 0]]}
     timed = time_trees(model, prompts, trees, max_new_tokens=12)

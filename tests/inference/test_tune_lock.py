@@ -14,14 +14,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from inference.cli.tune_tree import register_schemas
-from medusa_train.paths import CONF_DIR
-from medusa_train.run_lock import EXPORT_LOCK, LockHeldError
+from medusa_train.files.paths import CONF_DIR
+from medusa_train.runs.run_lock import EXPORT_LOCK, LockHeldError
 
 register_schemas()
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HOLD = """
 import sys
-from medusa_train.run_lock import RunLock
+from medusa_train.runs.run_lock import RunLock
 lock = RunLock.acquire(sys.argv[1], sys.argv[2])
 print("held", flush=True)
 sys.stdin.read()  # hold until the test closes stdin

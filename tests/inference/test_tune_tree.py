@@ -6,11 +6,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from inference.cli.tune_tree import register_schemas
-from medusa_train.config import ModelConfig
+from medusa_train.config.schema import ModelConfig
 from medusa_train.export import save_export
-from medusa_train.loading.medusa import export_extra_config
-from medusa_train.model import new_heads_for
-from medusa_train.paths import CONF_DIR
+from medusa_train.loading.export import export_extra_config
+from medusa_train.models.speculative import new_heads_for
+from medusa_train.files.paths import CONF_DIR
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 register_schemas()  # what conf/tune_tree.yaml composes from
@@ -166,7 +166,7 @@ def test_a_second_export_of_the_base_is_tuned_against_the_first_ones_latency_pro
 
 
 def compose_and_validate(overrides):
-    from medusa_train.config import as_dataclass
+    from medusa_train.config.schema import as_dataclass
     from inference.tuning.tune_tree_config import TuneTreeConfig
 
     return as_dataclass(TuneTreeConfig, compose("tune_tree", overrides=overrides))

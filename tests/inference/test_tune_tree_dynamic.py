@@ -12,12 +12,12 @@ from hydra import compose, initialize_config_dir
 from inference.cli.tune_tree import register_schemas
 from inference.decoders import DecodeConfig, TreeDecoder
 from inference.registry import BuildContext, build_decoder, decoder_settings
-from medusa_train.config import ModelConfig
+from medusa_train.config.schema import ModelConfig
 from medusa_train.export import save_export
 from medusa_train.export.tree_files import read_tree_files
-from medusa_train.loading.medusa import export_extra_config
-from medusa_train.model import new_heads_for
-from medusa_train.paths import CONF_DIR
+from medusa_train.loading.export import export_extra_config
+from medusa_train.models.speculative import new_heads_for
+from medusa_train.files.paths import CONF_DIR
 from medusa_train.tree.dynamic import DynamicTree
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 from tests.inference.test_decoders import PROMPTS, greedy
@@ -140,19 +140,19 @@ def test_the_decoder_built_from_the_export_decodes_over_its_tuned_dynamic_tree(e
     assert decoder.dynamic_tree == DynamicTree(**SHAPE)
     model, tokenizer = decoder.model, decoder.tokenizer
     ctx = BuildContext(model=model, tokenizer=tokenizer, export_dir=str(eagle3), dtype="float32")
-    built = build_decoder("medusa", decoder_settings("medusa", {"acceptance": "greedy"}), ctx)
+    built = build_decoder("tree", decoder_settings("tree", {"acceptance": "greedy"}), ctx)
     assert built.decoder.dynamic_tree == DynamicTree(**SHAPE)
     assert built.info["tree_source"] == "export dynamic_tree.json" and built.info["dynamic_tree"] == SHAPE
     assert built.info["tree_nodes"] == 8
     for prompt in PROMPTS:  # fp32 greedy: the tokens of plain greedy decoding
         assert built.decoder.generate(prompt, DecodeConfig(max_new_tokens=24)).tokens == greedy(model.base, prompt, 24)
     # an explicit setting wins: a dynamic tree of its own, or a static tree
-    mine = build_decoder("medusa", decoder_settings("medusa", {"dynamic_tree": {"depth": 2, "topk": 2,
+    mine = build_decoder("tree", decoder_settings("tree", {"dynamic_tree": {"depth": 2, "topk": 2,
                                                                                 "total": 3}}), ctx)
     assert mine.decoder.dynamic_tree == DynamicTree(2, 2, 3)
-    assert mine.info["tree_source"] == "decoder.medusa.dynamic_tree"
-    static = build_decoder("medusa", decoder_settings("medusa", {"medusa_choices": [[0], [0, 0]]}), ctx)
-    assert static.decoder.dynamic_tree is None and static.info["tree_source"] == "decoder.medusa.medusa_choices"
+    assert mine.info["tree_source"] == "decoder.tree.dynamic_tree"
+    static = build_decoder("tree", decoder_settings("tree", {"medusa_choices": [[0], [0, 0]]}), ctx)
+    assert static.decoder.dynamic_tree is None and static.info["tree_source"] == "decoder.tree.medusa_choices"
     assert TreeDecoder.from_pretrained(str(eagle3), dtype="float32",
                                        medusa_choices=[[0], [1]]).dynamic_tree is None
     # Medusa heads draft static trees only: a dynamic_tree.json beside them is not theirs to use
@@ -160,7 +160,7 @@ def test_the_decoder_built_from_the_export_decodes_over_its_tuned_dynamic_tree(e
     medusa_decoder = TreeDecoder.from_pretrained(str(medusa), dtype="float32")
     assert medusa_decoder.dynamic_tree is None
     medusa_ctx = BuildContext(model=medusa_decoder.model, tokenizer=tokenizer, export_dir=str(medusa))
-    assert build_decoder("medusa", decoder_settings("medusa", {}), medusa_ctx).decoder.dynamic_tree is None
+    assert build_decoder("tree", decoder_settings("tree", {}), medusa_ctx).decoder.dynamic_tree is None
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -22,8 +22,8 @@ from hydra import compose, initialize_config_dir
 
 from medusa_train.export import save_export
 from medusa_train.export.reader import heads_checksum, heads_files
-from medusa_train.model import new_heads_for
-from medusa_train.paths import CONF_DIR, REPO_ROOT
+from medusa_train.models.speculative import new_heads_for
+from medusa_train.files.paths import CONF_DIR, REPO_ROOT
 from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -149,11 +149,11 @@ def test_a_medusa_exports_heads_are_its_own_files_never_another_types(export, mo
 
 
 def test_a_hydra_export_without_its_weights_names_its_own_file(tmp_path):
-    from medusa_train.catalog import new_spec
+    from medusa_train.models.catalog import new_spec
 
     base = make_tiny_model("llama")
     heads = new_spec("hydra", {}, base.config, num_heads=2, num_layers=1, hidden_size=32, vocab_size=base.vocab_size)
-    from medusa_train.catalog import heads_from_spec
+    from medusa_train.models.catalog import heads_from_spec
 
     out = save_export(heads_from_spec(heads), tmp_path / "hydra", "org/tiny", vllm=False)
     assert heads_files(out) == [out / "hydra_heads.safetensors"]

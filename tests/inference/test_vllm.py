@@ -21,16 +21,16 @@ from inference.decoders.vanilla import VanillaDecoder
 from inference.decoders.vllm import accepted_lengths_from_counts
 from inference.evaluation.eval_run import evaluate
 from inference.evaluation.results import read_rows
-from medusa_train.config import ModelConfig
+from medusa_train.config.schema import ModelConfig
 from medusa_train.drafters.medusa.vllm import speculative_config
 from medusa_train.engines.vllm_env import VllmUnavailable, VllmWorker, group_states
 from medusa_train.export import save_export
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.loading.base import engine_model_path, load_base_model
-from medusa_train.loading.medusa import export_extra_config
-from medusa_train.paths import CONF_DIR, package_file
-from medusa_train.prompts import encode_prompt, load_prompts
+from medusa_train.loading.export import export_extra_config
+from medusa_train.files.paths import CONF_DIR, package_file
+from medusa_train.chat.prompts import encode_prompt, load_prompts
 
 register_schemas()  # what conf/evaluate.yaml composes from
 

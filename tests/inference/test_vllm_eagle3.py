@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from inference.decoders import DecodeConfig, TreeDecoder
-from medusa_train.catalog import new_spec
+from medusa_train.models.catalog import new_spec
 from medusa_train.drafters.eagle3.drafter import Eagle3Drafter
 from medusa_train.drafters.eagle3.vllm import speculative_config as eagle3_speculative_config
 from medusa_train.engines.vllm_env import VllmWorker
 from medusa_train.export import load_heads, save_export
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.loading.base import engine_model_path
-from medusa_train.model import MedusaModel
-from medusa_train.prompts import encode_prompt, load_prompts
+from medusa_train.models.speculative import SpeculativeModel
+from medusa_train.chat.prompts import encode_prompt, load_prompts
 from medusa_train.training.recipe import build_recipe
 from medusa_train.tree.buffers import chain_choices
 from tests.conftest import VOCAB, make_tiny_model
@@ -188,7 +188,7 @@ def train_eagle3(smollm2, output_dir) -> None:
     each), over-fitted (50 steps of the whole batch), exported with ``speculators/``."""
     overrides = {
         "model": "smollm2_135m", "model.name_or_path": smollm2.name_or_path, "model.dtype": "float32",
-        "heads": "eagle3", "heads.medusa_num_heads": K,
+        "heads": "eagle3", "heads.num_heads": K,
         "data.source": "prompts", "data.prompts": json.dumps([p.turns[0] for p in PROMPTS]),
         "data.self_distill": True, "data.self_distill_engine": "hf", "data.max_new_tokens": REPLY + K,
         "data.generation_batch_size": len(PROMPTS), "data.eval_fraction": 0.0,
@@ -225,7 +225,7 @@ def test_vllm_accepts_our_trained_eagle3_export_as_our_chain_does(smollm2, base,
     train_eagle3(smollm2, tmp_path / "run")
     export = tmp_path / "run" / "export"
     heads, _ = load_heads(export, base_model=model, dtype=torch.float32)
-    decoder = TreeDecoder(MedusaModel(model, heads), chain_choices(K))
+    decoder = TreeDecoder(SpeculativeModel(model, heads), chain_choices(K))
     prompts = [encode_prompt(tokenizer, p.first_turn_messages()) for p in PROMPTS]
     passes, ours = 0, [0] * K
     replies = []

@@ -1,4 +1,4 @@
-"""The one durable atomic write (``medusa_train.atomic``): a write that fails midway leaves the old file as it was and
+"""The one durable atomic write (``medusa_train.files.atomic``): a write that fails midway leaves the old file as it was and
 no temporary file; a write that succeeds flushes the file, then the folder after the rename; and no other module
 hand-rolls one (every ``os.replace`` of ours is in it, or renames a whole folder)."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import medusa_train.atomic as atomic
-from medusa_train.atomic import atomic_write, atomic_write_text
-from medusa_train.paths import REPO_ROOT
+import medusa_train.files.atomic as atomic
+from medusa_train.files.atomic import atomic_write, atomic_write_text
+from medusa_train.files.paths import REPO_ROOT
 from medusa_train.training import checkpoints
 
 
@@ -98,6 +98,6 @@ def test_no_module_hand_rolls_an_atomic_write():
         for path in sorted((root / package).rglob("*.py")):
             rel = str(path.relative_to(root))
             hits = re.findall(r"\bos\.replace\(", path.read_text(encoding="utf-8"))
-            if hits and rel not in FOLDER_RENAMES | {"medusa_train/atomic.py"}:
+            if hits and rel not in FOLDER_RENAMES | {"medusa_train/files/atomic.py"}:
                 found[rel] = len(hits)
-    assert found == {}, f"use medusa_train.atomic.atomic_write instead of renaming a temporary file: {found}"
+    assert found == {}, f"use medusa_train.files.atomic.atomic_write instead of renaming a temporary file: {found}"

@@ -10,9 +10,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from medusa_train.auto_trainer import auto_trainer, log_choice
+from medusa_train.config.auto_trainer import auto_trainer, log_choice
 from medusa_train.cli.train import register_schemas
-from medusa_train.paths import CONF_DIR
+from medusa_train.files.paths import CONF_DIR
 
 register_schemas()
 
@@ -48,7 +48,7 @@ def test_overrides_apply_on_top_of_the_chosen_preset_and_a_named_preset_skips_th
 
 def test_the_choice_and_its_reason_are_logged(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with caplog.at_level(logging.INFO, logger="medusa_train.auto_trainer"):
+    with caplog.at_level(logging.INFO, logger="medusa_train.config.auto_trainer"):
         log_choice("auto")
         log_choice("cpu")  # a named preset: nothing to explain
     assert [r.getMessage() for r in caplog.records] == [

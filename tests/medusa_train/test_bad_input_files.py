@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from inference.decoders.choices import resolve_medusa_choices
-from medusa_train.conversations import load_conversations
+from medusa_train.chat.conversations import load_conversations
 from medusa_train.data.self_distill import read_records
 from medusa_train.export import load_heads, save_export
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
-from medusa_train.loading.medusa import load_medusa
-from medusa_train.prompts import load_prompts
+from medusa_train.loading.export import load_export
+from medusa_train.chat.prompts import load_prompts
 from tests.conftest import HIDDEN, VOCAB
 
 LATIN1 = '{"question_id": 1, "turns": ["caf\xe9"]}\n'.encode("latin-1")  # byte 0xe9 is not UTF-8 here
@@ -93,14 +93,14 @@ def test_a_malformed_tuned_file_fails_when_the_export_is_opened(export, name, co
     with pytest.raises(ValueError, match=rf"{export / name}|{message}") as raised:
         load_heads(export)
     assert str(export / name) in str(raised.value)
-    with pytest.raises(ValueError, match=message):  # load_medusa: before the (missing) base model is looked at
-        load_medusa(str(export))
+    with pytest.raises(ValueError, match=message):  # load_export: before the (missing) base model is looked at
+        load_export(str(export))
 
 
 def test_a_tuned_file_that_is_not_utf8_fails_when_the_export_is_opened(export):
     (export / "head_accuracy.json").write_bytes(b'{"acc": [[0.5], [0.25]], "prompt_source": "caf\xe9"}')
     with pytest.raises(ValueError, match=rf"^{export / 'head_accuracy.json'}:1: not UTF-8 text: byte 0xe9"):
-        load_medusa(str(export))
+        load_export(str(export))
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -115,4 +115,4 @@ def test_a_tuned_file_that_is_not_utf8_fails_when_the_export_is_opened(export):
 def test_config_json_fields_of_the_wrong_type_are_named_before_the_base_model_loads(export, changes, message):
     _edit_config(export, **changes)
     with pytest.raises(ValueError, match=message):
-        load_medusa(str(export))
+        load_export(str(export))

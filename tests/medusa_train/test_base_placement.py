@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from medusa_train.config import DataConfig, HeadsConfig, TrainConfig
+from medusa_train.config.schema import DataConfig, HeadsConfig, TrainConfig
 from medusa_train.training.base_placement import (
     REPLICATED,
     ZERO3,
@@ -53,7 +53,7 @@ def test_auto_placement_stays_replicated_where_zero3_cannot_run_in_lockstep():
     hf_distill = config(hidden_cache=True, data=DataConfig(source="json", path="x.jsonl", self_distill=True))
     for cfg in (no_cache, hf_distill):
         assert resolve_base_placement(cfg, world_size=8, trainer_zero3=True, fits=False) == REPLICATED
-    joint = config(heads=HeadsConfig(mode="medusa2"))
+    joint = config(heads=HeadsConfig(mode="joint"))
     assert resolve_base_placement(joint, world_size=8, trainer_zero3=True, fits=True) == ZERO3
     assert resolve_base_placement(joint, world_size=8, trainer_zero3=False, fits=False) == REPLICATED
 
@@ -69,7 +69,7 @@ def test_explicit_placement_is_taken_as_given():
     (config(base_placement=ZERO3), False, "hidden_cache=true"),
     (config(base_placement=ZERO3, hidden_cache=True,
             data=DataConfig(source="json", path="x.jsonl", self_distill=True)), False, "data.self_distill_engine"),
-    (config(base_placement=ZERO3, heads=HeadsConfig(mode="medusa2")), False, "trainer=deepspeed_zero3"),
+    (config(base_placement=ZERO3, heads=HeadsConfig(mode="joint")), False, "trainer=deepspeed_zero3"),
 ])
 def test_zero3_that_cannot_run_is_refused_naming_the_fix(cfg, trainer_zero3, field):
     with pytest.raises(ValueError, match="base_placement=zero3") as e:

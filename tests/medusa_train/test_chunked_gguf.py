@@ -17,11 +17,11 @@ from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 import medusa_train.loading.chunked_gguf as chunked
-import medusa_train.loading.install_models as installer
+import medusa_train.cli.install_models as installer
 from medusa_train.cli.app import not_installed, register_shared_schemas
 from medusa_train.loading.chunked_gguf import ChunkError, assemble, gguf_path, installed_gguf, is_assembled
 from medusa_train.loading.chunked_models import GROUPS, MODELS, ChunkedModel
-from medusa_train.paths import CONF_DIR, REPO_ROOT
+from medusa_train.files.paths import CONF_DIR, REPO_ROOT
 
 PARTS = 12  # part10..part12 sort before part2 as text: the order must be numeric
 CHUNK = 10
@@ -283,7 +283,7 @@ def test_a_command_naming_them_stops_in_one_line_before_writing_anything(empty_c
 def test_real_coder_models_share_a_tokenizer_and_answer_a_chat_prompt():
     import torch
 
-    from medusa_train.config import ModelConfig, as_dataclass
+    from medusa_train.config.schema import ModelConfig, as_dataclass
     from medusa_train.loading.base import load_base_model
 
     absent = [m.title for m in GROUPS["coder"] if not is_assembled(m)]

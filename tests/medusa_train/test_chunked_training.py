@@ -22,10 +22,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # drafter -> (overrides, joint): soft and greedy targets, per-head and shared projections, a reduced vocabulary
 DRAFTERS = {
-    "medusa_soft": (["heads.medusa_num_heads=3", "heads.target=soft"], False),
+    "medusa_soft": (["heads.num_heads=3", "heads.target=soft"], False),
     "medusa_shared_map": (["heads.share_lm_head=true", "heads.head_vocab_size=64", "heads.target=base_argmax"],
                           False),
-    "hydra": (["heads=hydra", "heads.medusa_num_heads=2", "heads.target=soft"], False),
+    "hydra": (["heads=hydra", "heads.num_heads=2", "heads.target=soft"], False),
     "eagle3": ([*EAGLE3, "heads.target=base_argmax"], False),
     "medusa2_lora": (["heads.target=soft"], True),
     # the base's own LM / KL loss and argmax projected in chunks too (soft targets keep the base's logits whole)
@@ -129,7 +129,7 @@ def test_a_short_training_run_gives_the_same_loss_chunked_or_not(name, tiny_inpu
 
 
 def test_loss_chunk_size_zero_is_off_and_a_negative_one_is_refused_naming_the_field():
-    from medusa_train.config import TrainerConfig
+    from medusa_train.config.schema import TrainerConfig
 
     TrainerConfig(loss_chunk_size=0).validate()
     with pytest.raises(ValueError, match=r"trainer\.loss_chunk_size.*0: off"):

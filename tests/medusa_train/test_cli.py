@@ -58,7 +58,7 @@ def export_gguf(*overrides: str) -> str:
     from hydra import compose, initialize_config_dir
 
     from medusa_train.cli.export_gguf import register_schemas, run
-    from medusa_train.paths import CONF_DIR
+    from medusa_train.files.paths import CONF_DIR
 
     register_schemas()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):

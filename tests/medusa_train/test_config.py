@@ -14,8 +14,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from medusa_train.config import TrainConfig, as_dataclass
-from medusa_train.paths import CONF_DIR, REPO_ROOT
+from medusa_train.config.schema import TrainConfig, as_dataclass
+from medusa_train.files.paths import CONF_DIR, REPO_ROOT
 from medusa_train.training.arguments import load_deepspeed_config
 
 PRIMARY = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
@@ -94,7 +94,7 @@ def test_the_documented_command_line_composes():
     cfg = compose_in(CONF_DIR, "train", ["model=smollm2_135m", "data=sharegpt", "trainer=ddp"])
     train = as_dataclass(TrainConfig, resolved_or_skip(cfg))
     assert (train.model.format, train.data.source, train.trainer.strategy) == ("gguf", "sharegpt", "ddp")
-    assert train.heads.mode == "medusa1" and train.logger.report_to == []
+    assert train.heads.mode == "frozen_base" and train.logger.report_to == []
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         hydra_cfg = compose("train", overrides=["output_dir=/runs/x"], return_hydra_config=True).hydra
     assert hydra_cfg.run.dir == "/runs/x/hydra"  # every rank under torchrun writes into one folder
@@ -132,7 +132,7 @@ def test_heads_presets_set_only_what_differs_from_the_schema(preset):
     """Each default is defined once, in the heads schema: a preset sets its mode and the fields it changes."""
     import dataclasses
 
-    from medusa_train.config import HeadsConfig
+    from medusa_train.config.schema import HeadsConfig
 
     values = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "heads" / f"{preset}.yaml"))
     values.pop("defaults")
@@ -164,8 +164,8 @@ def extended_schema(path: Path) -> type | None:
 def test_every_conf_file_sets_only_what_differs_from_its_schema(path):
     """Each default is defined once, in its dataclass schema: every file under conf/ extends its schema and sets
     only the keys whose value differs from the schema's default, so changing a default changes every shipped run.
-    Kept besides: required keys (``???``), interpolations, and a preset's own name (heads/medusa1's ``mode``,
-    data/sharegpt's ``source``, draft/self_layers's ``kind``: it stays that preset whatever the default)."""
+    Kept besides: required keys (``???``), interpolations, and a preset's own name (data/sharegpt's ``source``,
+    draft/self_layers's ``kind``: it stays that preset whatever the default)."""
     file = CONF_DIR / f"{path}.yaml"
     schema = extended_schema(file)
     assert schema is not None, f"conf/{path}.yaml extends no schema in its defaults list"
@@ -185,7 +185,7 @@ def test_every_conf_file_sets_only_what_differs_from_its_schema(path):
 
 def test_every_heads_mode_has_its_recipe():
     """heads.mode is checked once, by the schema; the recipes are keyed by the same modes."""
-    from medusa_train.config import HEADS_MODES
+    from medusa_train.config.schema import HEADS_MODES
     from medusa_train.training.recipe import RECIPES
 
-    assert tuple(RECIPES) == HEADS_MODES == ("medusa1", "medusa2")
+    assert tuple(RECIPES) == HEADS_MODES == ("frozen_base", "joint")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from medusa_train.config import DataConfig
+from medusa_train.config.schema import DataConfig
 from medusa_train.data import (
     IGNORE_INDEX,
     Collator,
@@ -25,9 +25,9 @@ from medusa_train.data import (
     split_indices,
     tokenize_conversation,
 )
-from medusa_train.checksums import file_sha256
+from medusa_train.files.checksums import file_sha256
 from medusa_train.data.self_distill import read_records, written_blocks
-from medusa_train.paths import package_file
+from medusa_train.files.paths import package_file
 from tests.conftest import CHATML, make_tiny_model
 
 FIXTURES = Path(__file__).resolve().parents[2] / "data" / "fixtures"

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from medusa_train.config import DataConfig
-from medusa_train.conversations import load_conversations
+from medusa_train.config.schema import DataConfig
+from medusa_train.chat.conversations import load_conversations
 from medusa_train.data.topics import holds_problem, looks_like_code
-from medusa_train.prompts import problem_signatures
+from medusa_train.chat.prompts import problem_signatures
 
 
 def conversation(user: str, reply: str = "ok") -> dict:

@@ -8,7 +8,7 @@ from collections import namedtuple
 
 import pytest
 
-from medusa_train.disk_space import DiskSpaceError, existing_parent, require_free
+from medusa_train.runs.disk_space import DiskSpaceError, existing_parent, require_free
 from medusa_train.training.recipe import build_recipe
 from tests.medusa_train.test_training import compose_train, tiny_overrides, write_tiny_inputs
 

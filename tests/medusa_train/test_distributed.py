@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from medusa_train.paths import REPO_ROOT
+from medusa_train.files.paths import REPO_ROOT
 from medusa_train.training import checkpoints
-from medusa_train.drills import EXIT_AFTER_STEP, EXIT_CODE
+from medusa_train.runs.drills import EXIT_AFTER_STEP, EXIT_CODE
 from medusa_train.training.recipe import build_recipe
 from tests.processes import run_group
 from tests.medusa_train.test_training import (
@@ -104,7 +104,7 @@ def test_killed_deepspeed_zero2_run_resumes_to_the_same_heads(reference):
 
 # ---- Hydra heads: the same pipeline with per-head MLPs that read the path's embeddings -------------------------------
 
-HYDRA = {"heads": "hydra", "heads.medusa_num_layers": 2}
+HYDRA = {"heads": "hydra", "heads.num_layers": 2}
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from medusa_train.catalog import drafter_type, shifted_path_tokens
-from medusa_train.features import layer_feature
-from medusa_train.model import MedusaModel, new_heads_for
+from medusa_train.models.catalog import drafter_type, shifted_path_tokens
+from medusa_train.models.features import layer_feature
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
 from medusa_train.training import base_recipe
 from medusa_train.training.recipe import build_recipe
 from tests.conftest import make_tiny_model
@@ -33,13 +33,13 @@ EAGLE3 = ["heads=eagle3", "heads.feature_layers=[0,1,2]", "heads.head_vocab_size
 
 
 @pytest.fixture(scope="module")
-def eagle3_model() -> MedusaModel:
+def eagle3_model() -> SpeculativeModel:
     """An 8-layer tiny Llama (vLLM's default taps 2, 4, 5) with a random fp32 drafter of K steps."""
     base = make_tiny_model("llama", num_hidden_layers=8)
-    return MedusaModel(base, randomized(new_heads_for(base, K, head_type="eagle3"), 5, torch.float32))
+    return SpeculativeModel(base, randomized(new_heads_for(base, K, head_type="eagle3"), 5, torch.float32))
 
 
-def inference_chain(model: MedusaModel, ids: torch.Tensor, t: int) -> list[torch.Tensor]:
+def inference_chain(model: SpeculativeModel, ids: torch.Tensor, t: int) -> list[torch.Tensor]:
     """Draft steps 0.. from position t of one sequence ``ids [T]`` as decoding runs them when every draft is right:
     the drafter over the context 0..t with its own KV cache (fused target features, embeddings of tokens s+1), then
     one step at a time at positions t+1, t+2, ..., reading its own ``out`` and the true next token's embedding.
@@ -215,8 +215,8 @@ def test_a_crashed_cached_run_resumes_to_the_same_drafter(tiny_inputs, tmp_path)
 
 @pytest.fixture
 def cpu_flags(monkeypatch):
-    """Fake the CPU's instruction-set flags (:data:`medusa_train.precision.CPU_FLAGS_ENV`): ``cpu_flags(flags)``."""
-    from medusa_train.precision import CPU_FLAGS_ENV
+    """Fake the CPU's instruction-set flags (:data:`medusa_train.config.precision.CPU_FLAGS_ENV`): ``cpu_flags(flags)``."""
+    from medusa_train.config.precision import CPU_FLAGS_ENV
 
     return lambda flags: monkeypatch.setenv(CPU_FLAGS_ENV, " ".join(sorted(flags)))
 
@@ -263,7 +263,7 @@ def test_auto_precision_is_fp32_on_an_avx2_cpu(tiny_inputs, tmp_path, cpu_flags)
 
 @pytest.mark.slow
 def test_more_steps_and_a_large_draft_vocabulary_reach_training_and_export(tiny_inputs, tmp_path):
-    """heads.medusa_num_heads (K, the unrolled steps) and heads.head_vocab_size=8192 through the hidden cache to
+    """heads.num_heads (K, the unrolled steps) and heads.head_vocab_size=8192 through the hidden cache to
     the exported drafter (a tiny target with a 16,384-token vocabulary, the tiny tokenizer's 512 ids among it)."""
     import json
 
@@ -274,7 +274,7 @@ def test_more_steps_and_a_large_draft_vocabulary_reach_training_and_export(tiny_
     AutoTokenizer.from_pretrained(tiny_inputs[0]).save_pretrained(model_dir)
     run = tmp_path / "run"
     recipe = build_recipe(compose_train(tiny_overrides(model_dir, tiny_inputs[1], run, hidden_cache="true", **{
-        "heads.medusa_num_heads": 3, "trainer.max_steps": 4}) + [*EAGLE3[:2], "heads.head_vocab_size=8192"]))
+        "heads.num_heads": 3, "trainer.max_steps": 4}) + [*EAGLE3[:2], "heads.head_vocab_size=8192"]))
     recipe.run()
     heads = recipe.trainer.model
     assert heads.spec.num_heads == 3 and heads.spec.out_size == 8192
@@ -328,14 +328,14 @@ def test_bad_eagle3_settings_are_refused_once_the_target_loads_before_its_data(
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["heads=eagle3", "heads.mode=medusa2"], r"heads.head_type=eagle3 trains the heads on a frozen base"),
+    (["heads=eagle3", "heads.mode=joint"], r"heads.head_type=eagle3 trains the heads on a frozen base"),
     (["heads.feature_layers=[0,1,2]"], r"heads.feature_layers=\[0, 1, 2\] is for EAGLE-3 heads, not Medusa heads: "
                                        r"set heads=eagle3"),
     (["heads=hydra", "heads.feature_layers=[0,1,2]"], r"heads.feature_layers=\[0, 1, 2\] is for EAGLE-3 heads, not "
                                                       r"Hydra heads"),
 ])
 def test_eagle3_settings_for_other_flows_are_refused_before_any_model_loads(overrides, message, tiny_inputs, tmp_path):
-    from medusa_train.config import TrainConfig, as_dataclass
+    from medusa_train.config.schema import TrainConfig, as_dataclass
 
     with pytest.raises(ValueError, match=message):
         as_dataclass(TrainConfig, compose_train(tiny_overrides(*tiny_inputs, tmp_path / "run") + overrides))

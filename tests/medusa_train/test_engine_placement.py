@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from medusa_train.config import DataConfig, ModelConfig
+from medusa_train.config.schema import DataConfig, ModelConfig
 from medusa_train.data.distill_engines import EnginePlacement, distill_engine, engine_placement
 from tests.medusa_train.test_distill_engines import fake_vllm
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from medusa_train.export import load_heads, read_export_config, save_export
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 
@@ -249,7 +249,7 @@ def test_export_refuses_a_head_layout_vllm_cannot_reproduce(tmp_path, base):
     save_export(heads, tmp_path / "kept", "tiny-llama", vllm=False, base_model=base)
     assert not (tmp_path / "kept" / "vllm").exists()
     # and medusa-train refuses it before loading anything
-    from medusa_train.config import DataConfig, HeadsConfig, LoggerConfig, ModelConfig, TrainConfig, TrainerConfig
+    from medusa_train.config.schema import DataConfig, HeadsConfig, LoggerConfig, ModelConfig, TrainConfig, TrainerConfig
 
     def train_config(**kwargs) -> TrainConfig:
         return TrainConfig(model=ModelConfig(name_or_path="tiny-llama"), heads=HeadsConfig(head_vocab_size=1),

@@ -18,10 +18,10 @@ import torch
 from safetensors import SafetensorError
 
 import medusa_train.export.files as files
-from medusa_train.disk_space import DiskFullError
+from medusa_train.runs.disk_space import DiskFullError
 from medusa_train.export import save_export
-from medusa_train.model import new_heads_for
-from medusa_train.run_lock import EXPORT_LOCK, LockHeldError, RunLock
+from medusa_train.models.speculative import new_heads_for
+from medusa_train.runs.run_lock import EXPORT_LOCK, LockHeldError, RunLock
 from tests.conftest import make_tiny_model
 
 
@@ -118,7 +118,7 @@ def test_a_full_disk_in_safetensors_or_torch_save_names_the_file_the_bytes_and_t
 
 EXPORT_SCRIPT = """
 import sys
-from medusa_train.disk_space import DiskFullError
+from medusa_train.runs.disk_space import DiskFullError
 from tests.conftest import make_tiny_model
 from tests.medusa_train.test_export_atomic import heads_for
 from medusa_train.export import save_export

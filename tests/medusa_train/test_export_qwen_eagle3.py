@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from medusa_train.catalog import new_spec
+from medusa_train.models.catalog import new_spec
 from medusa_train.drafters.eagle3.drafter import Eagle3Drafter
 from medusa_train.drafters.eagle3.gguf import export_eagle3_gguf
 from medusa_train.engines.llamacpp_env import llamacpp_available, llamacpp_venv
@@ -64,7 +64,7 @@ def test_the_speculators_export_of_a_qwen2_target_reads_back(export, target):
 def coder_tokenizer_folder() -> Path:
     """The converted Qwen2.5-Coder-1.5B HF folder (its tokenizer), or a skip naming the install command."""
     from medusa_train.loading.chunked_gguf import NotInstalledError, installed_gguf
-    from medusa_train.loading.install_models import preset_config
+    from medusa_train.cli.install_models import preset_config
     from medusa_train.loading.base import engine_model_path
 
     try:

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from medusa_train.catalog import drafter_type, new_spec
+from medusa_train.models.catalog import drafter_type, new_spec
 from medusa_train.drafters.eagle3.drafter import Eagle3Drafter
 from medusa_train.export import save_export
 from medusa_train.drafters.eagle3.speculators import NORM_FLAGS, expected_tensors
-from medusa_train.features import layer_feature, target_features
+from medusa_train.models.features import layer_feature, target_features
 from tests.conftest import VOCAB, make_tiny_model
 
 HEAD_VOCAB = 40
@@ -128,7 +128,7 @@ def test_a_tap_at_the_last_layer_is_refused_for_vllm(tmp_path, target):
 
 
 def test_a_medusa_export_into_the_folder_drops_the_stale_speculators(tmp_path, target):
-    from medusa_train.heads_base import HeadsSpec
+    from medusa_train.models.heads_base import HeadsSpec
     from medusa_train.drafters.medusa.heads import MedusaHeads
 
     out = save_export(drafter(target), tmp_path / "export", "org/tiny", base_model=target)
@@ -202,7 +202,7 @@ def serve_in_vllm(export, target):
     from types import SimpleNamespace
 
     from inference.registry import BuildContext, build_decoder, decoder_settings
-    from medusa_train.config import ModelConfig
+    from medusa_train.config.schema import ModelConfig
 
     ctx = BuildContext(model=SimpleNamespace(base=target), tokenizer=None, export_dir=str(export),
                        model_config=ModelConfig(name_or_path="org/tiny"))

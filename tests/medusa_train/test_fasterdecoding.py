@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from medusa_train.export import save_export
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
-from medusa_train.loading.medusa import load_medusa
-from medusa_train.paths import PACKAGE_DIR
+from medusa_train.loading.export import load_export
+from medusa_train.files.paths import PACKAGE_DIR
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 VENV = Path(os.environ.get("MEDUSA_FASTERDECODING_VENV") or PACKAGE_DIR.parent / ".venv-fasterdecoding")
@@ -92,7 +92,7 @@ def test_fasterdecoding_loader_gives_our_heads_and_our_head_logits(tmp_path, sha
         assert torch.equal(theirs["heads"][f"{h}.1.weight"], lm_head if share else heads.lm_head_weight[h])
 
     # its forward pass over the same tokens gives our head logits
-    model, _, _ = load_medusa(str(export))
+    model, _, _ = load_export(str(export))
     ids = torch.tensor(INPUT_IDS)
     with torch.no_grad():
         hidden, _ = model.hidden(ids)

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from medusa_train import drills
-from medusa_train.conversations import load_conversations
+from medusa_train.runs import drills
+from medusa_train.chat.conversations import load_conversations
 from medusa_train.data.self_distill import block_path, read_records, self_distill
-from medusa_train.disk_space import DiskFullError, disk_full_named
-from medusa_train.features import FINAL
-from medusa_train.paths import REPO_ROOT
-from medusa_train.safetensors_stream import planned_size
+from medusa_train.runs.disk_space import DiskFullError, disk_full_named
+from medusa_train.models.features import FINAL
+from medusa_train.files.paths import REPO_ROOT
+from medusa_train.files.safetensors_stream import planned_size
 from medusa_train.training.data_prep import read_distilled
 from medusa_train.training.hidden_cache import CachedHiddenDataset, plan_block
 from medusa_train.training.recipe import build_recipe
@@ -54,7 +54,7 @@ def under_file_size_limit(limit: int, script: str, *args: object) -> subprocess.
 
 CACHE_SCRIPT = """
 import sys
-from medusa_train.disk_space import DiskFullError
+from medusa_train.runs.disk_space import DiskFullError
 from tests.conftest import make_tiny_model
 from tests.medusa_train.test_hidden_cache_stream import build, rows
 try:
@@ -96,7 +96,7 @@ DISTILL_SCRIPT = """
 import json, sys
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from medusa_train.data.self_distill import self_distill
-from medusa_train.disk_space import DiskFullError
+from medusa_train.runs.disk_space import DiskFullError
 model_dir, conversations, out = sys.argv[1:4]
 model, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
 try:
@@ -297,7 +297,7 @@ def test_the_run_record_counts_empty_replies_and_conversations_cut_at_max_length
 
 
 def test_a_non_utf8_line_deep_in_a_500k_line_jsonl_is_refused_with_its_line_before_any_model_loads(tmp_path):
-    # the project's convention for a malformed file (medusa_train.text_files): refuse it whole, naming the line, at
+    # the project's convention for a malformed file (medusa_train.files.text_files): refuse it whole, naming the line, at
     # load time: the model, self-distillation and training all start later
     path = tmp_path / "big.jsonl"
     line = json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]})

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from medusa_train.data.self_distill import read_records, written_blocks
-from medusa_train.drills import EXIT_AT_CACHE_BLOCK, EXIT_AT_DISTILL_BATCH, EXIT_CODE, SIGNAL_AT_STEP
-from medusa_train.paths import REPO_ROOT
+from medusa_train.runs.drills import EXIT_AT_CACHE_BLOCK, EXIT_AT_DISTILL_BATCH, EXIT_CODE, SIGNAL_AT_STEP
+from medusa_train.files.paths import REPO_ROOT
 from medusa_train.training import checkpoints
 from medusa_train.training.callbacks import PREEMPTED_EXIT_CODE
 from medusa_train.training.recipe import build_recipe

@@ -1,4 +1,4 @@
-"""The target's named features (medusa_train.features): one layer indexing for training, tuning and decoding, checked
+"""The target's named features (medusa_train.models.features): one layer indexing for training, tuning and decoding, checked
 against the base model's own ``output_hidden_states`` on every tiny family."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from medusa_train.features import (
+from medusa_train.models.features import (
     FINAL,
     check_feature_layers,
     count_layers,

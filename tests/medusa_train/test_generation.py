@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from medusa_train.generation import left_pad, length_batches
+from medusa_train.models.generation import left_pad, length_batches
 
 
 def test_length_batches_groups_longest_first_within_the_row_and_token_limits():

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from medusa_train.heads_base import HeadsSpec, build_token_map
+from medusa_train.models.heads_base import HeadsSpec, build_token_map
 from medusa_train.drafters.medusa.heads import MedusaHeads
-from medusa_train.model import MedusaModel, new_heads_for
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 
 
@@ -57,8 +57,8 @@ def test_blocks_do_not_share_parameters():
 
 
 @pytest.mark.parametrize("field,kwargs", [
-    ("medusa_num_heads", dict(num_heads=0, num_layers=1)),
-    ("medusa_num_layers", dict(num_heads=2, num_layers=0)),
+    ("num_heads", dict(num_heads=0, num_layers=1)),
+    ("num_layers", dict(num_heads=2, num_layers=0)),
 ])
 def test_bad_spec_names_field(field, kwargs):
     with pytest.raises(ValueError, match=field):
@@ -82,7 +82,7 @@ def test_token_map_reduces_vocab_and_maps_back():
 
 def test_model_forward_all_families(family):
     base = make_tiny_model(family)
-    model = MedusaModel(base, new_heads_for(base, num_heads=3))
+    model = SpeculativeModel(base, new_heads_for(base, num_heads=3))
     ids = torch.randint(3, VOCAB, (2, 6))
     out = model(ids)
     assert out.logits.shape == (2, 6, VOCAB)
@@ -95,10 +95,10 @@ def test_heads_for_other_base_are_refused():
     base = make_tiny_model("llama")
     other = make_tiny_model("llama", vocab_size=VOCAB + 1)
     with pytest.raises(ValueError, match="vocab_size"):
-        MedusaModel(base, new_heads_for(other, num_heads=2))
+        SpeculativeModel(base, new_heads_for(other, num_heads=2))
     wide = make_tiny_model("llama", hidden_size=HIDDEN * 2, head_dim=8)
     with pytest.raises(ValueError, match="hidden_size"):
-        MedusaModel(base, new_heads_for(wide, num_heads=2))
+        SpeculativeModel(base, new_heads_for(wide, num_heads=2))
 
 
 @pytest.mark.parametrize("share", [False, True])
@@ -107,7 +107,7 @@ def test_the_first_heads_alone_equal_all_heads_cut(share):
     heads = new_heads_for(base, num_heads=4, num_layers=2, share_lm_head=share)
     with torch.no_grad():
         heads.block_weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
-    model = MedusaModel(base, heads)
+    model = SpeculativeModel(base, heads)
     hidden = torch.randn(2, 3, HIDDEN)
     full = model.head_logits(hidden)
     assert full.shape == (4, 2, 3, VOCAB)

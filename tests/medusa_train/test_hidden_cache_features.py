@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from medusa_train.data.collate import Collator
-from medusa_train.features import FINAL, target_features
+from medusa_train.models.features import FINAL, target_features
 from medusa_train.training.hidden_cache import (
     CACHE_VERSION,
     CachedHiddenDataset,

@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from medusa_train.checksums import file_sha256
+from medusa_train.files.checksums import file_sha256
 from medusa_train.data.collate import Collator
-from medusa_train.features import FINAL, target_features
-from medusa_train.paths import REPO_ROOT
-from medusa_train.safetensors_stream import SafetensorsStream, TensorPlan, planned_size
+from medusa_train.models.features import FINAL, target_features
+from medusa_train.files.paths import REPO_ROOT
+from medusa_train.files.safetensors_stream import SafetensorsStream, TensorPlan, planned_size
 from medusa_train.training import hidden_cache
 from medusa_train.training.hidden_cache import (
     CacheSpaceError,

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from medusa_train.catalog import drafter_types, head_types, titles
-from medusa_train.heads_base import HeadsSpec
-from medusa_train.catalog import shifted_path_tokens
+from medusa_train.models.catalog import drafter_types, head_types, titles
+from medusa_train.models.heads_base import HeadsSpec
+from medusa_train.models.catalog import shifted_path_tokens
 from medusa_train.drafters.hydra.heads import HydraHeads, HydraSpec
-from medusa_train.model import MedusaModel, new_heads_for
+from medusa_train.models.speculative import SpeculativeModel, new_heads_for
 from medusa_train.training.recipe import build_recipe
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 from tests.medusa_train.test_training import compose_train, tiny_overrides
@@ -72,10 +72,10 @@ def test_shifted_path_tokens_are_the_next_k_tokens_padded_past_the_end():
 
 
 def test_head_k_reads_exactly_the_tokens_t_plus_1_to_t_plus_k_plus_1():
-    """Teacher forced through MedusaModel.forward: changing the token at position j changes head k at t exactly when
-    t < j <= t + k + 1 (its hidden state at t is causal, its path is t+1 .. t+k+1)."""
+    """Teacher forced through SpeculativeModel.forward: changing the token at position j changes head k at t exactly
+    when t < j <= t + k + 1 (its hidden state at t is causal, its path is t+1 .. t+k+1)."""
     base = make_tiny_model("llama")
-    model = MedusaModel(base, randomised(new_heads_for(base, 3, head_type="hydra")))
+    model = SpeculativeModel(base, randomised(new_heads_for(base, 3, head_type="hydra")))
     ids = torch.tensor([[1, 5, 9, 33, 20, 44, 12, 90, 3]])
     j = 6
     changed = ids.clone()
@@ -91,7 +91,7 @@ def test_head_k_reads_exactly_the_tokens_t_plus_1_to_t_plus_k_plus_1():
 def test_fresh_concat_heads_predict_what_the_base_predicts_next():
     base = make_tiny_model("llama")
     for share in (False, True):
-        model = MedusaModel(base, new_heads_for(base, 4, num_layers=2, share_lm_head=share, head_type="hydra"))
+        model = SpeculativeModel(base, new_heads_for(base, 4, num_layers=2, share_lm_head=share, head_type="hydra"))
         ids = torch.tensor([[1, 5, 9, 33, 20, 44]])
         with torch.no_grad():
             out = model(ids)
@@ -101,8 +101,8 @@ def test_fresh_concat_heads_predict_what_the_base_predicts_next():
 
 def test_model_helpers_refuse_the_wrong_call_for_the_heads():
     base = make_tiny_model("llama")
-    hydra = MedusaModel(base, new_heads_for(base, 2, head_type="hydra"))
-    medusa = MedusaModel(base, new_heads_for(base, 2))
+    hydra = SpeculativeModel(base, new_heads_for(base, 2, head_type="hydra"))
+    medusa = SpeculativeModel(base, new_heads_for(base, 2))
     hidden = torch.randn(3, HIDDEN)
     with pytest.raises(ValueError, match="Hydra heads read the path tokens"):
         hydra.head_logits(hidden)
@@ -120,7 +120,7 @@ def test_invalid_specs_are_refused():
         HydraSpec(2, 1, 8, 11, combine="mean")
     with pytest.raises(TypeError, match="HydraHeads needs a HydraSpec"):
         HydraHeads(HeadsSpec(2, 1, 8, 11))
-    with pytest.raises(ValueError, match="medusa_num_layers must be an integer >= 1"):
+    with pytest.raises(ValueError, match="num_layers must be an integer >= 1"):
         HydraSpec(2, 0, 8, 11)
     with pytest.raises(ValueError, match="token_map must be a \\[4\\] long tensor"):
         HydraHeads(HydraSpec(2, 1, 8, 11, head_vocab_size=4))
@@ -131,10 +131,10 @@ def test_invalid_specs_are_refused():
 @pytest.mark.parametrize("overrides,message", [
     (["heads=hydra", "heads.combine=mean"], r"heads.combine must be one of \('concat', 'sum'\)"),
     (["heads.combine=sum"], "heads.combine=sum is for Hydra heads"),
-    (["heads=hydra", "heads.mode=medusa2"], "heads.head_type=hydra trains the heads on a frozen base"),
+    (["heads=hydra", "heads.mode=joint"], "heads.head_type=hydra trains the heads on a frozen base"),
     (["heads.head_type=eagle"], re.escape(f"heads.head_type must be one of {head_types()}")),  # every type
     (["heads=hydra", "push_to_hub=true", "hub_repo_id=me/heads"], "medusa-publish publishes Medusa heads"),
-    (["heads=hydra", "heads.medusa_num_layers=0"], "heads.medusa_num_layers must be >= 1"),
+    (["heads=hydra", "heads.num_layers=0"], "heads.num_layers must be >= 1"),
 ])
 def test_invalid_hydra_settings_are_refused_before_any_model_loads(tmp_path, overrides, message):
     # the model path does not exist: an error about it would mean the settings were checked too late
@@ -149,4 +149,4 @@ def test_heads_hydra_composes_with_the_default_recipe(tmp_path):
     cfg = compose_train([f"output_dir={tmp_path}", "heads=hydra"])
     recipe_cfg = build_recipe(cfg).cfg
     assert (recipe_cfg.heads.head_type, recipe_cfg.heads.combine, recipe_cfg.heads.mode) == ("hydra", "concat",
-                                                                                              "medusa1")
+                                                                                              "frozen_base")

@@ -11,14 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from medusa_train.catalog import head_types
+from medusa_train.models.catalog import head_types
 from medusa_train.export import load_heads, read_export_config, save_export
-from medusa_train.catalog import shifted_path_tokens
+from medusa_train.models.catalog import shifted_path_tokens
 from medusa_train.drafters.hydra.heads import HydraHeads, HydraSpec
-from medusa_train.loading.medusa import load_medusa
-from medusa_train.model import new_heads_for
+from medusa_train.loading.export import load_export
+from medusa_train.models.speculative import new_heads_for
 from medusa_train.publish.folder import collect_export
-from medusa_train.training.losses import medusa_head_loss
+from medusa_train.training.losses import heads_loss
 from medusa_train.training.recipe import build_recipe
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 from tests.medusa_train.test_export import TOKEN_MAP, hidden_states, random_heads, randomized
@@ -31,7 +31,7 @@ from tests.medusa_train.test_training import (
     write_tiny_inputs,
 )
 
-HYDRA = {"heads": "hydra", "heads.medusa_num_heads": 2, "heads.target": "labels"}
+HYDRA = {"heads": "hydra", "heads.num_heads": 2, "heads.target": "labels"}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_each_head_type_refuses_to_load_as_the_other_naming_it(tmp_path):
         load_heads(medusa, head_type="hydra")
     # before the base model loads: "tiny-llama" is no model anywhere
     with pytest.raises(ValueError, match=r"holds Hydra heads \(head_type 'hydra'\), but Medusa heads"):
-        load_medusa(str(hydra), head_type="medusa")
+        load_export(str(hydra), head_type="medusa")
     with pytest.raises(ValueError, match=r"hydra heads \(head_type 'hydra'\): medusa-publish publishes Medusa"):
         collect_export(hydra)
     with pytest.raises(ValueError, match="load_heads\\(head_type=...\\): head_type 'eagle' is not one"):
@@ -157,7 +157,7 @@ def test_hydra_heads_run_only_where_counted_and_give_the_teacher_forced_dense_lo
     packed_grads = [p.grad.clone() for p in heads.parameters()]
     heads.zero_grad()
     path = embed(shifted_path_tokens(input_ids, K)).detach()  # [B, T, K, H]: the true tokens t+1 .. t+K
-    dense = medusa_head_loss(heads(hidden, path), labels, target=target, decay=0.8, base_argmax=batch["base_argmax"],
+    dense = heads_loss(heads(hidden, path), labels, target=target, decay=0.8, base_argmax=batch["base_argmax"],
                              base_logits=base_logits if target == "soft" else None)
     dense.loss.backward()
     assert packed.count.tolist() == dense.count.tolist() == [10, 10, 8]
@@ -222,6 +222,6 @@ def test_hydra_export_cannot_start_a_medusa2_run(tiny_inputs, tmp_path):
     heads = new_heads_for(base, 2, head_type="hydra")
     save_export(heads, export, str(model_dir), vllm=False)
     cfg = compose_train(tiny_overrides(model_dir, data, tmp_path / "m2", **{
-        "heads": "medusa2", "heads.medusa_num_heads": 2, "heads.stage1_epochs": 0, "heads.init_from": str(export)}))
+        "heads": "medusa2", "heads.num_heads": 2, "heads.stage1_epochs": 0, "heads.init_from": str(export)}))
     with pytest.raises(ValueError, match=r"heads.init_from=.*holds Hydra heads \(head_type 'hydra'\), but Medusa"):
         build_recipe(cfg).check()

@@ -20,7 +20,7 @@ from medusa_train.loading.llama2c import (
     read_llama2c_header,
     read_llama2c_weights,
 )
-from medusa_train.paths import assets_dir
+from medusa_train.files.paths import assets_dir
 
 REFERENCE_STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "

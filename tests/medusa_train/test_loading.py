@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa_train.config import ModelConfig
+from medusa_train.config.schema import ModelConfig
 from medusa_train.loading.base import detect_format, load_base_model
-from medusa_train.paths import package_file
+from medusa_train.files.paths import package_file
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 
@@ -103,7 +103,7 @@ def test_llama2c_conversion_follows_converted_dtype(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     from medusa_train.loading.base import engine_model_path
-    from medusa_train.paths import assets_dir
+    from medusa_train.files.paths import assets_dir
 
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     cfg = ModelConfig(name_or_path=str(assets_dir() / "stories260K" / "stories260K.bin"), format="llama2c")
@@ -137,8 +137,8 @@ def test_export_naming_no_base_model_says_which_file_field_and_fix(tmp_path, mon
 
     import medusa_train.loading.base as loading
     from medusa_train.export import save_export
-    from medusa_train.loading.medusa import load_medusa
-    from medusa_train.model import new_heads_for
+    from medusa_train.loading.export import load_export
+    from medusa_train.models.speculative import new_heads_for
 
     save_export(new_heads_for(make_tiny_model("llama"), num_heads=2), tmp_path / "export", "tiny-llama", vllm=False)
     config = json.loads((tmp_path / "export" / "config.json").read_text())
@@ -148,4 +148,4 @@ def test_export_naming_no_base_model_says_which_file_field_and_fix(tmp_path, mon
     with pytest.raises(ValueError, match=rf"{tmp_path / 'export' / 'config.json'} has no base_model_name_or_path "
                                          r"\(got None\).*Add \"base_model_name_or_path\": \"<Hub id or local folder of "
                                          r"the base model>\" to .*or choose the base on the command line with model="):
-        load_medusa(str(tmp_path / "export"))
+        load_export(str(tmp_path / "export"))

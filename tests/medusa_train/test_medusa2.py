@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from medusa_train.config import HeadsConfig, LoraSettings
+from medusa_train.config.schema import HeadsConfig, LoraSettings
 from medusa_train.export import load_heads, read_export_config, save_export
-from medusa_train.loading.medusa import load_medusa
-from medusa_train.model import new_heads_for
+from medusa_train.loading.export import load_export
+from medusa_train.models.speculative import new_heads_for
 from medusa_train.training import checkpoints
 from medusa_train.training.joint import (
-    JointMedusaModel,
+    JointModel,
     causal_lm,
     lora_target_modules,
     prepare_base,
@@ -51,7 +51,7 @@ def joint_overrides(model_dir: Path, data: Path, output_dir: Path, **extra: obje
 
 
 def lora_heads_config(**lora: object) -> HeadsConfig:
-    return HeadsConfig(mode="medusa2", finetune="lora", lora=LoraSettings(**{"r": 4, "dropout": 0.0, **lora}))
+    return HeadsConfig(mode="joint", finetune="lora", lora=LoraSettings(**{"r": 4, "dropout": 0.0, **lora}))
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_the_base_loss_in_chunks_refuses_bad_arguments_by_field():
 
 def test_kl_is_zero_at_start_with_lora_and_positive_after_a_step():
     base = make_tiny_model("llama", vocab_size=512)
-    joint = JointMedusaModel(prepare_base(base, lora_heads_config()), new_heads_for(base, 2))
+    joint = JointModel(prepare_base(base, lora_heads_config()), new_heads_for(base, 2))
     labels = IDS.clone()
     out = joint(IDS, with_reference=True)
     assert torch.equal(out.logits, out.reference_logits)  # B = 0: the adapters add exactly nothing
@@ -202,7 +202,7 @@ def test_two_stages_with_zero_head_weight_keep_the_stage1_heads(lora_run):
     recipe, out = lora_run
     stage1 = out / "stage1" / "export"
     assert (stage1 / "config.json").is_file() and recipe.summary["stage1"]["global_step"] == 4  # 16 rows / 4
-    assert read_export_config(stage1)["training"]["mode"] == "medusa1"
+    assert read_export_config(stage1)["training"]["mode"] == "frozen_base"
     # lambda_0 = 0: the heads get zero gradients, AdamW moves them by exactly nothing
     a, b = exported_heads(stage1), exported_heads(out / "export")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -252,7 +252,7 @@ def test_export_holds_the_merged_base_and_decodes_like_it(lora_run, tmp_path):
                                atol=1e-5, rtol=1e-5)
     moved = tmp_path / "moved"
     shutil.copytree(export, moved)  # the base is found relative to the export folder, wherever it goes
-    model, tokenizer, _ = load_medusa(str(moved))
+    model, tokenizer, _ = load_export(str(moved))
     assert Path(model.base.config._name_or_path).resolve() == (moved / "base").resolve()
     assert torch.equal(logits_of(model.base, IDS), logits_of(merged, IDS))
     assert tokenizer.vocab_size == 512
@@ -296,10 +296,10 @@ def test_crashed_joint_run_resumes_to_the_same_heads_and_base(tiny_inputs, tmp_p
     torch.testing.assert_close(logits_of(whole, IDS), logits_of(again, IDS), atol=1e-5, rtol=1e-5)
 
 
-def joint_model(finetune: str = "lora") -> JointMedusaModel:
+def joint_model(finetune: str = "lora") -> JointModel:
     base = make_tiny_model("llama", seed=0, vocab_size=512)
-    config = lora_heads_config() if finetune == "lora" else HeadsConfig(mode="medusa2", finetune=finetune)
-    return JointMedusaModel(prepare_base(base, config), new_heads_for(base, 2))
+    config = lora_heads_config() if finetune == "lora" else HeadsConfig(mode="joint", finetune=finetune)
+    return JointModel(prepare_base(base, config), new_heads_for(base, 2))
 
 
 def test_the_trainers_non_strict_resume_loads_exactly_the_trainable_weights_back(tmp_path):
@@ -412,7 +412,7 @@ def test_heads_exported_for_another_base_are_refused(tiny_inputs, tmp_path):
     save_export(new_heads_for(base, 3), tmp_path / "three", str(model_dir), vllm=False)
     recipe = build_recipe(compose_train(joint_overrides(model_dir, data, tmp_path / "run3", **{
         "heads.init_from": str(tmp_path / "three")})))
-    with pytest.raises(ValueError, match=r"heads.medusa_num_heads=2 \(the export has 3\)"):
+    with pytest.raises(ValueError, match=r"heads.num_heads=2 \(the export has 3\)"):
         recipe.run()
     loaded, _ = load_heads(tmp_path / "three")
     assert loaded.spec.num_heads == 3 and causal_lm(base) is base

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
-from medusa_train.config import HeadsConfig
-from medusa_train.paths import assets_dir
+from medusa_train.config.schema import HeadsConfig, heads_schema
+from medusa_train.files.paths import assets_dir
 from medusa_train.planning import GIB, PlanSettings, build_plan, find_fix, heads_sizes, load_target_config, target_sizes
 from medusa_train.planning.presets import heads_preset
 from medusa_train.planning.stages import CUDA_RESERVE_BYTES
@@ -51,10 +51,10 @@ def test_the_tiny_target_and_each_drafter_count_exactly_what_a_hand_count_gives(
         202_048, 36_992, 64_000, 64_000)
     assert (sizes.num_layers, sizes.num_kv_heads, sizes.head_dim, sizes.linear_widths) == (2, 2, 16, 1024)
     count = {name: heads_sizes(cfg, config, sizes).params for name, cfg in {
-        "medusa": HeadsConfig(medusa_num_heads=2),
-        "shared": HeadsConfig(medusa_num_heads=2, share_lm_head=True),
-        "hydra": HeadsConfig(head_type="hydra", medusa_num_heads=2),
-        "eagle3": HeadsConfig(head_type="eagle3", medusa_num_heads=2, head_vocab_size=100, feature_layers=[0, 1, 2]),
+        "medusa": HeadsConfig(num_heads=2),
+        "shared": HeadsConfig(num_heads=2, share_lm_head=True),
+        "hydra": HeadsConfig(head_type="hydra", num_heads=2),
+        "eagle3": heads_schema()(head_type="eagle3", num_heads=2, head_vocab_size=100, feature_layers=[0, 1, 2]),
     }.items()}
     assert count == {"medusa": MEDUSA, "shared": MEDUSA_SHARED, "hydra": HYDRA, "eagle3": EAGLE3}
     assert count == {"medusa": 136_320, "shared": 8_320, "hydra": 169_088, "eagle3": 64_000}
@@ -65,7 +65,7 @@ def test_training_bytes_under_ddp_and_zero2_match_the_hand_count():
     config = tiny_config()
     kw = dict(gpus=4, gpu_bytes=80 * GIB, seq=32, batch=2, base_dtype="float32", precision="bf16",
               loss_chunk_size=16, hidden_cache=True)
-    heads = HeadsConfig(medusa_num_heads=2)
+    heads = HeadsConfig(num_heads=2)
     P, tokens = MEDUSA, 2 * 32
     common = (tokens * 1 * (2 * (64 + 64)) * 2  # activations: K=2 block maps of in 64 + out 64, bf16
               + 2 * 16 * 1000 * 4  # the loss's logits chunk and its gradient, fp32
@@ -113,7 +113,7 @@ def test_70b_medusa1_and_eagle3_fit_8_gpus_of_80_gib_at_seq_4096_with_the_planne
 
 
 def test_70b_medusa2_with_zero3_and_lora_fits_8_gpus_of_80_gib_once_the_base_is_checkpointed(llama70b):
-    s = PlanSettings(gpus=8, gpu_bytes=80 * GIB, seq=4096, zero_stage=3, recipe="medusa2", hidden_cache=False)
+    s = PlanSettings(gpus=8, gpu_bytes=80 * GIB, seq=4096, zero_stage=3, recipe="joint", hidden_cache=False)
     heads = heads_preset("medusa1")
     plain = build_plan(llama70b, heads, s)
     # every linear map's input and output of 80 layers at 8 x 4096 tokens: 790 GiB
@@ -260,7 +260,7 @@ def test_a_70b_config_folder_is_refused_on_one_device_naming_more_gpus(tmp_path)
     model_dir, data = write_tiny_inputs(tmp_path / "inputs", conversations=10)
     cfg, _ = resolve_config(compose_train(tiny_overrides(model_dir, data, tmp_path / "run") + [
         f"model.name_or_path={folder}", "model.dtype=bfloat16", "plan_device_gib=80", "max_length=4096",
-        "trainer.per_device_train_batch_size=1", "heads.medusa_num_heads=4", "trainer.precision=bf16"]))
+        "trainer.per_device_train_batch_size=1", "heads.num_heads=4", "trainer.precision=bf16"]))
     with pytest.raises(ValueError, match=r"stage training needs .* per CPU rank, 85,899,345,920 bytes \(80\.00 GiB\) "
                                          r"available .*set WORLD_SIZE=\d+ trainer=deepspeed_zero3"):
         check_run_memory(cfg, world_size=1)

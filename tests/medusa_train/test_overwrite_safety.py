@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
-from medusa_train.paths import REPO_ROOT
+from medusa_train.files.paths import REPO_ROOT
 from medusa_train.training import checkpoints, run_dir
 from medusa_train.training.recipe import build_recipe
 from medusa_train.training.run_dir import OutputDirError, RunPaths
-from medusa_train.training.trainer import MedusaTrainer
+from medusa_train.training.trainer import DrafterTrainer
 from tests.medusa_train.test_run_safety import (  # noqa: F401 (the fixtures: a tiny model, a finished run, a copy)
     ENV,
     finished_run,
@@ -107,7 +107,7 @@ def fail_creating_the_optimizer(monkeypatch) -> None:
     def refuse(self, *args, **kwargs):
         raise ValueError("Invalid beta parameter at index 0: 1.5")
 
-    monkeypatch.setattr(MedusaTrainer, "create_optimizer", refuse)
+    monkeypatch.setattr(DrafterTrainer, "create_optimizer", refuse)
 
 
 @pytest.mark.parametrize("failure", ["optimizer", "exception at step 2", "Ctrl-C at step 2"])

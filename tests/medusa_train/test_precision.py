@@ -11,13 +11,13 @@ from hydra import compose, initialize_config_dir
 
 from inference.cli.evaluate import register_schemas as register_evaluate_schemas
 from inference.cli.tune_tree import register_schemas as register_tune_tree_schemas
-from medusa_train.config import ModelConfig
+from medusa_train.config.schema import ModelConfig
 from medusa_train.export import save_export
-from medusa_train.loading.medusa import export_extra_config
-from medusa_train.model import new_heads_for
-from medusa_train.paths import CONF_DIR
-from medusa_train.precision import BF16_WITHOUT_INSTRUCTIONS, choose_dtype, cpu_isa
-import medusa_train.precision as precision
+from medusa_train.loading.export import export_extra_config
+from medusa_train.models.speculative import new_heads_for
+from medusa_train.files.paths import CONF_DIR
+from medusa_train.config.precision import BF16_WITHOUT_INSTRUCTIONS, choose_dtype, cpu_isa
+import medusa_train.config.precision as precision
 from tests.conftest import AVX2_ONLY, SAPPHIRE_RAPIDS, ZEN4, make_tiny_model, make_tiny_tokenizer
 
 register_evaluate_schemas()  # what conf/evaluate.yaml composes from
@@ -122,7 +122,7 @@ def test_the_suites_cpu_option_reaches_subprocesses(pytestconfig):
     import subprocess
     import sys
 
-    code = "from medusa_train.precision import choose_dtype; print(choose_dtype('auto', 'cpu').name)"
+    code = "from medusa_train.config.precision import choose_dtype; print(choose_dtype('auto', 'cpu').name)"
     seen = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert seen == choose_dtype("auto", "cpu").name
     kind = pytestconfig.getoption("--cpu")
@@ -178,7 +178,7 @@ def test_eval_and_tune_tree_default_to_auto_and_record_the_choice(export, tmp_pa
 
 
 def test_eval_refuses_float16_on_a_cpu_before_loading(export, tmp_path, monkeypatch):
-    import medusa_train.loading.medusa as loading
+    import medusa_train.loading.export as loading
     from inference.evaluation.eval_run import evaluate
 
     folder, prompts = export

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from medusa_train.paths import REPO_ROOT
+from medusa_train.files.paths import REPO_ROOT
 from medusa_train.training import checkpoints
-from medusa_train.drills import EXIT_AFTER_STEP, EXIT_CODE, SIGNAL_AT_STEP
+from medusa_train.runs.drills import EXIT_AFTER_STEP, EXIT_CODE, SIGNAL_AT_STEP
 from medusa_train.training.callbacks import (
     PREEMPTED_EXIT_CODE,
     Preempted,

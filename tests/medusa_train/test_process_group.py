@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from medusa_train.config import LoggerConfig, TrainerConfig
-from medusa_train.paths import REPO_ROOT
+from medusa_train.config.schema import LoggerConfig, TrainerConfig
+from medusa_train.files.paths import REPO_ROOT
 from medusa_train.training.arguments import training_arguments
 from medusa_train.training.process_group import explain_timeout, from_main, timeout_seconds
 from tests.medusa_train.test_distributed import free_port
@@ -44,7 +44,7 @@ def test_a_timeout_is_explained_and_other_errors_pass():
 
 RANK = """
 import os, sys, time, torch
-from medusa_train.config import LoggerConfig, TrainerConfig
+from medusa_train.config.schema import LoggerConfig, TrainerConfig
 from medusa_train.training.arguments import training_arguments
 from medusa_train.training.process_group import explain_timeout
 trainer = TrainerConfig(strategy="ddp", use_cpu=True, timeout_minutes=0.05)  # 3 s
@@ -104,7 +104,7 @@ def test_from_main_without_a_process_group_is_the_value_itself():
 
 FROM_MAIN = """
 import os, sys, torch
-from medusa_train.config import LoggerConfig, TrainerConfig
+from medusa_train.config.schema import LoggerConfig, TrainerConfig
 from medusa_train.training.arguments import training_arguments
 from medusa_train.training.process_group import from_main
 trainer = TrainerConfig(strategy="ddp", use_cpu=True, timeout_minutes=1.0)

@@ -20,10 +20,10 @@ from hydra import compose, initialize_config_dir
 from inference.decoders.pretrained import pretrained_decoder_kwargs
 from medusa_train.cli.publish import register_schemas
 from medusa_train.export import load_heads, save_base_model, save_export
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.loading.hub import download_export
-from medusa_train.paths import CONF_DIR
+from medusa_train.files.paths import CONF_DIR
 from medusa_train.publish import PublishError, check_publish_ready, prepare_repo_folder, publish_export
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model, make_tiny_tokenizer
 from tests.hub_server import HubServer, readme_metadata
@@ -421,7 +421,7 @@ def test_download_export_local_folders_and_errors(hub, export, tmp_path):
 
 
 def test_decoder_arguments_from_the_hub(hub, export, heads, base, tmp_path):
-    from inference.decoders.medusa import TreeDecoder
+    from inference.decoders.tree import TreeDecoder
 
     publish_export(export, REPO)
     local_base = tmp_path / "base"
@@ -502,8 +502,8 @@ def test_push_to_hub_without_repo_or_token_fails_before_training(hub, tmp_path, 
 def test_local_paths_never_reach_the_card_the_config_or_the_eval_files(heads, base, tmp_path):
     """Trained on a local llama2.c file, evaluated with absolute paths on the command line: the repository names the
     file and says it is local; with the model/ config's hub_id (or base_model=) it names the Hub id."""
-    from medusa_train.config import ModelConfig
-    from medusa_train.loading.medusa import export_extra_config
+    from medusa_train.config.schema import ModelConfig
+    from medusa_train.loading.export import export_extra_config
 
     local = tmp_path / "home" / "alice" / "models"
     model_cfg = ModelConfig(name_or_path=str(local / "stories260K.bin"), format="llama2c",

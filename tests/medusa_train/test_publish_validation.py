@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from medusa_train.export import save_export
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.publish import prepare_repo_folder
 from medusa_train.publish.publish_config import PublishConfig

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from medusa_train.paths import REPO_ROOT
-from medusa_train.run_lock import LockHeldError, RunLock
+from medusa_train.files.paths import REPO_ROOT
+from medusa_train.runs.run_lock import LockHeldError, RunLock
 from tests.medusa_train.test_run_safety import ENV, HOLD
 
 
@@ -43,7 +43,7 @@ def test_a_requeued_job_takes_its_lock_over_on_another_host_and_another_job_is_r
         RunLock.acquire(folder)  # outside SLURM: refused as before
 
     monkeypatch.setenv("SLURM_JOB_ID", "123")
-    with caplog.at_level(logging.WARNING, logger="medusa_train.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="medusa_train.runs.run_lock"):
         lock = RunLock.acquire(folder)
     assert f"SLURM job 123 takes over the lock its earlier run left ({owner}" in caplog.text
     now = json.loads((folder / "train.lock").read_text())

@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from medusa_train.paths import REPO_ROOT
+from medusa_train.files.paths import REPO_ROOT
 from medusa_train.training import checkpoints
 from medusa_train.training.recipe import build_recipe
 from tests.medusa_train.test_training import (
@@ -105,7 +105,7 @@ def test_the_command_line_with_a_missing_data_file_leaves_the_run_folder_as_it_w
 
 HOLD = """
 import sys
-from medusa_train.training.run_lock import RunLock
+from medusa_train.runs.run_lock import RunLock
 lock = RunLock.acquire(sys.argv[1])
 print("held", flush=True)
 sys.stdin.read()  # hold until the test closes stdin
@@ -121,7 +121,7 @@ def start_holder(folder: Path) -> subprocess.Popen:
 
 
 def test_a_held_folder_refuses_a_second_process_naming_the_holder_until_it_is_released(tmp_path):
-    from medusa_train.training.run_lock import LockHeldError, RunLock
+    from medusa_train.runs.run_lock import LockHeldError, RunLock
 
     folder = tmp_path / "run"
     holder = start_holder(folder)
@@ -139,20 +139,20 @@ def test_a_held_folder_refuses_a_second_process_naming_the_holder_until_it_is_re
         with pytest.raises(LockHeldError, match="already held by this process"):
             RunLock.acquire(folder)
     assert not (folder / "train.lock").exists()
-    forgot = "import sys\nfrom medusa_train.training.run_lock import RunLock\nRunLock.acquire(sys.argv[1])\n"
+    forgot = "import sys\nfrom medusa_train.runs.run_lock import RunLock\nRunLock.acquire(sys.argv[1])\n"
     subprocess.run([sys.executable, "-c", forgot, str(folder)], env=ENV, cwd=REPO_ROOT, check=True, timeout=120)
     assert not (folder / "train.lock").exists()  # released at exit by a process that never called release()
 
 
 def test_a_lock_left_by_a_killed_process_is_taken_over_and_one_from_another_host_is_not(tmp_path, caplog):
-    from medusa_train.training.run_lock import LockHeldError, RunLock
+    from medusa_train.runs.run_lock import LockHeldError, RunLock
 
     folder = tmp_path / "run"
     holder = start_holder(folder)
     holder.kill()  # SIGKILL: no cleanup, the lock file stays
     holder.wait(timeout=60)
     assert json.loads((folder / "train.lock").read_text())["pid"] == holder.pid
-    with caplog.at_level(logging.WARNING, logger="medusa_train.training.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="medusa_train.runs.run_lock"):
         lock = RunLock.acquire(folder)
     assert f"taking over the lock left by pid {holder.pid}" in caplog.text and "no longer running" in caplog.text
     assert json.loads((folder / "train.lock").read_text())["pid"] == os.getpid()
@@ -170,7 +170,7 @@ def test_without_file_locks_the_lock_file_itself_is_the_lock(tmp_path, monkeypat
     """Some file systems (Lustre without flock) refuse record locks: the file's existence and its pid decide."""
     import errno
 
-    from medusa_train.training.run_lock import LockHeldError, RunLock
+    from medusa_train.runs.run_lock import LockHeldError, RunLock
 
     def no_locks(fd):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -189,7 +189,7 @@ def test_without_file_locks_the_lock_file_itself_is_the_lock(tmp_path, monkeypat
                 with pytest.raises(LockHeldError, match=f"in use by another run: pid {pid} on host"):
                     RunLock.acquire(folder)
                 continue
-            with caplog.at_level(logging.WARNING, logger="medusa_train.training.run_lock"):
+            with caplog.at_level(logging.WARNING, logger="medusa_train.runs.run_lock"):
                 lock = RunLock.acquire(folder)
             assert "has no file locks" in caplog.text and f"taking over the lock left by pid {pid}" in caplog.text
             assert json.loads((folder / "train.lock").read_text())["pid"] == os.getpid()
@@ -255,15 +255,15 @@ def test_two_training_runs_into_one_folder_the_second_is_refused_and_resumes_aft
 def test_resume_with_another_head_count_is_refused_before_the_model_loads_and_the_advice_works(inputs, run_copy):
     model_dir, data = inputs
     before = snapshot(run_copy)
-    three = {"heads.medusa_num_heads": 3}
+    three = {"heads.num_heads": 3}
     recipe = build_recipe(compose_train(tiny_overrides(model_dir, data, run_copy, resume="true", **three)))
-    with pytest.raises(ValueError, match=r"resume=true cannot continue the run .* heads.medusa_num_heads \(2 -> 3\).*"
+    with pytest.raises(ValueError, match=r"resume=true cannot continue the run .* heads.num_heads \(2 -> 3\).*"
                                          r"new output_dir, or overwrite=true"):
         recipe.setup()
     recipe.cleanup(failed=True)
     assert not hasattr(recipe, "base")  # refused before the model loaded
     assert snapshot(run_copy) == before  # train_config.yaml still says 2 heads
-    with pytest.raises(ValueError, match="heads.medusa_num_heads") as refused:
+    with pytest.raises(ValueError, match="heads.num_heads") as refused:
         build_recipe(compose_train(tiny_overrides(model_dir, data, run_copy, **three))).check()
     assert "resume=true to continue" not in str(refused.value)  # it would not work: not advised
     # what resume=true may change, it continues: the refusal advises it, and it trains on from the last checkpoint

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from medusa_train.paths import REPO_ROOT
+from medusa_train.files.paths import REPO_ROOT
 from medusa_train.tree.sampling import greedy_tokens, is_greedy, logits_to_probs
 
 

@@ -2,7 +2,7 @@
 
 The walk covers each schema Hydra's ConfigStore holds once every console script registered its own (plus the two
 validated through ``as_dataclass`` without being stored: ``draft/`` and ``medusa-publish``'s), recursing into nested
-schemas. Each int or float field must declare a bound (``medusa_train.bounds``); zero, a negative, a huge value and
+schemas. Each int or float field must declare a bound (``medusa_train.config.bounds``); zero, a negative, a huge value and
 (for floats) NaN are tried through the function each entry point validates with, and every value the bound refuses
 must be refused naming the dotted field. The concrete cases of issue 27 then run through the real composition of
 ``conf/*.yaml`` with the model loader replaced by one that fails the test if it is reached."""
@@ -28,10 +28,10 @@ from inference.draft_loading import DraftConfig
 from inference.evaluation.eval_config import EvaluateConfig
 from inference.registry import REGISTRY, decoder_settings
 from inference.tuning.tune_tree_config import TuneTreeConfig
-from medusa_train.bounds import field_bound, optional_fields
+from medusa_train.config.bounds import field_bound, optional_fields
 from medusa_train.cli.export_gguf import ExportGgufConfig
-from medusa_train.config import DataConfig, TrainConfig, as_dataclass
-from medusa_train.paths import CONF_DIR, REPO_ROOT
+from medusa_train.config.schema import DataConfig, as_dataclass, train_schema
+from medusa_train.files.paths import CONF_DIR, REPO_ROOT
 from medusa_train.publish.publish_config import PublishConfig
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 from tests.inference.test_tune_tree import tiny_export  # noqa: F401 (a fixture: a 3-head export of a tiny Llama)
@@ -98,7 +98,7 @@ def compose_conf(name: str, overrides: list[str]):
 
 # --- the schemas and how each entry point validates them ---------------------------------------------------------
 
-ROOTS: dict[str, type] = {"train": TrainConfig, "tune_tree": TuneTreeConfig, "evaluate": EvaluateConfig,
+ROOTS: dict[str, type] = {"train": train_schema(), "tune_tree": TuneTreeConfig, "evaluate": EvaluateConfig,
                           "generate": GenerateConfig, "draft": DraftConfig, "publish": PublishConfig,
                           "export_gguf": ExportGgufConfig,
                           **{f"decoder.{name}": entry.settings for name, entry in REGISTRY.items()}}
@@ -140,7 +140,7 @@ FIELDS = [(root, path, kind, f) for root, cls in ROOTS.items() for path, kind, f
 
 def test_every_stored_schema_is_walked():
     walked = set().union(*(nested_schemas(cls) for cls in ROOTS.values()))
-    assert {"TrainConfig", "TuneTreeConfig", "GenerateConfig", "MedusaSettings"} <= {c.__name__ for c in walked}
+    assert {"TrainConfig", "TuneTreeConfig", "GenerateConfig", "TreeSettings"} <= {c.__name__ for c in walked}
     assert stored_schemas() - walked == set(), "a schema stored in the ConfigStore is missing from ROOTS"
     assert len(FIELDS) >= 80  # TrainConfig alone has 37
 
@@ -198,12 +198,12 @@ def loaders_fail(monkeypatch):
     """Every model loader replaced by one that fails the test: the error must come before any model loads."""
     import medusa_train.loading.runtime as runtime
     import medusa_train.training.base_recipe as base_recipe
-    import medusa_train.training.medusa2_recipe as medusa2_recipe
+    import medusa_train.training.joint_recipe as joint_recipe
 
     def reached(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad setting was refused")
 
-    for module, name in ((base_recipe, "load_base_model"), (medusa2_recipe, "load_base_model"),
+    for module, name in ((base_recipe, "load_base_model"), (joint_recipe, "load_base_model"),
                          (runtime, "load_for_inference")):
         monkeypatch.setattr(module, name, reached)
 
@@ -285,7 +285,7 @@ def test_tune_tree_refuses_lengths_beyond_the_models_context_before_the_accuracy
     (["warmup=-1"], "warmup must be >= 0, got -1"),
     (["decoder.lookahead.window=0"], "decoder.lookahead.window must be >= 1 (W, lookahead window size), got 0"),
     (["decoders=[vllm]", "decoder.vllm.max_model_len=0"], "decoder.vllm.max_model_len must be >= 1, got 0"),
-    (["decoder.medusa.posterior_alpha=inf"], "decoder.medusa.posterior_alpha must be a finite number"),
+    (["decoder.tree.posterior_alpha=inf"], "decoder.tree.posterior_alpha must be a finite number"),
     (["device=tpu"], "device must be one of cpu, cuda, cuda:N, auto"),
 ])
 def test_medusa_eval_refuses_before_loading(overrides, message, tmp_path, loaders_fail):
@@ -300,7 +300,7 @@ def test_medusa_eval_refuses_before_loading(overrides, message, tmp_path, loader
     (["max_new_tokens=1000000000000"], "max_new_tokens must be at most 1048576"),
     (["seed=-1"], "seed must be in [0, 4294967295] or null (null: random), got -1"),
     (["temperature=inf"], "temperature must be a finite number"),
-    (["decoder.medusa.topk=0"], "decoder.medusa.topk must be >= 1, got 0"),
+    (["decoder.tree.topk=0"], "decoder.tree.topk must be >= 1, got 0"),
     (["device=mps"], "device must be one of cpu, cuda, cuda:N, auto"),
 ])
 def test_medusa_generate_refuses_before_loading(overrides, message, tmp_path, loaders_fail):

@@ -19,15 +19,15 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from medusa_train.checksums import file_sha256
+from medusa_train.files.checksums import file_sha256
 from medusa_train.cli.train import register_schemas
-from medusa_train.config import TrainerConfig
+from medusa_train.config.schema import TrainerConfig
 from medusa_train.export import load_heads
 from medusa_train.loading.llama2c import load_llama2c_tokenizer
-from medusa_train.paths import CONF_DIR, assets_dir
+from medusa_train.files.paths import CONF_DIR, assets_dir
 from medusa_train.training import checkpoints
 from medusa_train.training.arguments import check_deepspeed_batch
-from medusa_train.training.losses import decay_weights, medusa_head_loss, packed_head_loss, valid_mask
+from medusa_train.training.losses import decay_weights, heads_loss, packed_head_loss, valid_mask
 from medusa_train.training.recipe import build_recipe, gather_trainable_state
 from tests.conftest import make_tiny_model
 
@@ -71,7 +71,7 @@ def tiny_overrides(model_dir: Path, data_file: Path, output_dir: Path, **extra: 
     overrides = {
         "model.name_or_path": str(model_dir), "model.format": "hf", "model.tokenizer_path": "null",
         "data": "json", "data.path": str(data_file), "data.eval_fraction": 0.2,
-        "heads.medusa_num_heads": 2, "heads.target": "labels",
+        "heads.num_heads": 2, "heads.target": "labels",
         "trainer.per_device_train_batch_size": 4, "trainer.per_device_eval_batch_size": 8,
         "trainer.learning_rate": 1e-2, "trainer.max_steps": 8, "trainer.warmup_ratio": 0.0,
         "trainer.logging_steps": 2, "trainer.save_steps": 4, "trainer.disable_tqdm": True,
@@ -129,8 +129,8 @@ def test_labels_target_is_the_token_at_t_plus_k_plus_2():
         for t in range(T - k - 2):
             right[k, 0, t] = one_hot_logits(tokens[0, t + k + 2], V)
             off_by_one[k, 0, t] = one_hot_logits(tokens[0, t + k + 1], V)
-    good = medusa_head_loss(right, labels, target="labels", decay=0.8)
-    bad = medusa_head_loss(off_by_one, labels, target="labels", decay=0.8)
+    good = heads_loss(right, labels, target="labels", decay=0.8)
+    bad = heads_loss(off_by_one, labels, target="labels", decay=0.8)
     assert good.count.tolist() == [6, 5, 4]
     assert good.correct_top1.tolist() == [6, 5, 4]
     assert good.loss.item() < 1e-6
@@ -146,23 +146,23 @@ def test_base_argmax_target_is_the_base_greedy_token_made_at_t_plus_k_plus_1():
     for k in range(K):
         for t in range(6 - k - 2):
             logits[k, 0, t] = one_hot_logits(base_argmax[0, t + k + 1], V)
-    out = medusa_head_loss(logits, labels, target="base_argmax", decay=1.0, base_argmax=base_argmax)
+    out = heads_loss(logits, labels, target="base_argmax", decay=1.0, base_argmax=base_argmax)
     assert out.correct_top1.tolist() == out.count.tolist() == [4, 3]
     # the same logits scored against the data tokens miss everywhere
-    assert medusa_head_loss(logits, labels, target="labels", decay=1.0).correct_top1.tolist() == [0, 0]
+    assert heads_loss(logits, labels, target="labels", decay=1.0).correct_top1.tolist() == [0, 0]
 
 
 def test_decay_weights_and_normaliser_by_hand():
     assert decay_weights(3, 0.8).tolist() == pytest.approx([1.0, 0.8, 0.64])
     V, K = 7, 3
     labels = torch.tensor([[-100, 1, 2, 3, 4, 5]])  # 5 labelled tokens
-    out = medusa_head_loss(torch.zeros(K, 1, 6, V), labels, target="labels", decay=0.5)
+    out = heads_loss(torch.zeros(K, 1, 6, V), labels, target="labels", decay=0.5)
     # uniform logits: every counted position costs ln V; counts are 4, 3, 2 (targets at t+2, t+3, t+4 <= 5)
     assert out.count.tolist() == [4, 3, 2]
     expected = (4 * 1.0 + 3 * 0.5 + 2 * 0.25) * math.log(V) / 5
     assert out.loss.item() == pytest.approx(expected, rel=1e-6)
     assert out.loss_sum.tolist() == pytest.approx([4 * math.log(V), 3 * math.log(V), 2 * math.log(V)], rel=1e-6)
-    halved = medusa_head_loss(torch.zeros(K, 1, 6, V), labels, target="labels", decay=0.5, normalizer=10)
+    halved = heads_loss(torch.zeros(K, 1, 6, V), labels, target="labels", decay=0.5, normalizer=10)
     assert halved.loss.item() == pytest.approx(expected / 2, rel=1e-6)
 
 
@@ -174,12 +174,12 @@ def test_masked_positions_do_not_change_the_loss():
     changed = logits.clone()
     # at t >= 4 head 0 targets positions >= 6 and head 1 positions >= 7: unlabelled or past the end
     changed[:, :, 4:] = torch.randn(K, 1, 4, V)
-    a = medusa_head_loss(logits, labels, target="labels", decay=0.8)
-    b = medusa_head_loss(changed, labels, target="labels", decay=0.8)
+    a = heads_loss(logits, labels, target="labels", decay=0.8)
+    b = heads_loss(changed, labels, target="labels", decay=0.8)
     assert a.loss.item() == pytest.approx(b.loss.item())
     assert a.count.tolist() == [3, 3]  # head 0 at t=1, 2, 3 (targets 3, 4, 5); head 1 at t=0, 1, 2
     changed[0, :, 1] = torch.randn(V)  # a counted position: the loss moves
-    assert medusa_head_loss(changed, labels, target="labels", decay=0.8).loss.item() != pytest.approx(a.loss.item())
+    assert heads_loss(changed, labels, target="labels", decay=0.8).loss.item() != pytest.approx(a.loss.item())
 
 
 def test_soft_target_is_kl_to_the_base_distribution_at_t_plus_k_plus_1():
@@ -191,10 +191,10 @@ def test_soft_target_is_kl_to_the_base_distribution_at_t_plus_k_plus_1():
     for k in range(K):
         matching[k, 0, : T - k - 1] = base_logits[0, k + 1 :]
     argmax = base_logits.argmax(-1)
-    zero = medusa_head_loss(matching, labels, target="soft", decay=1.0, base_argmax=argmax, base_logits=base_logits)
+    zero = heads_loss(matching, labels, target="soft", decay=1.0, base_argmax=argmax, base_logits=base_logits)
     assert zero.loss.item() == pytest.approx(0.0, abs=1e-6)
     other = torch.randn(K, 1, T, V)
-    out = medusa_head_loss(other, labels, target="soft", decay=1.0, base_argmax=argmax, base_logits=base_logits)
+    out = heads_loss(other, labels, target="soft", decay=1.0, base_argmax=argmax, base_logits=base_logits)
     for k in range(K):
         expected = 0.0
         for t in range(T - k - 2):
@@ -210,7 +210,7 @@ def test_reduced_head_vocabulary_skips_unknown_targets_in_the_loss_and_counts_th
     logits = torch.zeros(K, 1, 4, 3)
     logits[0, 0, 0, 1] = 50.0
     logits[0, 0, 1, 1] = 50.0
-    out = medusa_head_loss(logits, labels, target="labels", decay=1.0, token_map=token_map, vocab_size=V)
+    out = heads_loss(logits, labels, target="labels", decay=1.0, token_map=token_map, vocab_size=V)
     assert out.count.tolist() == [2]
     assert out.correct_top1.tolist() == [1]
     assert out.loss_sum.item() == pytest.approx(0.0, abs=1e-6)
@@ -218,12 +218,12 @@ def test_reduced_head_vocabulary_skips_unknown_targets_in_the_loss_and_counts_th
 
 def test_loss_rejects_mismatched_shapes_and_missing_base_outputs():
     with pytest.raises(ValueError, match="head_logits must be"):
-        medusa_head_loss(torch.zeros(2, 1, 5, 4), torch.zeros(1, 6, dtype=torch.long), target="labels", decay=0.8)
+        heads_loss(torch.zeros(2, 1, 5, 4), torch.zeros(1, 6, dtype=torch.long), target="labels", decay=0.8)
     with pytest.raises(ValueError, match="base_argmax"):
-        medusa_head_loss(torch.zeros(2, 1, 5, 4), torch.zeros(1, 5, dtype=torch.long), target="base_argmax",
+        heads_loss(torch.zeros(2, 1, 5, 4), torch.zeros(1, 5, dtype=torch.long), target="base_argmax",
                          decay=0.8)
     with pytest.raises(ValueError, match="soft needs the base logits"):
-        medusa_head_loss(torch.zeros(2, 1, 5, 4), torch.zeros(1, 5, dtype=torch.long), target="soft", decay=0.8,
+        heads_loss(torch.zeros(2, 1, 5, 4), torch.zeros(1, 5, dtype=torch.long), target="soft", decay=0.8,
                          base_argmax=torch.zeros(1, 5, dtype=torch.long))
     targets = torch.tensor([[3, -100, 1], [2, -100, -100]])  # 3 counted rows of 2 heads at 3 positions
     with pytest.raises(ValueError, match=r"base_next must be \[R, V'\] = \(3, 4\)"):
@@ -234,7 +234,7 @@ def test_loss_rejects_mismatched_shapes_and_missing_base_outputs():
 @pytest.mark.parametrize("target", ["labels", "base_argmax", "soft"])
 @pytest.mark.parametrize("share_lm_head", [False, True])
 def test_heads_run_only_where_counted_and_give_the_dense_loss_gradient_and_metrics(target, share_lm_head, chunk):
-    from medusa_train.heads_base import HeadsSpec
+    from medusa_train.models.heads_base import HeadsSpec
     from medusa_train.drafters.medusa.heads import MedusaHeads
     from medusa_train.training.step import FrozenBase, LossSpec, heads_on_batch
 
@@ -263,7 +263,7 @@ def test_heads_run_only_where_counted_and_give_the_dense_loss_gradient_and_metri
     packed.loss.backward()
     packed_grads = [p.grad.clone() for p in heads.parameters()]
     heads.zero_grad()
-    dense = medusa_head_loss(heads(batch["hidden"], lm_head.weight if share_lm_head else None), labels,
+    dense = heads_loss(heads(batch["hidden"], lm_head.weight if share_lm_head else None), labels,
                              target=target, decay=0.8, base_argmax=batch["base_argmax"], token_map=token_map,
                              vocab_size=V, base_logits=base_logits if target == "soft" else None)
     dense.loss.backward()

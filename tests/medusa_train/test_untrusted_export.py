@@ -17,13 +17,13 @@ import transformers.dynamic_module_utils
 from hydra import compose, initialize_config_dir
 
 from inference.cli.generate import register_schemas, run
-from inference.decoders.medusa import TreeDecoder
-from medusa_train.config import ModelConfig
+from inference.decoders.tree import TreeDecoder
+from medusa_train.config.schema import ModelConfig
 from medusa_train.export import save_export
-from medusa_train.loading.medusa import export_extra_config, load_medusa
+from medusa_train.loading.export import export_extra_config, load_export
 from medusa_train.loading.runtime import load_for_inference
-from medusa_train.model import new_heads_for
-from medusa_train.paths import CONF_DIR
+from medusa_train.models.speculative import new_heads_for
+from medusa_train.files.paths import CONF_DIR
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 register_schemas()
@@ -88,7 +88,7 @@ def test_eval_and_tune_loader_and_from_pretrained_do_not_run_it_either(tmp_path)
 
 def test_the_users_explicit_request_runs_it(tmp_path):
     export, _, marker = make_export(tmp_path)
-    model, _, _ = load_medusa(str(export), dtype="float32", trust_remote_code=True)
+    model, _, _ = load_export(str(export), dtype="float32", trust_remote_code=True)
     assert marker.read_text() == "imported" and type(model.base).__name__ == "EvilForCausalLM"
 
 

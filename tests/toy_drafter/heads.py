@@ -1,4 +1,5 @@
-"""The repeat drafter's module: every head guesses the target's own next token again."""
+"""The repeat drafter's module: every head guesses the target's own next token again, its logits scaled by the
+drafter's own option ``heads.scale`` (:mod:`tests.toy_drafter.options`)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,26 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from medusa_train.catalog import TargetInputs
-from medusa_train.features import FINAL
-from medusa_train.heads_base import HeadsSpec, register_token_map
+from medusa_train.models.catalog import TargetInputs
+from medusa_train.models.features import FINAL
+from medusa_train.models.heads_base import HeadsSpec, register_token_map
 
 
 @dataclass(frozen=True)
 class RepeatSpec(HeadsSpec):
-    """Shape of the repeat drafter: HeadsSpec's fields only."""
+    """Shape of the repeat drafter: HeadsSpec's fields and its own option.
+
+    Attributes:
+        scale: every head's logits are multiplied by it (``heads.scale``, > 0): the greedy draft is the same for any
+            scale, the loss is not.
+    """
+
+    scale: float = 1.0
 
 
 class RepeatHeads(nn.Module):
-    """Every head guesses the target's own next token again: ``hidden [..., H] @ proj [V', H]^T + bias[k]``, the
-    projection copied from the target's lm_head. A drafter nobody would ship, and the smallest that trains."""
+    """Every head guesses the target's own next token again: ``scale * hidden [..., H] @ proj [V', H]^T + bias[k]``,
+    the projection copied from the target's lm_head. A drafter nobody would ship, and the smallest that trains."""
 
     def __init__(self, spec: RepeatSpec, token_map: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -38,7 +46,7 @@ class RepeatHeads(nn.Module):
 
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         k = num_heads or self.spec.num_heads
-        logits = hidden.to(self.dtype) @ self.proj.T  # [..., V']
+        logits = self.spec.scale * (hidden.to(self.dtype) @ self.proj.T)  # [..., V']
         return logits[None] + self.bias[:k].reshape(k, *([1] * (logits.dim() - 1)), -1)  # [K', ..., V']
 
     def to_base_tokens(self, ids: torch.Tensor) -> torch.Tensor:

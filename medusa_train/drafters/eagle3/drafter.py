@@ -36,19 +36,19 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 
-from medusa_train.catalog import ProjectFn, TargetInputs
-from medusa_train.features import FINAL, layer_feature
-from medusa_train.heads_base import HeadsSpec, register_token_map
+from medusa_train.models.catalog import ProjectFn, TargetInputs
+from medusa_train.models.features import FINAL, layer_feature
+from medusa_train.models.heads_base import HeadsSpec, register_token_map
 
 
 @dataclass(frozen=True)
 class Eagle3Spec(HeadsSpec):
-    """Shape of an EAGLE-3 drafter: :class:`~medusa_train.heads_base.HeadsSpec` (``num_heads``: K, the draft steps the
+    """Shape of an EAGLE-3 drafter: :class:`~medusa_train.models.heads_base.HeadsSpec` (``num_heads``: K, the draft steps the
     training-time test unrolls; ``num_layers``: 1, the one decoder layer vLLM reads; ``head_vocab_size``: the draft
     vocabulary) plus the decoder layer's shape, taken from the target's config.
 
     Attributes:
-        feature_layers: the target layers fused by ``fc`` (:mod:`medusa_train.features` indices: the input of layer
+        feature_layers: the target layers fused by ``fc`` (:mod:`medusa_train.models.features` indices: the input of layer
             i; vLLM's default for an L-layer target is ``(2, L // 2, L - 3)``).
         num_attention_heads, num_key_value_heads, head_dim: the attention's shape (the target's).
         intermediate_size: the MLP's width (the target's).
@@ -70,7 +70,7 @@ class Eagle3Spec(HeadsSpec):
         super().__post_init__()
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
         if self.num_layers != 1:
-            raise ValueError(f"EAGLE-3 drafters have one decoder layer (heads.medusa_num_layers=1, what vLLM reads), "
+            raise ValueError(f"EAGLE-3 drafters have one decoder layer (heads.num_layers=1, what vLLM reads), "
                              f"got {self.num_layers}")
         if self.share_lm_head:
             raise ValueError("heads.share_lm_head=true: an EAGLE-3 drafter projects with its own lm_head over the "
@@ -435,9 +435,9 @@ def eagle3_target_fields(config: Any, feature_layers: Any = None) -> dict[str, A
 
     Raises:
         ValueError: the target is too shallow for three distinct default taps (from
-            :func:`medusa_train.features.default_eagle3_layers`).
+            :func:`medusa_train.models.features.default_eagle3_layers`).
     """
-    from medusa_train.features import check_feature_layers, count_layers, default_eagle3_layers
+    from medusa_train.models.features import check_feature_layers, count_layers, default_eagle3_layers
 
     text = getattr(config, "get_text_config", lambda: config)()
     num_layers = count_layers(text)

@@ -27,7 +27,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from medusa_train.atomic import atomic_write
+from medusa_train.files.atomic import atomic_write
 from medusa_train.drafters.eagle3.speculators import (
     CONFIG_FILE,
     SPECULATORS_DIR,

@@ -7,7 +7,7 @@ before instead of the target's. This is vLLM's EAGLE-3 proposer (``vllm/v1/spec_
 0.32: the first pass over the committed positions with the tokens shifted by one, then each step feeds the token
 drafted at the step before with that step's ``out``), here over a tree.
 
-Per request (:class:`~medusa_train.tree.drafting.TreeDrafter`):
+Per request (:class:`~medusa_train.models.tree_drafter.TreeDrafter`):
 
 - :meth:`~Eagle3TreeDrafter.start`: the prompt's positions wait ("pending") for the token after the last one (the
   root of the first step);
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from medusa_train.features import layer_feature
+from medusa_train.models.features import layer_feature
 from medusa_train.tree.buffers import TreeBuffers
-from medusa_train.tree.drafting import tree_levels
+from medusa_train.models.tree_drafter import tree_levels
 from medusa_train.tree.dynamic import DynamicTree, tree_of_paths
 from medusa_train.tree.kv_cache import preallocated_cache, select_rows, truncate
 from medusa_train.tree.masks import additive_mask, positions
@@ -110,7 +110,7 @@ def static_plan(tree: TreeBuffers) -> _Plan:
 
 
 class Eagle3TreeDrafter:
-    """EAGLE-3 drafting over a tree (see the module docstring) for a :class:`~medusa_train.model.MedusaModel`
+    """EAGLE-3 drafting over a tree (see the module docstring) for a :class:`~medusa_train.models.speculative.SpeculativeModel`
     holding an :class:`~medusa_train.drafters.eagle3.drafter.Eagle3Drafter` (``model.heads``; ``model.features``
     returns the taps its ``feature_layers`` name, ``model.embed`` the target's input embeddings)."""
 

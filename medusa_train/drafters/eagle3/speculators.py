@@ -17,7 +17,7 @@ Layout (read in vLLM 0.32.0: ``vllm/transformers_utils/configs/speculators/{base
                          t2d [V] bool (the target ids in the draft vocabulary; vLLM skips it)
 
 vLLM's target records the input of each tap layer (``EagleModelMixin._maybe_add_hidden_state``; the same index as
-:mod:`medusa_train.features`) and concatenates the taps in ascending layer order (``_set_aux_hidden_state_layers``
+:mod:`medusa_train.models.features`) and concatenates the taps in ascending layer order (``_set_aux_hidden_state_layers``
 sorts them), so ``fc``'s column blocks are written in that order and the ids sorted. Tap ``L`` (the last layer's
 output) differs: vLLM's is before the final norm, ours after it, so a drafter reading it is refused when the target
 is known. No ``embed_tokens``: vLLM shares the target's, which our drafter reads frozen.
@@ -51,8 +51,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from medusa_train.export.files import read_json, sha256_files, write_json, write_safetensors
-from medusa_train.features import count_layers
-from medusa_train.safetensors_stream import DTYPE_NAMES
+from medusa_train.models.features import count_layers
+from medusa_train.files.safetensors_stream import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def check_served_files(export_dir: str | os.PathLike[str]) -> Path:
             ``*.safetensors`` file lies in the folder; a file's sha256 differs from the one recorded at export.
             An export written before the sha256 was recorded gets a warning, and its tensors are still checked.
     """
-    from medusa_train.catalog import drafter_type
+    from medusa_train.models.catalog import drafter_type
     from medusa_train.export.configs import ENGINE_SHA256_KEY, export_head_type, spec_from_config
 
     export = Path(export_dir)

@@ -1,20 +1,24 @@
 """EAGLE-3 drafters in vLLM: vLLM's EAGLE-3 speculator (``speculative_config`` method ``eagle3``) reads the export's
-``speculators/`` folder (:mod:`~medusa_train.drafters.eagle3.speculators`, the type's engine writer for vLLM).
+``speculators/`` folder (:mod:`~medusa_train.drafters.eagle3.speculators`, the type's engine writer for vLLM); the
+``vllm_eagle3`` decoder runs it (:data:`VLLM_DECODER`).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Optional
 
-from medusa_train.catalog import drafter_type
+from medusa_train.models.catalog import EngineDecoder, drafter_type
 from medusa_train.drafters.eagle3.speculators import (
     CONFIG_FILE,
     SPECULATORS_DIR,
     SPECULATORS_MODEL_TYPE,
     check_served_files,
 )
+from medusa_train.config.bounds import MAX_COUNT, bound
+from medusa_train.engines.settings import VllmSettings
 from medusa_train.engines.vllm_env import tuned_speculative_tokens
 from medusa_train.export.configs import export_head_type
 from medusa_train.export.files import read_json
@@ -71,4 +75,26 @@ def speculative_config(export_dir: str | os.PathLike[str], num_speculative_token
     return {"method": VLLM_METHOD, "model": str(folder.resolve()), "num_speculative_tokens": k}
 
 
-__all__ = ["VLLM_METHOD", "speculative_config"]
+@dataclass
+class VllmEagle3Settings(VllmSettings):
+    """vLLM's EAGLE-3 speculator with the export's ``speculators/`` drafter
+    (:class:`~inference.decoders.vllm.VllmDecoder`, ``method: eagle3``): a chain of K drafted tokens per step, each
+    drafted from the drafter's own output feature, verified by the target in one pass; τ from vLLM's spec-decode
+    counters. The fields of :class:`~medusa_train.engines.settings.VllmSettings`, and:
+
+    Attributes:
+        num_speculative_tokens: drafted tokens per step (K >= 1); None: the length measured fastest on this machine
+            (the export's ``vllm_speculative.json``, ``benchmarks/serve_vllm.py --record``), else the export's
+            ``speculative_tokens`` (the drafter's training-time-test steps).
+        method: vLLM's speculative method this decoder serves (the catalog's
+            :attr:`~medusa_train.models.catalog.DrafterType.vllm_method`).
+    """
+
+    num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
+    method: ClassVar[str] = VLLM_METHOD
+
+
+VLLM_DECODER = EngineDecoder("vllm_eagle3", "vllm", VllmEagle3Settings,
+                             "vLLM's EAGLE-3 speculator with the export's speculators/ drafter (a chain of K drafts)")
+
+__all__ = ["VLLM_DECODER", "VLLM_METHOD", "VllmEagle3Settings", "speculative_config"]

@@ -8,11 +8,11 @@ at t and the base model's own (frozen) input embeddings of the path tokens t+1 .
 model's next token, and the drafted tokens above the node), and predicts the token at t + k + 2, the position Medusa
 head k predicts. Decoding must therefore run the heads level by level down the tree
 (:mod:`medusa_train.drafters.hydra.proposer`); training feeds the true tokens (teacher forcing,
-:func:`medusa_train.catalog.shifted_path_tokens`).
+:func:`medusa_train.models.catalog.shifted_path_tokens`).
 
-Each head is an MLP of ``num_layers`` residual blocks (``medusa_num_layers``) over the combined inputs, then a
+Each head is an MLP of ``num_layers`` residual blocks (``heads.num_layers``) over the combined inputs, then a
 vocabulary projection exactly as Medusa's (per head, the base lm_head shared, or a reduced head vocabulary with its
-token map: :class:`~medusa_train.heads_base.HeadsSpec`). ``combine`` says how the inputs meet:
+token map: :class:`~medusa_train.models.heads_base.HeadsSpec`). ``combine`` says how the inputs meet:
 
 - ``concat`` (the paper's, Sec. 3): ``x_0 = [h_t; e_{t+1}; ...; e_{t+k+1}]`` of width ``(k + 2) H``; the first block
   is ``x_1 = R x_0 + SiLU(W x_0 + b)`` with a learnt ``R [H, (k+2)H]`` for the residual path (the authors'
@@ -36,16 +36,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_train.catalog import ProjectFn, TargetInputs
-from medusa_train.features import FINAL
-from medusa_train.heads_base import HeadsSpec, copy_lm_head, project_features, projection_weight, register_token_map
+from medusa_train.models.catalog import ProjectFn, TargetInputs
+from medusa_train.models.features import FINAL
+from medusa_train.models.heads_base import HeadsSpec, copy_lm_head, project_features, projection_weight, register_token_map
 
 COMBINES = ("concat", "sum")
 
 
 @dataclass(frozen=True)
 class HydraSpec(HeadsSpec):
-    """Shape of a set of Hydra heads: :class:`~medusa_train.heads_base.HeadsSpec` (``num_layers`` residual blocks per
+    """Shape of a set of Hydra heads: :class:`~medusa_train.models.heads_base.HeadsSpec` (``num_layers`` residual blocks per
     head, the projection settings) plus how each head combines its inputs.
 
     Attributes:

@@ -1,8 +1,8 @@
 """Hydra's tree drafter: head d also reads the tokens on the node's path (Hydra, Ankner et al. 2024, arXiv:2402.05109,
-Sec. 3), so the tree is filled level by level (:func:`medusa_train.tree.drafting.tree_levels`): one batched call of
+Sec. 3), so the tree is filled level by level (:func:`medusa_train.models.tree_drafter.tree_levels`): one batched call of
 head d over every depth-d node that has children, whose top-k are those children's tokens. Drafting costs D
 sequential head calls (D the tree's depth) where Medusa's costs one, and grows with the number of expanded nodes:
-decoders report it apart (``DecodeResult.draft_time_s``). The protocol: :class:`medusa_train.tree.drafting.TreeDrafter`.
+decoders report it apart (``DecodeResult.draft_time_s``). The protocol: :class:`medusa_train.models.tree_drafter.TreeDrafter`.
 
 Shapes: B batch, P expanded nodes of a level, N tree nodes, H hidden, V' the heads' vocabulary.
 """
@@ -14,7 +14,7 @@ from typing import Any
 from torch import Tensor
 
 from medusa_train.tree.buffers import TreeBuffers
-from medusa_train.tree.drafting import LastFeatureDrafter, TreeLevel, tree_levels
+from medusa_train.models.tree_drafter import LastFeatureDrafter, TreeLevel, tree_levels
 
 
 class HydraTreeDrafter(LastFeatureDrafter):

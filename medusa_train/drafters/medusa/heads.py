@@ -8,7 +8,7 @@ Parameters are stored stacked over heads so that all K heads run in one batched 
 one for the projection, instead of K small ones: with a 49k vocabulary the projection dominates, and one stacked
 product of ``[K·T, H] x [H, V]`` is about four times faster than K separate ones on a CPU (``benchmarks/head_step.py``). The
 FasterDecoding key layout (``{h}.{l}.linear.weight``) is produced on export by :mod:`medusa_train.export` (the
-``medusa`` layout, :data:`medusa_train.catalog.MEDUSA_LAYOUT`).
+``medusa`` layout, :data:`medusa_train.models.catalog.MEDUSA_LAYOUT`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_train.catalog import ProjectFn, TargetInputs
-from medusa_train.features import FINAL
-from medusa_train.heads_base import HeadsSpec, copy_lm_head, project_features, projection_weight, register_token_map
+from medusa_train.models.catalog import ProjectFn, TargetInputs
+from medusa_train.models.features import FINAL
+from medusa_train.models.heads_base import HeadsSpec, copy_lm_head, project_features, projection_weight, register_token_map
 
 
 class MedusaHeads(nn.Module):

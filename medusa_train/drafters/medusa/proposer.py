@@ -1,6 +1,6 @@
 """Medusa's tree drafter: every head reads the hidden state of the last committed position, so the K heads run in one
 batched call and node ``[i_0, ..., i_d]`` holds head d's rank-``i_d`` token (Medusa's ``generate_candidates``; Cai et
-al. 2024, Sec. 2.1.2). The protocol: :class:`medusa_train.tree.drafting.TreeDrafter`.
+al. 2024, Sec. 2.1.2). The protocol: :class:`medusa_train.models.tree_drafter.TreeDrafter`.
 
 Shapes: B batch, D tree depth, N tree nodes, V' the heads' vocabulary.
 """
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from medusa_train.tree.buffers import TreeBuffers, gather_node_tokens
-from medusa_train.tree.drafting import LastFeatureDrafter
+from medusa_train.models.tree_drafter import LastFeatureDrafter
 
 
 class MedusaTreeDrafter(LastFeatureDrafter):

@@ -1,14 +1,18 @@
 """Medusa heads in vLLM: vLLM's Medusa speculator (``speculative_config`` method ``medusa``) reads the export's
 ``vllm/`` folder, which the export writes in the ``medusa`` layout (:mod:`medusa_train.export.writer`; vLLM 0.32's
-``vllm/model_executor/models/medusa.py``).
+``vllm/model_executor/models/medusa.py``); the ``vllm_medusa`` decoder runs it (:data:`VLLM_DECODER`).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Optional
 
+from medusa_train.config.bounds import MAX_COUNT, bound
+from medusa_train.models.catalog import EngineDecoder
+from medusa_train.engines.settings import VllmSettings
 from medusa_train.engines.vllm_env import SPECULATIVE_FILE, tuned_speculative_tokens
 from medusa_train.export.configs import VLLM_MODEL_TYPE
 from medusa_train.export.files import read_json
@@ -54,4 +58,24 @@ def speculative_config(export_dir: str | os.PathLike[str], num_speculative_token
     return {"method": VLLM_METHOD, "model": str(folder.resolve()), "num_speculative_tokens": k}
 
 
-__all__ = ["VLLM_METHOD", "speculative_config"]
+@dataclass
+class VllmMedusaSettings(VllmSettings):
+    """vLLM's Medusa speculator with the export's ``vllm/`` heads (:class:`~inference.decoders.vllm.VllmDecoder`):
+    each head's top-1 token drafted as one chain (no tree), verified by the target in one pass. The fields of
+    :class:`~medusa_train.engines.settings.VllmSettings`, and:
+
+    Attributes:
+        num_speculative_tokens: drafted tokens per step, 1..K (the first heads); None: the length measured fastest
+            (the export's ``vllm_speculative.json``, ``benchmarks/serve_vllm.py --record``), else all K heads.
+        method: vLLM's speculative method this decoder serves (the catalog's
+            :attr:`~medusa_train.models.catalog.DrafterType.vllm_method`; its type gives the ``speculative_config``).
+    """
+
+    num_speculative_tokens: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
+    method: ClassVar[str] = VLLM_METHOD
+
+
+VLLM_DECODER = EngineDecoder("vllm_medusa", "vllm", VllmMedusaSettings,
+                             "vLLM's Medusa speculator with the export's vllm/ heads (a chain of top-1 drafts)")
+
+__all__ = ["VLLM_DECODER", "VLLM_METHOD", "VllmMedusaSettings", "speculative_config"]

@@ -1,7 +1,7 @@
 """Chat-template text for a conversation: which template to use, its rendering and the token ids of that text.
 
 Shared by training (label masking in :mod:`medusa_train.data.tokenize`, self-distillation) and evaluation
-(prompts in :mod:`medusa_train.prompts`), so it lives outside the training data package.
+(prompts in :mod:`medusa_train.chat.prompts`), so it lives outside the training data package.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from medusa_train.conversations import Conversation
+from medusa_train.chat.conversations import Conversation
 
 # Used when the tokenizer has no chat template (base models): plain text turns,
 #   "System: {content}\n" / "User: {content}\n" / "Assistant: {content}{eos}\n",

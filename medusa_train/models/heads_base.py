@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from medusa_train.catalog import type_of
+from medusa_train.models.catalog import type_of
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,8 @@ class HeadsSpec:
     """Shape of a set of Medusa heads.
 
     Attributes:
-        num_heads: K, ``medusa_num_heads`` (>= 1).
-        num_layers: residual blocks per head, ``medusa_num_layers`` (>= 1; FasterDecoding's default is 1).
+        num_heads: K (>= 1; ``heads.num_heads``).
+        num_layers: residual blocks per head (>= 1; ``heads.num_layers``; FasterDecoding's default is 1).
         hidden_size: H of the base model.
         vocab_size: V of the base model.
         share_lm_head: project with the base model's lm_head (vLLM's ``original_lm_head``) instead of a copy per head.
@@ -43,8 +43,7 @@ class HeadsSpec:
         for name in ("num_heads", "num_layers", "hidden_size", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                field = {"num_heads": "medusa_num_heads", "num_layers": "medusa_num_layers"}.get(name, name)
-                raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.head_vocab_size is not None and not 1 <= self.head_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"head_vocab_size (truncated_vocab_size) must be in [1, vocab_size={self.vocab_size}], "
@@ -58,7 +57,7 @@ class HeadsSpec:
 
     @property
     def head_type(self) -> str:
-        """The registered drafter type of this spec's class (:mod:`medusa_train.catalog`): ``"medusa"``
+        """The registered drafter type of this spec's class (:mod:`medusa_train.models.catalog`): ``"medusa"``
         here, ``"hydra"`` for :class:`~medusa_train.drafters.hydra.heads.HydraSpec`."""
         return type_of(self).name
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medusa_train.json_stream import JsonRecordStream
-from medusa_train.paths import package_file
+from medusa_train.files.json_stream import JsonRecordStream
+from medusa_train.files.paths import package_file
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The Medusa model: a Hugging Face causal LM plus draft heads (any catalog type), sharing one backbone pass.
+"""The speculative model: a Hugging Face causal LM (the target) plus a drafter of any catalog type, sharing one
+backbone pass.
 
 The base model is used through transformers' public surface only: ``base.base_model`` (the backbone, whose
 ``last_hidden_state`` is taken after the final norm), ``get_output_embeddings()`` (the lm_head) and the usual
@@ -17,12 +18,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_train.catalog import TargetInputs, heads_from_spec, new_spec, shifted_path_tokens, titles, type_of
-from medusa_train.catalog import drafter_types
-from medusa_train.features import FINAL, feature_layer, target_features
-from medusa_train.heads_base import HeadsSpec
+from medusa_train.models.catalog import TargetInputs, heads_from_spec, new_spec, shifted_path_tokens, titles, type_of
+from medusa_train.models.catalog import drafter_types
+from medusa_train.models.features import FINAL, feature_layer, target_features
+from medusa_train.models.heads_base import HeadsSpec
 
-DraftHeads = nn.Module  # any registered drafter type's module (medusa_train.catalog)
+DraftHeads = nn.Module  # any registered drafter type's module (medusa_train.models.catalog)
 
 # config attributes that change logits after the lm_head; we compute logits as lm_head(hidden) and must refuse these.
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
@@ -35,7 +36,7 @@ def check_supported(base: PreTrainedModel) -> None:
         value = getattr(cfg, attr, None)
         if value not in (None, 1.0, 1):
             raise ValueError(
-                f"{type(base).__name__} post-processes logits ({attr}={value}); Medusa heads need logits equal to "
+                f"{type(base).__name__} post-processes logits ({attr}={value}); the drafters need logits equal to "
                 "lm_head(last_hidden_state). This architecture is not supported yet."
             )
     if base.get_output_embeddings() is None:
@@ -43,13 +44,13 @@ def check_supported(base: PreTrainedModel) -> None:
 
 
 @dataclass
-class MedusaOutput:
-    """Outputs of one :meth:`MedusaModel.forward`.
+class SpeculativeOutput:
+    """Outputs of one :meth:`SpeculativeModel.forward`.
 
     Attributes:
         logits: ``[B, T, V]`` base-model logits.
         head_logits: ``[K, B, T, V']`` head logits (None when not asked for; Hydra heads teacher forced on
-            ``input_ids``, see :meth:`MedusaModel.forward`).
+            ``input_ids``, see :meth:`SpeculativeModel.forward`).
         hidden_states: ``[B, T, H]`` last hidden states after the final norm.
         past_key_values: the updated cache, when one was passed or ``use_cache``.
     """
@@ -60,7 +61,7 @@ class MedusaOutput:
     past_key_values: Any = None
 
 
-class MedusaModel(nn.Module):
+class SpeculativeModel(nn.Module):
     """Base causal LM + draft heads of any registered type (:mod:`medusa_train.drafters`): e.g.
     :class:`~medusa_train.drafters.medusa.heads.MedusaHeads` or :class:`~medusa_train.drafters.hydra.heads.HydraHeads`
     (which also read the base's input embeddings of the path tokens).
@@ -99,9 +100,9 @@ class MedusaModel(nn.Module):
 
     def features(self, input_ids: torch.Tensor, **kwargs: Any) -> tuple[dict[str, torch.Tensor], Any]:
         """Backbone pass: ``input_ids [B, T]`` -> (the named target features the heads' type reads, each
-        ``[B, T, H]``, :attr:`~medusa_train.catalog.DrafterType.features`, ``final`` always; the cache).
+        ``[B, T, H]``, :attr:`~medusa_train.models.catalog.DrafterType.features`, ``final`` always; the cache).
 
-        The same function (:func:`medusa_train.features.target_features`) feeds training, tuning and decoding.
+        The same function (:func:`medusa_train.models.features.target_features`) feeds training, tuning and decoding.
         ``kwargs`` as :meth:`hidden`.
         """
         names = {FINAL, *type_of(self.heads.spec).feature_names(self.heads.spec)}
@@ -110,7 +111,7 @@ class MedusaModel(nn.Module):
 
     @property
     def head_type(self) -> str:
-        """The heads' registered type (:mod:`medusa_train.catalog`), e.g. ``"medusa"``."""
+        """The heads' registered type (:mod:`medusa_train.models.catalog`), e.g. ``"medusa"``."""
         return type_of(self.heads.spec).name
 
     def _shared_weight(self) -> torch.Tensor | None:
@@ -132,11 +133,11 @@ class MedusaModel(nn.Module):
     def head_logits(self, hidden: torch.Tensor | Mapping[str, torch.Tensor], path_tokens: torch.Tensor | None = None,
                     num_heads: int | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[..., H]`` -> ``[K, ..., V']`` logits of all heads, as their type computes them
-        (:attr:`~medusa_train.catalog.DrafterType.logits`).
+        (:attr:`~medusa_train.models.catalog.DrafterType.logits`).
 
         Args:
             hidden: ``[..., H]`` last hidden states at positions t, or the named features the type reads
-                (:meth:`features`; a :attr:`~medusa_train.catalog.DrafterType.sequence` type, EAGLE-3,
+                (:meth:`features`; a :attr:`~medusa_train.models.catalog.DrafterType.sequence` type, EAGLE-3,
                 needs them, ``[B, T, H]`` each: whole sequences).
             path_tokens: for types that read the path (Hydra, EAGLE-3), ``[..., K]`` long, the tokens t+1 .. t+K
                 (head k reads the first k + 1).
@@ -153,7 +154,7 @@ class MedusaModel(nn.Module):
         missing = [n for n in entry.feature_names(self.heads.spec) if n not in features]
         if missing:
             raise ValueError(f"{entry.title} heads read the target features {missing}: pass them by name, "
-                             "{name: [B, T, H]} as MedusaModel.features gives them")
+                             "{name: [B, T, H]} as SpeculativeModel.features gives them")
         if entry.reads_path and path_tokens is None:
             raise ValueError(f"{entry.title} heads read the path tokens t+1 .. t+k+1: pass path_tokens [..., K], or "
                              "draft level by level with head_logits_at()")
@@ -177,7 +178,7 @@ class MedusaModel(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, with_heads: bool = True, **kwargs: Any
-    ) -> MedusaOutput:
+    ) -> SpeculativeOutput:
         """One backbone pass; base logits and (optionally) head logits from the same hidden states.
 
         Hydra heads are teacher forced: head k at position t reads ``input_ids[t+1 .. t+k+1]`` as its path (the true
@@ -206,7 +207,7 @@ class MedusaModel(nn.Module):
                                          else None)
             else:
                 heads = self.head_logits(hidden, path)
-        return MedusaOutput(logits=logits, head_logits=heads, hidden_states=hidden, past_key_values=cache)
+        return SpeculativeOutput(logits=logits, head_logits=heads, hidden_states=hidden, past_key_values=cache)
 
 
 def base_sizes(base: PreTrainedModel) -> tuple[int, int]:
@@ -247,13 +248,13 @@ def new_heads_for(
     """Fresh heads for ``base``: zero blocks (identity), projections copied from the base lm_head.
 
     Args:
-        head_type: a registered drafter type (:mod:`medusa_train.catalog`): ``medusa``
+        head_type: a registered drafter type (:mod:`medusa_train.models.catalog`): ``medusa``
             (:class:`~medusa_train.drafters.medusa.heads.MedusaHeads`), ``hydra``
             (:class:`~medusa_train.drafters.hydra.heads.HydraHeads`) ...
         options: the type's own spec fields (Hydra: ``combine``, one of ``concat``, ``sum``); others are ignored.
 
     Raises:
-        ValueError: ``num_heads < 1`` or ``num_layers < 1`` (field named ``medusa_num_heads``/``medusa_num_layers``),
+        ValueError: ``num_heads < 1`` or ``num_layers < 1`` (the field named),
             an unknown ``head_type`` or an invalid option.
     """
     hidden_size, vocab_size = base_sizes(base)

@@ -6,8 +6,8 @@ file with ``os.replace`` (atomic on POSIX), and the folder is synced so that the
 
 Every file written here gets the mode ``open()`` gives a new file (``0o666`` less the umask, typically ``0o644``):
 some writers (safetensors 0.8's ``save_file``) create theirs ``0o600``, which leaves a shared folder half readable.
-Whole folders are replaced by :func:`medusa_train.export.folder_swap.replace_folder`, which syncs with
-:func:`fsync_dir` too.
+Whole folders are published by :func:`medusa_train.files.folders.publish_folder` and replaced by
+:func:`medusa_train.export.folder_swap.replace_folder`, which sync with :func:`fsync_dir` too.
 """
 
 from __future__ import annotations

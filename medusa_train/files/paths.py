@@ -7,7 +7,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # medusa_train/ (this file is medusa_train/files/paths.py)
 CONF_DIR = PACKAGE_DIR / "conf"
 PROMPT_SETS_DIR = PACKAGE_DIR / "prompt_sets"  # prompt sets shipped with the package (each with its license)
 # The project root when running from a checkout (editable install or PYTHONPATH); None for a wheel install.

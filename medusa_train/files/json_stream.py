@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from medusa_train.text_files import not_utf8
+from medusa_train.files.text_files import not_utf8
 
 _SEPARATORS = " \t\r\n,"
 

@@ -1,13 +1,13 @@
-"""The Medusa-2 recipe (``heads.mode=medusa2``): the base model (LoRA, full or frozen) and Medusa heads trained
+"""The joint recipe (``heads.mode=joint``, Medusa-2's): the base model (LoRA, full or frozen) and the heads trained
 together (Medusa paper, arXiv:2401.10774, Sec. 2.2.2).
 
-stage 1: when ``heads.stage1_epochs > 0`` a Medusa-1 run trains the heads alone into ``${output_dir}/stage1``
-(:mod:`medusa_train.training.stages`, :class:`~medusa_train.training.medusa1_recipe.Medusa1Recipe`) and the joint
+stage 1: when ``heads.stage1_epochs > 0`` a frozen-base run trains the heads alone into ``${output_dir}/stage1``
+(:mod:`medusa_train.training.stages`, :class:`~medusa_train.training.frozen_base_recipe.FrozenBaseRecipe`) and the joint
 stage starts from its export; otherwise from ``heads.init_from``. setup: checks (heads to start from made for this
 base; no ``share_lm_head`` under ZeRO-3) and the folder's lock, process group, base model (LoRA targets checked
 before the data is prepared) and data (:class:`BaseRecipe`); the starting heads, checked against the base and
 ``heads/``; the base made trainable (:func:`~medusa_train.training.joint.prepare_base`) and joined with the heads
-(:class:`~medusa_train.training.joint.JointMedusaModel`); the folder prepared and the HF Trainer built
+(:class:`~medusa_train.training.joint.JointModel`); the folder prepared and the HF Trainer built
 (:class:`~medusa_train.training.joint_trainer.JointTrainer`). train: :meth:`BaseRecipe.train`. save: the trained base
 rebuilt from a fresh load of ``model/`` with the gathered weights (LoRA merged), the heads measured against it, and
 the export written with the fine-tuned base inside it (``export/base``).
@@ -40,28 +40,28 @@ from transformers import PreTrainedModel
 from medusa_train.data import Collator
 from medusa_train.export import BASE_DIR, load_heads
 from medusa_train.export.configs import export_head_type
-from medusa_train.catalog import expect_head_type
+from medusa_train.models.catalog import expect_head_type
 from medusa_train.loading.base import load_base_model
-from medusa_train.loading.medusa import ORIGINAL_BASE_KEY, check_export_base
-from medusa_train.model import DraftHeads, check_heads_match_base
+from medusa_train.loading.export import ORIGINAL_BASE_KEY, check_export_base
+from medusa_train.models.speculative import DraftHeads, check_heads_match_base
 from medusa_train.training.arguments import zero3_hidden_from_transformers
 from medusa_train.training.base_recipe import BaseRecipe
 from medusa_train.training.joint import (
-    JointMedusaModel,
+    JointModel,
     causal_lm,
     load_trainable_state,
     lora_target_modules,
     prepare_base,
 )
 from medusa_train.training.joint_trainer import JointSpec, JointTrainer
-from medusa_train.training.medusa1_recipe import Medusa1Recipe
+from medusa_train.training.frozen_base_recipe import FrozenBaseRecipe
 from medusa_train.training.stages import STAGE1_DIR, stage1_config, stage1_done
 from medusa_train.training.step import FrozenBase
 
 log = logging.getLogger(__name__)
 
 
-class Medusa2Recipe(BaseRecipe):
+class JointRecipe(BaseRecipe):
     """One Medusa-2 run (see the module docstring); arguments as :class:`BaseRecipe`. The summary holds stage 1's
     under ``stage1`` when stage 1 trained here."""
 
@@ -83,7 +83,7 @@ class Medusa2Recipe(BaseRecipe):
             expect_head_type(export_head_type(config), hc.head_type, f"heads.init_from={hc.init_from}")
         zero3 = ds_config is not None and ds_config["zero_optimization"]["stage"] == 3
         if zero3 and hc.share_lm_head:
-            raise ValueError("heads.share_lm_head=true with heads.mode=medusa2 under ZeRO-3: the heads would read the "
+            raise ValueError("heads.share_lm_head=true with heads.mode=joint under ZeRO-3: the heads would read the "
                              "sharded lm_head weight outside its module; use heads.share_lm_head=false or ZeRO-2")
         return ds_config
 
@@ -103,7 +103,7 @@ class Medusa2Recipe(BaseRecipe):
         if self.cfg.resume and stage1_done(folder):
             log.info("stage 1: reusing the heads in %s", folder / "export")
         else:
-            stage1 = Medusa1Recipe(stage1_config(self.resolved, folder, self.paths.self_distill))
+            stage1 = FrozenBaseRecipe(stage1_config(self.resolved, folder, self.paths.self_distill))
             try:
                 stage1.steps()
                 stage1.finish_tracker()
@@ -125,7 +125,7 @@ class Medusa2Recipe(BaseRecipe):
         self.collator: Any = Collator.from_tokenizer(self.tokenizer)
         self.eval_set = data.eval
         self.prepare_folder(heads)
-        model = JointMedusaModel(prepare_base(self.base, self.cfg.heads), heads)
+        model = JointModel(prepare_base(self.base, self.cfg.heads), heads)
         self.trainer = JointTrainer(model=model, joint_spec=JointSpec.of(self.cfg.heads, self.cfg.base_loss),
                                     **self.trainer_kwargs(args, data.train, data.eval))
 
@@ -147,9 +147,9 @@ class Medusa2Recipe(BaseRecipe):
         source = self.init_heads_from
         heads, _ = load_heads(source, base_model=self.base, head_type=hc.head_type)
         check_heads_match_base(heads.spec, self.base)
-        asked = {"medusa_num_heads": hc.medusa_num_heads, "medusa_num_layers": hc.medusa_num_layers,
+        asked = {"num_heads": hc.num_heads, "num_layers": hc.num_layers,
                  "share_lm_head": hc.share_lm_head, "head_vocab_size": hc.head_vocab_size}
-        found = {"medusa_num_heads": heads.spec.num_heads, "medusa_num_layers": heads.spec.num_layers,
+        found = {"num_heads": heads.spec.num_heads, "num_layers": heads.spec.num_layers,
                  "share_lm_head": heads.spec.share_lm_head, "head_vocab_size": heads.spec.head_vocab_size}
         differ = [f"heads.{k}={asked[k]} (the export has {found[k]})" for k in asked if asked[k] != found[k]]
         if differ:

@@ -227,7 +227,7 @@ def choose_precision(requested: str, device: torch.device | str) -> PrecisionCho
     trains in fp32 too (fp16 mixed precision needs loss scaling; ask for it with ``trainer.precision=fp16``).
 
     Args:
-        requested: one of :data:`TRAINING_PRECISIONS` (checked by :class:`~medusa_train.config.TrainerConfig`).
+        requested: one of :data:`TRAINING_PRECISIONS` (checked by :class:`~medusa_train.config.schema.TrainerConfig`).
         device: where the run trains (``cpu``, ``cuda``, a ``torch.device``).
     """
     kind = torch.device(device).type

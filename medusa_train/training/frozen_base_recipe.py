@@ -1,9 +1,10 @@
-"""The Medusa-1 recipe (``heads.mode=medusa1``, Medusa and Hydra heads): new heads trained on a frozen base.
+"""The frozen-base recipe (``heads.mode=frozen_base``, every drafter type; Medusa-1's): a new drafter trained on a
+frozen base.
 
 setup: checks and the folder's lock, process group, base model and data (:class:`BaseRecipe`); heads built from the
 base lm_head (with a token map of the most frequent training tokens when ``heads.head_vocab_size`` is set); with
 ``hidden_cache=true`` the base runs once per sequence into a cache and the backbone is dropped; then the folder is
-prepared and the HF Trainer built on the heads alone (:class:`~medusa_train.training.trainer.MedusaTrainer`, which
+prepared and the HF Trainer built on the heads alone (:class:`~medusa_train.training.trainer.DrafterTrainer`, which
 stops on a non-finite loss or weight and on a diverged head). train: :meth:`BaseRecipe.train`. save: the gathered
 heads are measured against the frozen base and exported.
 """
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from medusa_train.data import Collator
-from medusa_train.catalog import drafter_type, type_of
+from medusa_train.models.catalog import drafter_type, type_of
 from medusa_train.training.base_placement import ZERO3, partition_numel, release_backbone, stop_zero3_engine
 from medusa_train.training.base_recipe import BaseRecipe
 from medusa_train.training.data_prep import PreparedData
@@ -29,13 +30,13 @@ from medusa_train.training.hidden_cache import (
     dataset_fingerprint,
 )
 from medusa_train.training.step import FrozenBase
-from medusa_train.training.trainer import MedusaTrainer
+from medusa_train.training.trainer import DrafterTrainer
 
 log = logging.getLogger(__name__)
 
 
-class Medusa1Recipe(BaseRecipe):
-    """One Medusa-1 run (see the module docstring); arguments as :class:`BaseRecipe`."""
+class FrozenBaseRecipe(BaseRecipe):
+    """One frozen-base run (see the module docstring); arguments as :class:`BaseRecipe`."""
 
     def check(self) -> dict[str, Any] | None:
         """:meth:`BaseRecipe.check`; warns when the heads' type has no vLLM layout (Hydra heads)."""
@@ -63,7 +64,7 @@ class Medusa1Recipe(BaseRecipe):
             train_set, eval_set = self.cached_datasets(data, args.per_device_eval_batch_size, heads)
         self.eval_set = eval_set
         self.prepare_folder(heads)
-        self.trainer = MedusaTrainer(model=heads, frozen_base=self.frozen_base,
+        self.trainer = DrafterTrainer(model=heads, frozen_base=self.frozen_base,
                                      **self.trainer_kwargs(args, train_set, eval_set))
 
     def cached_datasets(self, data: PreparedData, batch_size: int, heads: Any) -> tuple[Any, Any]:

@@ -19,10 +19,10 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from transformers import PreTrainedTokenizerBase
 
-from medusa_train.config import ModelConfig, as_dataclass
+from medusa_train.config.schema import ModelConfig, as_dataclass
 from medusa_train.export import load_heads
 from medusa_train.loading.base import load_base_model
-from medusa_train.model import MedusaModel, check_heads_match_base
+from medusa_train.models.speculative import SpeculativeModel, check_heads_match_base
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def model_config_for_export(export_config: dict[str, Any], override: Any = None,
 def export_base_config(export_dir: str | os.PathLike[str], export_config: dict[str, Any], model: Any = None,
                        dtype: str | None = None, device: str | None = None,
                        trust_remote_code: bool = False) -> ModelConfig:
-    """The base model config :func:`load_medusa` loads for ``export_dir``: ``model`` or the export's recorded base
+    """The base model config :func:`load_export` loads for ``export_dir``: ``model`` or the export's recorded base
     (a Medusa-2 base inside the folder made absolute), with the ``dtype`` / ``device`` overrides applied, and
     ``trust_remote_code`` when the caller asks for it (never from the export's file).
 
@@ -180,10 +180,10 @@ def check_export_base(export_dir: str | os.PathLike[str], model_cfg: ModelConfig
     return config
 
 
-def load_medusa(
+def load_export(
     export_dir: str, model: Any = None, dtype: str | None = None, device: str | None = None,
     head_type: str | None = None, trust_remote_code: bool = False,
-) -> tuple[MedusaModel, PreTrainedTokenizerBase, dict[str, Any]]:
+) -> tuple[SpeculativeModel, PreTrainedTokenizerBase, dict[str, Any]]:
     """Base model + heads (Medusa or Hydra) from an export folder.
 
     Args:
@@ -198,7 +198,7 @@ def load_medusa(
             ``model``) turns it on, never the export's config.json.
 
     Returns:
-        ``(MedusaModel, tokenizer, export_config)``.
+        ``(SpeculativeModel, tokenizer, export_config)``.
 
     Raises:
         FileNotFoundError: no export there (checked before the base model is loaded).
@@ -214,4 +214,4 @@ def load_medusa(
     check_heads_match_base(heads.spec, base)
     weight = base.get_output_embeddings().weight
     heads = heads.to(device=weight.device, dtype=weight.dtype).requires_grad_(False)
-    return MedusaModel(base, heads.eval()), tokenizer, export_config
+    return SpeculativeModel(base, heads.eval()), tokenizer, export_config

@@ -1,4 +1,4 @@
-"""``python -m medusa_train.loading.install_models GROUP [--verify] [--no-convert]``: what
+"""``python -m medusa_train.cli.install_models GROUP [--verify] [--no-convert]``: what
 ``bash launch/install_models.sh GROUP`` runs in the project's venv.
 
 For each model of ``GROUP`` (:data:`medusa_train.loading.chunked_models.GROUPS`, e.g. ``coder``):
@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 
 from medusa_train.loading.chunked_gguf import ChunkError, assemble, gguf_path, is_assembled
 from medusa_train.loading.chunked_models import GROUPS, ChunkedModel
-from medusa_train.run_lock import LockHeldError
+from medusa_train.runs.run_lock import LockHeldError
 
 if TYPE_CHECKING:
-    from medusa_train.config import ModelConfig
+    from medusa_train.config.schema import ModelConfig
 
 PREFIX = "[install_models]"
 
@@ -75,7 +75,7 @@ def install_gguf(model: ChunkedModel, verify: bool = False) -> Path:
 
 
 def preset_config(key: str) -> ModelConfig:
-    """The ``model/<key>`` preset, composed and checked as a :class:`~medusa_train.config.ModelConfig`.
+    """The ``model/<key>`` preset, composed and checked as a :class:`~medusa_train.config.schema.ModelConfig`.
 
     Raises:
         NotInstalledError: its GGUF is not assembled yet (the resolver of its ``name_or_path``).
@@ -83,8 +83,8 @@ def preset_config(key: str) -> ModelConfig:
     from hydra import compose, initialize_config_dir
 
     from medusa_train.cli.app import register_shared_schemas
-    from medusa_train.config import ModelConfig, as_dataclass
-    from medusa_train.paths import CONF_DIR
+    from medusa_train.config.schema import ModelConfig, as_dataclass
+    from medusa_train.files.paths import CONF_DIR
 
     register_shared_schemas()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):

@@ -1,15 +1,15 @@
 """Tree decoding: a drafter fills a tree of continuations, one target pass verifies it, the longest accepted path is
 kept (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads",
-Sec. 2.1.2, tree attention). :class:`TreeDecoder` runs any :class:`~medusa_train.tree.drafting.TreeDrafter`:
+Sec. 2.1.2, tree attention). :class:`TreeDecoder` runs any :class:`~medusa_train.models.tree_drafter.TreeDrafter`:
 Medusa heads, Hydra heads, EAGLE-3 drafters (``model.head_type``,
-:func:`~medusa_train.catalog.tree_drafter`), over a static tree or, for drafters that grow one, an
+:func:`~medusa_train.models.catalog.tree_drafter`), over a static tree or, for drafters that grow one, an
 EAGLE-2 dynamic tree built anew every step (``dynamic_tree``, :mod:`medusa_train.tree.dynamic`); with ``composite``,
 every step's tree also holds prompt lookup's drafts (:mod:`inference.proposers.composite`).
 
 One step (:func:`tree_step`), following the split of FasterDecoding/Medusa ``medusa/model/utils.py`` at 10a2697
 (generate candidates -> tree decoding -> evaluate posterior -> update inputs) with all state passed in and out:
 
-a. **candidates**: the tree drafter fills every node from its own state (:mod:`medusa_train.tree.drafting`):
+a. **candidates**: the tree drafter fills every node from its own state (:mod:`medusa_train.models.tree_drafter`):
    Medusa heads' top-k at the last committed position, laid out as ``cat([root], head0_topk, head1_topk, ...)`` and
    picked per tree node with ``tree_indices``; Hydra heads (Ankner et al. 2024, which also read the node's path) level by level down the tree;
 b. **tree pass**: ONE backbone pass over the N node tokens on top of the KV cache, with a 4-D additive mask
@@ -68,9 +68,9 @@ from inference.decoders.base import (
 from inference.decoders.batching import Replies, left_pad, prefill_mask, sliding_window
 from inference.decoders.timing import StepTimes
 from inference.proposers.composite import CompositeShape, CompositeTreeDrafter, priority_order
-from medusa_train.catalog import tree_drafter
-from medusa_train.features import FINAL
-from medusa_train.generation import max_positions
+from medusa_train.models.catalog import tree_drafter
+from medusa_train.models.features import FINAL
+from medusa_train.models.generation import max_positions
 from medusa_train.tree.acceptance import (
     check_posterior,
     greedy_accept_tokens,
@@ -87,14 +87,14 @@ from medusa_train.tree.buffers import (
 )
 from medusa_train.tree.composite import CompositeTree
 from medusa_train.tree.composite import composite_tree as to_composite_tree
-from medusa_train.tree.drafting import DynamicTreeDrafter, TreeDrafter
+from medusa_train.models.tree_drafter import DynamicTreeDrafter, TreeDrafter
 from medusa_train.tree.dynamic import DynamicTree, dynamic_tree as to_dynamic_tree
 from medusa_train.tree.kv_cache import check_compactable, compact, preallocated_cache, select_rows, truncate
 from medusa_train.tree.masks import additive_mask, positions
 from medusa_train.tree.sampling import greedy_tokens, logits_to_probs
 
 ACCEPTANCE_RULES = ("greedy", "typical", "speculative")
-# The defaults of every Medusa setting, defined here only (the decoder, MedusaSettings and medusa-tune-tree read
+# The defaults of every tree-decoding setting, defined here only (the decoder, TreeSettings and medusa-tune-tree read
 # them): Medusa's own (FasterDecoding/Medusa medusa/model/medusa_model.py at 10a2697, MedusaModel.medusa_generate):
 # typical acceptance (greedy at temperature 0) with epsilon = 0.09 and delta = sqrt(epsilon) = 0.3.
 ACCEPTANCE = "typical"
@@ -153,7 +153,7 @@ def check_acceptance(acceptance: str, config: DecodeConfig, key: str | None = No
     Args:
         acceptance: ``greedy``, ``typical`` or ``speculative``.
         config: the request (temperature, top-k, top-p).
-        key: the setting's name in the message (e.g. ``decoder.medusa.acceptance``); None: the decoder's argument.
+        key: the setting's name in the message (e.g. ``decoder.tree.acceptance``); None: the decoder's argument.
 
     Raises:
         ValueError: an unknown rule; ``greedy`` with temperature > 0; ``typical`` with top-k/top-p (it applies
@@ -232,7 +232,7 @@ def tree_pass(model: Any, cache: DynamicCache, tree: TreeBuffers, node_tokens: T
               next_position: Tensor, position_limit: int | None = None) -> dict[str, Tensor]:
     """Step (b): ONE backbone pass over the N nodes ``[B, N]`` on top of the cache (which it extends by N slots),
     with the tree's 4-D mask; returns the nodes' target features ``{name: [B, N, H]}``
-    (:meth:`~medusa_train.model.MedusaModel.features`)."""
+    (:meth:`~medusa_train.models.speculative.SpeculativeModel.features`)."""
     mask = tree_attention_mask(tree.attn_mask, past_valid, model.base.dtype)  # [B, 1, N, L + N]
     node_positions = next_position[:, None] + tree.position_ids[None, :]  # [B, N]
     if position_limit is not None:
@@ -261,12 +261,12 @@ def tree_step(
     once, to read the accept lengths and emitted tokens together.
 
     Args:
-        model: a :class:`~medusa_train.model.MedusaModel` (``hidden``, ``lm_head``).
+        model: a :class:`~medusa_train.models.speculative.SpeculativeModel` (``hidden``, ``lm_head``).
         cache: KV cache of L slots (``L = past_valid.shape[1]``), compactable (:func:`medusa_train.tree.kv_cache.
             check_compactable`); updated in place.
         tree: buffers on the model's device (:func:`medusa_tree`: built for the D heads it reads, ``tree.num_heads``);
             or the shape of a tree the drafter grows this step (``drafter.draft_dynamic``,
-            :class:`~medusa_train.tree.drafting.DynamicTreeDrafter`): a
+            :class:`~medusa_train.models.tree_drafter.DynamicTreeDrafter`): a
             :class:`~medusa_train.tree.dynamic.DynamicTree`, or a :class:`~inference.proposers.composite.CompositeShape`
             (the drafter's candidates and prompt lookup's in one tree).
         drafter: fills the tree; started on this request (``drafter.start``) and given every earlier step's
@@ -326,11 +326,11 @@ def tree_step(
 
 class TreeDecoder:
     """Tree decoding with the model's tree drafter (see the module docstring): Medusa heads, or Hydra heads drafting
-    level by level (``model.head_type``, :func:`~medusa_train.catalog.tree_drafter`); the verification,
+    level by level (``model.head_type``, :func:`~medusa_train.models.catalog.tree_drafter`); the verification,
     acceptance rules and cache handling are the same for any drafter. Registered as the decoder ``medusa``.
 
     Args:
-        model: a :class:`~medusa_train.model.MedusaModel` (Medusa or Hydra heads).
+        model: a :class:`~medusa_train.models.speculative.SpeculativeModel` (Medusa or Hydra heads).
         medusa_choices: the tree, a prefix-closed list of rank paths (e.g. ``[[0], [0, 0], [1]]``).
         topk: candidates taken from each head (every rank in ``medusa_choices`` must be below it).
         acceptance: ``greedy``, ``typical`` or ``speculative``.
@@ -339,7 +339,7 @@ class TreeDecoder:
         tokenizer: optional; needed for ``stop_strings`` and to fill :attr:`DecodeResult.text`.
         dynamic_tree: None (the static tree ``medusa_choices``), or an EAGLE-2 dynamic tree grown anew every step
             (:class:`~medusa_train.tree.dynamic.DynamicTree`, or ``(depth, topk, total)``, or a mapping of them), for
-            drafters that grow one (:class:`~medusa_train.tree.drafting.DynamicTreeDrafter`: EAGLE-3);
+            drafters that grow one (:class:`~medusa_train.models.tree_drafter.DynamicTreeDrafter`: EAGLE-3);
             ``medusa_choices`` and ``topk`` are then not used (``medusa_choices`` may be None).
         composite: None, or a :class:`~medusa_train.tree.composite.CompositeTree` (or a mapping of its fields):
             every step's tree merges the drafter's candidates (over ``medusa_choices`` or ``dynamic_tree``) with
@@ -348,8 +348,8 @@ class TreeDecoder:
             :class:`~inference.proposers.composite.CompositeTreeDrafter` around the model's.
 
     Attributes:
-        drafter: the :class:`~medusa_train.tree.drafting.TreeDrafter` every request starts
-            (:func:`~medusa_train.catalog.tree_drafter` of ``model``); any drafter of the protocol may
+        drafter: the :class:`~medusa_train.models.tree_drafter.TreeDrafter` every request starts
+            (:func:`~medusa_train.models.catalog.tree_drafter` of ``model``); any drafter of the protocol may
             replace it.
 
     Raises:
@@ -360,7 +360,7 @@ class TreeDecoder:
         NotImplementedError: an attention backend or layer layout that cannot take a custom 4-D mask.
     """
 
-    name = "medusa"
+    name = "tree"
 
     def __init__(
         self,
@@ -376,7 +376,7 @@ class TreeDecoder:
     ) -> None:
         for attr in ("hidden", "head_logits", "heads", "base"):
             if not hasattr(model, attr):
-                raise TypeError(f"TreeDecoder needs a MedusaModel (missing .{attr}), got {type(model).__name__}")
+                raise TypeError(f"TreeDecoder needs a SpeculativeModel (missing .{attr}), got {type(model).__name__}")
         check_acceptance(acceptance, DecodeConfig(max_new_tokens=1))
         check_posterior(posterior_threshold, posterior_alpha)
         spec = model.heads.spec
@@ -506,6 +506,3 @@ class TreeDecoder:
             root, past_valid, next_position = step.root, step.past_valid, step.next_position
         return replies.results(lengths.tolist(), time.perf_counter() - start, prefill_time, **times.totals())
 
-
-# Deprecated: the tree decoder runs any tree drafter, Medusa heads or not. Use TreeDecoder.
-MedusaDecoder = TreeDecoder

@@ -7,13 +7,16 @@ runs (model loading, data preparation), so a bad run fails in seconds.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from medusa_train.bounds import (
+from medusa_train.config.bounds import (
     MAX_COUNT,
     MAX_EPOCHS,
     MAX_PROCESSES,
@@ -24,10 +27,9 @@ from medusa_train.bounds import (
     bound,
     check_bounds,
 )
-from medusa_train.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, head_types, titles
-from medusa_train.drafters.hydra.heads import COMBINES
-from medusa_train.precision import AUTO, TRAINING_PRECISIONS, check_dtype_name
-from medusa_train.prompts import PROBLEM_SETS
+from medusa_train.models.catalog import MEDUSA_LAYOUT, drafter_type, drafter_types, head_types, titles
+from medusa_train.config.precision import AUTO, TRAINING_PRECISIONS, check_dtype_name
+from medusa_train.chat.prompts import PROBLEM_SETS
 
 MODEL_FORMATS = ("auto", "hf", "gguf", "llama2c")
 DEVICES = ("cpu", "cuda", "cuda:N", "auto")  # what medusa_train.loading.base.resolve_device places a model on
@@ -54,7 +56,7 @@ class ModelConfig:
         tokenizer_path: the llama2.c ``tok*.bin`` tokenizer (``format=llama2c`` only).
         dtype: ``float32``, ``bfloat16`` or ``float16`` (short forms ``fp32``/``bf16``/``fp16`` accepted), or
             ``auto``: bf16 where the hardware multiplies bf16 natively, fp32 elsewhere
-            (:func:`medusa_train.precision.choose_dtype`, which also refuses float16 on a CPU).
+            (:func:`medusa_train.config.precision.choose_dtype`, which also refuses float16 on a CPU).
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available).
         revision: Hub revision (branch, tag or commit).
         attn_implementation: transformers' attention backend (``sdpa`` or ``eager``).
@@ -124,53 +126,54 @@ class LoraSettings:
             raise ValueError("heads.lora.target_modules is empty: list module names or use null for the default")
 
 
-HEADS_MODES = ("medusa1", "medusa2")  # one training recipe each (medusa_train.training.recipe.RECIPES)
+FROZEN_BASE, JOINT = "frozen_base", "joint"  # heads.mode: the heads on a frozen base, or base and heads together
+HEADS_MODES = (FROZEN_BASE, JOINT)  # one training recipe each (medusa_train.training.recipe.RECIPES)
 
 
 @dataclass
 class HeadShape:
-    """What the draft heads are (``heads.*``; recorded in their export).
+    """What the draft heads are (``heads.*``; recorded in their export), whatever their type. A type's own settings
+    (Hydra's ``heads.combine``, EAGLE-3's ``heads.feature_layers``) are its catalog entry's
+    (:attr:`~medusa_train.models.catalog.DrafterType.options`), defined in its folder: :func:`heads_schema` adds every
+    registered type's to these.
 
     Attributes:
         head_type: ``medusa`` (head k reads the hidden state at t), ``hydra`` (it also reads the base model's
             input embeddings of the path tokens t+1 .. t+k+1: Ankner et al. 2024, arXiv:2402.05109, Sec. 3;
             :mod:`medusa_train.drafters.hydra`) or ``eagle3`` (one decoder layer over three target layers, its K draft
             steps unrolled in training: :mod:`medusa_train.drafters.eagle3`). Hydra and EAGLE-3 train on a frozen base
-            (``mode=medusa1``).
-        combine: Hydra only: ``concat`` (hidden state and path embeddings concatenated, the paper's) or ``sum``.
-        medusa_num_heads: K heads (Medusa or Hydra); head k predicts token t+k+2.
-        medusa_num_layers: residual blocks per head.
+            (``mode=frozen_base``).
+        num_heads: K heads (Medusa or Hydra; EAGLE-3: its training-time-test steps); head k predicts token t+k+2.
+            An export's ``config.json`` records it under its type's key (Medusa: ``medusa_num_heads``).
+        num_layers: residual blocks per head (EAGLE-3: decoder layers).
         share_lm_head: all heads project with the base lm_head (vLLM's ``original_lm_head``): much smaller.
         head_vocab_size: reduced head vocabulary of the most frequent training tokens (vLLM's
             ``truncated_vocab_size``; EAGLE-3's draft vocabulary); None keeps the full vocabulary.
-        feature_layers: EAGLE-3 only: the three target layers fused by the drafter (:mod:`medusa_train.features`
-            indices: the input of decoder layer i, as vLLM's ``eagle_aux_hidden_state_layer_ids``); None: vLLM's
-            default taps ``(2, L // 2, L - 3)`` of an L-layer target. Checked against the target once it loads.
     """
 
     head_type: str = "medusa"
-    combine: str = "concat"
-    medusa_num_heads: int = field(default=4, metadata=bound(1, cap=MAX_COUNT))
-    medusa_num_layers: int = field(default=1, metadata=bound(1, cap=MAX_COUNT))
+    num_heads: int = field(default=4, metadata=bound(1, cap=MAX_COUNT))
+    num_layers: int = field(default=1, metadata=bound(1, cap=MAX_COUNT))
     share_lm_head: bool = False
     head_vocab_size: Optional[int] = field(default=None, metadata=bound(1, cap=MAX_COUNT))
-    feature_layers: Optional[list[int]] = field(default=None, metadata=bound(
-        0, cap=MAX_COUNT, hint="target layer indices (the input of layer i); null: vLLM's default taps"))
 
     def validate_shape(self) -> None:
+        """Raises:
+            ValueError: an unknown ``head_type``, another type's option set (the option, its type and the fix
+                named), or a bad value of the type's own options (their check)."""
         if self.head_type not in head_types():
             raise ValueError(f"heads.head_type must be one of {head_types()}, got {self.head_type!r}")
-        if self.combine not in COMBINES:
-            raise ValueError(f"heads.combine must be one of {COMBINES}, got {self.combine!r}")
-        entry, unset = drafter_type(self.head_type), HeadShape()
-        options = dict.fromkeys(o for e in drafter_types() for o in e.options)  # every type's (DrafterType.options)
-        for name in options:
-            if name not in entry.options and getattr(self, name) != getattr(unset, name):
-                owners = [e for e in drafter_types() if name in e.options]
-                owner = owners[0].name
-                raise ValueError(f"heads.{name}={getattr(self, name)} is for {titles(owners)} heads, not "
-                                 f"{entry.title} heads: set heads={owner} (heads.head_type={owner}) or drop "
-                                 f"heads.{name}")
+        entry = drafter_type(self.head_type)
+        for owner in drafter_types():  # another type's options stay at their defaults
+            if owner is entry or owner.options is None:
+                continue
+            unset = owner.options()
+            for name in owner.option_names:
+                if getattr(self, name, getattr(unset, name)) != getattr(unset, name):
+                    raise ValueError(f"heads.{name}={getattr(self, name)} is for {owner.title} heads, not "
+                                     f"{entry.title} heads: set heads={owner.name} (heads.head_type={owner.name}) or "
+                                     f"drop heads.{name}")
+        entry.check_options(self)
 
 
 @dataclass
@@ -178,13 +181,14 @@ class HeadsTraining:
     """How the heads are trained, in either flow (``heads.*``).
 
     Attributes:
-        mode: ``medusa1`` (base frozen, heads only) or ``medusa2`` (joint fine-tuning).
+        mode: ``frozen_base`` (the base frozen, the heads trained alone: Medusa-1's recipe, which every type trains
+            with) or ``joint`` (base and heads fine-tuned together: Medusa-2's recipe).
         loss_decay: weight of head k's loss is ``loss_decay ** k`` (Medusa uses 0.8).
         target: ``labels`` (the data's next tokens), ``base_argmax`` (the base model's own greedy token at each
             position: what greedy verification checks) or ``soft`` (KL to the base distribution).
     """
 
-    mode: str = "medusa1"
+    mode: str = FROZEN_BASE
     loss_decay: float = field(default=0.8, metadata=bound(0, 1, low_open=True))
     target: str = "base_argmax"
 
@@ -197,8 +201,8 @@ class HeadsTraining:
 
 @dataclass
 class JointSettings:
-    """Medusa-2 only (``mode=medusa2``, joint training of base and heads; Medusa paper, arXiv:2401.10774, Sec. 2.2.2
-    and 2.3.2; see :mod:`medusa_train.training.joint`; ``heads.*``).
+    """Joint training only (``mode=joint``: Medusa-2, base and heads together; Medusa paper, arXiv:2401.10774,
+    Sec. 2.2.2 and 2.3.2; see :mod:`medusa_train.training.joint`; ``heads.*``).
 
     Attributes:
         medusa_loss_weight: lambda_0, the heads' weight against the base loss (``L_base + lambda_0 * s(t) *
@@ -242,11 +246,11 @@ class JointSettings:
 
 @dataclass
 class StageOneSettings:
-    """Where Medusa-2's joint stage starts (``mode=medusa2`` only; ``heads.*``).
+    """Where the joint stage starts (``mode=joint`` only; ``heads.*``).
 
     Attributes:
         stage1_epochs: > 0: first train the heads alone (Medusa-1) for this many epochs into
-            ``${output_dir}/stage1``, then train jointly from those heads; 0: no first stage.
+            ``${output_dir}/stage1`` on a frozen base, then train jointly from those heads; 0: no first stage.
         stage1_hidden_cache: stage 1 trains from the hidden-state cache.
         init_from: start the joint stage from the heads of this export folder (made for the same base model).
     """
@@ -263,31 +267,34 @@ class StageOneSettings:
 
 @dataclass
 class HeadsConfig(StageOneSettings, JointSettings, HeadsTraining, HeadShape):
-    """Draft heads and the way they are trained (config group ``heads/``: ``medusa1``, ``medusa2``, ``hydra``).
+    """Draft heads and the way they are trained (config group ``heads/``: ``medusa1``, ``medusa2``, ``hydra``,
+    ``eagle3``).
 
     The fields of four groups, each defined (with its default) in its group and read as ``heads.<field>`` on the
-    command line: :class:`HeadShape` (what the heads are), :class:`HeadsTraining` (either flow), and for Medusa-2
-    only :class:`JointSettings` (loss, ramp, learning rates, LoRA) and :class:`StageOneSettings` (stage 1 or heads
-    to start from).
+    command line: :class:`HeadShape` (what the heads are), :class:`HeadsTraining` (either flow), and for joint
+    training only :class:`JointSettings` (loss, ramp, learning rates, LoRA) and :class:`StageOneSettings` (stage 1 or
+    heads to start from). Read from a config (:func:`as_dataclass`, the ``schema/heads`` node), it is
+    :func:`heads_schema`'s subclass, which adds each registered drafter type's own options.
 
     Raises (``validate``):
-        ValueError: a value out of range, a combination no flow trains (Hydra heads with ``mode=medusa2``), or a
-            Medusa-2 setting given to ``mode=medusa1`` (the field and the fix named).
+        ValueError: a value out of range, a combination no flow trains (Hydra heads with ``mode=joint``), a
+            joint-training setting given to ``mode=frozen_base``, or another type's option (the field and the fix
+            named).
     """
 
     def validate(self) -> None:
         check_bounds(self, "heads")  # every group's numeric fields, LoRA's included, whatever the mode
         self.validate_shape()
         self.validate_training()
-        if not drafter_type(self.head_type).joint and self.mode != "medusa1":
+        if not drafter_type(self.head_type).joint and self.mode != FROZEN_BASE:
             joint = [e for e in drafter_types() if e.joint]
-            raise ValueError(f"heads.head_type={self.head_type} trains the heads on a frozen base (heads.mode=medusa1); "
-                             f"joint fine-tuning (medusa2) is for {titles(joint)} heads")
-        if self.mode == "medusa1":
+            raise ValueError(f"heads.head_type={self.head_type} trains the heads on a frozen base (heads.mode="
+                             f"{FROZEN_BASE}); joint fine-tuning ({JOINT}) is for {titles(joint)} heads")
+        if self.mode == FROZEN_BASE:
             unset = StageOneSettings()
             for name in ("stage1_epochs", "init_from"):
                 if getattr(self, name) != getattr(unset, name):
-                    raise ValueError(f"heads.{name} is for joint training: set heads.mode=medusa2 (or heads=medusa2)")
+                    raise ValueError(f"heads.{name} is for joint training: set heads.mode={JOINT} (or heads=medusa2)")
             return
         self.validate_joint()
         self.validate_stage1()
@@ -453,7 +460,7 @@ class TrainerConfig:
         num_train_epochs, max_steps: length (``max_steps > 0`` wins).
         precision: ``fp32``, ``bf16`` or ``fp16`` mixed precision for the heads (the HF Trainer's autocast), or
             ``auto``: ``bf16`` on a CUDA GPU with bf16 or a CPU with bf16 instructions (AVX-512 BF16, AMX), else
-            ``fp32`` (:func:`medusa_train.precision.choose_precision`; resolved once, logged, and recorded in the
+            ``fp32`` (:func:`medusa_train.config.precision.choose_precision`; resolved once, logged, and recorded in the
             export's ``training`` entry).
         logging_steps, save_steps, save_total_limit: log and checkpoint cadence (checkpoints are atomic).
         dataloader_num_workers: DataLoader worker processes.
@@ -551,7 +558,7 @@ class TrainConfig:
         max_length: tokens kept per conversation (longer ones are truncated, with a warning and a count).
         hidden_cache: compute the frozen base model's last hidden states once and train the heads from them.
         hidden_cache_dir: where the cache goes; None: ``${output_dir}/hidden_cache``.
-        base_placement: where a frozen base lives while training (Medusa-1, Hydra, EAGLE-3): ``replicated`` (every
+        base_placement: where a frozen base lives while training (``heads.mode=frozen_base``): ``replicated`` (every
             rank holds the whole base on its device), ``zero3`` (its parameters partitioned over the ranks by
             DeepSpeed ZeRO-3, every rank running each forward pass in lockstep) or ``auto`` (``zero3`` when the memory
             plan says one device cannot hold the replicated base, else ``replicated``); ``docs/scale.md``.
@@ -590,7 +597,7 @@ class TrainConfig:
 
     @property
     def base_loss(self) -> str:
-        """Medusa-2's base loss: ``heads.base_loss``, or ``kl`` with self-distilled data and ``lm`` without."""
+        """The joint recipe's base loss: ``heads.base_loss``, or ``kl`` with self-distilled data and ``lm`` without."""
         if self.heads.base_loss is not None:
             return self.heads.base_loss
         return "kl" if self.data.self_distill else "lm"
@@ -610,9 +617,9 @@ class TrainConfig:
             raise ValueError(f"base_placement must be one of {BASE_PLACEMENTS}, got {self.base_placement!r}")
         if self.resume and self.overwrite:
             raise ValueError("resume=true and overwrite=true contradict each other; choose one")
-        if self.hidden_cache and self.heads.mode != "medusa1":
-            raise ValueError("hidden_cache=true needs a frozen base (heads.mode=medusa1); with heads.mode=medusa2 "
-                             "use heads.stage1_hidden_cache=true for the heads-only first stage")
+        if self.hidden_cache and self.heads.mode != FROZEN_BASE:
+            raise ValueError(f"hidden_cache=true needs a frozen base (heads.mode={FROZEN_BASE}); with heads.mode="
+                             f"{JOINT} use heads.stage1_hidden_cache=true for the heads-only first stage")
         for part in (self.model, self.heads, self.data, self.trainer, self.logger):
             part.validate()
         if self.export and self.export_vllm:
@@ -622,7 +629,7 @@ class TrainConfig:
             if problem is not None:
                 raise ValueError(f"export_vllm=true, but {problem}; set export_vllm=false or another "
                                  "heads.head_vocab_size")
-        if self.heads.mode == "medusa2" and self.heads.finetune == "full" and self.base_loss == "kl":
+        if self.heads.mode == JOINT and self.heads.finetune == "full" and self.base_loss == "kl":
             raise ValueError("data.self_distill=true makes heads.base_loss default to kl, which with "
                              "heads.finetune=full would need a second, frozen copy of the base model; set "
                              "heads.base_loss=lm or heads.finetune=lora")
@@ -640,28 +647,71 @@ def register_configs() -> None:
     this module stores nothing."""
     cs = ConfigStore.instance()
     cs.store(group="schema/model", name="base", node=ModelConfig)
-    cs.store(group="schema/heads", name="base", node=HeadsConfig)
+    cs.store(group="schema/heads", name="base", node=heads_schema())
     cs.store(group="schema/data", name="base", node=DataConfig)
     cs.store(group="schema/trainer", name="base", node=TrainerConfig)
     cs.store(group="schema/logger", name="base", node=LoggerConfig)
-    cs.store(group="schema", name="train", node=TrainConfig)
+    cs.store(group="schema", name="train", node=train_schema())
+
+
+def heads_schema() -> type:
+    """The ``heads.*`` schema: :class:`HeadsConfig` with every registered drafter type's own options
+    (:attr:`~medusa_train.models.catalog.DrafterType.options`, defined in its folder) as fields beside the shared ones; the
+    same class while the catalog holds the same types. A subclass of :class:`HeadsConfig`."""
+    return _with_options(tuple(e.options for e in drafter_types() if e.options is not None))
+
+
+def train_schema() -> type:
+    """:class:`TrainConfig` whose ``heads`` is :func:`heads_schema`'s (a subclass of :class:`TrainConfig`)."""
+    return _train_with(heads_schema())
+
+
+@functools.lru_cache(maxsize=None)
+def _with_options(options: tuple[type, ...]) -> type:
+    if not options:
+        return HeadsConfig
+    return _named(dataclasses.make_dataclass("HeadsConfig", [], bases=(HeadsConfig, *options)), options)
+
+
+@functools.lru_cache(maxsize=None)
+def _train_with(heads: type) -> type:
+    if heads is HeadsConfig:
+        return TrainConfig
+    fields = [("heads", heads, field(default=MISSING))]
+    return _named(dataclasses.make_dataclass("TrainConfig", fields, bases=(TrainConfig,)), (heads,))
+
+
+def _named(cls: type, parts: tuple[type, ...]) -> type:
+    """``cls`` made findable by pickle: a module attribute of its own (its ``__qualname__``), named after its
+    parts; its ``__name__`` stays the schema's own for messages."""
+    cls.__module__ = __name__
+    cls.__qualname__ = f"{cls.__name__}_with_{'_'.join(p.__qualname__ for p in parts)}"
+    globals()[cls.__qualname__] = cls
+    return cls
+
+
+# schemas read with the registered drafter types' options (as_dataclass)
+_ASSEMBLED: dict[type, Callable[[], type]] = {HeadsConfig: heads_schema, TrainConfig: train_schema}
 
 
 def as_dataclass(cls: type, cfg: Any) -> Any:
-    """An OmegaConf node (or dict) -> an instance of the dataclass ``cls``, with validation."""
+    """An OmegaConf node (or dict) -> an instance of the dataclass ``cls``, with validation. :class:`HeadsConfig`
+    and :class:`TrainConfig` are read as :func:`heads_schema` and :func:`train_schema` (every registered type's
+    options among ``heads.*``)."""
     from omegaconf import OmegaConf
 
     if isinstance(cfg, cls):
         obj = cfg
     else:
-        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), cfg))
+        schema = _ASSEMBLED[cls]() if cls in _ASSEMBLED else cls
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
     if hasattr(obj, "validate"):
         obj.validate()
     return obj
 
 
 __all__ = [
-    "DEVICES", "HEADS_MODES", "check_device", "ModelConfig", "HeadsConfig", "HeadShape", "HeadsTraining",
-    "JointSettings", "StageOneSettings", "LoraSettings", "DataConfig", "TrainerConfig", "LoggerConfig", "TrainConfig",
-    "register_configs", "as_dataclass", "field",
+    "DEVICES", "FROZEN_BASE", "HEADS_MODES", "JOINT", "check_device", "ModelConfig", "HeadsConfig", "HeadShape",
+    "HeadsTraining", "JointSettings", "StageOneSettings", "LoraSettings", "DataConfig", "TrainerConfig", "LoggerConfig",
+    "TrainConfig", "register_configs", "as_dataclass", "field", "heads_schema", "train_schema",
 ]

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medusa_train.chat import check_text, encode, prompt_messages, render, resolve_chat_template
-from medusa_train.conversations import load_conversations
-from medusa_train.json_stream import jsonl_lines
-from medusa_train.paths import PROMPT_SETS_DIR, assets_dir, package_file
-from medusa_train.text_files import read_text
+from medusa_train.chat.templates import check_text, encode, prompt_messages, render, resolve_chat_template
+from medusa_train.chat.conversations import load_conversations
+from medusa_train.files.json_stream import jsonl_lines
+from medusa_train.files.paths import PROMPT_SETS_DIR, assets_dir, package_file
+from medusa_train.files.text_files import read_text
 
 PROMPT_SOURCES = ("sharegpt", "mt_bench", "spec_bench", "humaneval", "jsonl")
 SPEC_BENCH_FILE = PROMPT_SETS_DIR / "spec_bench" / "question.jsonl"  # 480 questions, 13 categories

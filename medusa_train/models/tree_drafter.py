@@ -1,7 +1,7 @@
 """Tree drafters: a drafter fills every node of a candidate tree, which one target pass then verifies.
 
-:class:`TreeDrafter` is the per-request protocol of the tree decoder (:class:`inference.decoders.medusa.TreeDecoder`,
-one step :func:`inference.decoders.medusa.tree_step`; Medusa paper, Sec. 2.1.2: the tree's node tokens are the
+:class:`TreeDrafter` is the per-request protocol of the tree decoder (:class:`inference.decoders.tree.TreeDecoder`,
+one step :func:`inference.decoders.tree.tree_step`; Medusa paper, Sec. 2.1.2: the tree's node tokens are the
 drafter's candidates). The decoder calls, per request:
 
 1. :meth:`~TreeDrafter.start` once, after the prefill, with the prompt's target features;
@@ -11,7 +11,7 @@ drafter's candidates). The decoder calls, per request:
 
 So a drafter may keep per-request state (an autoregressive drafter: its own KV cache and the target features of
 every committed token); the decoder keeps none for it. Each drafter type's folder holds its implementation, which its
-catalog entry names (:attr:`medusa_train.catalog.DrafterType.tree_drafter`; :func:`medusa_train.catalog.tree_drafter`
+catalog entry names (:attr:`medusa_train.models.catalog.DrafterType.tree_drafter`; :func:`medusa_train.models.catalog.tree_drafter`
 builds it):
 
 - Medusa heads (:class:`medusa_train.drafters.medusa.proposer.MedusaTreeDrafter`) and Hydra heads
@@ -22,9 +22,9 @@ builds it):
   :mod:`medusa_train.tree.dynamic`).
 
 All are deterministic functions of the committed sequence and the root, so speculative sampling may treat each
-drafted token as a point mass (see :mod:`inference.decoders.medusa`).
+drafted token as a point mass (see :mod:`inference.decoders.tree`).
 
-**Target features** are named (``{FINAL: [B, T, H], ...}``); :meth:`medusa_train.model.MedusaModel.features` is
+**Target features** are named (``{FINAL: [B, T, H], ...}``); :meth:`medusa_train.models.speculative.SpeculativeModel.features` is
 the one place the decoder turns a backbone pass into them.
 
 Shapes: B batch, T prompt length (left-padded), K heads, N tree nodes, D tree depth, W accepted-path width (the
@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from medusa_train.features import FINAL
+from medusa_train.models.features import FINAL
 from medusa_train.tree.buffers import TreeBuffers
 
 

@@ -127,7 +127,7 @@ def check_bounds(obj: Any, prefix: str = "", nested: bool = True) -> None:
     ``nested`` those of the dataclasses it holds, recursively.
 
     Args:
-        obj: a schema instance (e.g. :class:`medusa_train.config.TrainerConfig`).
+        obj: a schema instance (e.g. :class:`medusa_train.config.schema.TrainerConfig`).
         prefix: its dotted path in the config (``trainer``), put before each field's name in errors.
         nested: also check the dataclass-valued fields (False where they are checked by their own ``validate``).
 

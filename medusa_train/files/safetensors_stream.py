@@ -72,7 +72,7 @@ class SafetensorsStream:
     """Writes ``plan``'s tensors, in its order, to ``path``; :meth:`close` returns the file's sha256.
 
     Use as a context manager; leaving it early (an exception) closes the file without checking it is complete (the
-    caller writes to a temporary file, see :func:`medusa_train.atomic.atomic_write`, so nothing half-written is kept).
+    caller writes to a temporary file, see :func:`medusa_train.files.atomic.atomic_write`, so nothing half-written is kept).
 
     Raises:
         ValueError: a tensor written out of order, or with another dtype or shape than planned; :meth:`close` before

