@@ -102,8 +102,8 @@ def test_a_bf16_eval_explains_every_divergence(tmp_path, monkeypatch):
     summary = evaluate(config(tmp_path / "export", prompts, tmp_path / "run", "dtype=bfloat16", "max_new_tokens=24",
                               "max_turns=1", "noise_positions=16"))
     report = summary["divergences"]
-    medusa = report["decoders"]["medusa"]
-    exact = summary["decoders"]["medusa"]["exact_match_vs_greedy"]
+    medusa = report["decoders"]["tree"]
+    exact = summary["decoders"]["tree"]["exact_match_vs_greedy"]
     assert medusa["replies"] == 3 and medusa["diverged"] == round(3 * (1 - exact))
     assert medusa["near_ties"] + len(medusa["not_near_ties"]) + medusa["unexplained"] == medusa["diverged"]
     if medusa["diverged"]:  # the noise is measured only when something diverged
@@ -111,7 +111,7 @@ def test_a_bf16_eval_explains_every_divergence(tmp_path, monkeypatch):
         assert medusa["unexplained"] == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
     assert all(len(r["top2_gaps"]) == r["new_tokens"] for r in rows if r["decoder"] == "vanilla")
-    assert all("top2_gaps" not in r for r in rows if r["decoder"] == "medusa")
+    assert all("top2_gaps" not in r for r in rows if r["decoder"] == "tree")
 
     # A decoder that breaks its reply on purpose at token 3: every reply diverges there, the noise is measured and
     # each divergence is judged against vanilla's gap at token 3.
@@ -129,7 +129,7 @@ def test_a_bf16_eval_explains_every_divergence(tmp_path, monkeypatch):
     summary = evaluate(config(tmp_path / "export", prompts, tmp_path / "broken", "dtype=bfloat16",
                               "max_new_tokens=24", "max_turns=1", "noise_positions=16"))
     report = summary["divergences"]
-    medusa = report["decoders"]["medusa"]
+    medusa = report["decoders"]["tree"]
     assert medusa["diverged"] == 3 and medusa["unexplained"] == 0
     assert report["rounding_noise"]["positions"] == 16 and report["rounding_noise"]["ks"] == [2, len(TREE) + 1]
     gaps = {r["prompt_id"]: r["top2_gaps"][3] for r in map(json.loads, (tmp_path / "broken" / "results.jsonl")
@@ -137,4 +137,4 @@ def test_a_bf16_eval_explains_every_divergence(tmp_path, monkeypatch):
     flagged = {d["prompt_id"]: d["vanilla_gap"] for d in medusa["not_near_ties"]}
     assert flagged == {p: g for p, g in gaps.items() if g > report["threshold"]}
     assert medusa["near_ties"] == 3 - len(flagged)
-    assert "medusa: 3 of 3 replies left vanilla's" in (tmp_path / "broken" / "summary.md").read_text()
+    assert "tree: 3 of 3 replies left vanilla's" in (tmp_path / "broken" / "summary.md").read_text()
