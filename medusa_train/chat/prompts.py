@@ -8,14 +8,13 @@ tokenizer's chat template and the assistant header (``add_generation_prompt``), 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from medusa_train.chat.templates import check_text, encode, prompt_messages, render, resolve_chat_template
 from medusa_train.chat.conversations import load_conversations
-from medusa_train.files.json_stream import jsonl_lines
+from medusa_train.files.json_stream import jsonl_objects
 from medusa_train.files.paths import PROMPT_SETS_DIR, assets_dir, package_file
 from medusa_train.files.text_files import read_text
 
@@ -77,13 +76,7 @@ def read_question_jsonl(path: str | Path) -> list[Prompt]:
                          f"a line, MT-Bench's question.jsonl): convert it, e.g. `jq -c '.[]' {path} > "
                          f"{path.with_name(path.stem + '-lines.jsonl')}`, and pass that file")
     prompts: list[Prompt] = []
-    for lineno, line in enumerate(jsonl_lines(text), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+    for lineno, obj in jsonl_objects(text, path):
         turns = obj.get("turns") if isinstance(obj, dict) else None
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
             raise ValueError(f"{path}:{lineno}: 'turns' must be a non-empty list of non-empty strings")
@@ -136,13 +129,7 @@ def humaneval_prompts(path: str | Path | None = None) -> list[Prompt]:
         raise FileNotFoundError(f"HumanEval file {path} not found")
     raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     prompts = []
-    for lineno, line in enumerate(raw.decode("utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+    for lineno, obj in jsonl_objects(raw.decode("utf-8"), path):
         if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) and obj.get(k) for k in
                                                 ("task_id", "prompt")):
             raise ValueError(f"{path}:{lineno}: a HumanEval problem needs task_id and prompt (non-empty strings)")

@@ -24,6 +24,21 @@ def jsonl_lines(text: str) -> list[str]:
     return text.split("\n")
 
 
+def jsonl_objects(text: str, source: str | Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of each non-blank line of a JSON Lines text (:func:`jsonl_lines`), numbered from 1.
+
+    Raises:
+        ValueError: a line that is not valid JSON (``source:line`` and the parser's message).
+    """
+    for lineno, line in enumerate(jsonl_lines(text), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source}:{lineno}: not valid JSON ({e.msg})") from e
+
+
 class JsonRecordStream:
     """Iterate over the values of a JSON array file or a JSON Lines file, one at a time.
 

