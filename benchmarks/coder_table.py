@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from data_scaling import archive_replies, commit, cpu_model, git, restore_replies, run  # noqa: E402
+from inference.evaluation.results import RESULTS_FILE, read_rows  # noqa: E402
 from inference.registry import REGISTRY, takes_draft  # noqa: E402
 from medusa_train.models.catalog import drafter_type  # noqa: E402
 from medusa_train.files.atomic import atomic_write_text  # noqa: E402
@@ -182,12 +183,11 @@ def step_costs(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     the step's price in plain tokens) and ``predicted_speedup`` (``tau / step_cost``: the decoding phase's speedup,
     without the prefill). The steps are ``new_tokens / tau`` (the table's τ). A row whose plain row is not in the run
     (vLLM's n-gram cell has its own plain vLLM row) is priced against that one."""
-    results = run_dir / "results.jsonl"
+    results = run_dir / RESULTS_FILE
     if not rows or is_fp32(rows[0]["cell"]) or not results.is_file():
         return
     totals: dict[str, list[float]] = {}
-    for line in results.read_text(encoding="utf-8").splitlines():
-        r = json.loads(line)
+    for r in read_rows(results):
         t = totals.setdefault(r["decoder"], [0.0, 0.0, 0])
         t[0] += r["wall_time_s"]
         t[1] += r.get("prefill_time_s") or 0.0

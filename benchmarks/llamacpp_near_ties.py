@@ -82,9 +82,10 @@ def prompt_ids(run: dict[str, Any]) -> dict[str, list[int]]:
 
 def measure(run_dir: Path, threads: int) -> dict[str, Any]:
     from inference.engines.llamacpp_server import LlamaServer
+    from inference.evaluation.results import RESULTS_FILE, read_rows
 
     run = json.loads((run_dir / "run.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_rows(run_dir / RESULTS_FILE)
     found = divergences(rows)
     ids = prompt_ids(run) if found else {}
     plain_rows = {r["prompt_id"]: r["tokens"] for r in rows if r["decoder"] == PLAIN and r["turn"] == 1}

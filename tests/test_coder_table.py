@@ -133,8 +133,9 @@ def test_each_row_is_priced_against_its_engines_plain_row_from_the_runs_results(
     run.mkdir()
     lines = []
     for prompt in ("a", "b"):  # per prompt: wall, prefill, new tokens
-        lines += [{"decoder": "llamacpp", "wall_time_s": 11.0, "prefill_time_s": 1.0, "new_tokens": 100},
-                  {"decoder": "llamacpp_draft", "wall_time_s": 22.0, "prefill_time_s": 2.0, "new_tokens": 100}]
+        key = {"prompt_id": prompt, "turn": 1}
+        lines += [{**key, "decoder": "llamacpp", "wall_time_s": 11.0, "prefill_time_s": 1.0, "new_tokens": 100},
+                  {**key, "decoder": "llamacpp_draft", "wall_time_s": 22.0, "prefill_time_s": 2.0, "new_tokens": 100}]
     (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     rows = [{"cell": "llamacpp:humaneval", "engine": "llamacpp", "decoder": "llamacpp", "tau": 1.0},
             {"cell": "llamacpp:humaneval", "engine": "llamacpp", "decoder": "llamacpp_draft", "tau": 4.0}]
