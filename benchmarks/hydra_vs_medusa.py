@@ -57,6 +57,7 @@ from inference.tuning.accuracy import measure_head_accuracy
 from inference.tuning.replay import replayed_accept_length
 from inference.tuning.search import greedy_tree
 from medusa_train.export import load_heads
+from inference.conf import CONF_DIR as INFERENCE_CONF_DIR
 from medusa_train.export.tree_files import read_tree_files
 from medusa_train.loading.cpu_kernels import apply_cpu_kernels
 from medusa_train.loading.export import check_export_base, load_export, model_config_for_export
@@ -92,7 +93,7 @@ def tune(export: Path, args: argparse.Namespace, latency_from: Path | None = Non
     overrides += prompt_overrides("prompts", args.tune_prompts, args.tune_offset)
     if args.dtype:
         overrides.append(f"dtype={args.dtype}")
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(str(INFERENCE_CONF_DIR), version_base="1.3"):
         run(compose("tune_tree", overrides=overrides))
 
 

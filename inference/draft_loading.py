@@ -11,7 +11,7 @@ then *the target's own module objects*: no weight is copied and no memory is all
 anything that takes a model (our :class:`~inference.decoders.draft.DraftDecoder`, ``generate(assistant_model=...)``).
 The draft keeps its own KV cache; sharing layers shares weights only.
 
-**Config group** ``draft/`` (``medusa_train/conf/draft/``): ``self_layers.yaml`` (``num_layers``) or ``model.yaml`` (a
+**Config group** ``draft/`` (``inference/conf/draft/``): ``self_layers.yaml`` (``num_layers``) or ``model.yaml`` (a
 ``model/`` config under ``draft.model``); both set ``num_draft_tokens`` (K) and ``schedule``. :func:`load_draft`
 validates the node as a :class:`DraftConfig` before loading anything.
 """

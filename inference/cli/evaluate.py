@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from inference.evaluation.eval_config import register_evaluate_schema
 from inference.registry import register_decoder_schemas
+from inference.conf import CONF_DIR
 from medusa_train.cli.app import hydra_app, register_shared_schemas
 
 
@@ -30,7 +31,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 @hydra_app("evaluate", example='medusa-eval export_dir=runs/stories/export output_dir=runs/stories/eval',
-           register_schemas=register_schemas)
+           register_schemas=register_schemas, conf_dir=CONF_DIR)
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 from transformers import TextStreamer
 
+from inference.conf import CONF_DIR
 from inference.decoders import DecodeConfig, DecodeResult
 from inference.decoders import generate as chat_generate
 from inference.decoders.choices import resolve_medusa_choices
@@ -174,7 +175,7 @@ def run(cfg: DictConfig | GenerateConfig, out: TextIO | None = None) -> DecodeRe
 
 
 @hydra_app("generate", example='medusa-generate export_dir=runs/stories/export prompt="Once upon a time"',
-           register_schemas=register_schemas)
+           register_schemas=register_schemas, conf_dir=CONF_DIR)
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
+from inference.conf import CONF_DIR
 from inference.tuning.tune_tree_config import register_tune_tree_schema
 from medusa_train.cli.app import hydra_app, register_shared_schemas
 from medusa_train.config.schema import as_dataclass
@@ -121,7 +122,7 @@ def print_composite_tree(composite: dict, export_dir: str) -> None:
 
 
 @hydra_app("tune_tree", example='medusa-tune-tree export_dir=runs/stories/export',
-           register_schemas=register_schemas)
+           register_schemas=register_schemas, conf_dir=CONF_DIR)
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

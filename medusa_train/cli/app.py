@@ -17,8 +17,10 @@ it before anything composes (the required-settings check, then ``@hydra.main``).
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -88,11 +90,11 @@ def register_shared_schemas() -> None:
     register_configs()
 
 
-def missing_required(config_name: str, overrides: list[str]) -> list[str] | None:
-    """Dotted keys still ``???`` once ``conf/<config_name>.yaml`` is composed with ``overrides`` (the ``hydra``
-    node left out); None when the command line does not compose as one run (flags other than ``-m``, sweeps of
-    several values, errors: Hydra reports those itself)."""
-    cfg = _composed(config_name, overrides)
+def missing_required(config_name: str, overrides: list[str], conf_dir: Path = CONF_DIR) -> list[str] | None:
+    """Dotted keys still ``???`` once ``<conf_dir>/<config_name>.yaml`` is composed with ``overrides`` (the
+    ``hydra`` node left out); None when the command line does not compose as one run (flags other than ``-m``,
+    sweeps of several values, errors: Hydra reports those itself)."""
+    cfg = _composed(config_name, overrides, conf_dir)
     return None if cfg is None else _missing_outside_hydra(cfg)
 
 
@@ -100,9 +102,9 @@ def _missing_outside_hydra(cfg: DictConfig) -> list[str]:
     return [key for key in _missing(cfg, "") if not key.startswith("hydra.")]
 
 
-def _composed(config_name: str, overrides: list[str]) -> DictConfig | None:
-    """``conf/<config_name>.yaml`` composed with ``overrides`` as Hydra will (interpolations unresolved); None when
-    the command line does not compose as one run (see :func:`missing_required`)."""
+def _composed(config_name: str, overrides: list[str], conf_dir: Path = CONF_DIR) -> DictConfig | None:
+    """``<conf_dir>/<config_name>.yaml`` composed with ``overrides`` as Hydra will (interpolations unresolved); None
+    when the command line does not compose as one run (see :func:`missing_required`)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -111,7 +113,7 @@ def _composed(config_name: str, overrides: list[str]) -> DictConfig | None:
     if any(arg.startswith("-") for arg in overrides):
         return None
     try:
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        with initialize_config_dir(str(conf_dir), version_base="1.3"):
             return compose(config_name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException, ValueError):
         return None
@@ -166,9 +168,25 @@ def _missing(node: Any, prefix: str) -> list[str]:
     return missing
 
 
-def hydra_app(config_name: str, example: str, register_schemas: Callable[[], None]
+def kept_searchpath(overrides: list[str], primary: Path) -> list[str]:
+    """``overrides`` with a ``hydra.searchpath=[...]`` of the command line extended by the ``primary`` config's own
+    ``hydra.searchpath`` entries it lacks: on the command line Hydra replaces the primary's list, which would lose the
+    groups found there (``inference``'s configs find ``model/`` at ``pkg://medusa_train.conf``). The user's entries
+    come first, so their presets win."""
+    own = OmegaConf.select(OmegaConf.load(primary), "hydra.searchpath") or []
+    kept = []
+    for arg in overrides:
+        given = re.fullmatch(r"(\+{0,2}hydra\.searchpath)=\[(.*)\]", arg)
+        if given and own:
+            entries = [entry.strip() for entry in given.group(2).split(",") if entry.strip()]
+            arg = f"{given.group(1)}=[{','.join(entries + [e for e in own if e not in entries])}]"
+        kept.append(arg)
+    return kept
+
+
+def hydra_app(config_name: str, example: str, register_schemas: Callable[[], None], conf_dir: Path = CONF_DIR
               ) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
-    """``@hydra.main`` over ``conf/<config_name>.yaml``, preceded by the schemas' registration and the
+    """``@hydra.main`` over ``<conf_dir>/<config_name>.yaml``, preceded by the schemas' registration and the
     required-settings check.
 
     Args:
@@ -177,15 +195,18 @@ def hydra_app(config_name: str, example: str, register_schemas: Callable[[], Non
             command in the message.
         register_schemas: registers the schemas and resolvers the config composes from (idempotent); called once per
             run, before anything composes.
+        conf_dir: the folder of the primary config (``medusa_train/conf``; ``inference/conf`` for ``inference``'s
+            commands, whose primaries put ``medusa_train/conf`` on their search path).
     """
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
-        app = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(task)
+        app = hydra.main(config_path=str(conf_dir), config_name=config_name, version_base="1.3")(task)
 
         @functools.wraps(task)
         def main() -> Any:
             sys.argv[1:] = renamed_overrides(sys.argv[1:])  # old names keep working, warned (medusa_train.config.renames)
+            sys.argv[1:] = kept_searchpath(sys.argv[1:], conf_dir / f"{config_name}.yaml")
             register_schemas()
-            cfg = _composed(config_name, sys.argv[1:])
+            cfg = _composed(config_name, sys.argv[1:], conf_dir)
             missing = None if cfg is None else _missing_outside_hydra(cfg)
             command = example.split()[0]
             if missing:
@@ -205,4 +226,5 @@ def hydra_app(config_name: str, example: str, register_schemas: Callable[[], Non
     return decorate
 
 
-__all__ = ["hydra_app", "missing_required", "not_installed", "register_shared_schemas", "resolver_error"]
+__all__ = ["hydra_app", "kept_searchpath", "missing_required", "not_installed", "register_shared_schemas",
+           "resolver_error"]

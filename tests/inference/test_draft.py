@@ -17,7 +17,8 @@ from inference.proposers import AuxBranch, DraftModelProposer, Proposal, Propose
 from inference.registry import register_decoder_schemas
 from medusa_train.cli.app import register_shared_schemas
 from medusa_train.config.schema import ModelConfig
-from medusa_train.files.paths import CONF_DIR, assets_dir
+from inference.conf import CONF_DIR
+from medusa_train.files.paths import assets_dir
 from tests.conftest import chi_square, make_tiny_model, make_tiny_tokenizer
 
 register_shared_schemas()  # draft/ files hold model/ configs: the shared schemas and resolvers
@@ -274,8 +275,8 @@ def test_self_layer_draft_rejects_bad_layer_counts():
 def test_draft_configs_compose_and_load(stories):
     target = make_tiny_model("llama", num_hidden_layers=3)
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        self_layers = compose("draft/self_layers", overrides=["draft.num_layers=2"]).draft
-        separate = compose("draft/model").draft
+        self_layers = compose("evaluate", overrides=["draft=self_layers", "draft.num_layers=2"]).draft
+        separate = compose("evaluate", overrides=["draft=model"]).draft
     draft, draft_tokenizer = load_draft(self_layers, target)
     assert draft.config.num_hidden_layers == 2 and draft_tokenizer is None
     assert self_layers.num_draft_tokens == 5 and self_layers.schedule == "constant"

@@ -18,7 +18,7 @@ from inference.evaluation.eval_run import evaluate
 from inference.evaluation.results import read_rows
 from medusa_train.engines.llamacpp_env import llamacpp_available
 from medusa_train.loading.chunked_gguf import NotInstalledError, installed_gguf
-from medusa_train.files.paths import CONF_DIR
+from inference.conf import CONF_DIR
 from tests.inference.test_vllm import GGUF, smollm2  # noqa: F401 - fixture
 
 register_schemas()

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from inference.cli.evaluate import register_schemas
 from inference.evaluation.eval_folder import EvalDirError, check_eval_dir
-from medusa_train.files.paths import CONF_DIR
+from inference.conf import CONF_DIR
 from medusa_train.runs.run_lock import EVAL_LOCK, LockHeldError
 from tests.inference.test_tune_lock import start_holder
 

@@ -22,7 +22,7 @@ from medusa_train.config.schema import ModelConfig
 from medusa_train.export import save_export
 from medusa_train.loading.export import export_extra_config
 from medusa_train.models.speculative import new_heads_for
-from medusa_train.files.paths import CONF_DIR
+from inference.conf import CONF_DIR
 from medusa_train.chat.prompts import encode_prompt
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 

@@ -18,7 +18,8 @@ from medusa_train.export import save_export
 from medusa_train.loading.base import load_base_model
 from medusa_train.loading.export import export_extra_config
 from medusa_train.models.speculative import new_heads_for
-from medusa_train.files.paths import CONF_DIR, assets_dir
+from inference.conf import CONF_DIR
+from medusa_train.files.paths import assets_dir
 
 register_schemas()  # what conf/generate.yaml composes from
 

@@ -329,7 +329,7 @@ def test_medusa_eval_runs_the_llamacpp_rows(smollm2, tmp_path):
     from inference.evaluation.eval_run import evaluate
     from inference.evaluation.results import read_rows
     from medusa_train.loading.base import load_base_model
-    from medusa_train.files.paths import CONF_DIR
+    from inference.conf import CONF_DIR
 
     register_schemas()
     model, _ = load_base_model(smollm2)

@@ -13,7 +13,7 @@ from inference.evaluation.eval_config import EvaluateConfig
 from inference.evaluation.eval_run import load_eval_prompts
 from inference.evaluation.summary import leaderboard_markdown
 from medusa_train.config.schema import as_dataclass
-from medusa_train.files.paths import CONF_DIR
+from inference.conf import CONF_DIR
 from medusa_train.chat.prompts import SPEC_BENCH_FILE
 
 register_schemas()

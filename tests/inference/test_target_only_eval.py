@@ -36,7 +36,7 @@ from inference.registry import (
     with_run_draft,
 )
 from medusa_train.config.schema import ModelConfig
-from medusa_train.files.paths import CONF_DIR
+from inference.conf import CONF_DIR
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

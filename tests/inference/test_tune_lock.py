@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from inference.cli.tune_tree import register_schemas
-from medusa_train.files.paths import CONF_DIR
+from inference.conf import CONF_DIR
 from medusa_train.runs.run_lock import EXPORT_LOCK, LockHeldError
 
 register_schemas()

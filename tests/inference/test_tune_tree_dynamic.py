@@ -17,7 +17,7 @@ from medusa_train.export import save_export
 from medusa_train.export.tree_files import read_tree_files
 from medusa_train.loading.export import export_extra_config
 from medusa_train.models.speculative import new_heads_for
-from medusa_train.files.paths import CONF_DIR
+from inference.conf import CONF_DIR
 from medusa_train.tree.dynamic import DynamicTree
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 from tests.inference.test_decoders import PROMPTS, greedy

@@ -23,7 +23,8 @@ from hydra import compose, initialize_config_dir
 from medusa_train.export import save_export
 from medusa_train.export.reader import heads_checksum, heads_files
 from medusa_train.models.speculative import new_heads_for
-from medusa_train.files.paths import CONF_DIR, REPO_ROOT
+from inference.conf import CONF_DIR
+from medusa_train.files.paths import REPO_ROOT
 from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -29,7 +29,8 @@ from medusa_train.models.heads_base import HeadsSpec
 from medusa_train.drafters.medusa.heads import MedusaHeads
 from medusa_train.loading.base import engine_model_path, load_base_model
 from medusa_train.loading.export import export_extra_config
-from medusa_train.files.paths import CONF_DIR, package_file
+from inference.conf import CONF_DIR
+from medusa_train.files.paths import package_file
 from medusa_train.chat.prompts import encode_prompt, load_prompts
 
 register_schemas()  # what conf/evaluate.yaml composes from

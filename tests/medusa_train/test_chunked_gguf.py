@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 import medusa_train.loading.chunked_gguf as chunked
+from inference.conf import CONF_DIR as INFERENCE_CONF_DIR
 import medusa_train.cli.install_models as installer
 from medusa_train.cli.app import not_installed, register_shared_schemas
 from medusa_train.loading.chunked_gguf import ChunkError, assemble, gguf_path, installed_gguf, is_assembled
@@ -253,9 +254,9 @@ def test_resolver_names_the_model_and_the_install_command(empty_cache, fake):
 
 
 def test_presets_fail_at_once_with_the_install_command(empty_cache):
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(str(INFERENCE_CONF_DIR), version_base="1.3"):
         evaluate = compose("evaluate", overrides=["model=qwen2_5_coder_1_5b", "export_dir=x", "output_dir=y"])
-        draft = compose("draft/qwen2_5_coder_0_5b").draft
+        draft = compose("evaluate", overrides=["draft=qwen2_5_coder_0_5b"]).draft
     assert evaluate.model.format == "gguf" and evaluate.model.converted_dtype == "bfloat16"
     with pytest.raises(InterpolationResolutionError, match="1.5B-Instruct .*bash launch/install_models.sh coder"):
         evaluate.model.name_or_path

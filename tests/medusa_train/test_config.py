@@ -14,12 +14,18 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
+from inference.conf import CONF_DIR as INFERENCE_CONF_DIR
+from inference.conf import SHARED_CONF
 from medusa_train.config.schema import TrainConfig, as_dataclass
 from medusa_train.files.paths import CONF_DIR, REPO_ROOT
 from medusa_train.training.arguments import load_deepspeed_config
 
+CONF_DIRS = {"medusa_train": CONF_DIR, "inference": INFERENCE_CONF_DIR}  # each package's presets
 PRIMARY = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
-GROUP_FILES = sorted(str(p.relative_to(CONF_DIR).with_suffix("")) for p in CONF_DIR.glob("*/**/*.yaml"))
+# "package:path" of every file under either conf/ folder (a primary config: no folder in its path)
+CONF_FILES = sorted(f"{package}:{p.relative_to(conf).with_suffix('')}" for package, conf in CONF_DIRS.items()
+                    for p in conf.glob("**/*.yaml"))
+GROUP_FILES = [f for f in CONF_FILES if "/" in f]
 TRAIN_GROUPS = ("model", "heads", "data", "trainer", "logger")
 TRAIN_OPTIONS = [(g, p.stem) for g in TRAIN_GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 
@@ -43,6 +49,14 @@ def compose_in(conf_dir: Path, name: str, overrides: list[str] | None = None):
         return compose(name, overrides=overrides or [])
 
 
+def compose_file(package_path: str):
+    """A ``package:path`` of :data:`CONF_FILES` composed in its package's folder; ``inference``'s group files with
+    ``medusa_train``'s presets on the search path, as its primary configs put them (a group file sets no searchpath)."""
+    package, path = package_path.split(":")
+    extra = [f"hydra.searchpath=[{SHARED_CONF}]"] if package == "inference" and "/" in path else []
+    return compose_in(CONF_DIRS[package], path, extra)
+
+
 def resolved_or_skip(cfg) -> dict:
     """The config with interpolations resolved; skip when it points at a package that is not installed here."""
     from medusa_train.cli.app import resolver_error
@@ -64,16 +78,24 @@ def test_the_conf_folder_holds_the_training_groups():
     assert {"wandb", "none"} <= {p.stem for p in (CONF_DIR / "logger").glob("*")}
 
 
-@pytest.mark.parametrize("name", PRIMARY)
-def test_every_primary_config_composes(name):
-    cfg = compose_in(CONF_DIR, name)
+@pytest.mark.parametrize("path", [f for f in CONF_FILES if "/" not in f])
+def test_every_primary_config_composes(path):
+    cfg = compose_file(path)
     assert len(cfg) > 0
 
 
 @pytest.mark.parametrize("path", GROUP_FILES)
 def test_every_group_file_composes_on_its_own(path):
-    cfg = compose_in(CONF_DIR, path)
+    cfg = compose_file(path)
     assert OmegaConf.is_config(cfg)
+
+
+def test_inference_presets_live_beside_inference():
+    assert {"evaluate", "generate", "tune_tree"} <= {p.stem for p in INFERENCE_CONF_DIR.glob("*.yaml")}
+    assert {"decoder", "draft"} <= {p.name for p in INFERENCE_CONF_DIR.iterdir() if p.is_dir()}
+    assert not {"evaluate", "generate", "tune_tree", "decoder", "draft"} & {p.stem for p in CONF_DIR.iterdir()}
+    for name in ("evaluate", "generate", "tune_tree"):  # model/ and the schemas are found in medusa_train/conf
+        assert OmegaConf.load(INFERENCE_CONF_DIR / f"{name}.yaml").hydra.searchpath == [SHARED_CONF]
 
 
 @pytest.mark.parametrize(("group", "option"), TRAIN_OPTIONS, ids=[f"{g}={o}" for g, o in TRAIN_OPTIONS])
@@ -160,13 +182,14 @@ def extended_schema(path: Path) -> type | None:
     return None
 
 
-@pytest.mark.parametrize("path", PRIMARY + GROUP_FILES)
+@pytest.mark.parametrize("path", CONF_FILES)
 def test_every_conf_file_sets_only_what_differs_from_its_schema(path):
     """Each default is defined once, in its dataclass schema: every file under conf/ extends its schema and sets
     only the keys whose value differs from the schema's default, so changing a default changes every shipped run.
     Kept besides: required keys (``???``), interpolations, and a preset's own name (data/sharegpt's ``source``,
     draft/self_layers's ``kind``: it stays that preset whatever the default)."""
-    file = CONF_DIR / f"{path}.yaml"
+    package, path = path.split(":")
+    file = CONF_DIRS[package] / f"{path}.yaml"
     schema = extended_schema(file)
     assert schema is not None, f"conf/{path}.yaml extends no schema in its defaults list"
     defaults = OmegaConf.structured(schema)

@@ -15,7 +15,7 @@ from medusa_train.config.schema import ModelConfig
 from medusa_train.export import save_export
 from medusa_train.loading.export import export_extra_config
 from medusa_train.models.speculative import new_heads_for
-from medusa_train.files.paths import CONF_DIR
+from inference.conf import CONF_DIR
 from medusa_train.config.precision import BF16_WITHOUT_INSTRUCTIONS, choose_dtype, cpu_isa
 import medusa_train.config.precision as precision
 from tests.conftest import AVX2_ONLY, SAPPHIRE_RAPIDS, ZEN4, make_tiny_model, make_tiny_tokenizer

@@ -31,6 +31,7 @@ from inference.tuning.tune_tree_config import TuneTreeConfig
 from medusa_train.config.bounds import field_bound, optional_fields
 from medusa_train.cli.export_gguf import ExportGgufConfig
 from medusa_train.config.schema import DataConfig, as_dataclass, train_schema
+from inference.conf import CONF_DIR as INFERENCE_CONF_DIR
 from medusa_train.files.paths import CONF_DIR, REPO_ROOT
 from medusa_train.publish.publish_config import PublishConfig
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
@@ -92,7 +93,8 @@ def nested_schemas(cls: type) -> set[type]:
 
 
 def compose_conf(name: str, overrides: list[str]):
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+    conf = INFERENCE_CONF_DIR if (INFERENCE_CONF_DIR / f"{name}.yaml").is_file() else CONF_DIR  # its command's folder
+    with initialize_config_dir(str(conf), version_base="1.3"):
         return compose(name, overrides=overrides)
 
 

@@ -15,7 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from medusa_train.models import catalog
-from medusa_train.files.paths import CONF_DIR
+from inference.conf import CONF_DIR
 from tests.medusa_train.test_training import CrashAtStep, assert_same_heads, compose_train, tiny_overrides
 from tests.medusa_train.test_training import write_tiny_inputs
 
