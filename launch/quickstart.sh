@@ -52,7 +52,12 @@ head_vocab="${QUICKSTART_HEAD_VOCAB:-4096}"
 tune_prompts="${QUICKSTART_TUNE_PROMPTS:-64}"
 distill_choice="${QUICKSTART_DISTILL_ENGINE:-auto}" distill_dtype="${QUICKSTART_DISTILL_DTYPE:-auto}"
 precision="${QUICKSTART_PRECISION:-auto}"
-source "$root/launch/recipe_settings.sh"  # train, tune, evaluate: the settings shared with launch/recipe_scale.sh
+# train, tune, tune_eagle3, evaluate (arrays), engine, vllm_ready and resumes DIR: the settings shared with
+# launch/recipe_scale.py
+settings="$(python3 "$root/launch/recipe_settings.py" --conversations "$conversations" --epochs "$epochs" \
+  --head-vocab "$head_vocab" --dtype "$dtype" --tune-prompts "$tune_prompts" --eval-tokens "$eval_tokens" \
+  --precision "$precision" --distill-engine "$distill_choice" --distill-dtype "$distill_dtype")"
+eval "$settings"
 
 if [[ "$drafter" != eagle3 ]]; then
   echo "== medusa 1/3 medusa-train: SmolLM2-135M-Instruct, replies self-distilled for the short first turns of $conversations ShareGPT conversations -> $out/export"

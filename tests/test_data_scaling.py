@@ -57,8 +57,8 @@ def test_the_largest_size_keeps_the_training_data_below_the_held_out_prompts_in_
     from medusa_train.chat.prompts import SHAREGPT_HELDOUT_OFFSET
 
     assert scaling.MAX_SIZE == 22 and 22 * 700 < SHAREGPT_HELDOUT_OFFSET <= 23 * 700
-    shell = (REPO_ROOT / "launch" / "recipe_scale.sh").read_text()
-    assert f"max_size={scaling.MAX_SIZE}\n" in shell
+    recipe = (REPO_ROOT / "launch" / "recipe_scale.py").read_text()
+    assert f"\nMAX_SIZE = {scaling.MAX_SIZE}\n" in recipe
 
 
 def record(name, drafter, size, tokens, tau):
