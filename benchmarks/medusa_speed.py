@@ -81,7 +81,9 @@ def main() -> None:
     parser.add_argument("--export", required=True)
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has bf16 units), float32, ...")
     parser.add_argument("--cpu-kernels", default="auto", choices=("auto", "packed", "none"))
-    parser.add_argument("--prompts", type=int, default=8, help="MT-Bench first turns, one per category first")
+    parser.add_argument("--prompts", type=int, default=8,
+                        help="MT-Bench first turns: the first ceil(N/8) of each of its 8 categories, then the first "
+                             "N (medusa-eval's per_category); ShareGPT: N from --offset")
     parser.add_argument("--prompt-source", choices=("mt_bench", "sharegpt"), default="mt_bench")
     parser.add_argument("--offset", type=int, default=SHAREGPT_HELDOUT_OFFSET + 100,
                         help="first held-out ShareGPT conversation (--prompt-source sharegpt)")

@@ -40,13 +40,15 @@ import os
 import re
 import subprocess
 import sys
+from argparse import ArgumentTypeError
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from recipe_settings import ROOT, RecipeKnobs, engine_line, overrides, resumes, vllm_ready, vllm_venv  # noqa: E402
+from recipe_settings import (ROOT, RecipeKnobs, engine_line, overrides, positive, resumes, vllm_ready,  # noqa: E402
+                             vllm_venv)
 
 USAGE = "usage: bash launch/recipe_scale.sh DRAFTER SIZE (DRAFTER: medusa, hydra or eagle3; SIZE: 1, 4, 16, ...)"
 DRAFTER_HEADS = {"medusa": [], "hydra": ["heads=hydra"], "eagle3": ["heads=eagle3"]}
@@ -75,13 +77,15 @@ class Cell:
     tune: list[str]
 
 
-def positive(env: Mapping[str, str], key: str, default: int | None) -> int | None:
+def knob(env: Mapping[str, str], key: str, default: int | None) -> int | None:
+    """The positive integer ``env[key]`` (:func:`recipe_settings.positive`), ``default`` when unset or empty."""
     text = env.get(key, "")
     if not text:
         return default
-    if not re.fullmatch(r"[1-9][0-9]{0,8}", text):
-        raise RecipeError(f"{key}={text}: give a positive integer")
-    return int(text)
+    try:
+        return positive(text)
+    except ArgumentTypeError as e:
+        raise RecipeError(f"{key}={e}") from None
 
 
 def cell(argv: Sequence[str], env: Mapping[str, str]) -> Cell:
@@ -103,9 +107,9 @@ def cell(argv: Sequence[str], env: Mapping[str, str]) -> Cell:
         raise RecipeError(f"SIZE={size}: give at most {MAX_SIZE} ({MAX_SIZE} x {CONVERSATIONS_PER_SIZE} = "
                           f"{MAX_SIZE * CONVERSATIONS_PER_SIZE} ShareGPT conversations; the held-out prompts start "
                           f"at 16,000). {USAGE}")
-    epochs = positive(env, "SCALE_EPOCHS", 5 if size < 4 else 3 if size < 16 else 2)
+    epochs = knob(env, "SCALE_EPOCHS", 5 if size < 4 else 3 if size < 16 else 2)
     heads = list(DRAFTER_HEADS[drafter])
-    ttt = positive(env, "SCALE_TTT_STEPS", None)
+    ttt = knob(env, "SCALE_TTT_STEPS", None)
     if ttt is not None:
         if drafter != "eagle3":
             raise RecipeError(f"SCALE_TTT_STEPS={ttt}: only EAGLE-3 has training-time-test steps (DRAFTER=eagle3)")
@@ -119,7 +123,7 @@ def cell(argv: Sequence[str], env: Mapping[str, str]) -> Cell:
     if env.get("SCALE_EXCLUDE"):
         data_extra.append(f"data.exclude_prompts=[{env['SCALE_EXCLUDE']}]")
     knobs = RecipeKnobs(conversations=CONVERSATIONS_PER_SIZE * size, epochs=epochs,
-                        head_vocab=positive(env, "SCALE_HEAD_VOCAB", RecipeKnobs.head_vocab),
+                        head_vocab=knob(env, "SCALE_HEAD_VOCAB", RecipeKnobs.head_vocab),
                         dtype=env.get("SCALE_DTYPE") or "auto", precision=env.get("SCALE_PRECISION") or "auto",
                         distill_engine=engine, model_preset=env.get("SCALE_MODEL") or RecipeKnobs.model_preset,
                         model_dtype=env.get("SCALE_MODEL_DTYPE") or RecipeKnobs.model_dtype,
@@ -130,7 +134,8 @@ def cell(argv: Sequence[str], env: Mapping[str, str]) -> Cell:
     replies = out / f"replies-{size}"
     settings = overrides(knobs)
     train = [*settings["train"], *heads, f"data.self_distill_dir={replies}", f"output_dir={run}"]
-    tune = [f"export_dir={run / 'export'}", *settings["tune"], *(settings["tune_eagle3"] if drafter == "eagle3" else [])]
+    tune = [f"export_dir={run / 'export'}", *settings["tune"],
+            *(settings["tune_eagle3"] if drafter == "eagle3" else [])]
     return Cell(drafter, size, run, replies, knobs, train, tune)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -84,8 +85,8 @@ def overrides(knobs: RecipeKnobs) -> dict[str, list[str]]:
     distill = [f"data.self_distill_engine={engine}"]
     if engine == "vllm":
         distill.append(f"data.self_distill_dtype={knobs.distill_dtype}")
-    train = [f"model={knobs.model_preset}", f"model.dtype={knobs.model_dtype}", "data=sharegpt", "data.self_distill=true",
-             *distill, *knobs.data_extra,
+    train = [f"model={knobs.model_preset}", f"model.dtype={knobs.model_dtype}", "data=sharegpt",
+             "data.self_distill=true", *distill, *knobs.data_extra,
              f"data.max_conversations={knobs.conversations}", "data.max_prompt_tokens=128", "data.max_new_tokens=192",
              "data.generation_batch_size=128", "data.eval_fraction=0.03", "max_length=320", "hidden_cache=true",
              f"heads.head_vocab_size={knobs.head_vocab}", "trainer=cpu", f"trainer.precision={knobs.precision}",
@@ -122,10 +123,14 @@ def bash_lines(knobs: RecipeKnobs) -> str:
 
 
 def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
+    """``text`` as a positive integer of at most 9 ASCII digits (no sign, space or other digits).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (``"{text}: give a positive integer"``).
+    """
+    if not re.fullmatch(r"[1-9][0-9]{0,8}", text):
         raise argparse.ArgumentTypeError(f"{text}: give a positive integer")
-    return value
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
