@@ -24,7 +24,11 @@ A drafter of ours is the group ``DRAFTER-SIZE[/ENGINE]`` (``medusa-1``, ``hydra-
 - then its rows: our tree decoder (``medusa``, with the tree the tuner chose) and ``composite`` (that tree and prompt
   lookup in one), or with ``/vllm`` plain vLLM and vLLM with the drafter (``vllm_medusa`` or ``vllm_eagle3``, a chain),
   with ``/llamacpp`` plain llama.cpp and llama.cpp with the drafter (``llamacpp_eagle3``), with ``/fp32`` our two in
-  fp32 for exactness.
+  fp32 for exactness. A ``/llamacpp`` cell first sweeps ``llamacpp_eagle3``'s ``draft_max`` and drafter weight
+  type (:data:`LLAMACPP_SWEEP`, one ``medusa-eval`` run each in ``OUT/DRAFTER-SIZE-llamacpp-sweep-SET/``, resumed)
+  on :data:`SWEEP_PROMPTS` prompts that are not the table's (HumanEval's next problems; held-out ShareGPT first turns
+  for the chat sets), and its row runs with the setting whose ``llamacpp_eagle3`` was fastest against its own run's
+  plain llama.cpp (the row's ``settings``).
 
 - groups: ``ours`` (``vanilla``, ``draft``, ``hf_assisted``, ``hf_prompt_lookup``, ``lookahead``), ``vllm``
   (``vllm``, ``vllm_draft``), ``vllmngram`` (``vllm``, ``vllm_ngram``: a vLLM engine takes 6.5-8.6 GB resident here,
@@ -39,7 +43,7 @@ Each cell's rows go into ``docs/coder-1.5b.json`` (a list of objects: ``cell``, 
 ``engine``, ``drafter`` (null: no drafter of ours), ``tokens_per_second``, ``speedup`` (over the row's own engine's
 plain row, ``baseline``), ``speedup_low``/``speedup_high`` (its 95% paired-bootstrap interval), ``tau``, ``exact``
 (share of replies equal to the baseline's), ``new_tokens``, ``turns``, ``dtype``, ``cpu``, ``load_average``,
-``date``, ``commit``); ``docs/coder-1.5b.md``'s table is rewritten between its markers; with ``--commit`` those two
+``date``, ``commit``; ``settings``: a ``llamacpp_eagle3`` row's swept ``draft_max`` and ``outtype``); ``docs/coder-1.5b.md``'s table is rewritten between its markers; with ``--commit`` those two
 files are committed after each cell. A cell already in the JSON is not run again (delete its rows to redo it).
 """
 
@@ -72,6 +76,11 @@ GROUPS = {
     "llamacpp": ["vanilla", "llamacpp", "llamacpp_draft", "llamacpp_ngram"],
     "fp32": ["vanilla", "draft", "hf_assisted", "hf_prompt_lookup", "lookahead"],
 }
+# llama.cpp's EAGLE-3 settings swept before a /llamacpp cell: the drafted chain's length and the drafter's weights
+# (its one layer and 4,096-token head are about 4% of the 1.5B's weights, so longer chains than the 135M's best, 1,
+# may pay; docs/llamacpp.md)
+LLAMACPP_SWEEP = {"draft_max": (2, 3, 5), "outtype": ("f32", "q8_0")}
+SWEEP_PROMPTS, SWEEP_TOKENS = 4, 96
 VLLM_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: 4,096 tokens of the 1.5B's cache take 0.11 GiB
 DRAFTERS = ("medusa", "hydra", "eagle3")  # what launch/recipe_scale.sh trains
 DRAFTER_GROUPS = {"": ["vanilla", "medusa", "composite"], "fp32": ["vanilla", "medusa", "composite"],
@@ -123,9 +132,10 @@ def drafter_cell(group: str) -> tuple[str, int, str]:
     return drafter, int(size), engine
 
 
-def eval_overrides(group: str, prompts: str, humaneval: int, export: Path | None = None) -> list[str]:
+def eval_overrides(group: str, prompts: str, humaneval: int, export: Path | None = None,
+                   settings: dict[str, Any] | None = None) -> list[str]:
     """The ``medusa-eval`` overrides of cell ``group:prompts`` (besides output_dir); a drafter's cell evaluates
-    ``export`` (the target is the one it records)."""
+    ``export`` (the target is the one it records), a /llamacpp one with ``llamacpp_eagle3``'s swept ``settings``."""
     selection = {"humaneval": ["prompts=humaneval", f"num_prompts={humaneval}"],
                  "mt_bench": ["prompts=mt_bench", "per_category=1", "max_turns=1"],
                  "spec_bench": ["prompts=spec_bench", "per_category=1", "max_turns=1"]}[prompts]
@@ -143,9 +153,59 @@ def eval_overrides(group: str, prompts: str, humaneval: int, export: Path | None
         drafter, _, engine = drafter_cell(group)
         method = drafter_type(drafter).vllm_method
         decoders = [d.format(vllm=f"vllm_{method}") for d in DRAFTER_GROUPS[engine]]
-        return [f"export_dir={export}", f"decoders=[{','.join(decoders)}]", *selection, *precision]
+        chosen = [f"decoder.llamacpp_eagle3.{k}={v}" for k, v in (settings or {}).items()]
+        return [f"export_dir={export}", f"decoders=[{','.join(decoders)}]", *selection, *precision, *chosen]
     return [f"model={TARGET}", f"draft={DRAFT}", f"decoders=[{','.join(GROUPS[group])}]", *selection, *precision,
             *(lengths if group in ("ours", "fp32") else [])]
+
+
+def sweep_points() -> list[dict[str, Any]]:
+    """The settings :data:`LLAMACPP_SWEEP` spans, each ``{"draft_max": d, "outtype": o}``."""
+    return [{"draft_max": d, "outtype": o} for d in LLAMACPP_SWEEP["draft_max"] for o in LLAMACPP_SWEEP["outtype"]]
+
+
+def sweep_overrides(prompts: str, humaneval: int, export: Path, point: dict[str, Any]) -> list[str]:
+    """One sweep run's ``medusa-eval`` overrides (besides output_dir): ``point``'s settings, on prompts the table's
+    cell of set ``prompts`` does not use (HumanEval's problems after its first ``humaneval``; held-out ShareGPT first
+    turns for MT-Bench and Spec-Bench)."""
+    selection = (["prompts=humaneval", f"prompt_offset={humaneval}"] if prompts == "humaneval"
+                 else ["prompts=sharegpt", "max_turns=1"])
+    return [f"export_dir={export}", "decoders=[vanilla,llamacpp,llamacpp_eagle3]", *selection,
+            f"num_prompts={SWEEP_PROMPTS}", "dtype=auto", f"max_new_tokens={SWEEP_TOKENS}",
+            *(f"decoder.llamacpp_eagle3.{k}={v}" for k, v in point.items())]
+
+
+def best_point(summaries: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """The sweep's setting whose ``llamacpp_eagle3`` decoded fastest against its own run's plain ``llamacpp``.
+
+    Args:
+        summaries: ``(point, summary.json)`` of each sweep run.
+
+    Raises:
+        ValueError: no run has both rows.
+    """
+    ratios = [(m["llamacpp_eagle3"]["tokens_per_second"] / m["llamacpp"]["tokens_per_second"], i)
+              for i, (_, summary) in enumerate(summaries)
+              if {"llamacpp", "llamacpp_eagle3"} <= set(m := summary["decoders"])]
+    if not ratios:
+        raise ValueError("the llama.cpp sweep has no run with both llamacpp and llamacpp_eagle3 rows: see its logs")
+    return summaries[max(ratios)[1]][0]
+
+
+def sweep(group: str, prompts: str, export: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The /llamacpp cell's sweep (each run resumed, a finished one read back) -> the chosen settings."""
+    folder = Path(args.out) / f"{group.replace('/', '-')}-sweep-{prompts}"
+    medusa_eval = str(Path(sys.executable).with_name("medusa-eval"))
+    done = []
+    for point in sweep_points():
+        out = folder / ",".join(f"{k}={v}" for k, v in point.items())
+        if not (out / "summary.json").is_file():
+            run([medusa_eval, f"output_dir={out}", *sweep_overrides(prompts, args.humaneval, export, point)],
+                out.with_suffix(".log"))
+        done.append((point, json.loads((out / "summary.json").read_text(encoding="utf-8"))))
+    chosen = best_point(done)
+    print(f"{group}:{prompts}: llama.cpp sweep chose {chosen}", flush=True)
+    return chosen
 
 
 def rows_of(cell: str, group: str, prompts: str, summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -242,6 +302,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             load = r.get("load_average") or {}
             load_text = f"{load['before'][0]:.1f}/{load['after'][0]:.1f}" if load else "n/a"
             drafter = r["drafter"] or ("Qwen2.5-Coder-0.5B" if takes_draft(r["decoder"]) else "none")
+            if r.get("settings"):
+                drafter += " (" + ", ".join(f"{k} {v}" for k, v in r["settings"].items()) + ")"
             lines.append(f"| {r['engine']} | {r['decoder']} | {drafter} | "
                          f"{_f(r['tokens_per_second'])} | {r['baseline'] or 'n/a'} | {_f(r['speedup'])}x "
                          f"[{_f(r['speedup_low'])}, {_f(r['speedup_high'])}] | {_f(r['tau'])} | {_f(r['exact'])} | "
@@ -293,15 +355,20 @@ def measure(group: str, prompts: str, args: argparse.Namespace) -> list[dict[str
     slug = group.replace("/", "-")
     out = Path(args.out) / f"{slug}-{prompts}"
     log = Path(args.out) / f"{slug}-{prompts}.log"
-    export = None
+    export, settings = None, None
     if group not in GROUPS:
-        drafter, size, _ = drafter_cell(group)
+        drafter, size, engine = drafter_cell(group)
         export = train(drafter, size, args)
+        if engine == "llamacpp":
+            settings = sweep(group, prompts, export, args)
     medusa_eval = str(Path(sys.executable).with_name("medusa-eval"))
-    run([medusa_eval, f"output_dir={out}", *eval_overrides(group, prompts, args.humaneval, export)], log,
+    run([medusa_eval, f"output_dir={out}", *eval_overrides(group, prompts, args.humaneval, export, settings)], log,
         {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", VLLM_KV_CACHE_GIB)})
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     rows = rows_of(cell, group, prompts, summary)
+    for r in rows:
+        if settings and r["decoder"] == "llamacpp_eagle3":
+            r["settings"] = settings
     step_costs(out, rows)
     return rows
 

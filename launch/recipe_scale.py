@@ -15,7 +15,13 @@ stages, each resumed after a kill and not redone once finished:
 2. ``tune``: ``medusa-tune-tree`` on the export; ``tuned.stamp`` once it finished (a retrained export, newer than
    the stamp, is tuned again).
 
-Run one cell at a time per ``SCALE_OUT`` (the replies folder is shared). ``benchmarks/data_scaling.py`` and
+Medusa-1 and Hydra of a size read the same features of the same replies: their hidden-state cache is one,
+``$SCALE_OUT/hidden-SIZE[-TAG]/`` (built by the first of them trained, 34 min for the 1.5B at size 1 on 2 cores), and
+EAGLE-3's, which holds three more of the target's layers, stays in its run folder. Where a cache lives is not compared
+with a finished run's settings (a cache moved there from ``DRAFTER-SIZE/hidden_cache`` is reused: its seals name no
+path).
+
+Run one cell at a time per ``SCALE_OUT`` (the replies and the shared cache are shared). ``benchmarks/data_scaling.py`` and
 ``benchmarks/coder_table.py`` run the cells and evaluate them. Knobs (environment variables): ``SCALE_OUT``
 (``runs/scale``), ``SCALE_EPOCHS`` (5 at SIZE < 4, 3 at SIZE < 16, 2 from 16: the field trains 2-3 epochs on 500k
 samples), ``SCALE_HEAD_VOCAB`` (4096: the head / draft vocabulary), ``SCALE_TTT_STEPS`` (EAGLE-3's training-time-test
@@ -52,6 +58,11 @@ from recipe_settings import (ROOT, RecipeKnobs, engine_line, overrides, positive
 
 USAGE = "usage: bash launch/recipe_scale.sh DRAFTER SIZE (DRAFTER: medusa, hydra or eagle3; SIZE: 1, 4, 16, ...)"
 DRAFTER_HEADS = {"medusa": [], "hydra": ["heads=hydra"], "eagle3": ["heads=eagle3"]}
+# the drafters that read the same target features (the last hidden state only: the catalog's ``features`` of
+# medusa_train.models.catalog, which tests/test_recipe_scale.py checks), so one hidden-state cache of a size serves
+# them all; EAGLE-3 reads three more layers and keeps its own in its run folder
+SHARED_CACHE = ("medusa", "hydra")
+CACHE_DIR = "hidden_cache_dir="  # where a cache lives changes nothing it holds: not compared with a finished run's
 CONVERSATIONS_PER_SIZE = 700  # the quickstart's
 # SIZE x 700 ShareGPT conversations must stay below the held-out prompts the tuner and medusa-eval read (they start at
 # conversation 16,000: SHAREGPT_HELDOUT_OFFSET in medusa_train/chat/prompts.py): 16000 / 700 = 22 (MAX_SIZE in
@@ -130,10 +141,13 @@ def cell(argv: Sequence[str], env: Mapping[str, str]) -> Cell:
                         data_extra=tuple(data_extra))
     out = Path(env.get("SCALE_OUT") or "runs/scale")
     tag = env.get("SCALE_TAG") or ""
-    run = out / f"{drafter}-{size}{'-' + tag if tag else ''}"
+    suffix = f"-{tag}" if tag else ""
+    run = out / f"{drafter}-{size}{suffix}"
     replies = out / f"replies-{size}"
     settings = overrides(knobs)
     train = [*settings["train"], *heads, f"data.self_distill_dir={replies}", f"output_dir={run}"]
+    if drafter in SHARED_CACHE:
+        train.append(f"{CACHE_DIR}{out / f'hidden-{size}{suffix}'}")
     tune = [f"export_dir={run / 'export'}", *settings["tune"],
             *(settings["tune_eagle3"] if drafter == "eagle3" else [])]
     return Cell(drafter, size, run, replies, knobs, train, tune)
@@ -151,9 +165,10 @@ def trained(c: Cell) -> bool:
     text = stamp.read_text().strip()
     if not text:  # a stamp of the shell recipe, which recorded nothing: trusted as it was
         return True
-    recorded = json.loads(text).get("train", [])
-    changed = [f"{a!r} then, {b!r} now" for a, b in zip(recorded, c.train) if a != b]
-    if changed or len(recorded) != len(c.train):
+    recorded, now = ([a for a in args if not a.startswith(CACHE_DIR)]
+                     for args in (json.loads(text).get("train", []), c.train))
+    changed = [f"{a!r} then, {b!r} now" for a, b in zip(recorded, now) if a != b]
+    if changed or len(recorded) != len(now):
         raise RecipeError(f"{c.run} was trained with other settings ({'; '.join(changed) or 'other overrides'}): "
                           f"give this cell a SCALE_TAG of its own, or remove {c.run} to train it again")
     return True

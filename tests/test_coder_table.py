@@ -83,8 +83,11 @@ def test_the_table_is_rendered_per_prompt_set_with_fp32_exactness(table):
     table.DOC.write_text(f"# T\n\n{table.BEGIN}\nold\n{table.END}\n\nafter\n", encoding="utf-8")
     rows = (table.rows_of("ours:humaneval", "ours", "humaneval", summary("vanilla", "draft"))
             + table.rows_of("medusa-1:humaneval", "medusa-1", "humaneval", summary("vanilla", "medusa"))
-            + table.rows_of("fp32:humaneval", "fp32", "humaneval", summary("vanilla", "draft")))
-    rows[-1]["exact"] = 0.5
+            + table.rows_of("fp32:humaneval", "fp32", "humaneval", summary("vanilla", "draft"))
+            + table.rows_of("eagle3-1/llamacpp:humaneval", "eagle3-1/llamacpp", "humaneval",
+                            summary("vanilla", "llamacpp", "llamacpp_eagle3")))
+    rows[-1]["settings"] = {"draft_max": 3, "outtype": "q8_0"}
+    rows[-2]["exact"] = 0.5
     table.render(rows)
     text = table.DOC.read_text(encoding="utf-8")
     assert text.startswith("# T\n\n") and text.endswith("\n\nafter\n") and "old" not in text
@@ -93,6 +96,7 @@ def test_the_table_is_rendered_per_prompt_set_with_fp32_exactness(table):
                                                           ["medusa", "medusa-1"]]
     assert "| 0.50 |" in lines[1] and "(0.5/2.1)" in lines[1]  # the draft's fp32 exactness; the load around it
     assert "**humaneval** (20 prompts, up to 256 new tokens)" in text and "mt_bench" not in text
+    assert "| llamacpp | llamacpp_eagle3 | eagle3-1 (draft_max 3, outtype q8_0) |" in text
 
 
 def test_a_finished_cell_is_not_run_again(table, monkeypatch, capsys):
@@ -148,3 +152,39 @@ def test_each_row_is_priced_against_its_engines_plain_row_from_the_runs_results(
     fp32 = [{"cell": "fp32:humaneval", "engine": "ours", "decoder": "draft", "tau": 4.0}]
     table.step_costs(run, fp32)  # exactness cells are not timed
     assert "step_cost" not in fp32[0]
+
+
+def test_a_llamacpp_cell_sweeps_on_other_prompts_and_runs_with_the_fastest_setting(table, tmp_path, monkeypatch):
+    points = table.sweep_points()
+    assert {"draft_max": 2, "outtype": "f32"} in points and {"draft_max": 5, "outtype": "q8_0"} in points
+    over = table.sweep_overrides("humaneval", 20, tmp_path / "export", {"draft_max": 3, "outtype": "q8_0"})
+    assert {"prompts=humaneval", "prompt_offset=20", "decoders=[vanilla,llamacpp,llamacpp_eagle3]",
+            "decoder.llamacpp_eagle3.draft_max=3", "decoder.llamacpp_eagle3.outtype=q8_0"} <= set(over)
+    chat = table.sweep_overrides("mt_bench", 20, tmp_path / "export", points[0])
+    assert "prompts=sharegpt" in chat and not any(o.startswith(("prompt_offset", "per_category")) for o in chat)
+
+    # each run's ratio is llamacpp_eagle3 over its own run's plain llama.cpp: 12 / 8 beats 13 / 10
+    speeds = {(2, "f32"): (10.0, 13.0), (3, "q8_0"): (8.0, 12.0)}
+    calls = []
+
+    def fake_run(command, log, env=None):
+        out = Path(next(c for c in command if c.startswith("output_dir=")).split("=", 1)[1])
+        settings = {c.split(".")[-1].split("=")[0]: c.split("=")[1] for c in command if "llamacpp_eagle3." in c}
+        calls.append(out.name)
+        plain, eagle = speeds.get((int(settings["draft_max"]), settings["outtype"]), (10.0, 9.0))
+        metrics = {"vanilla": 5.0, "llamacpp": plain, "llamacpp_eagle3": eagle}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(
+            {"decoders": {k: {"tokens_per_second": v} for k, v in metrics.items()}}))
+
+    monkeypatch.setattr(table, "run", fake_run)
+    args = type("Args", (), {"out": str(tmp_path / "runs"), "humaneval": 20})()
+    assert table.sweep("eagle3-1/llamacpp", "humaneval", tmp_path / "export", args) == {"draft_max": 3, "outtype": "q8_0"}
+    assert len(calls) == len(points) and "draft_max=3,outtype=q8_0" in calls
+    calls.clear()
+    assert table.sweep("eagle3-1/llamacpp", "humaneval", tmp_path / "export", args)["draft_max"] == 3
+    assert calls == []  # finished runs are read back, not run again
+    cell = table.eval_overrides("eagle3-1/llamacpp", "humaneval", 20, tmp_path / "export", {"draft_max": 3})
+    assert "decoders=[vanilla,llamacpp,llamacpp_eagle3]" in cell and cell[-1] == "decoder.llamacpp_eagle3.draft_max=3"
+    with pytest.raises(ValueError, match="no run with both llamacpp and llamacpp_eagle3"):
+        table.best_point([({"draft_max": 2}, {"decoders": {"vanilla": {"tokens_per_second": 5.0}}})])

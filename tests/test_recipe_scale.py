@@ -37,7 +37,7 @@ def test_a_cell_trains_with_the_quickstarts_settings_and_its_knobs(recipe, tmp_p
     assert cell.train[-4:] == ["heads=eagle3", "heads.num_heads=4", f"data.self_distill_dir={tmp_path / 'replies-2'}",
                                f"output_dir={run}"]
     assert cell.tune[0] == f"export_dir={run / 'export'}" and cell.tune[-2:] == ["dynamic_depths=[3,5]", "dynamic_topks=[8]"]
-    assert recipe.cell(["medusa", "16"], {}).knobs.epochs == 2 and recipe.cell(["hydra", "4"], {}).train[-3] == "heads=hydra"
+    assert recipe.cell(["medusa", "16"], {}).knobs.epochs == 2 and recipe.cell(["hydra", "4"], {}).train[-4] == "heads=hydra"
     tagged = recipe.cell(["medusa", "1"], {"SCALE_OUT": str(tmp_path), "SCALE_TAG": "v8192", "SCALE_HEAD_VOCAB": "8192"})
     assert tagged.run == tmp_path / "medusa-1-v8192" and "heads.head_vocab_size=8192" in tagged.train
 
@@ -82,6 +82,34 @@ def test_stages_skip_what_finished_resume_what_was_cut_and_refuse_other_settings
         recipe.commands(other)
     monkeypatch.chdir(tmp_path)  # main() works from the checkout; the test's folder comes back after
     assert recipe.main(["medusa", "1"], {**env, "SCALE_EPOCHS": "2"}) == 2  # before install.sh or any run
+
+
+def test_medusa_and_hydra_of_a_size_share_one_hidden_cache_and_eagle3_keeps_its_own(recipe, tmp_path):
+    from medusa_train.models.catalog import drafter_type
+    from medusa_train.models.features import FINAL
+
+    env = {"SCALE_OUT": str(tmp_path), "SCALE_DISTILL_ENGINE": "hf"}
+    caches = {d: [a for a in recipe.cell([d, "1"], env).train if a.startswith("hidden_cache_dir=")]
+              for d in ("medusa", "hydra", "eagle3")}
+    assert caches == {"medusa": [f"hidden_cache_dir={tmp_path / 'hidden-1'}"],
+                      "hydra": [f"hidden_cache_dir={tmp_path / 'hidden-1'}"], "eagle3": []}
+    tagged = recipe.cell(["hydra", "1"], {**env, "SCALE_TAG": "code"}).train[-1]
+    assert tagged == f"hidden_cache_dir={tmp_path / 'hidden-1-code'}"  # a tag's data may differ: its own cache
+    # the recipe's list agrees with the catalog: the drafters sharing a cache read the last hidden state only
+    assert all(drafter_type(d).features == (FINAL,) and drafter_type(d).features_of is None
+               for d in recipe.SHARED_CACHE)
+    assert drafter_type("eagle3").features_of is not None
+
+
+def test_a_run_trained_before_its_cache_moved_is_still_trained(recipe, tmp_path):
+    cell = recipe.cell(["medusa", "1"], {"SCALE_OUT": str(tmp_path), "SCALE_DISTILL_ENGINE": "hf"})
+    finished_export(cell.run)
+    before = [a for a in cell.train if not a.startswith("hidden_cache_dir=")]  # its cache was in its own folder
+    recipe.write_stamp(cell.run / recipe.TRAINED, {"train": before})
+    assert recipe.commands(cell)[0][1] is None
+    recipe.write_stamp(cell.run / recipe.TRAINED, {"train": before[:-2] + ["data.max_length=64", *before[-1:]]})
+    with pytest.raises(recipe.RecipeError, match="'data.max_length=64' then, 'data.self_distill_dir="):
+        recipe.commands(cell)
 
 
 def test_a_retrained_export_is_tuned_again(recipe, tmp_path):
