@@ -21,7 +21,7 @@ A drafter of ours is the group ``DRAFTER-SIZE[/ENGINE]`` (``medusa-1``, ``hydra-
   step resumed after a kill and not redone once finished. The replies of a size are kept in the repository,
   ``data/coder/replies-SIZE.tar.gz`` (committed with ``--commit`` once the first drafter of the size trained) and
   unpacked before any later drafter of the size, even in another session on another machine;
-- then its rows: our tree decoder (``medusa``, with the tree the tuner chose) and ``composite`` (that tree and prompt
+- then its rows: our tree decoder (``tree``, with the tree the tuner chose) and ``composite`` (that tree and prompt
   lookup in one), or with ``/vllm`` plain vLLM and vLLM with the drafter (``vllm_medusa`` or ``vllm_eagle3``, a chain),
   with ``/llamacpp`` plain llama.cpp and llama.cpp with the drafter (``llamacpp_eagle3``), with ``/fp32`` our two in
   fp32 for exactness. A ``/llamacpp`` cell first sweeps ``llamacpp_eagle3``'s ``draft_max`` and drafter weight
@@ -44,7 +44,7 @@ Each cell's rows go into ``docs/coder-1.5b.json`` (a list of objects: ``cell``, 
 plain row, ``baseline``), ``speedup_low``/``speedup_high`` (its 95% paired-bootstrap interval), ``tau``, ``exact``
 (share of replies equal to the baseline's), ``new_tokens``, ``turns``, ``dtype``, ``cpu``, ``load_average``,
 ``date``, ``commit``; ``settings``: a ``llamacpp_eagle3`` row's swept ``draft_max`` and ``outtype``); ``docs/coder-1.5b.md``'s table is rewritten between its markers; with ``--commit`` those two
-files are committed after each cell. A cell already in the JSON is not run again (delete its rows to redo it).
+files are committed after each cell, with the headline the README and ``docs/results.md`` lead with. A cell already in the JSON is not run again (delete its rows to redo it).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ LLAMACPP_SWEEP = {"draft_max": (2, 3, 5), "outtype": ("f32", "q8_0")}
 SWEEP_PROMPTS, SWEEP_TOKENS = 4, 96
 VLLM_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: 4,096 tokens of the 1.5B's cache take 0.11 GiB
 DRAFTERS = ("medusa", "hydra", "eagle3")  # what launch/recipe_scale.sh trains
-DRAFTER_GROUPS = {"": ["vanilla", "medusa", "composite"], "fp32": ["vanilla", "medusa", "composite"],
+DRAFTER_GROUPS = {"": ["vanilla", "tree", "composite"], "fp32": ["vanilla", "tree", "composite"],
                   "vllm": ["vanilla", "vllm", "{vllm}"], "llamacpp": ["vanilla", "llamacpp", "llamacpp_eagle3"]}
 # the drafters' recipe for the 1.5B (launch/recipe_scale.sh's knobs): half the conversations about code, none holding
 # a HumanEval problem, the frozen target in bf16 (its hidden states as dtype=auto decodes them)
@@ -95,6 +95,10 @@ MAX_NEW_TOKENS = 256
 TABLE = ROOT / "docs" / "coder-1.5b.json"
 DOC = ROOT / "docs" / "coder-1.5b.md"
 BEGIN, END = "<!-- table: benchmarks/coder_table.py --render -->", "<!-- end of table -->"
+# the headline the README's first screen and docs/results.md lead with, rendered from the same rows
+HEADLINE_DOCS = (ROOT / "README.md", ROOT / "docs" / "results.md")
+HEADLINE_BEGIN, HEADLINE_END = "<!-- headline: benchmarks/coder_table.py --render -->", "<!-- end of headline -->"
+NGRAM = ("hf_prompt_lookup", "vllm_ngram", "llamacpp_ngram")  # each engine's copying from the prompt
 
 
 def parse_cell(text: str) -> tuple[str, str]:
@@ -320,18 +324,59 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def render(rows: list[dict[str, Any]]) -> None:
-    """Rewrite the tables in ``docs/coder-1.5b.md`` between the markers (the text around them is kept).
+def _best(rows: list[dict[str, Any]]) -> str:
+    """The fastest of ``rows`` as a headline cell: ``decoder (drafter) speedup [interval]``, or a dash."""
+    if not rows:
+        return "-"
+    r = max(rows, key=lambda r: r["speedup"])
+    who = f" ({r['drafter']})" if r["drafter"] else ""
+    return f"`{r['decoder']}`{who} {_f(r['speedup'])}x [{_f(r['speedup_low'])}, {_f(r['speedup_high'])}]"
+
+
+def headline(rows: list[dict[str, Any]]) -> str:
+    """The headline table: per prompt set and engine, plain decoding's tokens/s and the fastest row of each kind of
+    drafting (our drafters, the 0.5B draft model, n-gram / prompt lookup), each over that engine's plain row."""
+    lines = ["| prompts | engine | plain tokens/s | with our drafters | with the 0.5B draft model | "
+             "n-gram / prompt lookup |", "| --- | --- | ---: | --- | --- | --- |"]
+    speed = [r for r in rows if not is_fp32(r["cell"])]
+    for prompts in SETS:
+        for engine, plain in PLAIN_OF.items():
+            mine = [r for r in speed if r["prompts"] == prompts and r["engine"] == engine]
+            base = [r for r in mine if r["decoder"] == plain]
+            if not base:
+                continue
+            lines.append(f"| {prompts} ({base[0]['turns']}) | {engine} | {_f(base[0]['tokens_per_second'])} | "
+                         f"{_best([r for r in mine if r['drafter']])} | "
+                         f"{_best([r for r in mine if takes_draft(r['decoder'])])} | "
+                         f"{_best([r for r in mine if r['decoder'] in NGRAM])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _between(path: Path, begin: str, end: str, body: str, missing: str | None = None) -> None:
+    """Rewrite ``path`` between the markers ``begin`` and ``end`` (the text around them is kept); a missing file
+    starts as ``missing``.
 
     Raises:
-        ValueError: the doc exists without the markers.
+        ValueError: the file exists without the markers.
     """
-    text = DOC.read_text(encoding="utf-8") if DOC.is_file() else f"# Qwen2.5-Coder-1.5B\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{DOC}: the table markers {BEGIN!r} and {END!r} are missing: put them back where the "
+    text = path.read_text(encoding="utf-8") if path.is_file() or missing is None else missing
+    if begin not in text or end not in text:
+        raise ValueError(f"{path}: the markers {begin!r} and {end!r} are missing: put them back where the "
                          "table goes")
-    head, rest = text.split(BEGIN, 1)
-    atomic_write_text(DOC, f"{head}{BEGIN}\n{markdown(rows)}{END}{rest.split(END, 1)[1]}")
+    head, rest = text.split(begin, 1)
+    atomic_write_text(path, f"{head}{begin}\n{body}{end}{rest.split(end, 1)[1]}")
+
+
+def render(rows: list[dict[str, Any]]) -> None:
+    """Rewrite the tables in ``docs/coder-1.5b.md`` and the headline in :data:`HEADLINE_DOCS`, each between its
+    markers.
+
+    Raises:
+        ValueError: a file without its markers.
+    """
+    _between(DOC, BEGIN, END, markdown(rows), missing=f"# Qwen2.5-Coder-1.5B\n\n{BEGIN}\n{END}\n")
+    for doc in HEADLINE_DOCS:
+        _between(doc, HEADLINE_BEGIN, HEADLINE_END, headline(rows))
 
 
 def train(drafter: str, size: int, args: argparse.Namespace) -> Path:
@@ -411,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         render(table)
         print(f"{cell}: done, " + ", ".join(f"{r['decoder']} {_f(r['speedup'])}x" for r in rows), flush=True)
         if args.commit:
-            commit([TABLE, DOC], f"coder-1.5b: cell {cell}")
+            commit([TABLE, DOC, *HEADLINE_DOCS], f"coder-1.5b: cell {cell}")
     return 0
 
 

@@ -19,6 +19,10 @@ def table(tmp_path, monkeypatch):
     monkeypatch.setattr(module, "TABLE", tmp_path / "coder.json")
     monkeypatch.setattr(module, "DOC", tmp_path / "coder.md")
     monkeypatch.setattr(module, "REPLIES", tmp_path / "data" / "coder")
+    heads = (tmp_path / "README.md", tmp_path / "results.md")
+    for doc in heads:
+        doc.write_text(f"# top\n\n{module.HEADLINE_BEGIN}\nold\n{module.HEADLINE_END}\n\nrest\n", encoding="utf-8")
+    monkeypatch.setattr(module, "HEADLINE_DOCS", heads)
     return module
 
 
@@ -62,7 +66,7 @@ def test_what_each_cell_runs(table):
     eagle3 = table.eval_overrides("eagle3-1/vllm", "humaneval", 20, Path("E"))
     assert eagle3[:2] == ["export_dir=E", "decoders=[vanilla,vllm,vllm_eagle3]"] and "model=qwen2_5_coder_1_5b" not in eagle3
     exact = table.eval_overrides("medusa-1/fp32", "mt_bench", 20, Path("E"))
-    assert {"decoders=[vanilla,medusa,composite]", "dtype=float32", "num_prompts=3"} <= set(exact)
+    assert {"decoders=[vanilla,tree,composite]", "dtype=float32", "num_prompts=3"} <= set(exact)
     assert not any(o.startswith("per_category") for o in exact)
 
 
@@ -82,7 +86,7 @@ def test_rows_name_their_engine_drafter_and_baseline_and_each_plain_row_comes_on
 def test_the_table_is_rendered_per_prompt_set_with_fp32_exactness(table):
     table.DOC.write_text(f"# T\n\n{table.BEGIN}\nold\n{table.END}\n\nafter\n", encoding="utf-8")
     rows = (table.rows_of("ours:humaneval", "ours", "humaneval", summary("vanilla", "draft"))
-            + table.rows_of("medusa-1:humaneval", "medusa-1", "humaneval", summary("vanilla", "medusa"))
+            + table.rows_of("medusa-1:humaneval", "medusa-1", "humaneval", summary("vanilla", "tree"))
             + table.rows_of("fp32:humaneval", "fp32", "humaneval", summary("vanilla", "draft"))
             + table.rows_of("eagle3-1/llamacpp:humaneval", "eagle3-1/llamacpp", "humaneval",
                             summary("vanilla", "llamacpp", "llamacpp_eagle3")))
@@ -93,7 +97,7 @@ def test_the_table_is_rendered_per_prompt_set_with_fp32_exactness(table):
     assert text.startswith("# T\n\n") and text.endswith("\n\nafter\n") and "old" not in text
     lines = [line for line in text.splitlines() if line.startswith("| ours")]
     assert [line.split(" | ")[1:3] for line in lines] == [["vanilla", "none"], ["draft", "Qwen2.5-Coder-0.5B"],
-                                                          ["medusa", "medusa-1"]]
+                                                          ["tree", "medusa-1"]]
     assert "| 0.50 |" in lines[1] and "(0.5/2.1)" in lines[1]  # the draft's fp32 exactness; the load around it
     assert "**humaneval** (20 prompts, up to 256 new tokens)" in text and "mt_bench" not in text
     assert "| llamacpp | llamacpp_eagle3 | eagle3-1 (draft_max 3, outtype q8_0) |" in text
@@ -188,3 +192,32 @@ def test_a_llamacpp_cell_sweeps_on_other_prompts_and_runs_with_the_fastest_setti
     assert "decoders=[vanilla,llamacpp,llamacpp_eagle3]" in cell and cell[-1] == "decoder.llamacpp_eagle3.draft_max=3"
     with pytest.raises(ValueError, match="no run with both llamacpp and llamacpp_eagle3"):
         table.best_point([({"draft_max": 2}, {"decoders": {"vanilla": {"tokens_per_second": 5.0}}})])
+
+
+def test_the_headline_names_each_engines_fastest_row_of_each_kind(table):
+    def row(cell, decoder, engine, drafter, speedup, prompts="humaneval", tps=5.0):
+        return {"cell": cell, "prompts": prompts, "decoder": decoder, "engine": engine, "drafter": drafter,
+                "tokens_per_second": tps, "speedup": speedup, "speedup_low": speedup - 0.1,
+                "speedup_high": speedup + 0.1, "turns": 20, "tau": 2.0, "exact": 1.0, "baseline": "vanilla",
+                "cpu": {"flags": ["avx512_bf16"]}}
+    rows = [row("ours:humaneval", "vanilla", "ours", None, 1.0, tps=4.8),
+            row("ours:humaneval", "draft", "ours", None, 1.41), row("ours:humaneval", "hf_assisted", "ours", None, 1.38),
+            row("ours:humaneval", "hf_prompt_lookup", "ours", None, 1.54),
+            row("medusa-1:humaneval", "tree", "ours", "medusa-1", 1.6),
+            row("medusa-1:humaneval", "composite", "ours", "medusa-1", 2.1),
+            row("fp32:humaneval", "composite", "ours", "medusa-1", 9.0),  # exactness cells are not speed
+            row("llamacpp:humaneval", "llamacpp", "llamacpp", None, 2.3, tps=11.8),
+            row("llamacpp:humaneval", "llamacpp_draft", "llamacpp", None, 0.74)]
+    lines = table.headline(rows).splitlines()
+    assert lines[2] == ("| humaneval (20) | ours | 4.80 | `composite` (medusa-1) 2.10x [2.00, 2.20] | "
+                        "`draft` 1.41x [1.31, 1.51] | `hf_prompt_lookup` 1.54x [1.44, 1.64] |")
+    assert lines[3] == "| humaneval (20) | llamacpp | 11.80 | - | `llamacpp_draft` 0.74x [0.64, 0.84] | - |"
+    assert len(lines) == 4  # no vLLM row without its plain row
+    table.render(rows)
+    for doc in table.HEADLINE_DOCS:
+        text = doc.read_text(encoding="utf-8")
+        assert text.startswith("# top\n\n") and text.endswith("\n\nrest\n") and "old" not in text
+        assert lines[2] in text
+    table.HEADLINE_DOCS[0].write_text("no markers")
+    with pytest.raises(ValueError, match="markers .* are missing"):
+        table.render(rows)
