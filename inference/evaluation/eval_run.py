@@ -351,7 +351,8 @@ def _run(ec: EvaluateConfig, out: Path, overrides: list[str], prompts: list[Prom
     divergences = divergence_report(run.rows, ec, model, tokenizer, prompts, built) if ec.greedy else None
     return write_outputs(out, run.rows, ec, model_name, environment, command, export_dir=ec.export_dir,
                          skipped=run.skipped, divergences=divergences, threads=threads,
-                         load_average={"before": list(load_before), "after": list(load_after)})
+                         load_average={"before": list(load_before), "after": list(load_after)},
+                         resolved={name: b.info for name, b in built.items()})
 
 
 def engine_recommendations(rows: list[dict[str, Any]], names: list[str], settings: dict[str, Any],
@@ -407,17 +408,25 @@ def divergence_report(rows: list[dict[str, Any]], ec: EvaluateConfig, model: Any
     return explain_divergences(found, noise, len(units))
 
 
+# what a builder resolved that a recommendation names beside the settings: the file the tree came from, its nodes
+# (root included) and the composite tree's split
+RESOLVED_KEYS = ("tree_source", "tree_nodes", "composite")
+
+
 def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, model_name: str,
                   environment: dict[str, Any], command: str | None, export_dir: str | None,
                   skipped: list[dict[str, Any]] | None = None,
                   divergences: dict[str, Any] | None = None, threads: dict[str, int | None] | None = None,
-                  load_average: dict[str, list[float]] | None = None) -> dict[str, Any]:
+                  load_average: dict[str, list[float]] | None = None,
+                  resolved: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """summary.json, summary.md, summary_details.json and the plots from ``rows``; returns the summary.
 
     ``skipped``: prompt turns left out because they do not fit the context, listed as ``skipped_prompts`` in
     summary.json when there are any; ``divergences``: :func:`divergence_report`'s (greedy runs); ``threads``: each
     decoder's compute threads (``compute_threads`` of its summary row); ``load_average``: the machine's 1, 5 and
-    15-minute load averages before and after the timed decoding (``os.getloadavg``)."""
+    15-minute load averages before and after the timed decoding (``os.getloadavg``); ``resolved``: what each
+    decoder's builder resolved (``BuiltDecoder.info``): the tree a decoder read from the export is named in the
+    recommendation's settings (:data:`RESOLVED_KEYS`), so it says which tree to deploy, not only ``null``."""
     extra = {key: environment[key] for key in ("precision", "cpu_kernels") if key in environment}
     if divergences is not None:
         extra["divergences"] = divergences
@@ -433,7 +442,9 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], ec: EvaluateConfig, mod
             metrics["compute_threads"] = (threads or {}).get(name)
     if summary["decoders"]:
         overall = summary["decoders"]
-        settings = {name: dataclasses.asdict(ec.settings_for(name)) for name in overall}
+        settings = {name: {**dataclasses.asdict(ec.settings_for(name)),
+                           **{k: v for k, v in ((resolved or {}).get(name) or {}).items() if k in RESOLVED_KEYS}}
+                    for name in overall}
         taus = {n: m["mean_accepted_tokens"] for n, m in overall.items()}
         exact = {n: m["exact_match_vs_greedy"] for n, m in overall.items()}
         summary["recommendation"] = recommend(candidates_from_rows(rows, BASELINE, settings, taus, exact))

@@ -139,6 +139,12 @@ def test_summary_matches_results_rows(export, prompts, tmp_path):
     assert chosen["speedup"] == pytest.approx(summary["decoders"][fastest]["speedup"])
     assert chosen["margin"]["estimate"] == pytest.approx(max(tps.values()) / min(tps.values()))
     assert f"deploy **{fastest}**" in (out / "summary.md").read_text()
+    # the tree is named as the builder resolved it (tree_source, its nodes), not only as the config's null
+    run_info = json.loads((out / "run.json").read_text())["decoders"][fastest]
+    resolved = {k: run_info[k] for k in ("tree_source", "tree_nodes") if k in run_info}
+    assert resolved == ({} if fastest == "vanilla" else {"tree_source": "export medusa_choices.json",
+                                                           "tree_nodes": resolved.get("tree_nodes")})
+    assert {k: chosen["settings"].get(k) for k in resolved} == resolved
     assert vanilla["mean_accepted_tokens"] == 1.0 and vanilla["speedup"] == 1.0
     # greedy Medusa is lossless: the same tokens as vanilla on every prompt turn
     assert vanilla["exact_match_vs_greedy"] == 1.0 and tree["exact_match_vs_greedy"] == 1.0
