@@ -393,13 +393,17 @@ def train(drafter: str, size: int, args: argparse.Namespace) -> Path:
     return out / f"{drafter}-{size}" / "export"
 
 
+def run_folder(out: str | Path, group: str, prompts: str) -> Path:
+    """The ``medusa-eval`` folder of cell ``group:prompts`` in ``out`` (its log beside it, ``.log``)."""
+    return Path(out) / f"{group.replace('/', '-')}-{prompts}"
+
+
 def measure(group: str, prompts: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One cell's ``medusa-eval`` run (resumed when its folder holds a part of it; a drafter's recipe first) -> its
     rows."""
     cell = f"{group}:{prompts}"
-    slug = group.replace("/", "-")
-    out = Path(args.out) / f"{slug}-{prompts}"
-    log = Path(args.out) / f"{slug}-{prompts}.log"
+    out = run_folder(args.out, group, prompts)
+    log = out.with_name(out.name + ".log")
     export, settings = None, None
     if group not in GROUPS:
         drafter, size, engine = drafter_cell(group)
@@ -439,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.explain:
             for cell in dict.fromkeys(r["cell"] for r in table):
                 group, prompts = cell.split(":")
-                run_dir = Path(args.out) / f"{group.replace('/', '-')}-{prompts}"
+                run_dir = run_folder(args.out, group, prompts)
                 step_costs(run_dir, [r for r in table if r["cell"] == cell])
             atomic_write_text(TABLE, json.dumps(table, indent=1, ensure_ascii=False) + "\n")
         render(table)
@@ -449,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         if any(r["cell"] == cell for r in read_table()):
             print(f"{cell}: in {TABLE} already, not run again", flush=True)
             continue
-        print(f"{cell}: running (log: {Path(args.out) / f'{group}-{prompts}.log'})", flush=True)
+        folder = run_folder(args.out, group, prompts)
+        print(f"{cell}: running (log: {folder.with_name(folder.name + '.log')})", flush=True)
         rows = measure(group, prompts, args)
         table = [r for r in read_table() if r["cell"] != cell] + rows
         atomic_write_text(TABLE, json.dumps(table, indent=1, ensure_ascii=False) + "\n")
