@@ -43,8 +43,10 @@ Each cell's rows go into ``docs/coder-1.5b.json`` (a list of objects: ``cell``, 
 ``engine``, ``drafter`` (null: no drafter of ours), ``tokens_per_second``, ``speedup`` (over the row's own engine's
 plain row, ``baseline``), ``speedup_low``/``speedup_high`` (its 95% paired-bootstrap interval), ``tau``, ``exact``
 (share of replies equal to the baseline's), ``new_tokens``, ``turns``, ``dtype``, ``cpu``, ``load_average``,
-``date``, ``commit``; ``settings``: a ``llamacpp_eagle3`` row's swept ``draft_max`` and ``outtype``); ``docs/coder-1.5b.md``'s table is rewritten between its markers; with ``--commit`` those two
-files are committed after each cell, with the headline the README and ``docs/results.md`` lead with. A cell already in the JSON is not run again (delete its rows to redo it).
+``date``, ``commit``; ``settings``: a ``llamacpp_eagle3`` row's swept ``draft_max`` and ``outtype``);
+``docs/coder-1.5b.md``'s table is rewritten between its markers, and the headline the README and
+``docs/results.md`` lead with between theirs; with ``--commit`` those files are committed after each cell. A cell
+already in the JSON is not run again (delete its rows to redo it).
 """
 
 from __future__ import annotations
