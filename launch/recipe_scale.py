@@ -21,8 +21,8 @@ EAGLE-3's, which holds three more of the target's layers, stays in its run folde
 with a finished run's settings (a cache moved there from ``DRAFTER-SIZE/hidden_cache`` is reused: its seals name no
 path).
 
-Run one cell at a time per ``SCALE_OUT`` (the replies and the shared cache are shared). ``benchmarks/data_scaling.py`` and
-``benchmarks/coder_table.py`` run the cells and evaluate them. Knobs (environment variables): ``SCALE_OUT``
+Run one cell at a time per ``SCALE_OUT`` (the replies and the shared cache are shared).
+``benchmarks/data_scaling.py`` and ``benchmarks/coder_table.py`` run the cells and evaluate them. Knobs (environment variables): ``SCALE_OUT``
 (``runs/scale``), ``SCALE_EPOCHS`` (5 at SIZE < 4, 3 at SIZE < 16, 2 from 16: the field trains 2-3 epochs on 500k
 samples), ``SCALE_HEAD_VOCAB`` (4096: the head / draft vocabulary), ``SCALE_TTT_STEPS`` (EAGLE-3's training-time-test
 steps; empty: the preset's), ``SCALE_PRECISION`` (``trainer.precision``; auto: bf16 where the CPU has bf16

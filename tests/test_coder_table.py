@@ -183,7 +183,8 @@ def test_a_llamacpp_cell_sweeps_on_other_prompts_and_runs_with_the_fastest_setti
 
     monkeypatch.setattr(table, "run", fake_run)
     args = type("Args", (), {"out": str(tmp_path / "runs"), "humaneval": 20})()
-    assert table.sweep("eagle3-1/llamacpp", "humaneval", tmp_path / "export", args) == {"draft_max": 3, "outtype": "q8_0"}
+    chosen = table.sweep("eagle3-1/llamacpp", "humaneval", tmp_path / "export", args)
+    assert chosen == {"draft_max": 3, "outtype": "q8_0"}
     assert len(calls) == len(points) and "draft_max=3,outtype=q8_0" in calls
     calls.clear()
     assert table.sweep("eagle3-1/llamacpp", "humaneval", tmp_path / "export", args)["draft_max"] == 3
@@ -201,7 +202,8 @@ def test_the_headline_names_each_engines_fastest_row_of_each_kind(table):
                 "speedup_high": speedup + 0.1, "turns": 20, "tau": 2.0, "exact": 1.0, "baseline": "vanilla",
                 "cpu": {"flags": ["avx512_bf16"]}}
     rows = [row("ours:humaneval", "vanilla", "ours", None, 1.0, tps=4.8),
-            row("ours:humaneval", "draft", "ours", None, 1.41), row("ours:humaneval", "hf_assisted", "ours", None, 1.38),
+            row("ours:humaneval", "draft", "ours", None, 1.41),
+            row("ours:humaneval", "hf_assisted", "ours", None, 1.38),
             row("ours:humaneval", "hf_prompt_lookup", "ours", None, 1.54),
             row("medusa-1:humaneval", "tree", "ours", "medusa-1", 1.6),
             row("medusa-1:humaneval", "composite", "ours", "medusa-1", 2.1),
