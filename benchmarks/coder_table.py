@@ -188,14 +188,16 @@ def best_point(summaries: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[s
         summaries: ``(point, summary.json)`` of each sweep run.
 
     Raises:
-        ValueError: no run has both rows.
+        ValueError: no run has both rows with a speed.
     """
-    ratios = [(m["llamacpp_eagle3"]["tokens_per_second"] / m["llamacpp"]["tokens_per_second"], i)
-              for i, (_, summary) in enumerate(summaries)
-              if {"llamacpp", "llamacpp_eagle3"} <= set(m := summary["decoders"])]
+    def speed(m: dict[str, Any], name: str) -> float:
+        return (m.get(name) or {}).get("tokens_per_second") or 0.0
+
+    ratios = [(speed(m, "llamacpp_eagle3") / speed(m, "llamacpp"), -i) for i, (_, summary) in enumerate(summaries)
+              if speed(m := summary.get("decoders") or {}, "llamacpp") > 0 and speed(m, "llamacpp_eagle3") > 0]
     if not ratios:
         raise ValueError("the llama.cpp sweep has no run with both llamacpp and llamacpp_eagle3 rows: see its logs")
-    return summaries[max(ratios)[1]][0]
+    return summaries[-max(ratios)[1]][0]  # a tie: the first point swept (the shorter chain, f32)
 
 
 def sweep(group: str, prompts: str, export: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -204,7 +206,7 @@ def sweep(group: str, prompts: str, export: Path, args: argparse.Namespace) -> d
     medusa_eval = str(Path(sys.executable).with_name("medusa-eval"))
     done = []
     for point in sweep_points():
-        out = folder / ",".join(f"{k}={v}" for k, v in point.items())
+        out = folder / "_".join(f"{k}-{v}" for k, v in point.items())  # Hydra reads , and = in output_dir
         if not (out / "summary.json").is_file():
             run([medusa_eval, f"output_dir={out}", *sweep_overrides(prompts, args.humaneval, export, point)],
                 out.with_suffix(".log"))
@@ -328,6 +330,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def _best(rows: list[dict[str, Any]]) -> str:
     """The fastest of ``rows`` as a headline cell: ``decoder (drafter) speedup [interval]``, or a dash."""
+    rows = [r for r in rows if r.get("speedup") is not None]
     if not rows:
         return "-"
     r = max(rows, key=lambda r: r["speedup"])
@@ -354,31 +357,33 @@ def headline(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _between(path: Path, begin: str, end: str, body: str, missing: str | None = None) -> None:
-    """Rewrite ``path`` between the markers ``begin`` and ``end`` (the text around them is kept); a missing file
-    starts as ``missing``.
+def _between(text: str, where: Path, begin: str, end: str, body: str) -> str:
+    """``text`` with ``body`` between the markers ``begin`` and ``end`` (the text around them kept).
 
     Raises:
-        ValueError: the file exists without the markers.
+        ValueError: the markers missing, out of order or given twice (``where`` named).
     """
-    text = path.read_text(encoding="utf-8") if path.is_file() or missing is None else missing
-    if begin not in text or end not in text:
-        raise ValueError(f"{path}: the markers {begin!r} and {end!r} are missing: put them back where the "
-                         "table goes")
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"{where}: the markers {begin!r} and {end!r} must each be there once, in that order: put "
+                         "them back around the table")
     head, rest = text.split(begin, 1)
-    atomic_write_text(path, f"{head}{begin}\n{body}{end}{rest.split(end, 1)[1]}")
+    return f"{head}{begin}\n{body}{end}{rest.split(end, 1)[1]}"
 
 
 def render(rows: list[dict[str, Any]]) -> None:
     """Rewrite the tables in ``docs/coder-1.5b.md`` and the headline in :data:`HEADLINE_DOCS`, each between its
-    markers.
+    markers; every file is checked and rendered before the first is written.
 
     Raises:
-        ValueError: a file without its markers.
+        ValueError: a file without its markers; FileNotFoundError: a headline file missing (nothing written).
     """
-    _between(DOC, BEGIN, END, markdown(rows), missing=f"# Qwen2.5-Coder-1.5B\n\n{BEGIN}\n{END}\n")
-    for doc in HEADLINE_DOCS:
-        _between(doc, HEADLINE_BEGIN, HEADLINE_END, headline(rows))
+    doc = DOC.read_text(encoding="utf-8") if DOC.is_file() else f"# Qwen2.5-Coder-1.5B\n\n{BEGIN}\n{END}\n"
+    texts = {DOC: _between(doc, DOC, BEGIN, END, markdown(rows))}
+    body = headline(rows)
+    for path in HEADLINE_DOCS:
+        texts[path] = _between(path.read_text(encoding="utf-8"), path, HEADLINE_BEGIN, HEADLINE_END, body)
+    for path, text in texts.items():
+        atomic_write_text(path, text)
 
 
 def train(drafter: str, size: int, args: argparse.Namespace) -> Path:

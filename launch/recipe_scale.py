@@ -19,7 +19,8 @@ Medusa-1 and Hydra of a size read the same features of the same replies: their h
 ``$SCALE_OUT/hidden-SIZE[-TAG]/`` (built by the first of them trained, 34 min for the 1.5B at size 1 on 2 cores), and
 EAGLE-3's, which holds three more of the target's layers, stays in its run folder. Where a cache lives is not compared
 with a finished run's settings (a cache moved there from ``DRAFTER-SIZE/hidden_cache`` is reused: its seals name no
-path).
+path). The seals fingerprint the data and the target's weights and dtype, so a Medusa-1 and a Hydra cell of one size
+with other data or target settings would rebuild each other's cache: give such cells a ``SCALE_TAG``.
 
 Run one cell at a time per ``SCALE_OUT`` (the replies and the shared cache are shared).
 ``benchmarks/data_scaling.py`` and ``benchmarks/coder_table.py`` run the cells and evaluate them. Knobs (environment variables): ``SCALE_OUT``
@@ -157,7 +158,8 @@ def trained(c: Cell) -> bool:
     """The train stage finished with these settings (False: not finished).
 
     Raises:
-        RecipeError: it finished with other settings (those that differ named).
+        RecipeError: it finished with other settings (those that differ named), or its stamp is not one this recipe
+            wrote.
     """
     stamp = c.run / TRAINED
     if not (stamp.is_file() and (c.run / "export" / "config.json").is_file()):
@@ -165,8 +167,15 @@ def trained(c: Cell) -> bool:
     text = stamp.read_text().strip()
     if not text:  # a stamp of the shell recipe, which recorded nothing: trusted as it was
         return True
-    recorded, now = ([a for a in args if not a.startswith(CACHE_DIR)]
-                     for args in (json.loads(text).get("train", []), c.train))
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError:
+        record = None
+    stamped = record.get("train", []) if isinstance(record, dict) else None
+    if not isinstance(stamped, list) or not all(isinstance(a, str) for a in stamped):
+        raise RecipeError(f"{stamp} is not a stamp this recipe wrote (a JSON object whose train is a list of "
+                          f"overrides): remove it, or {c.run}, to train the cell again")
+    recorded, now = ([a for a in args if not a.startswith(CACHE_DIR)] for args in (stamped, c.train))
     changed = [f"{a!r} then, {b!r} now" for a, b in zip(recorded, now) if a != b]
     if changed or len(recorded) != len(now):
         raise RecipeError(f"{c.run} was trained with other settings ({'; '.join(changed) or 'other overrides'}): "

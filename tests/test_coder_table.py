@@ -185,14 +185,18 @@ def test_a_llamacpp_cell_sweeps_on_other_prompts_and_runs_with_the_fastest_setti
     args = type("Args", (), {"out": str(tmp_path / "runs"), "humaneval": 20})()
     chosen = table.sweep("eagle3-1/llamacpp", "humaneval", tmp_path / "export", args)
     assert chosen == {"draft_max": 3, "outtype": "q8_0"}
-    assert len(calls) == len(points) and "draft_max=3,outtype=q8_0" in calls
+    assert len(calls) == len(points) and "draft_max-3_outtype-q8_0" in calls  # names Hydra takes in output_dir
     calls.clear()
     assert table.sweep("eagle3-1/llamacpp", "humaneval", tmp_path / "export", args)["draft_max"] == 3
     assert calls == []  # finished runs are read back, not run again
     cell = table.eval_overrides("eagle3-1/llamacpp", "humaneval", 20, tmp_path / "export", {"draft_max": 3})
     assert "decoders=[vanilla,llamacpp,llamacpp_eagle3]" in cell and cell[-1] == "decoder.llamacpp_eagle3.draft_max=3"
     with pytest.raises(ValueError, match="no run with both llamacpp and llamacpp_eagle3"):
-        table.best_point([({"draft_max": 2}, {"decoders": {"vanilla": {"tokens_per_second": 5.0}}})])
+        table.best_point([({"draft_max": 2}, {"decoders": {"vanilla": {"tokens_per_second": 5.0}}}),
+                          ({"draft_max": 3}, {"decoders": {"llamacpp": {"tokens_per_second": 0.0},
+                                                           "llamacpp_eagle3": {"tokens_per_second": None}}})])
+    tie = {"decoders": {"llamacpp": {"tokens_per_second": 10.0}, "llamacpp_eagle3": {"tokens_per_second": 12.0}}}
+    assert table.best_point([({"draft_max": 2}, tie), ({"draft_max": 3}, tie)]) == {"draft_max": 2}
 
 
 def test_the_headline_names_each_engines_fastest_row_of_each_kind(table):
@@ -220,6 +224,11 @@ def test_the_headline_names_each_engines_fastest_row_of_each_kind(table):
         text = doc.read_text(encoding="utf-8")
         assert text.startswith("# top\n\n") and text.endswith("\n\nrest\n") and "old" not in text
         assert lines[2] in text
-    table.HEADLINE_DOCS[0].write_text("no markers")
-    with pytest.raises(ValueError, match="markers .* are missing"):
-        table.render(rows)
+    before = {p: p.read_text(encoding="utf-8") for p in (table.DOC, *table.HEADLINE_DOCS)}
+    for broken in ("no markers", f"{table.HEADLINE_END}\n{table.HEADLINE_BEGIN}\n",
+                   f"{table.HEADLINE_BEGIN}\n{table.HEADLINE_END}\n" * 2):
+        table.HEADLINE_DOCS[1].write_text(broken, encoding="utf-8")
+        with pytest.raises(ValueError, match="must each be there once, in that order"):
+            table.render(rows[:1])
+        # nothing written: the table and the first headline are as they were
+        assert all(p.read_text(encoding="utf-8") == before[p] for p in (table.DOC, table.HEADLINE_DOCS[0]))

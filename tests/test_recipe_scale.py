@@ -112,6 +112,15 @@ def test_a_run_trained_before_its_cache_moved_is_still_trained(recipe, tmp_path)
         recipe.commands(cell)
 
 
+@pytest.mark.parametrize("stamp", ['{"train": null}', '{"train": [1, 2]}', '[]', 'null', '{not json'])
+def test_a_stamp_the_recipe_did_not_write_is_refused_in_one_line(recipe, tmp_path, stamp):
+    cell = recipe.cell(["medusa", "1"], {"SCALE_OUT": str(tmp_path), "SCALE_DISTILL_ENGINE": "hf"})
+    finished_export(cell.run)
+    (cell.run / recipe.TRAINED).write_text(stamp)
+    with pytest.raises(recipe.RecipeError, match="is not a stamp this recipe wrote"):
+        recipe.commands(cell)
+
+
 def test_a_retrained_export_is_tuned_again(recipe, tmp_path):
     import os
 
