@@ -159,10 +159,20 @@ def eval_overrides(group: str, prompts: str, humaneval: int, export: Path | None
         drafter, _, engine = drafter_cell(group)
         method = drafter_type(drafter).vllm_method
         decoders = [d.format(vllm=f"vllm_{method}") for d in DRAFTER_GROUPS[engine]]
-        chosen = [f"decoder.llamacpp_eagle3.{k}={v}" for k, v in (settings or {}).items()]
-        return [f"export_dir={export}", f"decoders=[{','.join(decoders)}]", *selection, *precision, *chosen]
+        return [f"export_dir={export}", f"decoders=[{','.join(decoders)}]", *selection, *precision,
+                *eagle3_overrides(settings or {})]
     return [f"model={TARGET}", f"draft={DRAFT}", f"decoders=[{','.join(GROUPS[group])}]", *selection, *precision,
             *(lengths if group in ("ours", "fp32") else [])]
+
+
+def eagle3_overrides(settings: dict[str, Any]) -> list[str]:
+    """``llamacpp_eagle3``'s settings (``{"draft_max": 3, ...}``) as ``medusa-eval`` overrides."""
+    return [f"decoder.llamacpp_eagle3.{k}={v}" for k, v in settings.items()]
+
+
+def log_of(folder: Path) -> Path:
+    """The log written beside a ``medusa-eval`` run's folder (``FOLDER.log``)."""
+    return folder.with_name(folder.name + ".log")
 
 
 def sweep_points() -> list[dict[str, Any]]:
@@ -177,8 +187,7 @@ def sweep_overrides(prompts: str, humaneval: int, export: Path, point: dict[str,
     selection = (["prompts=humaneval", f"prompt_offset={humaneval}"] if prompts == "humaneval"
                  else ["prompts=sharegpt", "max_turns=1"])
     return [f"export_dir={export}", "decoders=[vanilla,llamacpp,llamacpp_eagle3]", *selection,
-            f"num_prompts={SWEEP_PROMPTS}", "dtype=auto", f"max_new_tokens={SWEEP_TOKENS}",
-            *(f"decoder.llamacpp_eagle3.{k}={v}" for k, v in point.items())]
+            f"num_prompts={SWEEP_PROMPTS}", "dtype=auto", f"max_new_tokens={SWEEP_TOKENS}", *eagle3_overrides(point)]
 
 
 def best_point(summaries: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
@@ -209,7 +218,7 @@ def sweep(group: str, prompts: str, export: Path, args: argparse.Namespace) -> d
         out = folder / "_".join(f"{k}-{v}" for k, v in point.items())  # Hydra reads , and = in output_dir
         if not (out / "summary.json").is_file():
             run([medusa_eval, f"output_dir={out}", *sweep_overrides(prompts, args.humaneval, export, point)],
-                out.with_suffix(".log"))
+                log_of(out))
         done.append((point, json.loads((out / "summary.json").read_text(encoding="utf-8"))))
     chosen = best_point(done)
     print(f"{group}:{prompts}: llama.cpp sweep chose {chosen}", flush=True)
@@ -410,7 +419,7 @@ def measure(group: str, prompts: str, args: argparse.Namespace) -> list[dict[str
     rows."""
     cell = f"{group}:{prompts}"
     out = run_folder(args.out, group, prompts)
-    log = out.with_name(out.name + ".log")
+    log = log_of(out)
     export, settings = None, None
     if group not in GROUPS:
         drafter, size, engine = drafter_cell(group)
@@ -460,8 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(r["cell"] == cell for r in read_table()):
             print(f"{cell}: in {TABLE} already, not run again", flush=True)
             continue
-        folder = run_folder(args.out, group, prompts)
-        print(f"{cell}: running (log: {folder.with_name(folder.name + '.log')})", flush=True)
+        print(f"{cell}: running (log: {log_of(run_folder(args.out, group, prompts))})", flush=True)
         rows = measure(group, prompts, args)
         table = [r for r in read_table() if r["cell"] != cell] + rows
         atomic_write_text(TABLE, json.dumps(table, indent=1, ensure_ascii=False) + "\n")

@@ -22,19 +22,18 @@ with a finished run's settings (a cache moved there from ``DRAFTER-SIZE/hidden_c
 path). The seals fingerprint the data and the target's weights and dtype, so a Medusa-1 and a Hydra cell of one size
 with other data or target settings would rebuild each other's cache: give such cells a ``SCALE_TAG``.
 
-Run one cell at a time per ``SCALE_OUT`` (the replies and the shared cache are shared).
-``benchmarks/data_scaling.py`` and ``benchmarks/coder_table.py`` run the cells and evaluate them. Knobs (environment variables): ``SCALE_OUT``
+Run one cell at a time per ``SCALE_OUT`` (the replies and the shared cache are shared). ``benchmarks/data_scaling.py``
+and ``benchmarks/coder_table.py`` run the cells and evaluate them. Knobs (environment variables): ``SCALE_OUT``
 (``runs/scale``), ``SCALE_EPOCHS`` (5 at SIZE < 4, 3 at SIZE < 16, 2 from 16: the field trains 2-3 epochs on 500k
 samples), ``SCALE_HEAD_VOCAB`` (4096: the head / draft vocabulary), ``SCALE_TTT_STEPS`` (EAGLE-3's training-time-test
 steps; empty: the preset's), ``SCALE_PRECISION`` (``trainer.precision``; auto: bf16 where the CPU has bf16
-instructions), ``SCALE_DTYPE`` (auto: the dtype the tree is tuned in), ``SCALE_DISTILL_ENGINE`` (vllm; hf generates
-with the fp32 training model, much slower), ``SCALE_TAG`` (appended to the run folder's name: a cell with other
-settings), ``MEDUSA_VLLM_VENV`` (.venv-vllm), ``MEDUSA_VENV`` (.venv); for another target
-(``benchmarks/coder_table.py``: Qwen2.5-Coder-1.5B), ``SCALE_MODEL`` (its ``model/`` preset; smollm2_135m),
-``SCALE_MODEL_DTYPE`` (the frozen target's dtype in training and in the hidden-state cache; float32),
-``SCALE_CODE_SHARE`` (``data.code_share``: the share of code conversations; empty: file order) and ``SCALE_EXCLUDE``
-(``data.exclude_prompts``, e.g. humaneval: its problems never trained on). Give each target its own ``SCALE_OUT``:
-the replies of a size are the target's.
+instructions), ``SCALE_DTYPE`` (auto: the dtype the tree is tuned in), ``SCALE_DISTILL_ENGINE`` (vllm; hf generates with
+the fp32 training model, much slower), ``SCALE_TAG`` (appended to the run folder's name: a cell with other settings),
+``MEDUSA_VLLM_VENV`` (.venv-vllm), ``MEDUSA_VENV`` (.venv); for another target (``benchmarks/coder_table.py``:
+Qwen2.5-Coder-1.5B), ``SCALE_MODEL`` (its ``model/`` preset; smollm2_135m), ``SCALE_MODEL_DTYPE`` (the frozen target's
+dtype in training and in the hidden-state cache; float32), ``SCALE_CODE_SHARE`` (``data.code_share``: the share of code
+conversations; empty: file order) and ``SCALE_EXCLUDE`` (``data.exclude_prompts``, e.g. humaneval: its problems never
+trained on). Give each target its own ``SCALE_OUT``: the replies of a size are the target's.
 
 Every argument and knob is checked before anything runs (exit status 2, one line naming it). Standard library only:
 it runs before the project's environment exists (it runs ``launch/install.sh`` first).
